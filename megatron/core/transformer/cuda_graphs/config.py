@@ -1,0 +1,59 @@
+"""CUDA-graph configuration (``--cuda-graph-impl``, ``--cuda-graph-scope`` ...)."""
+
+import dataclasses
+from typing import List
+
+from megatron.core.config_utils import flag_field, require
+
+VALID_SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
+
+
+@dataclasses.dataclass
+class CudaGraphConfig:
+    """Partial CUDA graphs: which regions of each layer are captured and how."""
+
+    cuda_graph_impl: str = flag_field("none", choices=("none", "local", "transformer_engine", "full_iteration"))
+    """CUDA-graph implementation: none (eager) or local (this trainer's memory-lean partial graphs).
+    transformer_engine and full_iteration are Megatron values that are not supported here."""
+
+    cuda_graph_scope: List[str] = flag_field(
+        default_factory=list, flag="--cuda-graph-scope", aliases=("--cuda-graph-modules",), nargs="*"
+    )
+    """Regions to graph in every layer: attn mlp moe moe_router moe_preprocess mamba.
+    Empty (the default) means the whole layer."""
+
+    cuda_graph_warmup_steps: int = 3
+    """Eager forward+backward passes per region before its graphs are captured."""
+
+    cuda_graph_debug: bool = False
+    """Poison released graph buffers and check the first replays against eager runs."""
+
+    cuda_graph_debug_replays: int = 2
+    """With --cuda-graph-debug: how many replays of each region are checked against eager."""
+
+    def validate(self) -> None:
+        """Raises ``ValueError`` for an unknown impl or scope name."""
+        require(
+            self.cuda_graph_impl in ("none", "local"),
+            f"--cuda-graph-impl {self.cuda_graph_impl} is not supported yet; use --cuda-graph-impl local "
+            "(partial graphs, the centrepiece of this trainer) or none.",
+        )
+        if isinstance(self.cuda_graph_scope, str):
+            self.cuda_graph_scope = self.cuda_graph_scope.split()
+        if self.cuda_graph_scope == ["full"]:
+            self.cuda_graph_scope = []
+        for scope in self.cuda_graph_scope:
+            require(
+                scope in VALID_SCOPES,
+                f"--cuda-graph-scope: unknown scope {scope!r}; valid scopes are {' '.join(VALID_SCOPES)} "
+                "(an empty list graphs the whole layer).",
+            )
+        require(
+            len(set(self.cuda_graph_scope)) == len(self.cuda_graph_scope),
+            f"--cuda-graph-scope lists a scope twice: {' '.join(self.cuda_graph_scope)}.",
+        )
+        require(self.cuda_graph_warmup_steps >= 1, "--cuda-graph-warmup-steps must be >= 1 (kernels need one eager pass before capture).")
+
+    @property
+    def enabled(self) -> bool:
+        return self.cuda_graph_impl == "local"

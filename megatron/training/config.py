@@ -1,0 +1,309 @@
+"""Training-side configuration: batch, optimizer, precision, DDP, data, logging, checkpoints.
+
+One small dataclass per concern; ``megatron.training.arguments`` generates the flags.
+``RunConfig`` bundles every concern (model, parallel and cuda-graph configs live with
+the core code they configure) and runs the cross-concern checks.
+"""
+
+import dataclasses
+from typing import List, Optional
+
+import torch
+
+from megatron.core.config_utils import flag_field, require
+from megatron.core.parallel_state import ParallelConfig
+from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+@dataclasses.dataclass
+class TrainingConfig:
+    """Batch sizes, iteration count and determinism."""
+
+    micro_batch_size: int = 2
+    """Batch size per model instance (per data-parallel rank) and micro-batch."""
+
+    global_batch_size: Optional[int] = None
+    """Samples per optimizer step across all ranks. Defaults to micro batch * DP."""
+
+    train_iters: int = 100
+    """Number of training iterations."""
+
+    seed: int = 1234
+    """Random seed for initialisation, data and dropout."""
+
+    deterministic_mode: bool = False
+    """Use deterministic kernels (torch.use_deterministic_algorithms) for bitwise-repeatable runs."""
+
+    exit_interval: Optional[int] = None
+    """Exit after the iteration that is a multiple of this value."""
+
+    eval_interval: int = 1000
+    """Iterations between evaluations on the validation split."""
+
+    eval_iters: int = 0
+    """Micro-batch steps per evaluation (0 turns evaluation off)."""
+
+    use_cpu: bool = False
+    """Train on the CPU even when CUDA is available."""
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    """Optimizer and learning-rate schedule."""
+
+    optimizer: str = flag_field("adam", choices=("adam", "sgd"))
+    """Optimizer: adam (AdamW, decoupled weight decay, as Megatron) or sgd."""
+
+    lr: float = 1e-4
+    """Peak learning rate."""
+
+    min_lr: float = 0.0
+    """Minimum learning rate at the end of decay."""
+
+    lr_decay_style: str = flag_field("linear", choices=("constant", "linear", "cosine"))
+    """Learning-rate decay after warm-up."""
+
+    lr_warmup_iters: int = 0
+    """Iterations of linear warm-up."""
+
+    lr_warmup_fraction: Optional[float] = None
+    """Warm-up as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)."""
+
+    lr_decay_iters: Optional[int] = None
+    """Iterations over which to decay. Defaults to --train-iters."""
+
+    weight_decay: float = 0.01
+    """Decoupled weight decay (not applied to biases and norm weights)."""
+
+    clip_grad: float = 1.0
+    """Gradient clipping on the global L2 norm (0 turns it off)."""
+
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+
+    sgd_momentum: float = 0.9
+    """SGD momentum."""
+
+
+@dataclasses.dataclass
+class PrecisionConfig:
+    """Mixed precision and loss scaling."""
+
+    bf16: bool = False
+    """bfloat16 model with fp32 main parameters in the optimizer."""
+
+    fp16: bool = False
+    """float16 model with fp32 main parameters and loss scaling."""
+
+    loss_scale: Optional[float] = None
+    """Static loss scale for fp16 (default: dynamic loss scaling)."""
+
+    initial_loss_scale: float = 2.0**32
+    """Initial dynamic loss scale."""
+
+    min_loss_scale: float = 1.0
+    """Minimum dynamic loss scale."""
+
+    loss_scale_window: int = 1000
+    """Iterations without overflow before the dynamic loss scale grows."""
+
+    hysteresis: int = 2
+    """Overflows tolerated before the dynamic loss scale shrinks."""
+
+    accumulate_allreduce_grads_in_fp32: bool = True
+    """Keep main_grad buffers in fp32 (reduced-precision grad buffers are not supported yet)."""
+
+    attention_softmax_in_fp32: bool = True
+    """Softmax in fp32 (SDPA always accumulates in fp32; kept for Megatron command lines)."""
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        if self.bf16:
+            return torch.bfloat16
+        if self.fp16:
+            return torch.float16
+        return torch.float32
+
+
+@dataclasses.dataclass
+class DDPConfig:
+    """Data-parallel gradient reduction."""
+
+    overlap_grad_reduce: bool = False
+    """Overlap the gradient all-reduce of each bucket with the rest of backward."""
+
+    ddp_bucket_size: Optional[int] = None
+    """Elements per gradient bucket (default: max(40M, 1M * DP))."""
+
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state across data-parallel ranks (not supported yet)."""
+
+    check_for_nan_in_loss_and_grad: bool = flag_field(True, flag="--no-check-for-nan-in-loss-and-grad")
+    """Raise when the loss or the gradient norm is NaN."""
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Data and tokenizer."""
+
+    mock_data: bool = False
+    """Train on Megatron-style synthetic documents (no files needed)."""
+
+    data_path: List[str] = flag_field(default_factory=list, nargs="*")
+    """Dataset prefix, or a weighted blend: 0.3 prefixA 0.7 prefixB."""
+
+    split: str = "969,30,1"
+    """Train/valid/test split of each dataset, as weights."""
+
+    data_cache_path: Optional[str] = None
+    """Folder for the cached document/sample/shuffle indices."""
+
+    tokenizer_type: str = flag_field(
+        "NullTokenizer",
+        choices=("NullTokenizer", "ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer"),
+    )
+    """Tokenizer."""
+
+    vocab_size: Optional[int] = None
+    """Vocabulary size for NullTokenizer (ids 0..N-1; N-1 is the end-of-document token)."""
+
+    vocab_file: Optional[str] = None
+    """GPT-2 BPE vocab.json."""
+
+    merge_file: Optional[str] = None
+    """GPT-2 BPE merges.txt."""
+
+    tokenizer_model: Optional[str] = None
+    """Hugging Face tokenizer.json."""
+
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary so its size is divisible by this value (times TP)."""
+
+    num_workers: int = 2
+    """Data-loader worker processes."""
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    """Logging, metrics and TensorBoard."""
+
+    log_interval: int = 100
+    """Iterations between log lines."""
+
+    log_throughput: bool = False
+    """Add TFLOP/s per GPU to the log line."""
+
+    log_memory_interval: Optional[int] = None
+    """Iterations between memory lines (default: after the first iteration and when graphs are captured)."""
+
+    tensorboard_dir: Optional[str] = None
+    """Write TensorBoard scalars here (needs the tensorboard package)."""
+
+    tensorboard_log_interval: int = 1
+    """Iterations between TensorBoard writes."""
+
+    log_memory_to_tensorboard: bool = False
+    """Also write memory scalars (mem-*-bytes, graph pool bytes) to TensorBoard."""
+
+    metrics_file: Optional[str] = None
+    """Write one JSON object per logged iteration to this file (JSONL)."""
+
+    log_params_norm: bool = False
+    """Add the parameter L2 norm to the log line."""
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """Saving and loading checkpoints."""
+
+    save: Optional[str] = None
+    """Folder to save checkpoints to."""
+
+    load: Optional[str] = None
+    """Folder to load a checkpoint from."""
+
+    save_interval: Optional[int] = None
+    """Iterations between checkpoint saves."""
+
+    no_load_optim: bool = False
+    """Do not load optimizer state."""
+
+    no_load_rng: bool = False
+    """Do not load RNG state."""
+
+    finetune: bool = False
+    """Load model weights only and start from iteration 0."""
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """Every concern of one run, as parsed from the command line."""
+
+    model: TransformerConfig = dataclasses.field(default_factory=TransformerConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+    ddp: DDPConfig = dataclasses.field(default_factory=DDPConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    cuda_graph: CudaGraphConfig = dataclasses.field(default_factory=CudaGraphConfig)
+
+    def validate(self) -> None:
+        """Checks each concern, then the rules that span several of them.
+
+        Needs ``parallel.world_size`` set (``finalize_world``) for the batch checks.
+        """
+        self.model.finalize()
+        self.model.validate()
+        self.parallel.validate()
+        self.cuda_graph.validate()
+        p, t, o = self.precision, self.training, self.optimizer
+        require(not (p.bf16 and p.fp16), "--bf16 and --fp16 cannot be combined; pick one.")
+        self.model.params_dtype = p.params_dtype
+        require(t.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {t.micro_batch_size}.")
+        dp = self.parallel.data_parallel_size
+        if t.global_batch_size is None:
+            t.global_batch_size = t.micro_batch_size * dp
+        require(
+            t.global_batch_size % (t.micro_batch_size * dp) == 0,
+            f"--global-batch-size ({t.global_batch_size}) must be divisible by --micro-batch-size "
+            f"({t.micro_batch_size}) x data-parallel size ({dp}).",
+        )
+        require(t.train_iters >= 1, f"--train-iters must be >= 1, got {t.train_iters}.")
+        require(o.lr >= 0 and o.min_lr >= 0, "--lr and --min-lr must be non-negative.")
+        require(o.min_lr <= o.lr, f"--min-lr ({o.min_lr}) must not exceed --lr ({o.lr}).")
+        require(
+            not (o.lr_warmup_fraction is not None and o.lr_warmup_iters),
+            "--lr-warmup-fraction and --lr-warmup-iters cannot both be set; pick one.",
+        )
+        require(o.clip_grad >= 0, f"--clip-grad must be >= 0, got {o.clip_grad}.")
+        require(
+            self.ddp.use_distributed_optimizer is False,
+            "--use-distributed-optimizer is not supported yet; drop the flag (optimizer state is replicated).",
+        )
+        require(
+            p.accumulate_allreduce_grads_in_fp32,
+            "reduced-precision gradient buffers are not supported yet; main_grad is always fp32.",
+        )
+        d = self.data
+        require(
+            d.mock_data or d.data_path,
+            "no training data: pass --mock-data for synthetic documents, or --data-path PREFIX.",
+        )
+        if d.tokenizer_type == "NullTokenizer":
+            require(d.vocab_size is not None and d.vocab_size >= 2, "--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2).")
+        require(self.logging.log_interval >= 1, "--log-interval must be >= 1.")
+
+    @property
+    def num_microbatches(self) -> int:
+        t = self.training
+        return t.global_batch_size // (t.micro_batch_size * self.parallel.data_parallel_size)

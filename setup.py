@@ -1,0 +1,20 @@
+"""Install: pip install -e .[test]  (CPU torch first: pip install torch==2.13.0)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-lean",
+    version="0.1.0",
+    description="A trimmed Megatron-style trainer with memory-lean partial CUDA graphs",
+    packages=find_packages(include=["megatron", "megatron.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4,<2.15", "numpy>=1.24", "einops>=0.7"],
+    extras_require={
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "pyyaml>=6"],
+        "tensorboard": ["tensorboard>=2.14"],
+        "tokenizers": ["tokenizers>=0.15", "tqdm>=4.60"],
+        # Transformer Engine is optional and never required; apex builds from source only
+        # (the package called "apex" on the index is an unrelated project).
+        "te": ["transformer-engine>=2.0"],
+    },
+)
