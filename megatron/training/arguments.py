@@ -1,0 +1,420 @@
+"""Command-line flags, generated from the config dataclasses of ``RunConfig``.
+
+Every field of every concern (model, parallel, training, ...) becomes one flag: the
+field name in kebab-case (``num_layers`` -> ``--num-layers``) unless ``flag_field``
+metadata names another. The type comes from the annotation, the ``--help`` text from
+the field's attribute docstring (read from the class source with ``ast``), so a flag,
+its default and its documentation have one source.
+
+What is unusual:
+- Boolean fields whose default is True get a flag that turns them *off*
+  (``--disable-bias-linear``, or ``--no-<name>``); with no explicit ``flag`` the
+  positive spelling ``--<name>`` is accepted too, as a no-op, because that is what
+  Megatron command lines say (``--attention-softmax-in-fp32``).
+- Megatron flags we know but do not support live in one table, ``KNOWN_MEGATRON_FLAGS``.
+  They parse, and then either do nothing (fusions we do not have, whose semantics are
+  the eager ones anyway) or raise ``ValueError`` naming the flag and the fix, so a
+  Megatron command line never fails with a bare "unrecognized arguments".
+- Unknown flags exit through argparse as usual, with a "did you mean" suggestion.
+- Abbreviations are off (as in Megatron): ``--num-layer`` is an error, not a prefix match.
+
+Parsing fills the dataclasses and nothing else; ``RunConfig.validate()`` checks them.
+"""
+
+import argparse
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import sys
+import textwrap
+import typing
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+from megatron.training.config import RunConfig
+
+# Attribute of RunConfig -> argument-group title shown in --help and the user guide.
+_GROUP_TITLES = {
+    "model": "model",
+    "parallel": "parallel",
+    "training": "training",
+    "optimizer": "optimizer",
+    "precision": "precision",
+    "ddp": "ddp",
+    "data": "data",
+    "logging": "logging",
+    "checkpoint": "checkpoint",
+    "cuda_graph": "cuda graphs",
+}
+
+_KNOWN_GROUP_TITLE = "Megatron flags not supported here"
+_KNOWN_DEST_PREFIX = "_known."
+
+
+class KnownFlag(NamedTuple):
+    """A Megatron flag this trainer recognises but does not implement.
+
+    Attributes:
+        nargs: 0 for a switch, None for one value, or an argparse nargs string.
+        message: None: accepted and ignored. Otherwise the ``ValueError`` text (it
+            names the flag and the fix; ``{value}`` is replaced by the given value).
+        accepted_values: For value flags: values that are accepted silently even
+            though ``message`` rejects the others.
+        note: Why an accepted flag is harmless (shown in --help and the user guide).
+    """
+
+    nargs: Union[int, str, None]
+    message: Optional[str]
+    accepted_values: Tuple[str, ...] = ()
+    note: str = ""
+
+
+def _not_yet(flag: str, fix: str = "drop the flag") -> str:
+    return f"{flag} is not supported yet; {fix}."
+
+
+_NO_FUSION = "fusion kernels from apex/TE are not used; plain PyTorch computes the same thing"
+
+KNOWN_MEGATRON_FLAGS: Dict[str, KnownFlag] = {
+    # Accepted: the behaviour they ask for is what this trainer does anyway.
+    "--transformer-impl": KnownFlag(
+        None,
+        "--transformer-impl {value} is not supported: layers here are plain PyTorch; "
+        "use --transformer-impl local or drop the flag.",
+        accepted_values=("local",),
+        note="only `local` is accepted (what this trainer is)",
+    ),
+    "--use-flash-attn": KnownFlag(0, None, note="attention uses scaled_dot_product_attention, which picks flash kernels itself"),
+    "--use-mcore-models": KnownFlag(0, None, note="models here are always the core models"),
+    "--no-masked-softmax-fusion": KnownFlag(0, None, note=_NO_FUSION),
+    "--no-bias-gelu-fusion": KnownFlag(0, None, note=_NO_FUSION),
+    "--no-bias-swiglu-fusion": KnownFlag(0, None, note=_NO_FUSION),
+    "--no-bias-dropout-fusion": KnownFlag(0, None, note=_NO_FUSION),
+    "--no-rope-fusion": KnownFlag(0, None, note=_NO_FUSION),
+    "--no-gradient-accumulation-fusion": KnownFlag(0, None, note="wgrads are accumulated into main_grad by plain PyTorch"),
+    "--no-persist-layer-norm": KnownFlag(0, None, note=_NO_FUSION),
+    # Rejected: they would change the run, and we cannot do what they ask yet.
+    "--num-experts": KnownFlag(None, _not_yet("--num-experts (MoE)", "drop the MoE flags to train a dense model")),
+    "--moe-router-topk": KnownFlag(None, _not_yet("--moe-router-topk (MoE)", "drop the MoE flags")),
+    "--moe-ffn-hidden-size": KnownFlag(None, _not_yet("--moe-ffn-hidden-size (MoE)", "drop the MoE flags")),
+    "--moe-grouped-gemm": KnownFlag(0, _not_yet("--moe-grouped-gemm (MoE)", "drop the MoE flags")),
+    "--moe-token-dispatcher-type": KnownFlag(None, _not_yet("--moe-token-dispatcher-type (MoE)", "drop the MoE flags")),
+    "--moe-aux-loss-coeff": KnownFlag(None, _not_yet("--moe-aux-loss-coeff (MoE)", "drop the MoE flags")),
+    "--expert-tensor-parallel-size": KnownFlag(None, _not_yet("--expert-tensor-parallel-size")),
+    "--hybrid-layer-pattern": KnownFlag(None, _not_yet("--hybrid-layer-pattern (hybrid Mamba models)")),
+    "--spec": KnownFlag("*", "--spec is not supported: layers are chosen from the model flags; drop the flag."),
+    "--fp8-format": KnownFlag(None, _not_yet("--fp8-format (FP8 training)", "use --bf16")),
+    "--recompute-granularity": KnownFlag(None, _not_yet("--recompute-granularity (activation recompute)")),
+    "--recompute-method": KnownFlag(None, _not_yet("--recompute-method (activation recompute)")),
+    "--recompute-num-layers": KnownFlag(None, _not_yet("--recompute-num-layers (activation recompute)")),
+    "--overlap-param-gather": KnownFlag(0, _not_yet("--overlap-param-gather (needs the distributed optimizer)")),
+    "--async-save": KnownFlag(0, _not_yet("--async-save", "drop the flag (saves are synchronous)")),
+    "--ckpt-format": KnownFlag(
+        None, "--ckpt-format is not supported: checkpoints use this trainer's own per-rank torch format; drop the flag."
+    ),
+    "--exit-duration-in-mins": KnownFlag(None, _not_yet("--exit-duration-in-mins", "use --exit-interval")),
+    "--profile": KnownFlag(0, _not_yet("--profile", "run under nsys or torch.profiler yourself")),
+    "--profile-step-start": KnownFlag(None, _not_yet("--profile-step-start")),
+    "--profile-step-end": KnownFlag(None, _not_yet("--profile-step-end")),
+    "--use-pytorch-profiler": KnownFlag(0, _not_yet("--use-pytorch-profiler")),
+    "--log-num-zeros-in-grad": KnownFlag(0, _not_yet("--log-num-zeros-in-grad")),
+    "--log-timers-to-tensorboard": KnownFlag(0, _not_yet("--log-timers-to-tensorboard (there are no timers)")),
+    "--timing-log-level": KnownFlag(None, _not_yet("--timing-log-level (there are no timers)")),
+    "--wandb-project": KnownFlag(None, _not_yet("--wandb-project (W&B)", "use --tensorboard-dir or --metrics-file")),
+    "--wandb-exp-name": KnownFlag(None, _not_yet("--wandb-exp-name (W&B)", "use --tensorboard-dir or --metrics-file")),
+    "--wandb-save-dir": KnownFlag(None, _not_yet("--wandb-save-dir (W&B)", "use --tensorboard-dir or --metrics-file")),
+    "--split-sentences": KnownFlag(0, "--split-sentences belongs to tools/preprocess_data.py, not to training; drop the flag."),
+    "--enable-cuda-graph": KnownFlag(0, "--enable-cuda-graph is deprecated in Megatron; use --cuda-graph-impl local."),
+    "--external-cuda-graph": KnownFlag(0, "--external-cuda-graph is deprecated in Megatron; use --cuda-graph-impl local."),
+}
+
+
+class _FieldFlag(NamedTuple):
+    """How one dataclass field maps to the command line."""
+
+    group: str  # attribute of RunConfig
+    name: str  # field name
+    dest: str  # argparse dest, "<group>.<name>" (field names repeat across groups)
+    flags: Tuple[str, ...]  # the flag first, then aliases
+    kwargs: Dict[str, Any]  # argparse add_argument keyword arguments, without dest/help
+    help: str
+    default_text: str  # for the user guide
+
+
+@functools.lru_cache(maxsize=None)
+def field_docstrings(cls: type) -> Dict[str, str]:
+    """Attribute docstrings of a dataclass: the string literal right after each field.
+
+    Returns:
+        Field name -> docstring, cleaned and joined into one paragraph.
+    """
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    class_def = tree.body[0]
+    assert isinstance(class_def, ast.ClassDef), cls
+    docs = {}
+    body = class_def.body
+    for stmt, nxt in zip(body, body[1:]):
+        if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+            continue
+        if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+            docs[stmt.target.id] = " ".join(inspect.cleandoc(nxt.value.value).split())
+    return docs
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    """Optional[X] -> X; other types unchanged."""
+    if typing.get_origin(tp) is Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _kebab(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _default_of(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    raise AssertionError(f"config field {field.name} has no default")
+
+
+def _default_text(default: Any) -> str:
+    if isinstance(default, list):
+        return " ".join(map(str, default)) if default else "empty"
+    return str(default)
+
+
+def _field_flag(group: str, cls: type, field: dataclasses.Field, hint: Any) -> Optional[_FieldFlag]:
+    """Builds the flag description of one field, or None for ``no_flag`` fields."""
+    meta = field.metadata
+    if meta.get("no_flag"):
+        return None
+    default = _default_of(field)
+    doc = field_docstrings(cls).get(field.name)
+    assert doc, f"{cls.__name__}.{field.name} needs an attribute docstring (it becomes the --help text)"
+    flag = meta.get("flag") or _kebab(field.name)
+    flags = (flag,) + tuple(meta.get("aliases") or ())
+    tp = _unwrap_optional(hint)
+    kwargs: Dict[str, Any] = {"default": default}
+    if tp is bool:
+        if default:
+            kwargs["action"] = "store_false"
+            if not meta.get("flag"):
+                # --no-<name> turns it off; the plain --<name> (Megatron's spelling) is a no-op.
+                flags = (_kebab("no_" + field.name),) + tuple(meta.get("aliases") or ())
+            help_text = f"Turn off (on by default): {doc}"
+        else:
+            kwargs["action"] = "store_true"
+            help_text = doc
+        return _FieldFlag(group, field.name, f"{group}.{field.name}", flags, kwargs, help_text, "off")
+    if typing.get_origin(tp) in (list, List):
+        (item,) = typing.get_args(tp) or (str,)
+        kwargs["type"] = item
+        kwargs["nargs"] = meta.get("nargs") or "*"
+    elif tp in (int, float, str):
+        kwargs["type"] = tp
+        if meta.get("nargs"):
+            kwargs["nargs"] = meta["nargs"]
+    else:
+        raise AssertionError(f"{cls.__name__}.{field.name}: no flag type for {hint!r}; mark it no_flag")
+    if meta.get("choices") is not None:
+        kwargs["choices"] = tuple(meta["choices"])
+    else:
+        kwargs["metavar"] = field.name.upper()
+    text = _default_text(default)
+    # Docstrings of optional fields often say what "unset" means ("Defaults to ...").
+    help_text = doc if "default" in doc.lower() else f"{doc} (default: {text})"
+    return _FieldFlag(group, field.name, f"{group}.{field.name}", flags, kwargs, help_text, text)
+
+
+def _groups() -> List[Tuple[str, type]]:
+    """(RunConfig attribute, config dataclass) for each concern, in declaration order."""
+    hints = typing.get_type_hints(RunConfig)
+    return [(f.name, hints[f.name]) for f in dataclasses.fields(RunConfig)]
+
+
+def field_flags() -> List[_FieldFlag]:
+    """Every generated flag, grouped by concern in declaration order."""
+    out = []
+    for group, cls in _groups():
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            ff = _field_flag(group, cls, field, hints[field.name])
+            if ff is not None:
+                out.append(ff)
+    return out
+
+
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser whose unknown-flag error suggests the nearest known flag.
+
+    Python 3.14's ``suggest_on_error`` covers misspelt choices; unknown flags are
+    matched here so the hint appears on every Python version.
+    """
+
+    def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse signature
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            known = [s for action in self._actions for s in action.option_strings]
+            parts = []
+            for item in extras:
+                flag = item.split("=", 1)[0]
+                near = difflib.get_close_matches(flag, known, n=1) if flag.startswith("--") else []
+                parts.append(f"{item} (did you mean {near[0]}?)" if near else item)
+            self.error("unrecognized arguments: " + " ".join(parts))
+        return namespace
+
+
+def _add_known_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        _KNOWN_GROUP_TITLE,
+        "Megatron flags that parse here: some are accepted and ignored, the others stop the run with the reason.",
+    )
+    for flag, known in KNOWN_MEGATRON_FLAGS.items():
+        help_text = known.message.format(value="VALUE") if known.message else f"Accepted, no effect: {known.note}."
+        if known.message and known.accepted_values:
+            help_text = f"Accepted: {', '.join(known.accepted_values)}. Otherwise: {help_text}"
+        dest = _KNOWN_DEST_PREFIX + flag
+        if known.nargs == 0:
+            group.add_argument(flag, dest=dest, action="store_true", default=False, help=help_text.replace("%", "%%"))
+        else:
+            group.add_argument(
+                flag, dest=dest, nargs=known.nargs, default=None, metavar="VALUE", help=help_text.replace("%", "%%")
+            )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser: one argument group per concern of ``RunConfig``."""
+    # A short usage line: the generated one runs to ~90 lines and buries the error message.
+    kwargs = dict(
+        description="Megatron-style GPT pretraining.", usage="%(prog)s [flags] (see --help)", allow_abbrev=False
+    )
+    if sys.version_info >= (3, 14):
+        kwargs["suggest_on_error"] = True  # near-miss hints for misspelt choices
+    parser = _Parser(**kwargs)
+    groups = {}
+    for group, cls in _groups():
+        doc = inspect.getdoc(cls) or ""
+        groups[group] = parser.add_argument_group(_GROUP_TITLES.get(group, group), doc.splitlines()[0] if doc else None)
+    for ff in field_flags():
+        arg_group = groups[ff.group]
+        arg_group.add_argument(*ff.flags, dest=ff.dest, help=ff.help.replace("%", "%%"), **ff.kwargs)
+        if ff.kwargs.get("action") == "store_false" and ff.flags[0] == _kebab("no_" + ff.name):
+            # The positive Megatron spelling: sets the default again, i.e. no effect.
+            arg_group.add_argument(
+                _kebab(ff.name),
+                dest=ff.dest,
+                action="store_true",
+                default=ff.kwargs["default"],
+                help="On by default; accepted for Megatron command lines.",
+            )
+    _add_known_flags(parser)
+    return parser
+
+
+def _check_known_flags(values: Dict[str, Any]) -> None:
+    """Raises ``ValueError`` naming every given known-but-unsupported flag."""
+    errors = []
+    for flag, known in KNOWN_MEGATRON_FLAGS.items():
+        value = values.get(_KNOWN_DEST_PREFIX + flag)
+        if value is None or value is False or known.message is None:
+            continue
+        shown = " ".join(value) if isinstance(value, list) else str(value)
+        if known.nargs != 0 and shown in known.accepted_values:
+            continue
+        errors.append(known.message.format(value=shown))
+    if errors:
+        raise ValueError("unsupported Megatron flags:\n  " + "\n  ".join(errors))
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> RunConfig:
+    """Parses a command line into a ``RunConfig``.
+
+    Only fills the dataclasses: the caller runs ``RunConfig.validate()`` (after the
+    world size is known) and sets ``model.vocab_size`` from the tokenizer.
+
+    Args:
+        argv: Arguments without the program name; None reads ``sys.argv[1:]``.
+
+    Raises:
+        SystemExit: For unknown flags or malformed values (argparse's usual exit).
+        ValueError: For known Megatron flags this trainer does not support.
+    """
+    namespace = build_parser().parse_args(None if argv is None else list(argv))
+    values = vars(namespace)
+    _check_known_flags(values)
+    config = RunConfig()
+    by_group: Dict[str, Dict[str, Any]] = {}
+    for ff in field_flags():
+        value = values[ff.dest]
+        by_group.setdefault(ff.group, {})[ff.name] = list(value) if isinstance(value, list) else value
+    for group, cls in _groups():
+        setattr(config, group, cls(**by_group.get(group, {})))
+    return config
+
+
+_MD_METAVARS = {int: "N", float: "X", str: "STR"}
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def flags_markdown() -> str:
+    """A user-guide section: supported flags per group, then the known-but-unsupported ones."""
+    lines = [
+        "## Command-line flags",
+        "",
+        "Generated from the config dataclasses (`python tools/list_flags.py`). Flags follow Megatron's",
+        "spelling; booleans are switches. Unknown flags stop the run with a suggestion.",
+    ]
+    by_group: Dict[str, List[_FieldFlag]] = {}
+    for ff in field_flags():
+        by_group.setdefault(ff.group, []).append(ff)
+    for group, cls in _groups():
+        doc = (inspect.getdoc(cls) or "").splitlines()
+        lines += ["", f"### {_GROUP_TITLES.get(group, group)}", ""]
+        if doc:
+            lines += [doc[0], ""]
+        lines += ["| flag | default | description |", "| --- | --- | --- |"]
+        docs = field_docstrings(cls)
+        for ff in by_group.get(group, []):
+            if "choices" in ff.kwargs:
+                value = " {" + ",".join(map(str, ff.kwargs["choices"])) + "}"
+            elif ff.kwargs.get("action") is None:
+                value = " " + _MD_METAVARS.get(ff.kwargs["type"], "VALUE") + (" ..." if "nargs" in ff.kwargs else "")
+            else:
+                value = ""
+            spellings = ", ".join(f"`{f}{value}`" for f in ff.flags)
+            description = docs[ff.name]
+            if ff.kwargs.get("action") == "store_false":
+                description = f"Turns off (on by default): {description}"
+                if ff.flags[0] == _kebab("no_" + ff.name):
+                    description += f" `{_kebab(ff.name)}` is accepted and changes nothing."
+            default = "unset" if ff.default_text == "None" else ff.default_text
+            lines.append(f"| {spellings} | {_md_cell(default)} | {_md_cell(description)} |")
+    lines += [
+        "",
+        "### Megatron flags not supported here",
+        "",
+        "They parse so that Megatron command lines give a clear answer. *Accepted* ones do nothing",
+        "(the behaviour they ask for is what happens anyway); *rejected* ones stop the run with the reason.",
+        "",
+        "| flag | status | why |",
+        "| --- | --- | --- |",
+    ]
+    for flag, known in KNOWN_MEGATRON_FLAGS.items():
+        if known.message is None:
+            status, why = "accepted", known.note
+        elif known.accepted_values:
+            status = "accepted: " + ", ".join(known.accepted_values) + "; other values rejected"
+            why = known.message.format(value="VALUE")
+        else:
+            status, why = "rejected", known.message
+        lines.append(f"| `{flag}` | {status} | {_md_cell(why)} |")
+    return "\n".join(lines) + "\n"

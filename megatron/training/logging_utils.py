@@ -1,0 +1,329 @@
+"""What a run prints and records: the iteration line, the memory line, FLOPs, metrics sinks.
+
+The iteration line reproduces Megatron's character for character (users grep it and
+compare logs across trainers), except that the timestamp carries microseconds. The
+memory line follows Megatron's ``report_memory`` style and can carry extra columns
+(graph-pool bytes). Metrics go to a JSONL file (one object per logged iteration, so
+tests and tools need no TensorBoard parser) and, when asked, to TensorBoard under
+Megatron's scalar names. Formatting is pure and CPU-testable; nothing here owns
+process groups.
+"""
+
+import datetime
+import json
+import os
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+# TensorBoard scalar names Megatron uses; callers pass metrics under these keys.
+METRIC_NAMES = (
+    "lm loss",
+    "learning-rate",
+    "grad-norm",
+    "loss-scale",
+    "iteration-time",
+    "batch-size",
+    "throughput",
+    "params-norm",
+    "num-zeros",
+    "mem-allocated-bytes",
+    "mem-max-allocated-bytes",
+    "mem-reserved-bytes",
+    "mem-max-reserved-bytes",
+)
+
+_MB = 1024.0 * 1024.0
+
+
+def format_iteration_line(
+    *,
+    iteration: int,
+    train_iters: int,
+    consumed_samples: int,
+    elapsed_ms: float,
+    lr: float,
+    global_batch_size: int,
+    losses: Mapping[str, float],
+    loss_scale: float,
+    grad_norm: Optional[float],
+    num_zeros: Optional[float] = None,
+    params_norm: Optional[float] = None,
+    skipped_iters: int,
+    nan_iters: int,
+    throughput_tflops: Optional[float] = None,
+    timestamp: Optional[datetime.datetime] = None,
+) -> str:
+    """Megatron's per-iteration log line.
+
+    Example::
+
+        [2026-11-30 07:37:14.123456] iteration        5/      50 | consumed samples:           40 | ...
+
+    Args:
+        iteration: Iterations done so far (1-based count of the one just finished).
+        train_iters: Total iterations of the run.
+        consumed_samples: Samples consumed so far, over all data-parallel ranks.
+        elapsed_ms: Wall time per iteration since the last line, in milliseconds.
+        lr: Current learning rate.
+        global_batch_size: Samples per optimizer step.
+        losses: Loss name (e.g. ``"lm loss"``) -> value averaged since the last line.
+        loss_scale: Current loss scale (1.0 without fp16 scaling).
+        grad_norm: Global gradient norm; omitted when None (e.g. skipped step).
+        num_zeros: Zeros in the gradients; omitted when None.
+        params_norm: Parameter L2 norm; omitted when None.
+        skipped_iters: Iterations skipped (loss-scale overflow) since the last line.
+        nan_iters: Iterations with a NaN loss since the last line.
+        throughput_tflops: Model TFLOP/s per GPU; omitted when None.
+        timestamp: Time to print; None means now.
+    """
+    timestamp = timestamp or datetime.datetime.now()
+    parts = [
+        "iteration {:8d}/{:8d}".format(iteration, train_iters),
+        "consumed samples: {:12d}".format(consumed_samples),
+        "elapsed time per iteration (ms): {:.1f}".format(elapsed_ms),
+    ]
+    if throughput_tflops is not None:
+        parts.append("throughput per GPU (TFLOP/s/GPU): {:.1f}".format(throughput_tflops))
+    parts.append("learning rate: {:.6E}".format(lr))
+    parts.append("global batch size: {:5d}".format(global_batch_size))
+    for name, value in losses.items():
+        parts.append("{}: {:.6E}".format(name, value))
+    parts.append("loss scale: {:.1f}".format(loss_scale))
+    if grad_norm is not None:
+        parts.append("grad norm: {:.3f}".format(grad_norm))
+    if num_zeros is not None:
+        parts.append("num zeros: {:.1f}".format(num_zeros))
+    if params_norm is not None:
+        parts.append("params norm: {:.3f}".format(params_norm))
+    parts.append("number of skipped iterations: {:3d}".format(skipped_iters))
+    parts.append("number of nan iterations: {:3d}".format(nan_iters))
+    # Megatron ends every part with " |", so the line ends with one too.
+    return "[{}] ".format(timestamp.strftime("%Y-%m-%d %H:%M:%S.%f")) + " ".join(p + " |" for p in parts)
+
+
+def format_memory_line(
+    rank: int,
+    name: str,
+    allocated_mb: float,
+    max_allocated_mb: float,
+    reserved_mb: float,
+    max_reserved_mb: float,
+    extra: Optional[Mapping[str, float]] = None,
+) -> str:
+    """Megatron-style memory line, e.g. ``[Rank 0] (after 1 iterations) memory (MB) | allocated: 1.00 | ...``.
+
+    Args:
+        rank: Global rank printing the line.
+        name: What the numbers are for, e.g. ``"(after 1 iterations)"``.
+        allocated_mb, max_allocated_mb, reserved_mb, max_reserved_mb: Allocator statistics in MB.
+        extra: Further columns in MB (graph pool reserved/live bytes ...), in the given order.
+    """
+    parts = [
+        f"[Rank {rank}] {name} memory (MB)",
+        f"allocated: {allocated_mb:.2f}",
+        f"max allocated: {max_allocated_mb:.2f}",
+        f"reserved: {reserved_mb:.2f}",
+        f"max reserved: {max_reserved_mb:.2f}",
+    ]
+    parts += [f"{key}: {value:.2f}" for key, value in (extra or {}).items()]
+    return " | ".join(parts)
+
+
+def memory_stats_mb(device: torch.device) -> Dict[str, float]:
+    """Allocator statistics of ``device`` in MB, keyed like ``format_memory_line``'s arguments.
+
+    All zeros for a CPU device (there is no caching allocator to ask).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {"allocated_mb": 0.0, "max_allocated_mb": 0.0, "reserved_mb": 0.0, "max_reserved_mb": 0.0}
+    return {
+        "allocated_mb": torch.cuda.memory_allocated(device) / _MB,
+        "max_allocated_mb": torch.cuda.max_memory_allocated(device) / _MB,
+        "reserved_mb": torch.cuda.memory_reserved(device) / _MB,
+        "max_reserved_mb": torch.cuda.max_memory_reserved(device) / _MB,
+    }
+
+
+def memory_metrics(stats_mb: Mapping[str, float]) -> Dict[str, float]:
+    """``memory_stats_mb`` output -> Megatron's TensorBoard names, in bytes."""
+    return {
+        "mem-allocated-bytes": stats_mb["allocated_mb"] * _MB,
+        "mem-max-allocated-bytes": stats_mb["max_allocated_mb"] * _MB,
+        "mem-reserved-bytes": stats_mb["reserved_mb"] * _MB,
+        "mem-max-reserved-bytes": stats_mb["max_reserved_mb"] * _MB,
+    }
+
+
+def num_floating_point_operations(config: TransformerConfig, *, batch_size: int, seq_length: int, vocab_size: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward) of a dense GPT.
+
+    Counted from the matmul shapes; a matmul ``[m, k] @ [k, n]`` costs ``2 m k n``.
+    With ``h`` hidden, ``a`` heads, ``g`` query groups, ``d`` kv channels, ``f`` ffn
+    hidden, ``s`` sequence, ``L`` layers, ``V`` vocabulary, the forward cost per token is::
+
+        per layer:  2 * h * (a*d + 2*g*d)      QKV projection (K and V have g groups)
+                  + 2 * s * a * d * 2          scores Q K^T and probabilities @ V
+                  + 2 * a*d * h                attention output projection
+                  + 2 * h * f * (2 if SwiGLU else 1)   fc1 (gate and up for SwiGLU)
+                  + 2 * f * h                  fc2
+        once:       2 * h * V                  logits
+
+    Training costs 3x the forward (backward computes input and weight gradients).
+    Attention is counted over the full s x s square although it is causal, as Megatron
+    does, so numbers compare across trainers. Total = 3 * batch_size * s * per-token.
+    Norms, softmax, activations and the embedding lookup are not counted.
+
+    Args:
+        config: Model shape; derived fields need not be finalized.
+        batch_size: Sequences per iteration (the global batch size).
+        seq_length: Tokens per sequence.
+        vocab_size: Padded vocabulary size (the logits width).
+    """
+    h = config.hidden_size
+    a = config.num_attention_heads
+    d = config.kv_channels if config.kv_channels is not None else h // a
+    g = config.num_query_groups if (config.group_query_attention and config.num_query_groups) else a
+    f = config.ffn_hidden_size if config.ffn_hidden_size is not None else 4 * h
+    s = seq_length
+    fc1_outputs = 2 * f if config.gated_linear_unit else f
+    per_layer = (
+        2 * h * (a * d + 2 * g * d)  # QKV
+        + 2 * 2 * s * a * d  # scores and values
+        + 2 * a * d * h  # projection
+        + 2 * h * fc1_outputs  # fc1
+        + 2 * f * h  # fc2
+    )
+    per_token = config.num_layers * per_layer + 2 * h * vocab_size
+    return 3.0 * batch_size * s * per_token
+
+
+def throughput_tflops_per_gpu(flops_per_iteration: float, elapsed_s: float, world_size: int) -> float:
+    """Model TFLOP/s per GPU, as in Megatron's ``throughput per GPU`` column."""
+    return flops_per_iteration / (elapsed_s * 1e12 * world_size)
+
+
+def _make_summary_writer(log_dir: str):
+    """A TensorBoard ``SummaryWriter``; module-level so tests can replace it."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=log_dir, max_queue=1000)
+
+
+def _check_tensorboard_installed() -> None:
+    try:
+        import tensorboard  # noqa: F401 - only probing
+    except ImportError:
+        raise ValueError(
+            "--tensorboard-dir needs the tensorboard package: pip install tensorboard "
+            "(or drop --tensorboard-dir and use --metrics-file for JSONL metrics)."
+        ) from None
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    return value
+
+
+class MetricsWriter:
+    """Appends metrics to a JSONL file and, optionally, TensorBoard.
+
+    Keys are Megatron's TensorBoard names (``METRIC_NAMES``) or any other name; the
+    JSONL object holds them as given plus ``"iteration"`` (and ``"samples"`` when
+    passed). Non-finite floats are written as JSON ``NaN``/``Infinity``, which Python's
+    ``json`` reads back; a NaN loss is worth seeing.
+
+    Args:
+        path: JSONL file to append to, or None.
+        tensorboard_dir: TensorBoard log folder, or None.
+        enabled_on_this_rank: Only this rank writes (Megatron: the last rank). Every
+            rank still checks that tensorboard is importable, so a missing package
+            fails the whole run at start, not one rank mid-run.
+
+    Raises:
+        ValueError: ``tensorboard_dir`` is set but the tensorboard package is missing.
+    """
+
+    def __init__(self, path: Optional[str], tensorboard_dir: Optional[str], *, enabled_on_this_rank: bool):
+        if tensorboard_dir is not None:
+            _check_tensorboard_installed()
+        self.enabled = enabled_on_this_rank
+        self._file = None
+        self._tb = None
+        if not self.enabled:
+            return
+        if path is not None:
+            folder = os.path.dirname(os.path.abspath(path))
+            os.makedirs(folder, exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8")
+        if tensorboard_dir is not None:
+            self._tb = _make_summary_writer(tensorboard_dir)
+
+    def write(self, iteration: int, metrics: Mapping[str, Any], *, samples: Optional[int] = None) -> None:
+        """Records one iteration's metrics.
+
+        Args:
+            iteration: Iteration number.
+            metrics: Name -> number (floats, ints or one-element tensors). None values
+                go to JSONL as null and are skipped in TensorBoard.
+            samples: Consumed samples; adds ``"<name> vs samples"`` scalars.
+        """
+        if not self.enabled:
+            return
+        values = {name: _jsonable(value) for name, value in metrics.items()}
+        if self._file is not None:
+            record = {"iteration": iteration}
+            if samples is not None:
+                record["samples"] = samples
+            record.update(values)
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        if self._tb is not None:
+            for name, value in values.items():
+                if value is None:
+                    continue
+                self._tb.add_scalar(name, value, iteration)
+                if samples is not None:
+                    self._tb.add_scalar(f"{name} vs samples", value, samples)
+            self._tb.flush()
+
+    def close(self) -> None:
+        """Closes the file and the TensorBoard writer. Safe to call twice."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _rank_and_world() -> tuple:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def print_rank_0(message: str) -> None:
+    """Prints on global rank 0 only (every process when not distributed)."""
+    rank, _ = _rank_and_world()
+    if rank == 0:
+        print(message, flush=True)
+
+
+def print_last_rank(message: str) -> None:
+    """Prints on the last rank only, where Megatron prints the iteration line."""
+    rank, world = _rank_and_world()
+    if rank == world - 1:
+        print(message, flush=True)
+
