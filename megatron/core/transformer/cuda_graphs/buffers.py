@@ -1,0 +1,250 @@
+"""The hand-off plan: which static buffer feeds whom, and when our reference may go.
+
+Pure Python, no torch: computed from the order the first (eager) iteration recorded,
+unit-tested on the CPU.
+
+Vocabulary. A *cycle* is the sequence of graph events of one micro-batch, e.g.
+``F0 F1 .. Fn Bn .. B0`` for a stack of regions (F = forward graph, B = backward
+graph). Capture walks the cycle once, in order, into one shared pool; replay must walk
+it in the same order, once per micro-batch. Each region owns four kinds of static
+buffers:
+
+* ``input``       forward input i of region r (filled by a copy at replay), unless it is
+                  handed off from a producer's output (same memory, no copy) or shared
+                  by several regions (one buffer, one copy per cycle).
+* ``output``      forward output j of region r (returned to the caller without a copy).
+* ``grad_output`` gradient arriving for output j (filled by a copy at replay), unless it
+                  is the dgrad a later region's backward graph already wrote there.
+* ``grad_input``  dgrad for input i, written by the backward graph.
+
+Release rule. The pool hands a freed block to whatever is captured *later*, and
+replay runs in capture order, so a buffer may be released (our strong reference turned
+into a non-owning view) right after the capture of its last reader in cycle order and
+never earlier. Readers that autograd knows of need no help: a tensor saved for backward
+is owned by the captured autograd graph until the backward capture frees it. The plan
+keeps a strong reference for readers autograd cannot see:
+
+* an output is read by eager code and by consumers until the producer's own backward
+  has run (every differentiable use sends its gradient there first): keep it until the
+  producer's backward capture (forever when the region has no backward graph);
+* a dgrad handed to a producer is read by that producer's backward graph: keep it until
+  that capture; a dgrad that escapes to eager code is kept for good (eager autograd
+  may hold it past later graphs);
+* an own input / shared input is read by its consumers' forward graphs;
+* an own grad_output is read by the region's backward graph only.
+"""
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
+
+FWD = "fwd"
+BWD = "bwd"
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One graph execution in the cycle."""
+
+    phase: str  # FWD or BWD
+    region: int
+
+    def __str__(self) -> str:
+        return f"{'F' if self.phase == FWD else 'B'}{self.region}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where forward input i of a region comes from.
+
+    kind: ``own`` (a fresh buffer, copied into), ``handoff`` (output ``index`` of region
+    ``region``), or ``shared`` (group ``index``: one buffer for every region that reads
+    the same tensor).
+    """
+
+    kind: str
+    region: int = -1
+    index: int = -1
+
+
+OWN = Source("own")
+
+
+@dataclasses.dataclass
+class RegionIO:
+    """What the recording pass learned about one region's tensor arguments."""
+
+    name: str
+    inputs: List[Source]
+    input_requires_grad: List[bool]
+    output_requires_grad: List[bool]
+
+    @property
+    def has_backward(self) -> bool:
+        return any(self.output_requires_grad)
+
+
+BufferKey = Tuple[str, int, int]  # (kind, region, index)
+
+
+@dataclasses.dataclass
+class BufferSpec:
+    """One static buffer and when our strong reference to it may be dropped.
+
+    ``release_after`` is a position in the cycle (the buffer is released right after
+    that event is captured), or ``None`` for never. ``alias_of`` names the buffer this
+    one shares memory with; aliases have no lifetime of their own.
+    """
+
+    key: BufferKey
+    alias_of: Optional[BufferKey] = None
+    release_after: Optional[int] = None
+    readers: List[int] = dataclasses.field(default_factory=list)
+    dead_after: Optional[int] = None
+    """Position after which no graph reads the memory, counting reads of tensors that
+    autograd saved (they happen in the backward of each forward reader). Debug mode
+    poisons the buffer right after this event at replay. ``None``: never dead."""
+
+
+@dataclasses.dataclass
+class Plan:
+    cycle: List[Event]
+    buffers: Dict[BufferKey, BufferSpec]
+
+    def releases_at(self, position: int) -> List[BufferKey]:
+        """Buffers whose strong reference is dropped right after capturing ``position``."""
+        return [k for k, b in self.buffers.items() if b.alias_of is None and b.release_after == position]
+
+    def owner(self, key: BufferKey) -> BufferKey:
+        """The buffer that owns the memory behind ``key`` (itself unless aliased)."""
+        while self.buffers[key].alias_of is not None:
+            key = self.buffers[key].alias_of
+        return key
+
+    def describe(self) -> str:
+        """Human-readable table, for debugging and error messages."""
+        lines = ["cycle: " + " ".join(str(e) for e in self.cycle)]
+        for key, b in sorted(self.buffers.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
+            what = f"alias of {b.alias_of}" if b.alias_of else (
+                "kept" if b.release_after is None else f"released after {self.cycle[b.release_after]}")
+            lines.append(f"  {key}: {what}")
+        return "\n".join(lines)
+
+
+def split_cycle(order: Sequence[Event]) -> List[Event]:
+    """Finds the repeating cycle of one micro-batch in a recorded iteration.
+
+    Every region runs forward once and backward at most once per micro-batch; the
+    recorded iteration must be that cycle repeated. Raises ``ValueError`` otherwise.
+    """
+    if not order:
+        raise ValueError("no graphed region ran during the recording iteration")
+    seen_fwd = set()
+    length = len(order)
+    for i, e in enumerate(order):
+        if e.phase == FWD and e.region in seen_fwd:
+            length = i
+            break
+        if e.phase == FWD:
+            seen_fwd.add(e.region)
+    cycle = list(order[:length])
+    if len(order) % length or any(order[i] != cycle[i % length] for i in range(len(order))):
+        raise ValueError(
+            "graphed regions ran in a different order in different micro-batches of the "
+            f"recording iteration (first micro-batch: {' '.join(map(str, cycle))}; whole "
+            f"iteration: {' '.join(map(str, order))}); partial graphs need the same order every micro-batch"
+        )
+    return cycle
+
+
+def build_plan(cycle: Sequence[Event], regions: Sequence[RegionIO]) -> Plan:
+    """Computes aliasing and release points for every static buffer of a cycle."""
+    cycle = list(cycle)
+    pos: Dict[Event, int] = {}
+    for i, e in enumerate(cycle):
+        if e in pos:
+            raise ValueError(f"event {e} appears twice in one cycle")
+        pos[e] = i
+    for r, io in enumerate(regions):
+        if Event(FWD, r) not in pos:
+            raise ValueError(f"region {io.name} never ran forward in the recorded cycle")
+
+    def fpos(r: int) -> int:
+        return pos[Event(FWD, r)]
+
+    def bpos(r: int) -> Optional[int]:
+        return pos.get(Event(BWD, r))
+
+    buffers: Dict[BufferKey, BufferSpec] = {}
+    # Forward readers of every output and shared group.
+    output_readers: Dict[Tuple[int, int], List[int]] = {}
+    shared_readers: Dict[int, List[int]] = {}
+    for r, io in enumerate(regions):
+        for i, src in enumerate(io.inputs):
+            if src.kind == "handoff":
+                if not (0 <= src.region < len(regions)) or fpos(src.region) >= fpos(r):
+                    raise ValueError(f"region {io.name} input {i} is handed off from a region that runs later")
+                output_readers.setdefault((src.region, src.index), []).append(fpos(r))
+            elif src.kind == "shared":
+                shared_readers.setdefault(src.index, []).append(fpos(r))
+
+    for r, io in enumerate(regions):
+        b = bpos(r)
+        for j, rg in enumerate(io.output_requires_grad):
+            readers = [fpos(r)] + output_readers.get((r, j), [])
+            # Eager readers of an output finish before the producer's backward; without
+            # a backward graph nothing bounds them, so the buffer is kept.
+            release = b if b is not None else None
+            buffers[("output", r, j)] = BufferSpec(("output", r, j), release_after=release, readers=readers)
+        for i, src in enumerate(io.inputs):
+            key = ("input", r, i)
+            if src.kind == "handoff":
+                buffers[key] = BufferSpec(key, alias_of=("output", src.region, src.index), readers=[fpos(r)])
+            elif src.kind == "shared":
+                group = ("shared", -1, src.index)
+                if group not in buffers:
+                    readers = sorted(shared_readers[src.index])
+                    buffers[group] = BufferSpec(group, release_after=readers[-1], readers=readers)
+                buffers[key] = BufferSpec(key, alias_of=group, readers=[fpos(r)])
+            else:
+                buffers[key] = BufferSpec(key, release_after=fpos(r), readers=[fpos(r)])
+        if b is None:
+            continue
+        for j, rg in enumerate(io.output_requires_grad):
+            if rg:
+                buffers.setdefault(("grad_output", r, j), BufferSpec(("grad_output", r, j), release_after=b, readers=[b]))
+        for i, rg in enumerate(io.input_requires_grad):
+            if not rg:
+                continue
+            src = io.inputs[i]
+            key = ("grad_input", r, i)
+            if src.kind == "handoff" and bpos(src.region) is not None and bpos(src.region) > b:
+                p = bpos(src.region)
+                buffers[key] = BufferSpec(key, release_after=p, readers=[p])
+                # The producer's grad_output is this dgrad: no copy at replay.
+                buffers[("grad_output", src.region, src.index)] = BufferSpec(
+                    ("grad_output", src.region, src.index), alias_of=key, readers=[p]
+                )
+            else:
+                buffers[key] = BufferSpec(key, release_after=None, readers=[b])
+    # When is the memory dead for good? A forward reader may have saved the tensor for
+    # its backward, so its backward counts as a reader too.
+    region_of_fwd = {pos[Event(FWD, r)]: r for r in range(len(regions))}
+    for key, spec in buffers.items():
+        if spec.alias_of is not None or spec.release_after is None:
+            continue
+        readers = [spec.release_after]
+        for k2, s2 in buffers.items():
+            if k2 == key or (s2.alias_of is not None and _root(buffers, k2) == key):
+                for p in s2.readers:
+                    readers.append(p)
+                    r = region_of_fwd.get(p)
+                    if r is not None and bpos(r) is not None:
+                        readers.append(bpos(r))
+        spec.dead_after = max(readers)
+    return Plan(cycle=cycle, buffers=buffers)
+
+
+def _root(buffers: Dict[BufferKey, BufferSpec], key: BufferKey) -> BufferKey:
+    while buffers[key].alias_of is not None:
+        key = buffers[key].alias_of
+    return key

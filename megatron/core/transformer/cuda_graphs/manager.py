@@ -1,0 +1,380 @@
+"""The per-run graph manager: routes regions through record -> capture -> replay.
+
+Lifecycle (training only; eval and no-grad calls always run eagerly):
+
+1. ``apply(model)`` patches each selected region method on its layer instance to go
+   through the manager (model classes carry no capture code).
+2. Iteration 1 runs eagerly and records every region's forward and backward, in order,
+   plus where each tensor argument came from (a hand-off from the previous region's
+   output, a tensor shared by many regions, or a tensor of its own).
+3. ``end_of_iteration()`` after iteration 1: warm up each region, then capture every
+   forward and backward graph in the recorded order into one pool, following the
+   hand-off plan (``buffers.py``) and releasing buffers through weak references as soon
+   as the plan allows.
+4. Later iterations replay. Each replay checks it is the event the capture order
+   expects next; the wrong order raises instead of silently reading freed memory.
+"""
+
+import gc
+import time
+import warnings
+import weakref
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from megatron.core.transformer.cuda_graphs import scopes as scope_lib
+from megatron.core.transformer.cuda_graphs.buffers import (
+    BWD,
+    FWD,
+    OWN,
+    Event,
+    Plan,
+    RegionIO,
+    Source,
+    build_plan,
+    split_cycle,
+)
+from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
+from megatron.core.transformer.cuda_graphs.replay import GraphReplay
+from megatron.core.transformer.cuda_graphs.runner import GraphedRegion
+
+RECORD, CAPTURED, OFF = "record", "captured", "off"
+
+
+class CudaGraphManager:
+    """Owns the regions, the shared pool, the recorded order and the replay cursor.
+
+    Args:
+        config: The ``--cuda-graph-*`` settings.
+        on_wgrad_ready: Called after every backward replay with the region's parameters
+            and the CUDA event recorded after it (DDP waits on it before reducing).
+    """
+
+    def __init__(self, config: CudaGraphConfig, *, on_wgrad_ready: Optional[Callable] = None):
+        self.config = config
+        self.on_wgrad_ready = on_wgrad_ready
+        self.regions: List[GraphedRegion] = []
+        self.state = OFF
+        if config.enabled:
+            if torch.cuda.is_available():
+                self.state = RECORD
+            else:
+                warnings.warn(
+                    "--cuda-graph-impl local: CUDA is not available, so CUDA graphs are off and the run is eager.",
+                    stacklevel=2,
+                )
+        self.order: List[Event] = []
+        self.cycle: List[Event] = []
+        self.cursor = 0
+        self.plan: Optional[Plan] = None
+        self.pool = None
+        self.buffers: Dict[Any, Optional[torch.Tensor]] = {}
+        self.capture_seconds = 0.0
+        self._outputs: Dict[int, Any] = {}
+        self._inputs: Dict[int, Any] = {}
+        self._shared_groups = 0
+        self._anchor: Optional[torch.Tensor] = None
+        self._poison: Dict[int, List[torch.Tensor]] = {}
+        self._debug_checked: Dict[int, int] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.state != OFF
+
+    # ------------------------------------------------------------------ setup
+    def apply(self, model: torch.nn.Module) -> "CudaGraphManager":
+        """Routes the selected regions of every graphable layer of ``model`` through us."""
+        layers = scope_lib.graphable_layers(model)
+        scope_lib.validate_scopes(layers, self.config.cuda_graph_scope)
+        if not self.active:
+            return self
+        names = {m: n for n, m in model.named_modules()}
+        for layer in layers:
+            for region_name, method in scope_lib.regions_for_layer(layer, self.config.cuda_graph_scope):
+                region = GraphedRegion(self, layer, method, f"{names[layer]}.{region_name}", len(self.regions))
+                self.regions.append(region)
+                setattr(layer, method, self._route(region))
+        return self
+
+    def _route(self, region: GraphedRegion) -> Callable:
+        def routed(*args, **kwargs):
+            return self.dispatch(region, args, kwargs)
+
+        routed.__wrapped__ = region.fn
+        return routed
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, region: GraphedRegion, args, kwargs):
+        if (
+            self.state == OFF
+            or not region.module.training
+            or not torch.is_grad_enabled()
+            or torch.cuda.is_current_stream_capturing()
+        ):
+            return region.fn(*args, **kwargs)
+        args = region.bind(args, kwargs)
+        if self.state == RECORD:
+            return region.record_forward(args)
+        region.check_args(args)
+        outs = GraphReplay.apply(region, self._anchor, *args)
+        if self.config.cuda_graph_debug and self._debug_checked.get(region.index, 0) < self.config.cuda_graph_debug_replays:
+            self._debug_compare(region, args, outs)
+        return region._join_outputs(outs)
+
+    # ------------------------------------------------------------------ recording
+    def record_event(self, event: Event) -> None:
+        if self.state == RECORD:
+            self.order.append(event)
+
+    def note_output(self, t: torch.Tensor, region: int, index: int) -> None:
+        self._outputs[id(t)] = (weakref.ref(t), region, index)
+
+    def source_of(self, t: torch.Tensor, region: int, arg: int) -> Source:
+        """Where a region's tensor argument comes from, judged by tensor identity."""
+        hit = self._outputs.get(id(t))
+        if hit is not None and hit[0]() is t:
+            return Source("handoff", hit[1], hit[2])
+        seen = self._inputs.get(id(t))
+        if seen is not None and seen[0]() is t:
+            ref, first_region, first_arg, group = seen
+            if group is None:
+                group = self._shared_groups
+                self._shared_groups += 1
+                self.regions[first_region].sources[first_arg] = Source("shared", index=group)
+                self._inputs[id(t)] = (ref, first_region, first_arg, group)
+            return Source("shared", index=group)
+        self._inputs[id(t)] = (weakref.ref(t), region, arg, None)
+        return OWN
+
+    # ------------------------------------------------------------------ replay checks
+    def check_order(self, event: Event, region: GraphedRegion) -> None:
+        expected = self.cycle[self.cursor]
+        if event != expected:
+            want = self.regions[expected.region]
+            raise RuntimeError(
+                f"CUDA graph replay out of capture order: expected the {expected.phase} graph of {want.name} "
+                f"(event {self.cursor} of {len(self.cycle)} in the cycle), got the {event.phase} graph of "
+                f"{region.name}. Graphs share one memory pool and are only correct when replayed in capture "
+                "order, once per micro-batch."
+            )
+        self.cursor = (self.cursor + 1) % len(self.cycle)
+
+    def after_replay(self) -> None:
+        """Debug mode: poison the buffers that died with the event that just replayed.
+
+        They are dead from here until their next writer, so a later read (an aliasing
+        bug) sees NaN instead of stale but plausible numbers.
+        """
+        position = (self.cursor - 1) % len(self.cycle)
+        for t in self._poison.get(position, ()):
+            t.fill_(float("nan"))
+
+    def wgrads_ready(self, params, event) -> None:
+        if self.on_wgrad_ready is not None:
+            self.on_wgrad_ready(params, event)
+
+    def end_of_iteration(self) -> None:
+        """Called by the trainer after every training iteration."""
+        if self.state == RECORD and self.order:
+            self.capture()
+        elif self.state == CAPTURED and self.cursor != 0:
+            raise RuntimeError(
+                f"CUDA graphs: the iteration ended in the middle of a replay cycle ({self.cursor} of "
+                f"{len(self.cycle)} events ran); a forward without its backward breaks buffer reuse."
+            )
+
+    # ------------------------------------------------------------------ capture
+    def capture(self) -> None:
+        from megatron.core.transformer.cuda_graphs.mempool import GraphPool, allocate_into_pool
+        from megatron.core.transformer.cuda_graphs.weakref import make_weak_ref
+
+        start = time.perf_counter()
+        self.cycle = split_cycle(self.order)
+        ios = [RegionIO(r.name, list(r.sources), r.input_requires_grad, r.output_requires_grad) for r in self.regions]
+        self.plan = plan = build_plan(self.cycle, ios)
+        self._outputs.clear()
+        self._inputs.clear()
+        device = torch.cuda.current_device()
+        self.pool = pool = GraphPool()
+        stream = torch.cuda.Stream()
+        cpu_rng, cuda_rng = torch.get_rng_state(), torch.cuda.get_rng_state()
+        gc_enabled = gc.isenabled()
+        gc.collect()
+        gc.disable()  # a collection during capture can free another graph's tensors
+        try:
+            torch.cuda.synchronize()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for region in self._fwd_ordered_regions():
+                    args = region.sample_args(self._sample)
+                    region.discover_params(args)
+                    region.warmup(args, self.config.cuda_graph_warmup_steps - 1)
+                    del args
+            torch.cuda.synchronize()
+            buffers: Dict[Any, Optional[torch.Tensor]] = {}
+
+            def static(key, meta, fill):
+                owner = plan.owner(key)
+                if owner not in buffers:
+                    shape, dtype, dev, _ = meta
+                    with torch.cuda.stream(stream), allocate_into_pool(pool):
+                        buf = torch.empty(shape, dtype=dtype, device=dev)
+                    with torch.cuda.stream(stream):
+                        fill(buf)
+                    buffers[owner] = buf
+                return buffers[owner]
+
+            for position, event in enumerate(self.cycle):
+                region = self.regions[event.region]
+                if event.phase == FWD:
+                    args = []
+                    for i, (kind, meta) in enumerate(region.arg_meta):
+                        if kind == "value":
+                            args.append(meta)
+                            continue
+                        buf = static(("input", region.index, i), meta, _fill_sample)
+                        args.append(buf.detach().requires_grad_(True) if meta[3] else buf)
+                    outs = region.capture_forward(args, pool, stream)
+                    for j, o in enumerate(outs):
+                        buffers[("output", region.index, j)] = o
+                    del args, outs
+                else:
+                    grad_outputs = []
+                    for j, (rg, o) in enumerate(zip(region.output_requires_grad, region._fwd_outputs)):
+                        meta = (o.shape, o.dtype, o.device, False)
+                        grad_outputs.append(static(("grad_output", region.index, j), meta, _fill_zero) if rg else None)
+                    dgrads = iter(region.capture_backward(grad_outputs, pool, stream))
+                    del grad_outputs
+                    for i, rg in enumerate(region.input_requires_grad):
+                        if rg:
+                            buffers[("grad_input", region.index, i)] = next(dgrads)
+                for key in plan.releases_at(position):
+                    t = buffers.get(key)
+                    if t is not None:
+                        buffers[key] = make_weak_ref(t)
+                    del t
+                region.pool_reserved_after[event.phase] = pool.stats().reserved_bytes
+                pool.register_graph()
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
+        finally:
+            if gc_enabled:
+                gc.enable()
+            torch.set_rng_state(cpu_rng)
+            torch.cuda.set_rng_state(cuda_rng)
+        self.buffers = buffers
+        self._bake(buffers)
+        self._anchor = torch.zeros((), device=device, requires_grad=True)
+        self.state = CAPTURED
+        self.cursor = 0
+        self.capture_seconds = time.perf_counter() - start
+        pool.add_capture_time(self.capture_seconds)
+        pool.strong_bytes = self.strong_bytes()
+
+    def _fwd_ordered_regions(self) -> List[GraphedRegion]:
+        return [self.regions[e.region] for e in self.cycle if e.phase == FWD]
+
+    @staticmethod
+    def _sample(_i, meta) -> torch.Tensor:
+        shape, dtype, device, rg = meta
+        t = torch.empty(shape, dtype=dtype, device=device)
+        _fill_sample(t)
+        return t.requires_grad_(rg)
+
+    def _bake(self, buffers) -> None:
+        plan = self.plan
+        get = lambda key: buffers.get(plan.owner(key))  # noqa: E731
+        for region in self.regions:
+            inputs = []
+            for i, (kind, _meta) in enumerate(region.arg_meta):
+                if kind != "tensor":
+                    continue
+                key = ("input", region.index, i)
+                src = region.sources[i]
+                # A hand-off is never copied into: it is the producer's output buffer.
+                # The first reader of a shared buffer copies; the others find it filled.
+                copy = src.kind == "own" or (
+                    src.kind == "shared" and plan.buffers[plan.owner(key)].readers[0] == self.cycle.index(Event(FWD, region.index))
+                )
+                if src.kind == "shared" and not copy:
+                    continue
+                inputs.append((i, get(key), copy))
+            outputs = [get(("output", region.index, j)) for j in range(region.num_outputs)]
+            grad_outputs = [
+                (get(("grad_output", region.index, j)), True) if rg and ("grad_output", region.index, j) in plan.buffers else None
+                for j, rg in enumerate(region.output_requires_grad)
+            ]
+            grad_inputs = [get(("grad_input", region.index, i)) for i, rg in enumerate(region.input_requires_grad) if rg]
+            region.finish_capture(inputs, outputs, grad_outputs, grad_inputs)
+        if self.config.cuda_graph_debug:
+            self._plan_poison(buffers)
+
+    def _plan_poison(self, buffers) -> None:
+        strong_late = {}
+        for key, spec in self.plan.buffers.items():
+            t = buffers.get(key)
+            if spec.alias_of is None and t is not None and spec.dead_after is None:
+                strong_late[t.data_ptr()] = key
+        for key, spec in self.plan.buffers.items():
+            t = buffers.get(key)
+            if spec.alias_of is not None or t is None or spec.dead_after is None or t.data_ptr() in strong_late:
+                continue
+            if t.is_floating_point():
+                self._poison.setdefault(spec.dead_after, []).append(t)
+
+    # ------------------------------------------------------------------ accounting
+    def strong_bytes(self) -> int:
+        """Bytes of static buffers we still hold strongly (each storage counted once)."""
+        from megatron.core.transformer.cuda_graphs.weakref import is_weak_ref
+
+        seen = {}
+        for t in self.buffers.values():
+            if t is not None and not is_weak_ref(t):
+                seen[t.data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    def num_graphs(self) -> int:
+        return sum((r.fwd_graph is not None) + (r.bwd_graph is not None) for r in self.regions)
+
+    def stats(self) -> Dict[str, Any]:
+        """Plain-typed accounting for logs, metrics and tools (takes an allocator snapshot)."""
+        if self.pool is None:
+            return {"graphs": 0}
+        s = self.pool.stats()
+        return {
+            "graphs": self.num_graphs(),
+            "pool_reserved_bytes": int(s.reserved_bytes),
+            "pool_live_bytes": int(s.live_bytes),
+            "strong_bytes": int(self.strong_bytes()),
+            "capture_seconds": float(self.capture_seconds),
+            "regions": [
+                {"name": r.name, "pool_reserved_after_fwd": r.pool_reserved_after.get(FWD),
+                 "pool_reserved_after_bwd": r.pool_reserved_after.get(BWD)}
+                for r in self.regions
+            ],
+        }
+
+    # ------------------------------------------------------------------ debug
+    def _debug_compare(self, region: GraphedRegion, args, outs) -> None:
+        self._debug_checked[region.index] = self._debug_checked.get(region.index, 0) + 1
+        with torch.no_grad():
+            ref = region._split_outputs(region.fn(*args))
+        for j, (got, want) in enumerate(zip(outs, ref)):
+            if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2, equal_nan=False):
+                diff = (got.float() - want.float()).abs().max().item()
+                raise RuntimeError(
+                    f"--cuda-graph-debug: replay of {region.name} output {j} differs from an eager run "
+                    f"(max abs diff {diff:.3e}); a static buffer was overwritten before it was read."
+                )
+
+
+def _fill_sample(t: torch.Tensor) -> None:
+    if t.is_floating_point():
+        t.normal_()
+    else:
+        t.zero_()
+
+
+def _fill_zero(t: torch.Tensor) -> None:
+    t.zero_()

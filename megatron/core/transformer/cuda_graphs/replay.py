@@ -1,0 +1,42 @@
+"""Autograd glue: recording the backward order, and replaying captured graphs.
+
+``RecordBackward`` is an identity on a region's outputs during the eager recording
+iteration; its backward runs when the gradient for those outputs is complete, i.e.
+right before the region's own backward, which gives the backward order.
+
+``GraphReplay`` runs a region's forward graph and, in backward, its backward graph.
+It takes one extra ``anchor`` input that requires grad so that autograd always
+calls its backward, even when no tensor argument needs a gradient (parameters are
+not inputs: their gradients are added to ``main_grad`` inside the graph).
+"""
+
+import torch
+from torch.autograd.function import once_differentiable
+
+
+class RecordBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, on_backward, *outputs):
+        ctx.on_backward = on_backward
+        return tuple(o.view_as(o) for o in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.on_backward()
+        return (None,) + grads
+
+
+class GraphReplay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, region, anchor, *args):
+        ctx.region = region
+        outputs = region.replay_forward(args)
+        frozen = [o for o, rg in zip(outputs, region.output_requires_grad) if not rg]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return outputs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        return (None, None) + ctx.region.replay_backward(grads)

@@ -1,0 +1,276 @@
+"""One graphable region: its recording, warm-up, capture and replay.
+
+A region is a bound method of a layer (``forward`` for a whole layer, or e.g.
+``_forward_attention``) whose tensor arguments and outputs become static buffers. The
+manager decides the order and the buffers (``buffers.py``); this file does the torch
+work for one region. Parameters are not graph inputs: their addresses are stable, and
+the backward graph adds their gradients into ``param.main_grad`` itself.
+"""
+
+import inspect
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron.core.transformer.cuda_graphs.buffers import BWD, FWD, OWN, Event, Source
+from megatron.core.transformer.cuda_graphs.replay import RecordBackward
+
+# Strides are not part of the signature: static buffers are contiguous and a copy into
+# them accepts any layout.
+TensorMeta = Tuple[torch.Size, torch.dtype, torch.device, bool]
+
+
+def _meta(t: torch.Tensor) -> TensorMeta:
+    return (t.shape, t.dtype, t.device, t.requires_grad)
+
+
+def _describe(meta) -> str:
+    if meta[0] == "value":
+        return repr(meta[1])
+    shape, dtype, device, rg = meta[1]
+    return f"tensor(shape={tuple(shape)}, dtype={dtype}, device={device}, requires_grad={rg})"
+
+
+class GraphedRegion:
+    """A layer region routed through the graph manager.
+
+    Args:
+        manager: The owning ``CudaGraphManager``.
+        module: The layer the region belongs to.
+        method_name: Name of the bound method to graph (``forward`` for the whole layer).
+        name: Display name, e.g. ``decoder.layers.3.attn``.
+        index: Position of the region in the manager's list (its id in events).
+    """
+
+    def __init__(self, manager, module: torch.nn.Module, method_name: str, name: str, index: int):
+        self.manager = manager
+        self.module = module
+        self.method_name = method_name
+        self.fn: Callable = getattr(module, method_name)
+        self.name = name
+        self.index = index
+        self._signature = inspect.signature(self.fn)
+        # Filled by the recording iteration.
+        self.arg_meta: Optional[List[Any]] = None  # per positional arg: ("tensor", TensorMeta) | ("value", v)
+        self.sources: List[Source] = []
+        self.output_is_tuple = False
+        self.output_requires_grad: List[bool] = []
+        self.num_outputs = 0
+        # Filled by capture.
+        self.params: List[torch.nn.Parameter] = []
+        self.fwd_graph: Optional[torch.cuda.CUDAGraph] = None
+        self.bwd_graph: Optional[torch.cuda.CUDAGraph] = None
+        self._capture_args: Optional[List[Any]] = None
+        self._fwd_outputs: Optional[Tuple[torch.Tensor, ...]] = None
+        self.replay_inputs: List[Tuple[int, torch.Tensor, bool]] = []  # (arg index, static, copy?)
+        self.replay_outputs: List[torch.Tensor] = []
+        self.replay_grad_outputs: List[Optional[Tuple[torch.Tensor, bool]]] = []
+        self.replay_grad_inputs: List[Optional[torch.Tensor]] = []
+        self.wgrad_event: Optional[torch.cuda.Event] = None
+        self.replays = 0
+        self.capture_seconds = 0.0
+        self.pool_reserved_after: Dict[str, int] = {}
+
+    # ------------------------------------------------------------------ arguments
+    def bind(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
+        """Positional arguments with defaults filled, so every call looks the same."""
+        if not kwargs and len(args) == len(self._signature.parameters):
+            return tuple(args)
+        bound = self._signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return tuple(bound.arguments.values())
+
+    @staticmethod
+    def arg_metadata(args: Sequence[Any]) -> List[Any]:
+        return [("tensor", _meta(a)) if isinstance(a, torch.Tensor) else ("value", a) for a in args]
+
+    def check_args(self, args: Sequence[Any]) -> None:
+        """Raises ``ValueError`` naming what changed since capture (shape, dtype, value)."""
+        meta = self.arg_metadata(args)
+        if meta == self.arg_meta:
+            return
+        names = list(self._signature.parameters)
+        for i, (got, want) in enumerate(zip(meta, self.arg_meta)):
+            if got != want:
+                raise ValueError(
+                    f"CUDA graph for {self.name}: argument {names[i] if i < len(names) else i!r} changed since "
+                    f"capture: captured {_describe(want)}, got {_describe(got)}. Graphs are captured for one "
+                    "shape (sequence length, micro batch) and dtype; keep them fixed, or run with --cuda-graph-impl none."
+                )
+        if len(meta) != len(self.arg_meta):
+            raise ValueError(f"CUDA graph for {self.name}: called with {len(meta)} arguments, captured with {len(self.arg_meta)}")
+
+    def _split_outputs(self, out) -> Tuple[torch.Tensor, ...]:
+        outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        for o in outs:
+            if not isinstance(o, torch.Tensor):
+                raise TypeError(f"CUDA graph region {self.name} must return tensors, got {type(o).__name__}")
+        return outs
+
+    def _join_outputs(self, outs: Sequence[torch.Tensor]):
+        return tuple(outs) if self.output_is_tuple else outs[0]
+
+    # ------------------------------------------------------------------ recording
+    def record_forward(self, args: Tuple[Any, ...]):
+        """Eager forward that also records metadata, sources and the backward order."""
+        meta = self.arg_metadata(args)
+        if self.arg_meta is None:
+            self.arg_meta = meta
+            self.sources = [self.manager.source_of(a, self.index, i) if isinstance(a, torch.Tensor) else OWN
+                            for i, a in enumerate(args)]
+        elif meta != self.arg_meta:
+            self.check_args(args)
+        out = self.fn(*args)
+        outs = self._split_outputs(out)
+        self.output_is_tuple = isinstance(out, (tuple, list))
+        self.num_outputs = len(outs)
+        self.output_requires_grad = [o.requires_grad for o in outs]
+        self.manager.record_event(Event(FWD, self.index))
+        if any(self.output_requires_grad):
+            idx = [j for j, rg in enumerate(self.output_requires_grad) if rg]
+            wrapped = RecordBackward.apply(
+                lambda: self.manager.record_event(Event(BWD, self.index)), *[outs[j] for j in idx]
+            )
+            outs = list(outs)
+            for j, w in zip(idx, wrapped):
+                outs[j] = w
+        for j, o in enumerate(outs):
+            self.manager.note_output(o, self.index, j)
+        return self._join_outputs(outs)
+
+    @property
+    def input_requires_grad(self) -> List[bool]:
+        return [m[0] == "tensor" and m[1][3] for m in self.arg_meta]
+
+    # ------------------------------------------------------------------ capture
+    def sample_args(self, make_tensor: Callable[[int, TensorMeta], torch.Tensor]) -> List[Any]:
+        return [make_tensor(i, m[1]) if m[0] == "tensor" else m[1] for i, m in enumerate(self.arg_meta)]
+
+    def discover_params(self, args: List[Any]) -> None:
+        """Finds the parameters this region uses, from one eager forward+backward."""
+        candidates = [p for p in self.module.parameters() if p.requires_grad]
+        if not any(self.output_requires_grad):
+            self.params = []
+            return
+        outs = self._split_outputs(self.fn(*args))
+        grads = self._grad(outs, args, candidates)
+        self.params = [p for p, g in zip(candidates, grads[len(self._grad_inputs(args)):]) if g is not None]
+        missing = [p for p in self.params if not hasattr(p, "main_grad")]
+        if missing:
+            raise RuntimeError(
+                f"CUDA graph for {self.name}: parameters without main_grad; wrap the model in "
+                "DistributedDataParallel before capturing (graphs add weight gradients to main_grad)."
+            )
+
+    def _grad_inputs(self, args: Sequence[Any]) -> List[torch.Tensor]:
+        return [a for a, rg in zip(args, self.input_requires_grad) if rg]
+
+    def _grad(self, outs, args, params, grad_outputs=None):
+        pairs = [(o, g) for j, (o, rg) in enumerate(zip(outs, self.output_requires_grad)) if rg
+                 for g in [None if grad_outputs is None else grad_outputs[j]]]
+        outputs = [o for o, _ in pairs]
+        grads_out = [torch.ones_like(o) if g is None else g for o, g in pairs]
+        return torch.autograd.grad(outputs, self._grad_inputs(args) + list(params), grads_out, allow_unused=True)
+
+    def warmup(self, args: List[Any], steps: int) -> None:
+        for _ in range(steps):
+            outs = self._split_outputs(self.fn(*args))
+            if any(self.output_requires_grad):
+                self._grad(outs, args, self.params)
+            del outs
+
+    def capture_forward(self, args: List[Any], pool, stream) -> Tuple[torch.Tensor, ...]:
+        """Captures the forward graph on ``args`` (static buffers or their leaf aliases)."""
+        graph = torch.cuda.CUDAGraph()
+        start = time.perf_counter()
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool.handle, capture_error_mode="thread_local")
+            try:
+                outs = self._split_outputs(self.fn(*args))
+            finally:
+                graph.capture_end()
+        self.capture_seconds += time.perf_counter() - start
+        self.fwd_graph = graph
+        if any(self.output_requires_grad):
+            # Roots and leaves of the backward capture; the plan decides everything else.
+            self._capture_args = list(args)
+            self._fwd_outputs = outs
+        return outs
+
+    def capture_backward(self, grad_outputs: List[Optional[torch.Tensor]], pool, stream) -> List[Optional[torch.Tensor]]:
+        """Captures dgrad + wgrad; wgrads are added to ``main_grad`` inside the graph."""
+        graph = torch.cuda.CUDAGraph()
+        args, outs = self._capture_args, self._fwd_outputs
+        n_in = len(self._grad_inputs(args))
+        start = time.perf_counter()
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool.handle, capture_error_mode="thread_local")
+            try:
+                grads = self._grad(outs, args, self.params, grad_outputs)
+                for p, g in zip(self.params, grads[n_in:]):
+                    if g is not None:
+                        p.main_grad.add_(g)
+            finally:
+                graph.capture_end()
+        self.capture_seconds += time.perf_counter() - start
+        self.bwd_graph = graph
+        dgrads = list(grads[:n_in])
+        del grads
+        # The autograd graph of the forward capture is freed now: its saved tensors go
+        # back to the pool. Drop our own holds on the capture-time arguments too.
+        self._capture_args = None
+        self._fwd_outputs = None
+        return dgrads
+
+    def finish_capture(self, inputs, outputs, grad_outputs, grad_inputs) -> None:
+        """Bakes the final (weak or strong) buffer objects used at every replay."""
+        self._capture_args = None
+        self._fwd_outputs = None
+        self.replay_inputs = inputs
+        self.replay_outputs = outputs
+        self.replay_grad_outputs = grad_outputs
+        self.replay_grad_inputs = grad_inputs
+        self.wgrad_event = torch.cuda.Event()
+
+    # ------------------------------------------------------------------ replay
+    def replay_forward(self, args: Sequence[Any]) -> Tuple[torch.Tensor, ...]:
+        self.manager.check_order(Event(FWD, self.index), self)
+        for i, static, copy in self.replay_inputs:
+            a = args[i]
+            if a.data_ptr() == static.data_ptr():
+                continue
+            if not copy:
+                raise RuntimeError(
+                    f"CUDA graph for {self.name}: input {i} was captured as the output buffer of the region "
+                    "before it, but another tensor arrived at replay; the data flow between graphed regions "
+                    "changed since capture."
+                )
+            static.copy_(a)
+        self.fwd_graph.replay()
+        self.manager.after_replay()
+        self.replays += 1
+        return tuple(o.detach() for o in self.replay_outputs)
+
+    def replay_backward(self, grads: Sequence[Optional[torch.Tensor]]) -> Tuple[Optional[torch.Tensor], ...]:
+        self.manager.check_order(Event(BWD, self.index), self)
+        for g, slot in zip(grads, self.replay_grad_outputs):
+            if slot is None:
+                continue
+            static, _ = slot
+            if g is None:
+                static.zero_()
+            elif g.data_ptr() != static.data_ptr():
+                static.copy_(g)
+        self.bwd_graph.replay()
+        self.manager.after_replay()
+        if self.wgrad_event is not None:
+            self.wgrad_event.record()
+        self.manager.wgrads_ready(self.params, self.wgrad_event)
+        out: List[Optional[torch.Tensor]] = []
+        grad_inputs = iter(self.replay_grad_inputs)
+        for rg in self.input_requires_grad:
+            d = next(grad_inputs) if rg else None
+            out.append(None if d is None else d.detach())
+        return tuple(out)
+

@@ -1,0 +1,159 @@
+"""The hand-off / release plan, on recorded orders (pure Python)."""
+
+import pytest
+
+from megatron.core.transformer.cuda_graphs.buffers import (
+    BWD,
+    FWD,
+    OWN,
+    Event,
+    RegionIO,
+    Source,
+    build_plan,
+    split_cycle,
+)
+
+
+def stack_cycle(n):
+    return [Event(FWD, i) for i in range(n)] + [Event(BWD, i) for i in reversed(range(n))]
+
+
+def layer_stack(n, shared=True):
+    """n whole-layer regions: hidden handed off layer to layer, rotary table shared."""
+    regions = []
+    for i in range(n):
+        hidden = OWN if i == 0 else Source("handoff", i - 1, 0)
+        inputs = [hidden] + ([Source("shared", index=0)] if shared else [])
+        regions.append(RegionIO(f"layer{i}", inputs, [True] + ([False] if shared else []), [True]))
+    return regions
+
+
+def pos(cycle, phase, r):
+    return cycle.index(Event(phase, r))
+
+
+def test_handoff_forward_and_backward_alias():
+    cycle = stack_cycle(3)
+    plan = build_plan(cycle, layer_stack(3))
+    # Forward: layer k+1 reads layer k's output buffer directly (no copy).
+    assert plan.buffers[("input", 1, 0)].alias_of == ("output", 0, 0)
+    assert plan.buffers[("input", 2, 0)].alias_of == ("output", 1, 0)
+    # Backward: layer k's grad_output is layer k+1's dgrad buffer.
+    assert plan.buffers[("grad_output", 0, 0)].alias_of == ("grad_input", 1, 0)
+    assert plan.buffers[("grad_output", 1, 0)].alias_of == ("grad_input", 2, 0)
+    # The first layer's input comes from eager code: a buffer of its own, copied into.
+    assert plan.buffers[("input", 0, 0)].alias_of is None
+    # Last layer's grad_output comes from eager code too.
+    assert plan.buffers[("grad_output", 2, 0)].alias_of is None
+    assert plan.owner(("grad_output", 0, 0)) == ("grad_input", 1, 0)
+
+
+def test_handed_off_dgrad_released_after_its_reader():
+    cycle = stack_cycle(3)
+    plan = build_plan(cycle, layer_stack(3))
+    # dgrad of layer 2 is read by layer 1's backward graph, then dead.
+    assert plan.buffers[("grad_input", 2, 0)].release_after == pos(cycle, BWD, 1)
+    assert plan.buffers[("grad_input", 1, 0)].release_after == pos(cycle, BWD, 0)
+    # The first layer's dgrad escapes to eager code (embedding backward): kept.
+    assert plan.buffers[("grad_input", 0, 0)].release_after is None
+
+
+def test_output_escaping_to_eager_kept_until_producer_backward():
+    cycle = stack_cycle(3)
+    plan = build_plan(cycle, layer_stack(3))
+    # The last layer's output escapes to the final norm and loss: eager code reads it
+    # until the gradient reaches the layer, so it must survive every capture before B2.
+    assert plan.buffers[("output", 2, 0)].release_after == pos(cycle, BWD, 2)
+    for r in range(3):
+        assert plan.buffers[("output", r, 0)].release_after == pos(cycle, BWD, r)
+        assert plan.buffers[("output", r, 0)].release_after > pos(cycle, FWD, 2)
+
+
+def test_saved_for_backward_input_dead_only_after_backward():
+    cycle = stack_cycle(2)
+    plan = build_plan(cycle, layer_stack(2))
+    spec = plan.buffers[("input", 0, 0)]
+    # Our reference may go after the forward capture (autograd owns saved tensors) ...
+    assert spec.release_after == pos(cycle, FWD, 0)
+    # ... but the memory is only dead after the backward that may read what was saved.
+    assert spec.dead_after == pos(cycle, BWD, 0)
+
+
+def test_multi_consumer_input_is_one_buffer():
+    cycle = stack_cycle(4)
+    plan = build_plan(cycle, layer_stack(4))
+    group = ("shared", -1, 0)
+    for r in range(4):
+        assert plan.owner(("input", r, 1)) == group
+    # Held until the last forward reader is captured, dead after the last backward.
+    assert plan.buffers[group].readers == [pos(cycle, FWD, r) for r in range(4)]
+    assert plan.buffers[group].release_after == pos(cycle, FWD, 3)
+    assert plan.buffers[group].dead_after == pos(cycle, BWD, 0)
+
+
+def test_output_read_by_two_regions_released_after_both():
+    # Region 0's output feeds regions 1 and 2 (e.g. a residual read by two branches).
+    cycle = stack_cycle(3)
+    regions = [
+        RegionIO("a", [OWN], [True], [True]),
+        RegionIO("b", [Source("handoff", 0, 0)], [True], [True]),
+        RegionIO("c", [Source("handoff", 0, 0)], [True], [True]),
+    ]
+    plan = build_plan(cycle, regions)
+    spec = plan.buffers[("output", 0, 0)]
+    assert spec.readers == [pos(cycle, FWD, 0), pos(cycle, FWD, 1), pos(cycle, FWD, 2)]
+    assert spec.release_after == pos(cycle, BWD, 0)
+    assert spec.dead_after >= pos(cycle, BWD, 1)
+
+
+def test_sub_layer_regions_with_eager_between():
+    # attn-only scope: attn graphs with eager MLPs in between -> no hand-offs at all.
+    n = 3
+    cycle = stack_cycle(n)
+    regions = [RegionIO(f"attn{i}", [OWN, Source("shared", index=0)], [True, False], [True]) for i in range(n)]
+    plan = build_plan(cycle, regions)
+    for r in range(n):
+        assert plan.buffers[("input", r, 0)].alias_of is None
+        assert plan.buffers[("grad_output", r, 0)].alias_of is None
+        # dgrads go to the eager MLP below: kept (eager autograd may hold them).
+        assert plan.buffers[("grad_input", r, 0)].release_after is None
+
+
+def test_region_without_backward_keeps_its_output():
+    cycle = [Event(FWD, 0)]
+    plan = build_plan(cycle, [RegionIO("frozen", [OWN], [False], [False])])
+    assert plan.buffers[("output", 0, 0)].release_after is None
+    assert ("grad_output", 0, 0) not in plan.buffers
+
+
+def test_releases_never_precede_any_reader():
+    cycle = stack_cycle(5)
+    plan = build_plan(cycle, layer_stack(5))
+    for key, spec in plan.buffers.items():
+        if spec.alias_of is None and spec.release_after is not None:
+            assert all(r <= spec.release_after for r in spec.readers), key
+            for k2, s2 in plan.buffers.items():
+                if s2.alias_of is not None and plan.owner(k2) == key:
+                    assert all(r <= spec.release_after for r in s2.readers), (key, k2)
+
+
+def test_split_cycle_over_micro_batches():
+    one = stack_cycle(3)
+    assert split_cycle(one * 4) == one
+    assert split_cycle(one) == one
+
+
+def test_split_cycle_rejects_changing_order():
+    one = stack_cycle(3)
+    other = [Event(FWD, 0), Event(FWD, 2), Event(FWD, 1), Event(BWD, 1), Event(BWD, 2), Event(BWD, 0)]
+    with pytest.raises(ValueError, match="different order"):
+        split_cycle(one + other)
+    with pytest.raises(ValueError, match="no graphed region"):
+        split_cycle([])
+
+
+def test_handoff_from_later_region_rejected():
+    cycle = stack_cycle(2)
+    regions = [RegionIO("a", [Source("handoff", 1, 0)], [True], [True]), RegionIO("b", [OWN], [True], [True])]
+    with pytest.raises(ValueError, match="runs later"):
+        build_plan(cycle, regions)

@@ -1,0 +1,161 @@
+"""Graphed training equals eager training, on a GPU (``pytest -m gpu``).
+
+Bitwise: the same kernels run eagerly and inside the graphs (deterministic mode, dropout
+0), and the backward graph adds weight gradients into ``main_grad`` with the same
+``add_`` the DDP hook uses, so losses and every ``main_grad`` are compared with
+``torch.equal``.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from megatron.core import parallel_state
+from megatron.training.data import build_data_iterators
+from megatron.training.training import build_trainer
+
+pytestmark = pytest.mark.gpu
+
+DENSE8 = (
+    "--num-layers 8 --hidden-size 1024 --ffn-hidden-size 4096 --num-attention-heads 16 --seq-length 2048 "
+    "--max-position-embeddings 2048 --micro-batch-size 2 --global-batch-size 2"
+)
+SMALL = (
+    "--num-layers 3 --hidden-size 256 --num-attention-heads 4 --seq-length 256 "
+    "--max-position-embeddings 256 --micro-batch-size 2 --global-batch-size 2"
+)
+COMMON = (
+    "--lr 1e-4 --min-lr 1e-5 --lr-decay-style constant --seed 1234 --tokenizer-type NullTokenizer "
+    "--vocab-size 32000 --mock-data --log-interval 1000000 --num-workers 0 --deterministic-mode"
+)
+NO_DROPOUT = "--attention-dropout 0.0 --hidden-dropout 0.0"
+SCOPES = {"layer": "", "attn": "attn", "mlp": "mlp", "attn mlp": "attn mlp"}
+
+
+def graph_flags(scope):
+    return f"--cuda-graph-impl local --cuda-graph-scope {SCOPES[scope]}".rstrip()
+
+
+def train(flags: str, iters: int, snapshot_at: int = 3, batches=None):
+    """Trains ``iters`` iterations; returns (losses, main_grads after ``snapshot_at``, trainer)."""
+    trainer = build_trainer(f"{flags} --train-iters {iters}".split())
+    try:
+        it = batches if batches is not None else build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0)[0]
+        trainer.model.train()
+        losses, grads = [], None
+        for i in range(1, iters + 1):
+            loss, _, _ = trainer.train_step(it)
+            losses.append(loss.detach().clone())
+            if i == snapshot_at:
+                grads = [p.main_grad.detach().clone() for p in trainer.model.module.parameters()]
+        torch.cuda.synchronize()
+        return losses, grads, trainer
+    finally:
+        parallel_state.destroy(trainer.pg)
+
+
+def assert_same(eager, graphed, what):
+    e_losses, e_grads, _ = eager
+    g_losses, g_grads, _ = graphed
+    for i, (a, b) in enumerate(zip(e_losses, g_losses)):
+        assert torch.equal(a, b), f"{what}: lm loss differs at iteration {i + 1}: eager {a.item()!r} graphed {b.item()!r}"
+    for k, (a, b) in enumerate(zip(e_grads, g_grads)):
+        assert torch.equal(a, b), f"{what}: main_grad of parameter {k} differs after iteration 3 (max diff {(a - b).abs().max().item()})"
+
+
+@pytest.mark.parametrize("precision", ["--bf16", ""], ids=["bf16", "fp32"])
+def test_dense8_graphed_equals_eager_every_scope(precision):
+    flags = f"{DENSE8} {COMMON} {NO_DROPOUT} {precision}"
+    eager = train(flags, 50)
+    assert eager[2].graphs.state == "off"
+    for scope in SCOPES:
+        graphed = train(f"{flags} {graph_flags(scope)}", 50)
+        trainer = graphed[2]
+        assert trainer.graphs.state == "captured"
+        n_regions = {"layer": 8, "attn": 8, "mlp": 8, "attn mlp": 8}[scope]
+        assert len(trainer.graphs.regions) == n_regions
+        assert trainer.graphs.num_graphs() == 2 * n_regions
+        assert_same(eager, graphed, f"scope {scope!r} {precision or 'fp32'}")
+        del graphed, trainer
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("scope", ["layer", "attn"])
+def test_grad_accumulation_and_overlap(scope):
+    flags = f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 --global-batch-size 6 --overlap-grad-reduce"
+    eager = train(flags, 8)
+    graphed = train(f"{flags} {graph_flags(scope)}", 8)
+    assert_same(eager, graphed, f"3 micro-batches, overlap, scope {scope}")
+
+
+def test_rope_gqa_swiglu_graphed_equals_eager():
+    flags = (f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 --position-embedding-type rope --group-query-attention "
+             "--num-query-groups 2 --swiglu --disable-bias-linear --normalization RMSNorm")
+    eager = train(flags, 8)
+    for scope in ("layer", "attn", "mlp"):
+        graphed = train(f"{flags} {graph_flags(scope)}", 8)
+        # The rotary table is one buffer shared by every layer's graph.
+        plan = graphed[2].graphs.plan
+        assert any(k[0] == "shared" for k in plan.buffers)
+        assert_same(eager, graphed, f"rope/gqa/swiglu scope {scope}")
+
+
+def test_dropout_masks_change_between_replays():
+    flags = f"{SMALL} {COMMON} --bf16 --hidden-dropout 0.1 --attention-dropout 0.1 --lr 0 --min-lr 0 {graph_flags('layer')}"
+    probe = build_trainer(f"{flags} --train-iters 1".split())
+    batch = next(build_data_iterators(probe.cfg, probe.tokenizer, probe.pg, 0)[0])
+    parallel_state.destroy(probe.pg)
+    losses, _, trainer = train(flags, 4, batches=itertools.repeat(batch))
+    assert trainer.graphs.state == "captured"
+    values = [x.item() for x in losses]
+    assert all(torch.isfinite(torch.tensor(values)))
+    # Same batch, lr 0 (weights fixed): only fresh dropout masks can change the loss.
+    assert len(set(values[1:])) == len(values[1:]), values
+
+
+def test_pool_accounting_and_release():
+    _, _, trainer = train(f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 {graph_flags('layer')}", 2)
+    s = trainer.graphs.stats()
+    assert s["graphs"] == 6
+    assert 0 < s["pool_live_bytes"] <= s["pool_reserved_bytes"]
+    # Hand-offs released: we hold far less than one buffer per graph input and output.
+    hidden_bytes = 256 * 2 * 256 * 2
+    assert s["strong_bytes"] <= 3 * hidden_bytes, s
+    assert len(s["regions"]) == 3 and all(r["pool_reserved_after_bwd"] for r in s["regions"])
+
+
+def test_shape_change_after_capture_is_a_clear_error():
+    _, _, trainer = train(f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 {graph_flags('layer')}", 2)
+    model = trainer.model
+    tokens = torch.zeros(2, 128, dtype=torch.long, device="cuda")
+    with pytest.raises(ValueError, match=r"changed since capture.*shape=\(256, 2, 256\)"):
+        model(tokens, None, tokens)
+
+
+def test_out_of_order_replay_raises():
+    _, _, trainer = train(f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 {graph_flags('layer')}", 2)
+    model = trainer.model
+    tokens = torch.zeros(2, 256, dtype=torch.long, device="cuda")
+    model(tokens, None, tokens)  # a forward cycle without its backward ...
+    with pytest.raises(RuntimeError, match="out of capture order"):
+        model(tokens, None, tokens)  # ... then another forward
+
+
+def test_debug_mode_checks_replays():
+    flags = f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 {graph_flags('layer')} --cuda-graph-debug"
+    eager = train(f"{SMALL} {COMMON} {NO_DROPOUT} --bf16", 5)
+    graphed = train(flags, 5)
+    assert_same(eager, graphed, "debug mode")
+    assert graphed[2].graphs._poison, "debug mode should poison released buffers"
+
+
+def test_eval_mode_runs_eagerly_between_replays():
+    losses, _, trainer = train(f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 {graph_flags('layer')}", 3)
+    model = trainer.model
+    model.eval()
+    tokens = torch.ones(2, 256, dtype=torch.long, device="cuda")
+    with torch.no_grad():
+        out = model(tokens, None, tokens)
+    assert torch.isfinite(out).all()
+    assert trainer.graphs.cursor == 0
