@@ -1,0 +1,212 @@
+"""Data-parallel wrapper: main_grad in one contiguous buffer, bucketed all-reduce.
+
+``DistributedDataParallel`` wraps a model, gives each trainable parameter a
+``main_grad`` view into one fp32 ``GradBuffer`` and, after each backward, averages the
+buffer over the data-parallel group bucket by bucket.
+
+How gradients arrive. Eager parameters: a post-accumulate-grad hook adds ``param.grad``
+into ``main_grad``, drops ``param.grad`` and calls ``register_grad_ready(param)``.
+Parameters inside a CUDA-graphed region: the backward graph adds wgrads into
+``main_grad`` itself and the replay calls ``register_grad_ready(param, event)`` with
+an event recorded after the replay; the bucket waits on that event before it is read.
+
+Unusual choices:
+- Buckets are launched strictly in index order (a bucket that becomes ready waits
+  for its predecessors), so every rank issues the same collectives in the same order
+  even if hooks fire in a different order somewhere.
+- Averaging is ``ReduceOp.AVG`` on NCCL and ``x * (1/dp)`` then ``SUM`` elsewhere
+  (gloo has no AVG). With DP = 1 nothing is communicated, but events are still waited.
+- No host synchronisation anywhere on this path (readiness is plain Python sets).
+"""
+
+import contextlib
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.config_utils import require
+from megatron.core.distributed.param_and_grad_buffer import Bucket, GradBuffer
+
+
+def default_bucket_size(dp_size: int) -> int:
+    """Megatron's default bucket size in elements: max(40M, 1M * DP)."""
+    return max(40_000_000, 1_000_000 * dp_size)
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wraps ``module`` for data-parallel training with a contiguous gradient buffer.
+
+    Args:
+        module: The model. Its trainable parameters must all live on one device.
+        config: ``DDPConfig`` (``overlap_grad_reduce``, ``ddp_bucket_size``).
+        pg: Process groups; ``pg.dp`` is the data-parallel group (``None`` for DP = 1).
+
+    Attributes:
+        module: The wrapped model.
+        grad_buffer: The ``GradBuffer`` holding every ``main_grad``.
+    """
+
+    def __init__(self, module: torch.nn.Module, *, config, pg):
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.pg = pg
+        self.dp_group = pg.dp
+        self.dp_size = pg.dp_size
+        bucket_size = config.ddp_bucket_size
+        if bucket_size is None:
+            bucket_size = default_bucket_size(self.dp_size)
+        require(bucket_size >= 1, f"--ddp-bucket-size must be >= 1, got {bucket_size}; drop it for the default.")
+
+        params = [p for p in module.parameters() if p.requires_grad]
+        devices = {p.device for p in params}
+        require(len(devices) <= 1, f"all trainable parameters must live on one device, found {sorted(map(str, devices))}.")
+        device = devices.pop() if devices else pg.device
+        # Backward order: the last parameters get their gradients first.
+        self.grad_buffer = GradBuffer(list(reversed(params)), bucket_size=bucket_size, device=device)
+
+        # NCCL averages natively; other backends get a pre-scale and a SUM.
+        self._use_avg_op = self.dp_group is not None and dist.get_backend(self.dp_group) == "nccl"
+        self._sync_enabled = True
+        self._next_bucket = 0  # first bucket not yet launched this sync
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_accumulated) for p in params]
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped module's state dict (no ``module.`` prefix, as Megatron)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
+        return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
+
+    # ------------------------------------------------------------------ buffer
+
+    @property
+    def buckets(self) -> List[Bucket]:
+        return self.grad_buffer.buckets
+
+    def zero_grad_buffer(self) -> None:
+        """Zeroes every ``main_grad`` in place and starts a new gradient sync.
+
+        Outstanding events and reductions are waited on first, so nothing still
+        writing into the buffer can race with the zeroing.
+        """
+        for bucket in self.buckets:
+            bucket.wait_events()
+            if bucket.handle is not None:
+                bucket.handle.wait()
+                bucket.handle = None
+            bucket.reset()
+        self._next_bucket = 0
+        self.grad_buffer.zero_()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Inside: gradients accumulate in ``main_grad`` and nothing is reduced.
+
+        Wrap every micro-batch but the last of an iteration in it.
+        """
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    # ------------------------------------------------------------------ readiness
+
+    def _on_grad_accumulated(self, param: torch.nn.Parameter) -> None:
+        # Autograd has just put the full gradient of this backward into param.grad.
+        # If param.grad already *is* main_grad (someone left it attached), autograd has
+        # accumulated into the buffer itself and adding again would double the gradient.
+        if param.grad.data_ptr() != param.main_grad.data_ptr():
+            param.main_grad.add_(param.grad)
+        param.grad = None
+        self.register_grad_ready(param)
+
+    def register_grad_ready(self, param: torch.nn.Parameter, event=None) -> None:
+        """Marks ``param``'s gradient as complete in ``main_grad`` for this backward.
+
+        Args:
+            param: A parameter of the wrapped module.
+            event: Optional ``torch.cuda.Event`` recorded after the work that wrote
+                ``main_grad`` (a graph replay, maybe on another stream). It is waited on
+                before the bucket is scaled or reduced, with or without overlap.
+        """
+        bucket = self.grad_buffer.param_to_bucket.get(param)
+        if bucket is None:
+            raise RuntimeError("register_grad_ready got a parameter that this DDP does not manage.")
+        if event is not None:
+            bucket.add_event(event)
+        if not self._sync_enabled:
+            return
+        if bucket.launched:
+            raise RuntimeError(
+                f"a gradient arrived for bucket {bucket.index} after its reduction was launched; run "
+                "every micro-batch but the last under no_sync(), and call zero_grad_buffer() before "
+                "the next iteration's backward."
+            )
+        bucket.ready.add(param)
+        if self.config.overlap_grad_reduce:
+            self._launch_in_order(only_ready=True)
+
+    # ------------------------------------------------------------------ reduction
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.wait_events()
+        bucket.launched = True
+        if self.dp_group is None:
+            return
+        if self._use_avg_op:
+            op = dist.ReduceOp.AVG
+        else:
+            bucket.data.mul_(1.0 / self.dp_size)
+            op = dist.ReduceOp.SUM
+        bucket.handle = dist.all_reduce(bucket.data, op=op, group=self.dp_group, async_op=True)
+
+    def _launch_in_order(self, only_ready: bool) -> None:
+        buckets = self.buckets
+        while self._next_bucket < len(buckets):
+            bucket = buckets[self._next_bucket]
+            if only_ready and not bucket.is_ready():
+                return
+            self._launch(bucket)
+            self._next_bucket += 1
+
+    def start_grad_sync(self) -> None:
+        """Launches the reduction of every bucket not launched yet (waiting its events)."""
+        self._launch_in_order(only_ready=False)
+
+    def finish_grad_sync(self) -> None:
+        """Makes every ``main_grad`` hold the DP-averaged gradient.
+
+        Launches whatever is left (buckets with unused or unmarked parameters included)
+        and waits on every handle. Waiting on an NCCL handle orders the current stream
+        after the collective; it does not block the host.
+        """
+        self.start_grad_sync()
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+                bucket.handle = None
+
+    # ------------------------------------------------------------------ helpers
+
+    def broadcast_params(self) -> None:
+        """Copies every parameter from DP rank 0 to the other DP ranks."""
+        if self.dp_group is None:
+            return
+        src = dist.get_global_rank(self.dp_group, 0)
+        for param in self.module.parameters():
+            dist.broadcast(param.data, src=src, group=self.dp_group)
+
+    def remove_hooks(self) -> None:
+        """Detaches the grad-accumulation hooks (for tests that wrap a module twice)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []

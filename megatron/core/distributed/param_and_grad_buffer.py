@@ -1,0 +1,148 @@
+"""One contiguous fp32 gradient buffer, split into buckets that are reduced as units.
+
+Every trainable parameter gets ``param.main_grad``: a view into a single flat buffer
+allocated once. Its address never changes for the whole run, which is what lets a
+captured CUDA graph add weight gradients straight into it. Parameters are laid out in
+backward order (the reverse of ``module.parameters()``), so the first bucket fills
+first during backward and its all-reduce can start while backward continues.
+
+Unusual here: a bucket also remembers CUDA events handed in by graph replays that
+wrote its ``main_grad`` views on another stream; whoever reads, scales or reduces the
+bucket first makes the current stream wait on them (``wait_events``).
+"""
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+# Parameter starts are rounded up to this many elements (256 bytes in fp32), so every
+# main_grad view is aligned for vectorised kernels. The gaps stay zero.
+_ALIGN_ELEMENTS = 64
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+class Bucket:
+    """A contiguous slice of the grad buffer, reduced by one collective.
+
+    Attributes:
+        index: Position in the buffer (and in launch order).
+        params: Parameters whose ``main_grad`` lies in this bucket, in buffer order.
+        data: 1-D view of the buffer covering all of them (alignment gaps included).
+        offset: Index of ``data[0]`` in the whole buffer.
+        ready: Parameters whose gradient is complete for the current sync.
+        handle: The in-flight async collective, if launched and not yet waited on.
+        launched: True once the bucket's reduction was started this sync
+            (with DP = 1 this means only that its events were waited on).
+    """
+
+    def __init__(self, index: int, params: List[torch.nn.Parameter], data: torch.Tensor, offset: int):
+        self.index = index
+        self.params = params
+        self.data = data
+        self.offset = offset
+        self.ready: set = set()
+        self.handle = None
+        self.launched = False
+        # id(event) -> event; an event object re-recorded every replay is stored once.
+        self._events: Dict[int, object] = {}
+
+    @property
+    def numel(self) -> int:
+        return self.data.numel()
+
+    def is_ready(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+    def add_event(self, event) -> None:
+        self._events[id(event)] = event
+
+    def wait_events(self) -> None:
+        """Orders later work on this bucket after every event handed in (no host sync on CUDA)."""
+        if not self._events:
+            return
+        if self.data.is_cuda:
+            stream = torch.cuda.current_stream(self.data.device)
+            for event in self._events.values():
+                stream.wait_event(event)
+        else:
+            # A CPU buffer is read by the host, so the host itself has to wait.
+            for event in self._events.values():
+                event.synchronize()
+        self._events.clear()
+
+    def reset(self) -> None:
+        """Forgets readiness and launch state (the buffer contents are zeroed elsewhere)."""
+        assert self.handle is None, "reset a bucket whose reduction is still in flight"
+        self.ready.clear()
+        self.launched = False
+
+
+class GradBuffer:
+    """The flat fp32 gradient buffer of a set of parameters, and its buckets.
+
+    Args:
+        params: Parameters in buffer order (backward order). Each gets ``main_grad``.
+        bucket_size: Elements per bucket. A bucket is closed after the parameter that
+            makes it reach this size, so a bucket can exceed it by less than one
+            parameter, and a parameter never spans two buckets.
+        device: Where the buffer lives (the parameters' device).
+        dtype: Buffer dtype; fp32 (reduced-precision buffers are not supported).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        *,
+        bucket_size: int,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+    ):
+        assert bucket_size >= 1, bucket_size
+        self.params = list(params)
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+        # Pass 1: offsets and bucket boundaries, in plain integers.
+        starts: List[int] = []
+        bucket_ranges: List[tuple] = []  # (first param index, end param index, start elem, end elem)
+        offset = 0
+        first_param, bucket_start = 0, 0
+        for i, param in enumerate(self.params):
+            start = _round_up(offset, _ALIGN_ELEMENTS)
+            starts.append(start)
+            offset = start + param.numel()
+            if offset - bucket_start >= bucket_size:
+                bucket_ranges.append((first_param, i + 1, bucket_start, offset))
+                first_param, bucket_start = i + 1, _round_up(offset, _ALIGN_ELEMENTS)
+        if first_param < len(self.params):
+            bucket_ranges.append((first_param, len(self.params), bucket_start, offset))
+        self.numel = _round_up(offset, _ALIGN_ELEMENTS)
+
+        # Pass 2: the one allocation, then views into it.
+        self.data = torch.zeros(self.numel, dtype=dtype, device=self.device)
+        for param, start in zip(self.params, starts):
+            param.main_grad = self.data[start : start + param.numel()].view(param.shape)
+        self.buckets: List[Bucket] = []
+        self.param_to_bucket: Dict[torch.nn.Parameter, Bucket] = {}
+        for index, (p0, p1, e0, e1) in enumerate(bucket_ranges):
+            bucket = Bucket(index, self.params[p0:p1], self.data[e0:e1], e0)
+            self.buckets.append(bucket)
+            for param in bucket.params:
+                self.param_to_bucket[param] = bucket
+
+    def zero_(self) -> None:
+        """Zeroes the whole buffer in place (same storage, same address)."""
+        self.data.zero_()
+
+    def param_range(self, param: torch.nn.Parameter) -> tuple:
+        """``(start, end)`` element indices of ``param.main_grad`` in ``data``."""
+        start = param.main_grad.data_ptr() - self.data.data_ptr()
+        start //= self.data.element_size()
+        return start, start + param.numel()
+
+    def __repr__(self) -> str:
+        sizes = [b.numel for b in self.buckets]
+        return f"GradBuffer(numel={self.numel}, dtype={self.dtype}, buckets={sizes})"

@@ -1,0 +1,128 @@
+"""Learning-rate schedule with Megatron's semantics, counted in iterations.
+
+Warm-up is linear from 0: ``lr = max_lr * step / warmup_steps`` for ``step <= warmup``.
+Then ``constant`` stays at ``max_lr`` forever, while ``linear`` and ``cosine`` decay
+from ``max_lr`` to ``min_lr`` at ``lr_decay_steps`` and stay at ``min_lr`` after it.
+
+Megatron counts in samples (iterations x global batch); with a fixed global batch the
+ratios are the same, so counting iterations gives the same learning rates. As in
+Megatron, the scheduler applies ``get_lr(0)`` on construction, so with warm-up the
+first iteration runs at lr 0, and ``step()`` is called after each optimizer step.
+"""
+
+import math
+from typing import Any, Dict
+
+from megatron.core.config_utils import require
+
+_STYLES = ("constant", "linear", "cosine")
+
+
+class OptimizerParamScheduler:
+    """Sets ``lr`` on every param group of ``optimizer`` as iterations advance.
+
+    Args:
+        optimizer: Anything with ``param_groups`` (a torch optimizer or
+            ``MixedPrecisionOptimizer``).
+        max_lr: Peak learning rate (``--lr``).
+        min_lr: Floor at the end of decay (``--min-lr``).
+        lr_warmup_steps: Iterations of linear warm-up (may be fractional when it comes
+            from ``--lr-warmup-fraction``).
+        lr_decay_steps: Iteration at which decay reaches ``min_lr``.
+        lr_decay_style: ``constant``, ``linear`` or ``cosine``.
+    """
+
+    def __init__(
+        self,
+        optimizer,
+        *,
+        max_lr: float,
+        min_lr: float,
+        lr_warmup_steps: float,
+        lr_decay_steps: float,
+        lr_decay_style: str,
+    ):
+        require(lr_decay_style in _STYLES, f"--lr-decay-style must be one of {_STYLES}, got {lr_decay_style!r}.")
+        require(0.0 <= min_lr <= max_lr, f"need 0 <= --min-lr ({min_lr}) <= --lr ({max_lr}).")
+        require(lr_warmup_steps >= 0, f"--lr-warmup-iters must be >= 0, got {lr_warmup_steps}.")
+        if lr_decay_style != "constant":
+            require(lr_decay_steps > 0, f"--lr-decay-iters must be > 0, got {lr_decay_steps}.")
+            require(
+                lr_warmup_steps < lr_decay_steps,
+                f"warm-up ({lr_warmup_steps} iterations) must end before decay does (--lr-decay-iters, "
+                f"default --train-iters = {lr_decay_steps}); shorten --lr-warmup-iters/--lr-warmup-fraction "
+                "or lengthen --lr-decay-iters.",
+            )
+        self.optimizer = optimizer
+        self.max_lr = float(max_lr)
+        self.min_lr = float(min_lr)
+        self.lr_warmup_steps = lr_warmup_steps
+        self.lr_decay_steps = lr_decay_steps
+        self.lr_decay_style = lr_decay_style
+        self.num_steps = 0
+        self.step(0)
+
+    def get_lr(self, step: float) -> float:
+        """The learning rate after ``step`` iterations (pure)."""
+        warmup = self.lr_warmup_steps
+        if warmup > 0 and step <= warmup:
+            return self.max_lr * float(step) / float(warmup)
+        if self.lr_decay_style == "constant":
+            return self.max_lr
+        if step > self.lr_decay_steps:
+            return self.min_lr
+        ratio = float(step - warmup) / float(self.lr_decay_steps - warmup)
+        assert 0.0 <= ratio <= 1.0, ratio
+        if self.lr_decay_style == "linear":
+            coeff = 1.0 - ratio
+        else:  # cosine
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def step(self, increment: int = 1) -> float:
+        """Advances by ``increment`` iterations and writes the new lr into every group."""
+        self.num_steps += increment
+        lr = self.get_lr(self.num_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "max_lr": self.max_lr,
+            "min_lr": self.min_lr,
+            "lr_warmup_steps": self.lr_warmup_steps,
+            "lr_decay_steps": self.lr_decay_steps,
+            "lr_decay_style": self.lr_decay_style,
+            "num_steps": self.num_steps,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restores the position; the schedule itself comes from this run's flags."""
+        self.num_steps = int(state["num_steps"])
+        self.step(0)
+
+
+def build_scheduler(optimizer, opt_config, train_iters: int) -> OptimizerParamScheduler:
+    """The scheduler for ``OptimizerConfig``: resolves --lr-decay-iters and warm-up.
+
+    ``--lr-decay-iters`` defaults to ``train_iters``; ``--lr-warmup-fraction`` (when
+    set) is a fraction of the decay iterations and wins over ``--lr-warmup-iters``.
+    """
+    decay_iters = opt_config.lr_decay_iters if opt_config.lr_decay_iters is not None else train_iters
+    if opt_config.lr_warmup_fraction is not None:
+        require(
+            0.0 <= opt_config.lr_warmup_fraction < 1.0,
+            f"--lr-warmup-fraction must be in [0, 1), got {opt_config.lr_warmup_fraction}.",
+        )
+        warmup = opt_config.lr_warmup_fraction * decay_iters
+    else:
+        warmup = opt_config.lr_warmup_iters
+    return OptimizerParamScheduler(
+        optimizer,
+        max_lr=opt_config.lr,
+        min_lr=opt_config.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=decay_iters,
+        lr_decay_style=opt_config.lr_decay_style,
+    )

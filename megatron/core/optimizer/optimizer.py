@@ -1,0 +1,269 @@
+"""Mixed-precision optimizer: fp32 main params, grads read from the DDP buffer, clipping.
+
+``MixedPrecisionOptimizer`` drives an inner ``torch.optim`` optimizer (AdamW or SGD)
+over fp32 tensors:
+- bf16/fp16 model params get an fp32 *main* copy; the copy's ``.grad`` is the model
+  param's ``main_grad`` (a view into the DDP buffer; no copy is made), and after the
+  inner step the main params are copied back into the model params in place;
+- fp32 model params are optimized directly, with ``.grad = main_grad`` during the step.
+
+Unusual choices:
+- No host synchronisation for bf16/fp32: the gradient norm stays a device tensor
+  and the clip coefficient is computed and applied on the device. Only fp16 syncs
+  once per step, to learn whether the gradients overflowed.
+- Zeroing gradients is the DDP's job (``zero_grad_buffer``); this class never zeroes
+  ``main_grad``, it only unscales and clips it in place (it is the main grad).
+- Model params keep their storage (in-place copy), so CUDA graphs that read the
+  weights by address stay valid.
+- With TP = PP = 1 the gradient norm needs no model-parallel reduction; when model
+  parallelism arrives, the squared norm must be summed over those groups here.
+"""
+
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _uses_weight_decay(param: torch.Tensor) -> bool:
+    """Megatron's rule: biases and other 1-D params (norm weights) get no weight decay."""
+    return param.ndim >= 2
+
+
+def _build_inner(groups: List[Dict[str, Any]], config, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW or SGD, fused on CUDA when this torch supports it, else foreach."""
+    if config.optimizer == "adam":
+        cls = torch.optim.AdamW
+        kwargs = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+    elif config.optimizer == "sgd":
+        cls = torch.optim.SGD
+        kwargs = dict(lr=config.lr, momentum=config.sgd_momentum)
+    else:
+        raise ValueError(f"--optimizer {config.optimizer!r} is not supported; use adam or sgd.")
+    kwargs["weight_decay"] = config.weight_decay
+    if device.type == "cuda":
+        try:
+            return cls(groups, fused=True, **kwargs)
+        except (RuntimeError, TypeError, ValueError):
+            pass  # fused kernels missing for this optimizer/torch: foreach is the next best
+    return cls(groups, foreach=True, **kwargs)
+
+
+def _unscale_and_check(grads: List[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+    """grads *= inv_scale in place; found_inf becomes 1 if any grad is inf/nan."""
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        return
+    except (AttributeError, NotImplementedError, RuntimeError):
+        pass  # older torch without the CPU kernel
+    flags = torch.stack([torch.logical_not(torch.isfinite(g).all()) for g in grads])
+    found_inf.copy_(flags.any().to(found_inf.dtype).reshape(found_inf.shape))
+    torch._foreach_mul_(grads, inv_scale)
+
+
+class MixedPrecisionOptimizer:
+    """Optimizer over fp32 main params whose grads are the DDP ``main_grad`` views.
+
+    Args:
+        model_params: Trainable model parameters, each with ``.main_grad`` (wrap the
+            model in ``DistributedDataParallel`` first).
+        config: ``OptimizerConfig`` (optimizer, lr, weight decay, betas, clip_grad, ...).
+        precision: ``PrecisionConfig`` (fp16 loss scaling settings).
+
+    Attributes:
+        optimizer: The inner ``torch.optim`` optimizer.
+        model_params: Model params, in the order given.
+        main_params: The tensor optimized for each model param (same order): an fp32
+            copy for bf16/fp16 params, the param itself for fp32 ones.
+        grad_scaler: Loss scaler for fp16, else ``None``.
+    """
+
+    def __init__(self, model_params: Iterable[torch.nn.Parameter], *, config, precision):
+        self.config = config
+        self.precision = precision
+        self.model_params: List[torch.nn.Parameter] = []
+        seen = set()
+        for param in model_params:
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            if not hasattr(param, "main_grad"):
+                raise ValueError(
+                    "every parameter given to the optimizer needs .main_grad; wrap the model in "
+                    "DistributedDataParallel before building the optimizer."
+                )
+            self.model_params.append(param)
+        if not self.model_params:
+            raise ValueError("the optimizer got no trainable parameters.")
+
+        # Main params: fp32 copies of low-precision params, the fp32 params themselves.
+        self.main_params: List[torch.Tensor] = []
+        self._lowp_model: List[torch.nn.Parameter] = []
+        self._lowp_main: List[torch.Tensor] = []
+        self._fp32_model: List[torch.nn.Parameter] = []
+        for param in self.model_params:
+            if param.dtype in _LOW_PRECISION:
+                main = param.detach().clone().float()
+                self._lowp_model.append(param)
+                self._lowp_main.append(main)
+            elif param.dtype == torch.float32:
+                main = param
+                self._fp32_model.append(param)
+            else:
+                raise ValueError(f"cannot optimize a parameter of dtype {param.dtype}; use fp32, bf16 or fp16.")
+            self.main_params.append(main)
+        self._attach_grads()
+        self._release_fp32_grads()
+
+        decay = [m for p, m in zip(self.model_params, self.main_params) if _uses_weight_decay(p)]
+        no_decay = [m for p, m in zip(self.model_params, self.main_params) if not _uses_weight_decay(p)]
+        groups = []
+        if decay:
+            groups.append({"params": decay, "weight_decay": config.weight_decay})
+        if no_decay:
+            groups.append({"params": no_decay, "weight_decay": 0.0})
+        self.device = self.main_params[0].device
+        self.optimizer = _build_inner(groups, config, self.device)
+
+        self.grad_scaler = None
+        if precision.fp16:
+            if precision.loss_scale is not None:
+                self.grad_scaler = ConstantGradScaler(precision.loss_scale)
+            else:
+                self.grad_scaler = DynamicGradScaler(
+                    initial_scale=precision.initial_loss_scale,
+                    min_scale=precision.min_loss_scale,
+                    growth_interval=precision.loss_scale_window,
+                    hysteresis=precision.hysteresis,
+                )
+
+    # ------------------------------------------------------------------ accessors
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        """The inner optimizer's param groups (the LR scheduler writes ``lr`` here)."""
+        return self.optimizer.param_groups
+
+    def get_loss_scale(self) -> float:
+        """Current loss scale (1.0 unless fp16)."""
+        return 1.0 if self.grad_scaler is None else self.grad_scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale`` for fp16, ``loss`` otherwise. Call before backward."""
+        if self.grad_scaler is None:
+            return loss
+        return loss * self.grad_scaler.scale
+
+    # ------------------------------------------------------------------ step
+
+    def _attach_grads(self) -> List[torch.Tensor]:
+        """Points every main param's ``.grad`` at its model param's ``main_grad``.
+
+        Re-done each step because the attribute is cheap to set and someone may have
+        cleared ``.grad`` in between. Returns the grads in ``main_params`` order.
+        """
+        grads = []
+        for param, main in zip(self.model_params, self.main_params):
+            main.grad = param.main_grad
+            grads.append(param.main_grad)
+        return grads
+
+    def _release_fp32_grads(self) -> None:
+        # fp32 params were given .grad = main_grad for the step. Left in place, the next
+        # backward would accumulate into main_grad through .grad and then the DDP hook
+        # would add that same tensor again.
+        for param in self._fp32_model:
+            param.grad = None
+
+    @torch.no_grad()
+    def clip_grad_norm(self, grads: List[torch.Tensor]) -> torch.Tensor:
+        """Global L2 norm of ``grads`` (device tensor); clips in place if --clip-grad > 0.
+
+        Same arithmetic as ``torch.nn.utils.clip_grad_norm_``: the clip coefficient is
+        ``clamp(max_norm / (norm + 1e-6), max=1)``, computed and applied on the device.
+        """
+        norms = torch._foreach_norm(grads, 2)
+        total = torch.linalg.vector_norm(torch.stack(list(norms)), 2)
+        if self.config.clip_grad > 0:
+            coeff = torch.clamp(self.config.clip_grad / (total + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, coeff)
+        return total
+
+    @torch.no_grad()
+    def step(self) -> Tuple[bool, Optional[torch.Tensor], Optional[int]]:
+        """Unscales (fp16), clips, steps the inner optimizer and updates the model params.
+
+        Returns:
+            ``(success, grad_norm, num_zeros)``. ``success`` is False only for an fp16
+            step skipped on overflow; then ``grad_norm`` is None (as Megatron). Otherwise
+            ``grad_norm`` is the pre-clip global norm as a 0-d device tensor: call
+            ``.item()`` only when logging. ``num_zeros`` is None (not counted).
+        """
+        grads = self._attach_grads()
+        if self.grad_scaler is not None:
+            found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
+            inv_scale = torch.full((1,), 1.0 / self.grad_scaler.scale, dtype=torch.float32, device=self.device)
+            _unscale_and_check(grads, inv_scale, found_inf)
+            overflow = bool(found_inf.item())  # the one host sync of fp16 training
+            self.grad_scaler.update(overflow)
+            if overflow:
+                self._release_fp32_grads()
+                return False, None, None
+
+        grad_norm = self.clip_grad_norm(grads)
+        self.optimizer.step()
+        if self._lowp_model:
+            # In place: model params keep their storage (graphs read them by address).
+            try:
+                torch._foreach_copy_(self._lowp_model, self._lowp_main)
+            except (AttributeError, RuntimeError):
+                for param, main in zip(self._lowp_model, self._lowp_main):
+                    param.copy_(main)
+        self._release_fp32_grads()
+        return True, grad_norm, None
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Copies model params into the fp32 main params (after loading model weights alone)."""
+        for param, main in zip(self._lowp_model, self._lowp_main):
+            main.copy_(param)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Inner optimizer state, fp32 copies of low-precision params, scaler numbers.
+
+        Only tensors, lists, dicts, strings and numbers: loadable with
+        ``torch.load(weights_only=True)``.
+        """
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "main_params": [main.detach() for main in self._lowp_main],
+            "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restores what ``state_dict`` saved; main params are copied into the model params too."""
+        saved = state["main_params"]
+        if len(saved) != len(self._lowp_main):
+            raise ValueError(
+                f"optimizer checkpoint holds {len(saved)} fp32 main params but this model has "
+                f"{len(self._lowp_main)} bf16/fp16 params: the checkpoint was saved with another "
+                "model or precision; load it with the same --bf16/--fp16 setting, or pass --no-load-optim."
+            )
+        # Saved groups carry the implementation flags of the saving run (fused on CUDA);
+        # keep this run's, so a GPU checkpoint resumes on the CPU and vice versa.
+        impl_keys = ("fused", "foreach", "capturable", "differentiable")
+        impl = [{k: g[k] for k in impl_keys if k in g} for g in self.optimizer.param_groups]
+        self.optimizer.load_state_dict(state["optimizer"])
+        for group, flags in zip(self.optimizer.param_groups, impl):
+            group.update(flags)
+        for main, value, param in zip(self._lowp_main, saved, self._lowp_model):
+            main.copy_(value)
+            param.copy_(main)
+        if self.grad_scaler is not None and state.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])

@@ -1,0 +1,94 @@
+"""LR schedule: warm-up, constant, linear, cosine, the min_lr floor, and build_scheduler."""
+
+import math
+
+import pytest
+import torch
+
+from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler, build_scheduler
+from megatron.training.config import OptimizerConfig
+
+
+def _opt():
+    w = torch.nn.Parameter(torch.zeros(2, 2))
+    b = torch.nn.Parameter(torch.zeros(2))
+    return torch.optim.SGD([{"params": [w]}, {"params": [b], "weight_decay": 0.0}], lr=123.0)
+
+
+def _sched(style, warmup=10, decay=110, max_lr=1.0, min_lr=0.1, opt=None):
+    return OptimizerParamScheduler(
+        opt or _opt(), max_lr=max_lr, min_lr=min_lr, lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=style
+    )
+
+
+@pytest.mark.parametrize("style", ["constant", "linear", "cosine"])
+def test_warmup_is_linear_from_zero(style):
+    s = _sched(style)
+    assert s.get_lr(0) == 0.0
+    assert s.get_lr(1) == pytest.approx(0.1)
+    assert s.get_lr(5) == pytest.approx(0.5)
+    assert s.get_lr(10) == 1.0
+
+
+def test_linear_values():
+    s = _sched("linear")
+    assert s.get_lr(60) == pytest.approx(0.1 + 0.5 * 0.9)  # half-way through decay
+    assert s.get_lr(35) == pytest.approx(0.1 + 0.75 * 0.9)
+    assert s.get_lr(110) == pytest.approx(0.1)
+    assert s.get_lr(111) == 0.1 and s.get_lr(10_000) == 0.1  # min_lr floor
+
+
+def test_cosine_values():
+    s = _sched("cosine")
+    assert s.get_lr(60) == pytest.approx(0.1 + 0.5 * 0.9)
+    assert s.get_lr(35) == pytest.approx(0.1 + 0.9 * 0.5 * (math.cos(math.pi * 0.25) + 1))
+    assert s.get_lr(85) == pytest.approx(0.1 + 0.9 * 0.5 * (math.cos(math.pi * 0.75) + 1))
+    assert s.get_lr(110) == pytest.approx(0.1)
+    assert s.get_lr(500) == 0.1
+
+
+def test_constant_stays_at_max_after_decay_steps():
+    s = _sched("constant")
+    assert s.get_lr(50) == 1.0 and s.get_lr(10_000) == 1.0
+
+
+def test_no_warmup_starts_at_max():
+    s = _sched("linear", warmup=0, decay=100, min_lr=0.0)
+    assert s.get_lr(0) == 1.0
+    assert s.get_lr(25) == pytest.approx(0.75)
+
+
+def test_step_writes_every_group_and_state_roundtrips():
+    opt = _opt()
+    s = _sched("cosine", opt=opt)
+    assert [g["lr"] for g in opt.param_groups] == [0.0, 0.0]  # applied at construction
+    for _ in range(7):
+        lr = s.step()
+    assert lr == s.get_lr(7)
+    assert [g["lr"] for g in opt.param_groups] == [lr, lr]
+    s.step(increment=3)
+    assert opt.param_groups[0]["lr"] == s.get_lr(10)
+    state = s.state_dict()
+    assert all(isinstance(v, (int, float, str)) for v in state.values())
+    opt2 = _opt()
+    s2 = _sched("cosine", opt=opt2)
+    s2.load_state_dict(state)
+    assert s2.num_steps == 10 and opt2.param_groups[1]["lr"] == s.get_lr(10)
+
+
+def test_build_scheduler_defaults_and_fraction():
+    s = build_scheduler(_opt(), OptimizerConfig(lr=2.0, min_lr=0.5, lr_warmup_iters=4), train_iters=20)
+    assert (s.lr_warmup_steps, s.lr_decay_steps, s.lr_decay_style) == (4, 20, "linear")
+    assert s.get_lr(2) == 1.0 and s.get_lr(20) == 0.5
+    s = build_scheduler(_opt(), OptimizerConfig(lr_warmup_fraction=0.1, lr_decay_iters=50), train_iters=20)
+    assert (s.lr_warmup_steps, s.lr_decay_steps) == (5.0, 50)
+
+
+def test_bad_schedules_name_the_flags():
+    with pytest.raises(ValueError, match="--lr-decay-iters"):
+        _sched("linear", warmup=100, decay=100)
+    with pytest.raises(ValueError, match="--lr-decay-style"):
+        _sched("exponential")
+    with pytest.raises(ValueError, match="--lr-warmup-fraction"):
+        build_scheduler(_opt(), OptimizerConfig(lr_warmup_fraction=1.5), train_iters=10)
+    _sched("constant", warmup=100, decay=10)  # decay length is irrelevant for constant

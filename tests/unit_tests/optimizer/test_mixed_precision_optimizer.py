@@ -1,0 +1,272 @@
+"""MixedPrecisionOptimizer against plain torch references.
+
+fp32 parity is bitwise: the reference runs the same foreach AdamW/SGD kernels and
+``clip_grad_norm_`` does the same arithmetic as our clipping.
+"""
+
+import copy
+import io
+
+import pytest
+import torch
+
+from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+from megatron.core.parallel_state import ProcessGroups
+from megatron.training.config import DDPConfig, OptimizerConfig, PrecisionConfig
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.fc2 = torch.nn.Linear(16, 5, bias=False)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.norm(self.fc1(x))))
+
+
+def _wrap(net):
+    return DistributedDataParallel(net, config=DDPConfig(ddp_bucket_size=100), pg=ProcessGroups.single())
+
+
+def _ref_groups(model, wd):
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": wd},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def _train_step(ddp, opt, x):
+    ddp.zero_grad_buffer()
+    ddp(x).square().mean().backward()
+    ddp.finish_grad_sync()
+    return opt.step()
+
+
+@pytest.mark.parametrize("clip_grad", [0.0, 0.05])
+def test_fp32_matches_torch_adamw_trajectory(clip_grad):
+    torch.manual_seed(0)
+    net = _Net()
+    ref = copy.deepcopy(net)
+    ddp = _wrap(net)
+    config = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=clip_grad, adam_beta2=0.95)
+    opt = MixedPrecisionOptimizer(ddp.parameters(), config=config, precision=PrecisionConfig())
+    ref_opt = torch.optim.AdamW(_ref_groups(ref, 0.1), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    clipped_any = False
+    for _ in range(5):
+        x = torch.randn(8, 6)
+        success, grad_norm, num_zeros = _train_step(ddp, opt, x)
+        assert success is True and num_zeros is None
+        assert isinstance(grad_norm, torch.Tensor) and grad_norm.ndim == 0
+        ref_opt.zero_grad()
+        ref(x).square().mean().backward()
+        max_norm = clip_grad if clip_grad > 0 else float("inf")
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        clipped_any |= bool(ref_norm > clip_grad > 0)
+        assert torch.equal(grad_norm, ref_norm)
+        for p, r in zip(ddp.parameters(), ref.parameters()):
+            assert torch.equal(p.main_grad, r.grad)  # clipped in place, like the reference
+        ref_opt.step()
+        for (name, p), r in zip(ddp.module.named_parameters(), ref.parameters()):
+            assert torch.equal(p, r), name
+            assert p.grad is None, name  # released so the next backward cannot double-add
+    assert clipped_any == (clip_grad > 0)
+
+
+def test_sgd_and_main_params_are_the_fp32_params():
+    torch.manual_seed(0)
+    net = _Net()
+    ref = copy.deepcopy(net)
+    ddp = _wrap(net)
+    config = OptimizerConfig(optimizer="sgd", lr=0.1, sgd_momentum=0.9, weight_decay=0.01, clip_grad=0.0)
+    opt = MixedPrecisionOptimizer(ddp.parameters(), config=config, precision=PrecisionConfig())
+    assert all(m is p for m, p in zip(opt.main_params, ddp.parameters()))
+    ref_opt = torch.optim.SGD(_ref_groups(ref, 0.01), lr=0.1, momentum=0.9, foreach=True)
+    for _ in range(3):
+        x = torch.randn(4, 6)
+        _train_step(ddp, opt, x)
+        ref_opt.zero_grad()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+    assert all(torch.equal(p, r) for p, r in zip(ddp.parameters(), ref.parameters()))
+
+
+def test_bf16_keeps_fp32_masters():
+    torch.manual_seed(0)
+    net = _Net().to(torch.bfloat16)
+    ddp = _wrap(net)
+    config = OptimizerConfig(lr=1e-4, weight_decay=0.0, clip_grad=1.0)
+    opt = MixedPrecisionOptimizer(ddp.parameters(), config=config, precision=PrecisionConfig(bf16=True))
+    masters = opt.main_params
+    assert all(m.dtype == torch.float32 for m in masters)
+    # Reference: the same AdamW on fp32 copies, fed copies of the grads we produce.
+    ref_masters = [m.clone() for m in masters]
+    ref_opt = torch.optim.AdamW(
+        [{"params": [r for r in ref_masters if r.ndim >= 2]}, {"params": [r for r in ref_masters if r.ndim < 2]}],
+        lr=1e-4, weight_decay=0.0, foreach=True,
+    )
+    for _ in range(3):
+        ddp.zero_grad_buffer()
+        ddp(torch.randn(4, 6, dtype=torch.bfloat16)).float().square().mean().backward()
+        ddp.finish_grad_sync()
+        grads = [p.main_grad.clone() for p in ddp.parameters()]
+        for r, g in zip(ref_masters, grads):
+            r.grad = g
+        torch.nn.utils.clip_grad_norm_(ref_masters, 1.0)
+        success, _, _ = opt.step()
+        ref_opt.step()
+        assert success
+    for p, m, r in zip(ddp.parameters(), masters, ref_masters):
+        assert m.grad.data_ptr() == p.main_grad.data_ptr()  # the DDP view, not a copy
+        assert torch.equal(m, r)
+        assert torch.equal(p, m.to(torch.bfloat16))  # model param = rounded master
+    # lr 1e-4 moves weights by less than a bf16 ulp: the masters remember what bf16 drops.
+    assert any(not torch.equal(m, p.float()) for p, m in zip(ddp.parameters(), masters))
+
+
+def _fp16_params():
+    w = torch.nn.Parameter(torch.ones(4, 4, dtype=torch.float16))
+    b = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    for p in (w, b):
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+    return [w, b]
+
+
+def test_fp16_overflow_skips_step_and_backs_off_after_hysteresis():
+    params = _fp16_params()
+    config = OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0)
+    precision = PrecisionConfig(fp16=True, initial_loss_scale=1024.0, hysteresis=2, loss_scale_window=2)
+    opt = MixedPrecisionOptimizer(params, config=config, precision=precision)
+    assert opt.get_loss_scale() == 1024.0
+    assert opt.scale_loss(torch.tensor(2.0)).item() == 2048.0
+
+    def step_with(value):
+        for p in params:
+            p.main_grad.fill_(value)
+        return opt.step()
+
+    assert step_with(float("inf")) == (False, None, None)
+    assert opt.get_loss_scale() == 1024.0  # first overflow uses up hysteresis
+    assert all(torch.equal(p, torch.ones_like(p)) for p in params)
+    assert step_with(float("nan"))[0] is False
+    assert opt.get_loss_scale() == 512.0  # second overflow halves
+    assert step_with(float("inf"))[0] is False
+    assert opt.get_loss_scale() == 256.0  # hysteresis stays used up until the scale grows
+    assert all(torch.equal(p, torch.ones_like(p)) for p in params)
+
+    success, grad_norm, _ = step_with(256.0 * 0.25)  # a scaled grad of 0.25
+    assert success
+    assert all(torch.equal(p, torch.full_like(p, 0.75)) for p in params)  # 1 - lr * 0.25
+    assert grad_norm.item() == pytest.approx(0.25 * 20**0.5)  # unscaled norm over 20 elements
+    step_with(0.0)
+    assert opt.get_loss_scale() == 512.0  # two clean steps (window 2) double it
+    state = opt.state_dict()["grad_scaler"]
+    assert state == {"scale": 512.0, "growth_tracker": 0, "hysteresis_tracker": 2}
+
+
+def test_fp16_static_loss_scale():
+    params = _fp16_params()
+    config = OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0)
+    opt = MixedPrecisionOptimizer(params, config=config, precision=PrecisionConfig(fp16=True, loss_scale=8.0))
+    params[0].main_grad.fill_(float("inf"))
+    assert opt.step()[0] is False and opt.get_loss_scale() == 8.0
+    for p in params:
+        p.main_grad.fill_(4.0)
+    assert opt.step()[0] is True
+    assert torch.equal(params[1], torch.full_like(params[1], 0.5))
+
+
+def test_no_weight_decay_on_biases_and_norms():
+    torch.manual_seed(0)
+    ddp = _wrap(_Net())
+    config = OptimizerConfig(lr=1.0, weight_decay=0.5, clip_grad=0.0)
+    opt = MixedPrecisionOptimizer(ddp.parameters(), config=config, precision=PrecisionConfig())
+    named = dict(ddp.module.named_parameters())
+    by_id = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    assert by_id[id(named["fc1.weight"])] == 0.5 and by_id[id(named["fc2.weight"])] == 0.5
+    for name in ("fc1.bias", "norm.weight", "norm.bias"):
+        assert by_id[id(named[name])] == 0.0, name
+    # Functionally: zero grads leave Adam's update at 0, so only decay moves weights.
+    before = {n: p.detach().clone() for n, p in named.items()}
+    ddp.zero_grad_buffer()
+    opt.step()
+    for name, p in named.items():
+        expected = before[name] * 0.5 if p.ndim >= 2 else before[name]
+        assert torch.equal(p, expected), name
+
+
+def test_state_dict_is_plain_and_resumes_bitwise():
+    torch.manual_seed(0)
+    net = _Net().to(torch.bfloat16)
+    twin = copy.deepcopy(net)
+    config = OptimizerConfig(lr=1e-3)
+    ddp = _wrap(net)
+    opt = MixedPrecisionOptimizer(ddp.parameters(), config=config, precision=PrecisionConfig(bf16=True))
+    xs = [torch.randn(4, 6, dtype=torch.bfloat16) for _ in range(4)]
+
+    def run(d, o, x):
+        d.zero_grad_buffer()
+        d(x).float().square().mean().backward()
+        d.finish_grad_sync()
+        o.step()
+
+    for x in xs[:2]:
+        run(ddp, opt, x)
+    blob = io.BytesIO()
+    torch.save({"model": ddp.state_dict(), "optim": opt.state_dict()}, blob)
+    blob.seek(0)
+    loaded = torch.load(blob, weights_only=True)  # plain types only
+    ddp2 = _wrap(twin)
+    opt2 = MixedPrecisionOptimizer(ddp2.parameters(), config=config, precision=PrecisionConfig(bf16=True))
+    ddp2.load_state_dict(loaded["model"])
+    opt2.load_state_dict(loaded["optim"])
+    for x in xs[2:]:
+        run(ddp, opt, x)
+        run(ddp2, opt2, x)
+    assert all(torch.equal(a, b) for a, b in zip(opt.main_params, opt2.main_params))
+    assert all(torch.equal(a, b) for a, b in zip(ddp.parameters(), ddp2.parameters()))
+    with pytest.raises(ValueError, match="--no-load-optim"):
+        opt2.load_state_dict({**loaded["optim"], "main_params": []})
+
+
+def test_reload_model_params_refreshes_masters():
+    net = _Net().to(torch.bfloat16)
+    ddp = _wrap(net)
+    opt = MixedPrecisionOptimizer(ddp.parameters(), config=OptimizerConfig(), precision=PrecisionConfig(bf16=True))
+    with torch.no_grad():
+        net.fc1.weight.fill_(3.0)
+    opt.reload_model_params()
+    assert torch.equal(opt.main_params[0], torch.full((16, 6), 3.0))
+
+
+def test_params_without_main_grad_are_rejected():
+    with pytest.raises(ValueError, match="DistributedDataParallel"):
+        MixedPrecisionOptimizer(torch.nn.Linear(2, 2).parameters(), config=OptimizerConfig(), precision=PrecisionConfig())
+
+
+@pytest.mark.gpu
+def test_cuda_uses_fused_and_matches_reference():
+    torch.manual_seed(0)
+    net = _Net().cuda().to(torch.bfloat16)
+    ddp = DistributedDataParallel(net, config=DDPConfig(), pg=ProcessGroups.single(torch.device("cuda")))
+    opt = MixedPrecisionOptimizer(ddp.parameters(), config=OptimizerConfig(lr=1e-3), precision=PrecisionConfig(bf16=True))
+    assert opt.optimizer.defaults.get("fused") is True
+    ref_masters = [m.clone() for m in opt.main_params]
+    ref_opt = torch.optim.AdamW(
+        [{"params": [r for r in ref_masters if r.ndim >= 2]}, {"params": [r for r in ref_masters if r.ndim < 2], "weight_decay": 0.0}],
+        lr=1e-3, weight_decay=0.01, fused=True,
+    )
+    for _ in range(3):
+        ddp.zero_grad_buffer()
+        ddp(torch.randn(4, 6, device="cuda", dtype=torch.bfloat16)).float().square().mean().backward()
+        ddp.finish_grad_sync()
+        for r, p in zip(ref_masters, ddp.parameters()):
+            r.grad = p.main_grad.clone()
+        torch.nn.utils.clip_grad_norm_(ref_masters, 1.0)
+        success, grad_norm, _ = opt.step()
+        ref_opt.step()
+        assert success and grad_norm.is_cuda
+    assert all(torch.equal(m, r) for m, r in zip(opt.main_params, ref_masters))
