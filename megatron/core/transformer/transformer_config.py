@@ -64,7 +64,7 @@ class TransformerConfig:
     """Use SwiGLU in the MLP (gated linear unit with SiLU)."""
 
     add_bias_linear: bool = flag_field(True, flag="--disable-bias-linear")
-    """Use biases in the linear layers (--disable-bias-linear turns them off)."""
+    """Linear layers carry biases; --disable-bias-linear removes them."""
 
     untie_embeddings_and_output_weights: bool = False
     """Use a separate output-layer weight instead of the input embedding."""

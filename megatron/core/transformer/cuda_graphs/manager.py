@@ -87,7 +87,7 @@ class CudaGraphManager:
         """Routes the selected regions of every graphable layer of ``model`` through us."""
         layers = scope_lib.graphable_layers(model)
         scope_lib.validate_scopes(layers, self.config.cuda_graph_scope)
-        if not self.active:
+        if not self.config.enabled:
             return self
         names = {m: n for n, m in model.named_modules()}
         for layer in layers:
@@ -110,7 +110,7 @@ class CudaGraphManager:
             self.state == OFF
             or not region.module.training
             or not torch.is_grad_enabled()
-            or torch.cuda.is_current_stream_capturing()
+            or (self.state == CAPTURED and torch.cuda.is_current_stream_capturing())
         ):
             return region.fn(*args, **kwargs)
         args = region.bind(args, kwargs)
@@ -184,15 +184,24 @@ class CudaGraphManager:
                 f"{len(self.cycle)} events ran); a forward without its backward breaks buffer reuse."
             )
 
+    def start_recording(self) -> None:
+        """Records even without CUDA, to inspect the order and plan (CPU tests)."""
+        self.state = RECORD
+
+    def make_plan(self) -> Plan:
+        """The cycle and hand-off plan of what the recording iteration saw."""
+        self.cycle = split_cycle(self.order)
+        ios = [RegionIO(r.name, list(r.sources), r.input_requires_grad, r.output_requires_grad) for r in self.regions]
+        self.plan = build_plan(self.cycle, ios)
+        return self.plan
+
     # ------------------------------------------------------------------ capture
     def capture(self) -> None:
         from megatron.core.transformer.cuda_graphs.mempool import GraphPool, allocate_into_pool
         from megatron.core.transformer.cuda_graphs.weakref import make_weak_ref
 
         start = time.perf_counter()
-        self.cycle = split_cycle(self.order)
-        ios = [RegionIO(r.name, list(r.sources), r.input_requires_grad, r.output_requires_grad) for r in self.regions]
-        self.plan = plan = build_plan(self.cycle, ios)
+        plan = self.make_plan()
         self._outputs.clear()
         self._inputs.clear()
         device = torch.cuda.current_device()

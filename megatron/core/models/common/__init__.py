@@ -1,0 +1,1 @@
+"""Pieces shared by the model families (rotary embeddings)."""

@@ -1,0 +1,110 @@
+"""Rotary position embeddings (RoPE), non-interleaved "rotate half" convention.
+
+``RotaryEmbedding(seq_len, device)`` returns the angle table ``freqs [s, 1, 1, rot_dim]``
+in fp32 (each frequency appears twice: first half and second half of the rotated
+channels, as in Megatron). Unusual here: the table is cached per (seq_len, device) and
+the SAME tensor object is returned on every call, because CUDA graphs key their
+inputs on addresses and a fresh table per step would defeat replay.
+``apply_rotary_pos_emb`` rotates the first ``rot_dim`` channels of ``t`` and passes the
+rest through (``--rotary-percent`` < 1). The cos/sin tables it needs are computed once
+with the angle table and attached to it, for the common activation dtypes.
+"""
+
+from typing import Dict, Tuple
+
+import torch
+
+from megatron.core.tensor_parallel.layers import resolve_device
+
+
+# Activation dtypes whose cos/sin tables are precomputed with each cached angle table.
+_TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Angle tables for rotary embeddings.
+
+    Args:
+        kv_channels: Channels per attention head.
+        rotary_percent: Fraction of the channels to rotate.
+        rotary_base: Base of the geometric frequency progression.
+    """
+
+    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: int = 10000):
+        super().__init__()
+        rot_dim = int(kv_channels * rotary_percent)
+        if rot_dim <= 0 or rot_dim % 2 != 0:
+            raise ValueError(
+                f"--rotary-percent {rotary_percent} with --kv-channels {kv_channels} rotates {rot_dim} channels; "
+                "that must be a positive even number. Pick a percentage that gives one."
+            )
+        self.rot_dim = rot_dim
+        self.rotary_base = rotary_base
+        self._cache: Dict[Tuple[int, str], torch.Tensor] = {}
+
+    def forward(self, seq_len: int, device=None) -> torch.Tensor:
+        """Returns the cached ``freqs [seq_len, 1, 1, rot_dim]`` (fp32) on ``device``."""
+        device = resolve_device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (int(seq_len), str(device))
+        freqs = self._cache.get(key)
+        if freqs is None:
+            # Computed once, on the target device, outside autograd. The first call must be
+            # eager (not inside a CUDA-graph capture) so the table lives outside any graph pool.
+            # inference_mode(False): a table first built under inference mode stays usable in training.
+            with torch.no_grad(), torch.inference_mode(False):
+                exponents = torch.arange(0, self.rot_dim, 2, dtype=torch.float32, device=device) / self.rot_dim
+                inv_freq = 1.0 / (self.rotary_base**exponents)  # [rot_dim / 2]
+                positions = torch.arange(seq_len, dtype=torch.float32, device=device)
+                angles = torch.outer(positions, inv_freq)  # [s, rot_dim / 2]
+                freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :]  # [s, 1, 1, rot_dim]
+                # Per-dtype cos/sin tables ride on the cached tensor so layers need not recompute them.
+                freqs._rope_tables = {dtype: _rope_tables(freqs, dtype) for dtype in _TABLE_DTYPES}
+            self._cache[key] = freqs
+        return freqs
+
+
+def _rope_tables(freqs: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, signed_sin)``, each ``[s, rot_dim]`` in ``dtype``; cached on ``freqs`` when it came from
+    ``RotaryEmbedding`` (so no layer recomputes them), else computed here."""
+    tables = getattr(freqs, "_rope_tables", None)
+    if tables is not None and dtype in tables:
+        return tables[dtype]
+    angles = freqs.reshape(freqs.shape[0], freqs.shape[-1])
+    half = angles.shape[-1] // 2
+    sin = torch.sin(angles)
+    # rotate_half(x) * sin == swap_halves(x) * signed_sin with the first half of sin negated.
+    signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return torch.cos(angles).to(dtype), signed_sin.to(dtype)
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotates the first ``rot_dim`` channels of ``t`` by the angles in ``freqs``.
+
+    Computes ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``,
+    written as ``addcmul(x * cos, swap_halves(x), signed_sin)``: three kernels
+    forward, four backward (this runs in every layer, every step).
+
+    Args:
+        t: ``[s, b, n, d]`` (any number of dims between ``s`` and ``d`` works, e.g.
+            ``[s, b, groups, heads_per_group, d]``).
+        freqs: ``[s_max >= s, 1, 1, rot_dim]`` angles from ``RotaryEmbedding``.
+
+    Returns:
+        A tensor shaped like ``t``, in ``t``'s dtype (computed in that dtype, as
+        Megatron's unfused path does).
+    """
+    seq_len, rot_dim = t.shape[0], freqs.shape[-1]
+    cos, signed_sin = _rope_tables(freqs, t.dtype)
+    # Broadcast [s, 1, ..., 1, rot_dim] against t's middle dims whatever t's rank.
+    shape = (seq_len, *([1] * (t.dim() - 2)), rot_dim)
+    cos, signed_sin = cos[:seq_len].view(shape), signed_sin[:seq_len].view(shape)
+    t_rot = t if rot_dim == t.shape[-1] else t[..., :rot_dim]
+    # Swap the two halves of the rotated channels: a flip of a [2, rot_dim / 2] view (its backward
+    # is a flip too; torch.roll's kernel is several times slower on these strided inputs).
+    swapped = t_rot.unflatten(-1, (2, rot_dim // 2)).flip(-2).flatten(-2)
+    rotated = torch.addcmul(t_rot * cos, swapped, signed_sin)
+    if t_rot is t:
+        return rotated
+    return torch.cat((rotated, t[..., rot_dim:]), dim=-1)

@@ -1,0 +1,233 @@
+"""The GPT model: embeddings -> TransformerBlock -> output layer (-> per-token loss).
+
+Parameter names follow Megatron's local implementation (``embedding.word_embeddings``,
+``decoder.layers.N.self_attention.linear_qkv``, ``output_layer`` ...). Activations
+are ``[s, b, h]`` inside; the public interface is ``[b, s]``. Unusual here: the
+embedding looks up the *transposed* ids so its output is already a contiguous
+``[s, b, h]`` (no transpose copy), and without ``position_ids`` the learned position
+table is sliced and broadcast instead of gathered. Loss masking is left to the caller
+(``megatron.core.models.gpt.loss.masked_mean_loss``).
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.models.common.rotary import RotaryEmbedding
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    init_method_normal,
+    resolve_device,
+)
+from megatron.core.transformer.transformer_block import TransformerBlock
+
+
+class LanguageModelEmbedding(torch.nn.Module):
+    """Word embeddings (+ learned absolute positions) + dropout, producing ``[s, b, h]``.
+
+    Args:
+        config: Finalized ``TransformerConfig``.
+        vocab_size: Padded vocabulary size.
+        max_sequence_length: Rows of the learned position table.
+        position_embedding_type: ``learned_absolute``, ``rope`` or ``none`` (no table for the latter two).
+        pg: ``ProcessGroups`` (or ``None`` for a world of one).
+        device: Device for the parameters (default: torch's default device).
+    """
+
+    def __init__(self, config, vocab_size: int, max_sequence_length: int, position_embedding_type: str, pg=None, device=None):
+        super().__init__()
+        init = init_method_normal(config.init_method_std)
+        self.embedding_dropout = config.hidden_dropout
+        self.word_embeddings = VocabParallelEmbedding(
+            vocab_size, config.hidden_size, config=config, init_method=init, pg=pg, device=device
+        )
+        if position_embedding_type == "learned_absolute":
+            self.position_embeddings = torch.nn.Embedding(
+                max_sequence_length, config.hidden_size, device=resolve_device(device), dtype=config.params_dtype
+            )
+            init(self.position_embeddings.weight)
+        else:
+            self.position_embeddings = None
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``input_ids [b, s]`` (and ``position_ids [b, s]``) -> ``[s, b, h]`` contiguous."""
+        embeddings = self.word_embeddings(input_ids.t())  # [s, b, h]: gather in the transposed order
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                seq_len = input_ids.shape[1]
+                if seq_len > self.position_embeddings.num_embeddings:
+                    raise ValueError(
+                        f"sequence length {seq_len} exceeds --max-position-embeddings "
+                        f"({self.position_embeddings.num_embeddings}); raise --max-position-embeddings."
+                    )
+                # Positions 0..s-1 for every sample: slice the table and broadcast over b.
+                embeddings = embeddings + self.position_embeddings.weight[:seq_len].unsqueeze(1)
+            else:
+                embeddings = embeddings + self.position_embeddings(position_ids.t())
+        if self.training and self.embedding_dropout > 0.0:
+            embeddings = F.dropout(embeddings, p=self.embedding_dropout, training=True)
+        return embeddings
+
+
+class GPTModel(torch.nn.Module):
+    """Decoder-only transformer language model.
+
+    Args:
+        config: Finalized ``TransformerConfig``.
+        layer_spec: Spec of one transformer layer (e.g. ``get_gpt_layer_local_spec()``).
+        vocab_size: Padded vocabulary size.
+        max_sequence_length: Rows of the learned position table.
+        pg: ``ProcessGroups`` (or ``None`` for a world of one).
+        pre_process: Holds the embeddings (first pipeline stage).
+        post_process: Holds the final norm and output layer (last pipeline stage).
+        share_embeddings_and_output_weights: Output layer reuses the word-embedding weight.
+        position_embedding_type: ``learned_absolute``, ``rope`` or ``none``.
+        device: Device for the parameters (default: torch's default device).
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_spec,
+        vocab_size: int,
+        max_sequence_length: int,
+        pg=None,
+        *,
+        pre_process: bool = True,
+        post_process: bool = True,
+        share_embeddings_and_output_weights: bool = True,
+        position_embedding_type: str = "learned_absolute",
+        device=None,
+    ):
+        super().__init__()
+        if position_embedding_type not in ("learned_absolute", "rope", "none"):
+            raise ValueError(
+                f"--position-embedding-type {position_embedding_type!r} is unknown; use learned_absolute or rope."
+            )
+        if position_embedding_type == "rope" and config.position_embedding_type != "rope":
+            # The layers read the config to decide whether rotary embeddings are required.
+            raise ValueError("position_embedding_type='rope' needs config.position_embedding_type == 'rope'.")
+        self.config = config
+        self.pg = pg
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.position_embedding_type = position_embedding_type
+        device = resolve_device(device)
+
+        # Construction order = initialisation order (the default generator is consumed in it).
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config, vocab_size, max_sequence_length, position_embedding_type, pg=pg, device=device
+            )
+        else:
+            self.embedding = None
+        if position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base)
+        else:
+            self.rotary_pos_emb = None
+        self.decoder = TransformerBlock(
+            config, layer_spec, pg, pre_process=pre_process, post_process=post_process, device=device
+        )
+        if post_process:
+            # Tied on the first stage: the output layer borrows the embedding weight at forward time.
+            # (Tied on a later pipeline stage it owns a copy, marked for the pipeline code to sync.)
+            borrow = share_embeddings_and_output_weights and pre_process
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size,
+                vocab_size,
+                config=config,
+                init_method=init_method_normal(config.init_method_std),
+                bias=False,
+                gather_output=False,
+                pg=pg,
+                skip_weight_param_allocation=borrow,
+                device=device,
+            )
+            if share_embeddings_and_output_weights and not pre_process:
+                self.output_layer.weight.shared_embedding = True
+        else:
+            self.output_layer = None
+
+    def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
+        """The weight shared by the embedding and the output layer on this stage, if any."""
+        if not self.share_embeddings_and_output_weights:
+            return None
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight if self.post_process else None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Runs the model.
+
+        Args:
+            input_ids: ``[b, s]`` token ids.
+            position_ids: ``[b, s]`` positions for the learned table (default ``0..s-1``);
+                ignored by RoPE, which always uses ``0..s-1``.
+            labels: ``[b, s]`` next-token targets, or None.
+
+        Returns:
+            ``logits [b, s, vocab]`` when ``labels`` is None, else the unreduced fp32
+            per-token loss ``[b, s]`` (mask it with ``masked_mean_loss``).
+        """
+        assert self.pre_process and self.post_process, "pipeline stages need the pipeline schedule's entry points"
+        seq_len = input_ids.shape[1]
+        hidden_states = self.embedding(input_ids, position_ids)  # [s, b, h]
+        rotary_pos_emb = None
+        if self.rotary_pos_emb is not None:
+            rotary_pos_emb = self.rotary_pos_emb(seq_len, hidden_states.device)  # cached: same tensor every step
+        hidden_states = self.decoder(hidden_states, rotary_pos_emb=rotary_pos_emb)
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, v]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()  # [b, s, v]
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), pg=self.pg)  # [s, b] fp32
+        return loss.t().contiguous()  # [b, s]; the caller masks and reduces it
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Number of unique parameters (a tied weight counts once).
+
+        Args:
+            exclude_embeddings: Leave out the word and position tables and an untied output weight.
+        """
+        excluded = set()
+        if exclude_embeddings:
+            if self.embedding is not None:
+                excluded.update(id(p) for p in self.embedding.parameters())
+            if self.output_layer is not None and self.output_layer.weight is not None:
+                excluded.add(id(self.output_layer.weight))
+        return sum(p.numel() for p in self.parameters() if id(p) not in excluded)
+
+
+def build_gpt_model(config, vocab_size: int, pg=None, device=None) -> GPTModel:
+    """Builds the GPT model a (finalized) config describes, with the local layer spec.
+
+    Args:
+        config: Finalized ``TransformerConfig``.
+        vocab_size: Padded vocabulary size.
+        pg: ``ProcessGroups`` (or ``None`` for a world of one).
+        device: Device for the parameters (default: torch's default device).
+    """
+    if config.max_position_embeddings is None or config.kv_channels is None:
+        config.finalize()
+    return GPTModel(
+        config,
+        get_gpt_layer_local_spec(),
+        vocab_size,
+        config.max_position_embeddings,
+        pg,
+        share_embeddings_and_output_weights=not config.untie_embeddings_and_output_weights,
+        position_embedding_type=config.position_embedding_type,
+        device=device,
+    )

@@ -1,0 +1,275 @@
+"""Tensor-parallel building blocks: column/row parallel linear and vocab-parallel embedding.
+
+Each layer computes its local partition size from the tensor-parallel size and
+allocates only its local shard, the way Megatron does, so tensor parallelism can be
+added later by inserting the collectives where the comments say. Today only
+TP = 1 runs: there the layers are a plain ``F.linear`` / ``F.embedding`` with no
+extra copies. Weights are stored ``[out, in]`` (``F.linear`` layout).
+
+Unusual here: parameters are allocated directly on the target device (``device``
+argument, default: torch's current default device) and initialised there with the
+default generator, so ``torch.manual_seed`` alone makes initialisation
+deterministic.
+"""
+
+import math
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+InitMethod = Callable[[torch.Tensor], None]
+
+
+def init_method_normal(std: float) -> InitMethod:
+    """Returns an in-place initialiser drawing from N(0, std)."""
+
+    def init_(tensor: torch.Tensor) -> None:
+        with torch.no_grad():
+            tensor.normal_(mean=0.0, std=std)
+
+    return init_
+
+
+def scaled_init_method_normal(std: float, num_layers: int) -> InitMethod:
+    """N(0, std / sqrt(2 * num_layers)): Megatron's init for the output projections of residual branches."""
+    return init_method_normal(std / math.sqrt(2.0 * num_layers))
+
+
+def resolve_device(device=None) -> torch.device:
+    """The device to allocate parameters on: ``device`` or torch's current default device."""
+    if device is not None:
+        return torch.device(device)
+    get_default = getattr(torch, "get_default_device", None)  # torch >= 2.3
+    return get_default() if get_default is not None else torch.device("cpu")
+
+
+def get_tensor_model_parallel_size(pg) -> int:
+    """Tensor-parallel size of ``pg``: ``None`` -> 1, a ``ProcessGroups`` -> its ``tp_size``."""
+    if pg is None:
+        return 1
+    if hasattr(pg, "tp_size"):
+        return int(pg.tp_size)
+    import torch.distributed as dist  # a raw torch ProcessGroup standing for the TP group
+
+    return dist.get_world_size(pg)
+
+
+def _check_tp_supported(tp_size: int, name: str) -> None:
+    # ParallelConfig.validate() already rejects --tensor-model-parallel-size > 1 for users;
+    # this guards direct construction until the TP collectives exist.
+    if tp_size != 1:
+        raise NotImplementedError(f"{name}: tensor parallelism (tp_size={tp_size}) is not implemented yet.")
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(
+            f"{what} ({numerator}) must be divisible by --tensor-model-parallel-size ({denominator}); "
+            "pick sizes that divide."
+        )
+    return numerator // denominator
+
+
+def _mark_tp(param: torch.nn.Parameter, is_parallel: bool, partition_dim: int) -> None:
+    # Attributes Megatron's checkpoint/optimizer code reads to know how a tensor is sharded.
+    param.tensor_model_parallel = is_parallel
+    param.partition_dim = partition_dim
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """Y = X A^T + b with A split along its output dimension across TP ranks.
+
+    Args:
+        input_size: Input features.
+        output_size: Output features (all ranks together).
+        config: ``TransformerConfig`` (reads ``params_dtype``).
+        init_method: In-place weight initialiser.
+        bias: Add a bias (zero-initialised).
+        gather_output: Gather the output partitions so every rank has all of them.
+        skip_bias_add: Return the bias instead of adding it, for a later fused add.
+        pg: ``ProcessGroups`` (or ``None`` for a world of one).
+        skip_weight_param_allocation: Allocate no weight; ``forward`` then needs ``weight``
+            (used for an output layer tied to the word embeddings).
+        device: Device for the parameters (default: torch's default device).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config,
+        init_method: InitMethod,
+        bias: bool = True,
+        gather_output: bool = False,
+        skip_bias_add: bool = False,
+        pg=None,
+        skip_weight_param_allocation: bool = False,
+        device=None,
+    ):
+        super().__init__()
+        self.tp_size = get_tensor_model_parallel_size(pg)
+        _check_tp_supported(self.tp_size, "ColumnParallelLinear")
+        self.input_size = input_size
+        self.output_size = output_size
+        self.output_size_per_partition = _divide(output_size, self.tp_size, "ColumnParallelLinear output size")
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        device = resolve_device(device)
+        dtype = config.params_dtype
+        if skip_weight_param_allocation:
+            self.weight = None
+        else:
+            self.weight = torch.nn.Parameter(
+                torch.empty(self.output_size_per_partition, input_size, device=device, dtype=dtype)
+            )
+            init_method(self.weight)
+            _mark_tp(self.weight, True, 0)
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(self.output_size_per_partition, device=device, dtype=dtype))
+            _mark_tp(self.bias, True, 0)
+        else:
+            self.bias = None
+
+    def forward(
+        self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Applies the layer to ``input_ [..., input_size]``.
+
+        Args:
+            input_: Input activations.
+            weight: Weight to use instead of ``self.weight`` (required when the layer
+                was built with ``skip_weight_param_allocation``).
+
+        Returns:
+            ``(output [..., output_size_per_partition], bias or None)``; the bias is
+            returned only with ``skip_bias_add``.
+        """
+        if weight is None:
+            assert self.weight is not None, "ColumnParallelLinear built without a weight needs forward(weight=...)"
+            weight = self.weight
+        # TP > 1: input goes through copy-to-TP-region (identity fwd, all-reduce of the grad bwd),
+        # and the output through a gather when gather_output is set.
+        if self.skip_bias_add:
+            return F.linear(input_, weight), self.bias
+        return F.linear(input_, weight, self.bias), None
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size}, out={self.output_size}, out_per_partition={self.output_size_per_partition}, "
+            f"bias={self.bias is not None}, skip_bias_add={self.skip_bias_add}"
+        )
+
+
+class RowParallelLinear(torch.nn.Module):
+    """Y = X A^T + b with A split along its input dimension across TP ranks.
+
+    The bias is not partitioned: it is added once, after the partial products are summed.
+
+    Args:
+        input_size: Input features (all ranks together).
+        output_size: Output features.
+        config: ``TransformerConfig`` (reads ``params_dtype``).
+        init_method: In-place weight initialiser.
+        bias: Add a bias (zero-initialised).
+        input_is_parallel: The input is already split across TP ranks (output of a
+            column-parallel layer); otherwise it is scattered first.
+        skip_bias_add: Return the bias instead of adding it.
+        pg: ``ProcessGroups`` (or ``None`` for a world of one).
+        device: Device for the parameters (default: torch's default device).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config,
+        init_method: InitMethod,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        skip_bias_add: bool = False,
+        pg=None,
+        device=None,
+    ):
+        super().__init__()
+        self.tp_size = get_tensor_model_parallel_size(pg)
+        _check_tp_supported(self.tp_size, "RowParallelLinear")
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_size_per_partition = _divide(input_size, self.tp_size, "RowParallelLinear input size")
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        device = resolve_device(device)
+        dtype = config.params_dtype
+        self.weight = torch.nn.Parameter(
+            torch.empty(output_size, self.input_size_per_partition, device=device, dtype=dtype)
+        )
+        init_method(self.weight)
+        _mark_tp(self.weight, True, 1)
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(output_size, device=device, dtype=dtype))
+            _mark_tp(self.bias, False, 0)
+        else:
+            self.bias = None
+
+    def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Applies the layer to ``input_ [..., input_size_per_partition]``.
+
+        Returns:
+            ``(output [..., output_size], bias or None)``; the bias is returned only
+            with ``skip_bias_add``.
+        """
+        # TP > 1: scatter the input unless input_is_parallel, all-reduce the partial output,
+        # and only then add the (unsplit) bias.
+        if self.skip_bias_add:
+            return F.linear(input_, self.weight), self.bias
+        return F.linear(input_, self.weight, self.bias), None
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size}, in_per_partition={self.input_size_per_partition}, out={self.output_size}, "
+            f"bias={self.bias is not None}, skip_bias_add={self.skip_bias_add}"
+        )
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Embedding table split along the vocabulary across TP ranks.
+
+    Rank r holds rows ``[vocab_start_index, vocab_end_index)``.
+
+    Args:
+        num_embeddings: Vocabulary size (all ranks together, already padded).
+        embedding_dim: Hidden size.
+        config: ``TransformerConfig`` (reads ``params_dtype``).
+        init_method: In-place weight initialiser.
+        pg: ``ProcessGroups`` (or ``None`` for a world of one).
+        device: Device for the parameters (default: torch's default device).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, config, init_method: InitMethod, pg=None, device=None):
+        super().__init__()
+        self.tp_size = get_tensor_model_parallel_size(pg)
+        _check_tp_supported(self.tp_size, "VocabParallelEmbedding")
+        tp_rank = 0
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.num_embeddings_per_partition = _divide(num_embeddings, self.tp_size, "padded vocabulary size")
+        self.vocab_start_index = tp_rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        self.weight = torch.nn.Parameter(
+            torch.empty(
+                self.num_embeddings_per_partition, embedding_dim, device=resolve_device(device), dtype=config.params_dtype
+            )
+        )
+        init_method(self.weight)
+        _mark_tp(self.weight, True, 0)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Looks up ``input_ids [...]`` and returns ``[..., embedding_dim]``."""
+        # TP > 1: shift ids by vocab_start_index, zero rows of ids outside this shard, all-reduce.
+        return F.embedding(input_ids, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, per_partition={self.num_embeddings_per_partition}"

@@ -1,0 +1,119 @@
+"""Causal self-attention with a fused QKV projection, grouped-query attention and RoPE.
+
+Layout is Megatron's: activations are ``[s, b, h]``; the fused QKV output is laid out
+per query group, ``[s, b, groups, (heads_per_group + 2) * d]`` = for each group its
+query heads, then its key head, then its value head, so checkpoints and TP splits
+match upstream. The core is ``F.scaled_dot_product_attention`` (flash / memory-
+efficient kernels on GPU) on ``[b, n, s, d]`` *views*: q/k/v are never made
+contiguous here; the one copy is the ``[b, n, s, d] -> [s, b, n*d]`` re-layout of the
+context before the output projection. No host syncs: everything is shape arithmetic
+on Python ints.
+"""
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.models.common.rotary import apply_rotary_pos_emb
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    get_tensor_model_parallel_size,
+    init_method_normal,
+    scaled_init_method_normal,
+)
+
+
+class SelfAttention(torch.nn.Module):
+    """Multi-head / grouped-query causal self-attention.
+
+    Args:
+        config: Finalized ``TransformerConfig``.
+        layer_number: 1-based global layer number.
+        pg: ``ProcessGroups`` (or ``None`` for a world of one).
+        device: Device for the parameters (default: torch's default device).
+    """
+
+    def __init__(self, config, layer_number: int, pg=None, *, device=None):
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        tp_size = get_tensor_model_parallel_size(pg)
+        heads, groups, kv = config.num_attention_heads, config.num_query_groups, config.kv_channels
+        if heads % tp_size or groups % tp_size:
+            raise ValueError(
+                f"--num-attention-heads ({heads}) and --num-query-groups ({groups}) must be divisible by "
+                f"--tensor-model-parallel-size ({tp_size})."
+            )
+        self.kv_channels = kv
+        self.num_heads = heads // tp_size  # local to this TP rank
+        self.num_groups = groups // tp_size
+        self.heads_per_group = heads // groups
+        self.softmax_scale = 1.0 / math.sqrt(kv)
+        self.attention_dropout = config.attention_dropout
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size,
+            (heads + 2 * groups) * kv,
+            config=config,
+            init_method=init_method_normal(config.init_method_std),
+            bias=config.add_bias_linear,
+            gather_output=False,
+            pg=pg,
+            device=device,
+        )
+        self.linear_proj = RowParallelLinear(
+            heads * kv,
+            config.hidden_size,
+            config=config,
+            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            pg=pg,
+            device=device,
+        )
+
+    def forward(
+        self, hidden_states: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Attends causally over the sequence.
+
+        Args:
+            hidden_states: ``[s, b, h]``.
+            rotary_pos_emb: ``freqs [s, 1, 1, rot_dim]`` from ``RotaryEmbedding`` or None.
+
+        Returns:
+            ``(output [s, b, h], bias of the output projection or None)``; the bias is
+            not added (the layer fuses it into bias-dropout-add).
+        """
+        s, b, _ = hidden_states.shape
+        g, hpg, d = self.num_groups, self.heads_per_group, self.kv_channels
+        n = self.num_heads
+        qkv, _ = self.linear_qkv(hidden_states)  # [s, b, g * (hpg + 2) * d]
+        qkv = qkv.view(s, b, g, hpg + 2, d)
+        # torch.split (not indexing) so backward is one cat instead of zero-filled slices summed.
+        if rotary_pos_emb is not None:
+            # Rotate the query and key heads of each group in one call: they are adjacent.
+            qk, v = torch.split(qkv, [hpg + 1, 1], dim=3)
+            qk = apply_rotary_pos_emb(qk, rotary_pos_emb)
+            q, k = torch.split(qk, [hpg, 1], dim=3)
+        else:
+            q, k, v = torch.split(qkv, [hpg, 1, 1], dim=3)
+        if hpg > 1:
+            # GQA: every query head of a group reads its group's key/value head.
+            k = k.expand(s, b, g, hpg, d)
+            v = v.expand(s, b, g, hpg, d)
+        # [s, b, g, hpg, d] -> [s, b, n, d]: a view for MHA (hpg == 1) and MQA (g == 1).
+        q, k, v = q.reshape(s, b, n, d), k.reshape(s, b, n, d), v.reshape(s, b, n, d)
+        context = F.scaled_dot_product_attention(
+            q.permute(1, 2, 0, 3),  # [b, n, s, d] views
+            k.permute(1, 2, 0, 3),
+            v.permute(1, 2, 0, 3),
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            is_causal=True,
+            scale=self.softmax_scale,
+        )  # [b, n, s, d]
+        context = context.permute(2, 0, 1, 3).reshape(s, b, n * d)
+        return self.linear_proj(context)

@@ -1,0 +1,67 @@
+"""The dense MLP of a transformer layer: fc1 -> GeLU or SwiGLU -> fc2.
+
+With ``--swiglu`` fc1 produces ``2 * ffn_hidden_size`` features, gate half first:
+``silu(a) * b`` with ``a, b = chunk(fc1(x), 2)``, Megatron's order, so checkpoints
+match. The fc1 bias is added inside the GEMM (no separate bias-GeLU fusion); the fc2
+bias is returned for the layer's bias-dropout-add.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    init_method_normal,
+    scaled_init_method_normal,
+)
+
+
+class MLP(torch.nn.Module):
+    """Position-wise feed-forward block.
+
+    Args:
+        config: Finalized ``TransformerConfig`` (``ffn_hidden_size``, ``gated_linear_unit``,
+            ``add_bias_linear``, ``init_method_std``, ``num_layers``).
+        pg: ``ProcessGroups`` (or ``None`` for a world of one).
+        device: Device for the parameters (default: torch's default device).
+    """
+
+    def __init__(self, config, pg=None, *, device=None):
+        super().__init__()
+        self.config = config
+        self.gated = config.gated_linear_unit
+        ffn = config.ffn_hidden_size
+        self.linear_fc1 = ColumnParallelLinear(
+            config.hidden_size,
+            2 * ffn if self.gated else ffn,
+            config=config,
+            init_method=init_method_normal(config.init_method_std),
+            bias=config.add_bias_linear,
+            gather_output=False,
+            pg=pg,
+            device=device,
+        )
+        self.linear_fc2 = RowParallelLinear(
+            ffn,
+            config.hidden_size,
+            config=config,
+            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            pg=pg,
+            device=device,
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``[s, b, h] -> (output [s, b, h], fc2 bias or None)``; the bias is not added."""
+        intermediate, _ = self.linear_fc1(hidden_states)  # [s, b, ffn] or [s, b, 2 * ffn]
+        if self.gated:
+            gate, up = torch.chunk(intermediate, 2, dim=-1)
+            intermediate = F.silu(gate) * up
+        else:
+            intermediate = F.gelu(intermediate)
+        return self.linear_fc2(intermediate)

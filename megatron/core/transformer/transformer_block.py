@@ -1,0 +1,68 @@
+"""A stack of transformer layers (one pipeline chunk) plus the final norm.
+
+Layers get 1-based *global* layer numbers (``layer_offset + i + 1``) so a layer
+knows where it sits in the whole model (initialisation, logging, graph names), and
+are annotated with ``is_first_layer`` / ``is_last_layer`` *within this block*: the
+CUDA-graph code uses these to know where a chain of graph regions starts and ends.
+"""
+
+from typing import Optional
+
+import torch
+
+from megatron.core.transformer.norm import build_norm
+from megatron.core.transformer.spec_utils import build_module
+
+
+class TransformerBlock(torch.nn.Module):
+    """Runs ``layers`` in order, then ``final_layernorm`` when present.
+
+    Args:
+        config: Finalized ``TransformerConfig``.
+        layer_spec: Spec of one layer (``ModuleSpec``), built once per layer.
+        pg: ``ProcessGroups`` (or ``None`` for a world of one).
+        num_layers: Layers in this block (default: ``config.num_layers``).
+        layer_offset: Global index of this block's first layer (pipeline chunks).
+        post_layer_norm: Add the final norm (only on the last pipeline stage).
+        pre_process: This block is on the first pipeline stage.
+        post_process: This block is on the last pipeline stage.
+        device: Device for the parameters (default: torch's default device).
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_spec,
+        pg=None,
+        *,
+        num_layers: Optional[int] = None,
+        layer_offset: int = 0,
+        post_layer_norm: bool = True,
+        pre_process: bool = True,
+        post_process: bool = True,
+        device=None,
+    ):
+        super().__init__()
+        self.config = config
+        self.pre_process = pre_process
+        self.post_process = post_process
+        num_layers = config.num_layers if num_layers is None else num_layers
+        self.layers = torch.nn.ModuleList(
+            build_module(layer_spec, config=config, layer_number=layer_offset + i + 1, pg=pg, device=device)
+            for i in range(num_layers)
+        )
+        for i, layer in enumerate(self.layers):
+            layer.is_first_layer = i == 0
+            layer.is_last_layer = i == num_layers - 1
+        if post_layer_norm and post_process:
+            self.final_layernorm = build_norm(config, config.hidden_size, device=device)
+        else:
+            self.final_layernorm = None
+
+    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[s, b, h] -> [s, b, h]``."""
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, rotary_pos_emb=rotary_pos_emb)
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
+        return hidden_states

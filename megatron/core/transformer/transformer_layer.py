@@ -1,0 +1,88 @@
+"""A pre-norm transformer layer split into graphable regions.
+
+``forward`` is literally ``_forward_mlp(_forward_attention(x))``. Unusual here: the
+CUDA-graph machinery (``transformer/cuda_graphs``) wraps those two methods *on the
+instance*, by the names ``graph_regions()`` reports, so this file holds no capture
+code. For that to be correct each region method is a pure function of its tensor
+arguments and the parameters: no Python state that changes between calls, no host
+syncs, no data-dependent control flow (only ``self.training`` and the config choose
+branches).
+"""
+
+import dataclasses
+from typing import Any, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.spec_utils import build_module
+
+
+@dataclasses.dataclass
+class TransformerLayerSubmodules:
+    """Specs (``ModuleSpec``, class or factory) of a layer's parts."""
+
+    input_layernorm: Any = None
+    self_attention: Any = None
+    pre_mlp_layernorm: Any = None
+    mlp: Any = None
+
+
+class TransformerLayer(torch.nn.Module):
+    """Pre-norm layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``, with dropout on each branch.
+
+    Args:
+        config: Finalized ``TransformerConfig``.
+        submodules: Specs of the norms, the attention and the MLP.
+        layer_number: 1-based global layer number.
+        pg: ``ProcessGroups`` (or ``None`` for a world of one).
+        device: Device for the parameters (default: torch's default device).
+    """
+
+    def __init__(self, config, submodules: TransformerLayerSubmodules, layer_number: int, pg=None, *, device=None):
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        self.hidden_dropout = config.hidden_dropout
+        self.uses_rope = config.position_embedding_type == "rope"
+        # Set by TransformerBlock: position of this layer within its block (pipeline chunk).
+        self.is_first_layer = False
+        self.is_last_layer = False
+        h = config.hidden_size
+        self.input_layernorm = build_module(submodules.input_layernorm, config=config, hidden_size=h, device=device)
+        self.self_attention = build_module(
+            submodules.self_attention, config=config, layer_number=layer_number, pg=pg, device=device
+        )
+        self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config=config, hidden_size=h, device=device)
+        self.mlp = build_module(submodules.mlp, config=config, pg=pg, device=device)
+
+    def graph_regions(self) -> Dict[str, str]:
+        """Graphable regions of this layer: region name -> name of the method that runs it."""
+        return {"attn": "_forward_attention", "mlp": "_forward_mlp"}
+
+    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[s, b, h] -> [s, b, h]``."""
+        return self._forward_mlp(self._forward_attention(hidden_states, rotary_pos_emb))
+
+    def _forward_attention(
+        self, hidden_states: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """Attention region: norm -> self-attention -> bias-dropout-add onto the residual."""
+        assert rotary_pos_emb is not None or not self.uses_rope, "a RoPE model must pass rotary_pos_emb"
+        out, bias = self.self_attention(self.input_layernorm(hidden_states), rotary_pos_emb=rotary_pos_emb)
+        return self._bias_dropout_add(out, bias, hidden_states)
+
+    def _forward_mlp(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """MLP region: norm -> MLP -> bias-dropout-add onto the residual."""
+        out, bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        return self._bias_dropout_add(out, bias, hidden_states)
+
+    def _bias_dropout_add(
+        self, out: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor
+    ) -> torch.Tensor:
+        # residual + dropout(out + bias), Megatron's order of operations.
+        if bias is not None:
+            out = out + bias
+        if self.training and self.hidden_dropout > 0.0:
+            out = F.dropout(out, p=self.hidden_dropout, training=True)
+        return residual + out

@@ -1,0 +1,130 @@
+"""ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding at TP = 1, cross entropy, seeding."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.parallel_state import ProcessGroups
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    init_method_normal,
+    scaled_init_method_normal,
+)
+from megatron.core.tensor_parallel.random import model_parallel_manual_seed
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def cfg(dtype=torch.float32):
+    return TransformerConfig(params_dtype=dtype).finalize()
+
+
+def test_column_linear_shapes_dtype_and_bias_handling():
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(8, 12, config=cfg(torch.float64), init_method=init_method_normal(0.02))
+    assert layer.weight.shape == (12, 8) and layer.weight.dtype == torch.float64
+    assert layer.bias.shape == (12,) and torch.count_nonzero(layer.bias) == 0
+    with torch.no_grad():
+        layer.bias.normal_()
+    x = torch.randn(5, 3, 8, dtype=torch.float64)
+    out, bias = layer(x)
+    assert bias is None
+    torch.testing.assert_close(out, x @ layer.weight.t() + layer.bias)
+    layer.skip_bias_add = True
+    out2, bias2 = layer(x)
+    assert bias2 is layer.bias
+    torch.testing.assert_close(out2 + bias2, out)
+
+
+def test_column_linear_without_weight_needs_one():
+    layer = ColumnParallelLinear(
+        4, 6, config=cfg(), init_method=init_method_normal(0.02), bias=False, skip_weight_param_allocation=True
+    )
+    assert layer.weight is None and list(layer.parameters()) == []
+    w = torch.randn(6, 4)
+    x = torch.randn(2, 4)
+    out, _ = layer(x, weight=w)
+    torch.testing.assert_close(out, x @ w.t())
+    with pytest.raises(AssertionError):
+        layer(x)
+
+
+def test_row_linear_skip_bias_add():
+    torch.manual_seed(0)
+    layer = RowParallelLinear(8, 4, config=cfg(), init_method=init_method_normal(0.02), skip_bias_add=True)
+    assert layer.weight.shape == (4, 8)
+    x = torch.randn(3, 8)
+    out, bias = layer(x)
+    assert bias is layer.bias
+    torch.testing.assert_close(out, x @ layer.weight.t())
+    no_bias = RowParallelLinear(8, 4, config=cfg(), init_method=init_method_normal(0.02), bias=False)
+    assert no_bias.bias is None and no_bias(x)[1] is None
+
+
+def test_init_std_and_scaled_init():
+    torch.manual_seed(0)
+    w = torch.empty(400, 400)
+    init_method_normal(0.02)(w)
+    assert abs(w.std().item() - 0.02) < 5e-4 and abs(w.mean().item()) < 5e-4
+    scaled_init_method_normal(0.02, 8)(w)
+    assert abs(w.std().item() - 0.02 / 4.0) < 2e-4
+
+
+def test_embedding_and_pg_single():
+    torch.manual_seed(0)
+    emb = VocabParallelEmbedding(10, 4, config=cfg(), init_method=init_method_normal(1.0), pg=ProcessGroups.single())
+    assert (emb.vocab_start_index, emb.vocab_end_index) == (0, 10)
+    ids = torch.tensor([[1, 9], [0, 3]])
+    torch.testing.assert_close(emb(ids), emb.weight[ids])
+
+
+def test_params_follow_default_device():
+    with torch.device("meta"):
+        layer = ColumnParallelLinear(4, 4, config=cfg(), init_method=lambda t: None)
+    assert layer.weight.device.type == "meta"
+    layer = ColumnParallelLinear(4, 4, config=cfg(), init_method=init_method_normal(0.02), device="cpu")
+    assert layer.weight.device.type == "cpu"
+
+
+def test_tensor_parallel_above_one_is_refused():
+    class FakePG:
+        tp_size = 2
+
+    with pytest.raises(NotImplementedError):
+        ColumnParallelLinear(4, 4, config=cfg(), init_method=init_method_normal(0.02), pg=FakePG())
+
+
+@pytest.mark.parametrize("layout", ["sbv", "bsv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_matches_fp32_reference(layout, dtype):
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(5, 3, 17)).to(dtype).requires_grad_()
+    target = torch.randint(0, 17, (5, 3))
+    loss = vocab_parallel_cross_entropy(logits, target)
+    assert loss.dtype == torch.float32 and loss.shape == (5, 3)
+    lf = logits.detach().double()
+    ref = torch.logsumexp(lf, -1) - lf.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-6, atol=1e-6)
+    grad_w = torch.randn(5, 3)
+    (loss * grad_w).sum().backward()
+    assert logits.grad.dtype == dtype
+    ref_grad = (torch.softmax(lf, -1) - F.one_hot(target, 17).double()) * grad_w.double().unsqueeze(-1)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(logits.grad.double(), ref_grad, rtol=tol, atol=tol)
+
+
+def test_cross_entropy_accepts_transposed_target():
+    logits = torch.randn(4, 2, 7)
+    labels = torch.randint(0, 7, (2, 4))
+    loss = vocab_parallel_cross_entropy(logits, labels.t())
+    ref = F.cross_entropy(logits.reshape(-1, 7), labels.t().reshape(-1), reduction="none").view(4, 2)
+    torch.testing.assert_close(loss, ref)
+
+
+def test_manual_seed_is_repeatable():
+    model_parallel_manual_seed(7)
+    a = torch.randn(5)
+    model_parallel_manual_seed(7)
+    assert torch.equal(a, torch.randn(5))

@@ -1,0 +1,113 @@
+"""The manager's recording pass and scope routing on a real GPT, on the CPU."""
+
+import warnings
+
+import pytest
+import torch
+
+from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+from megatron.core.models.gpt.gpt_model import build_gpt_model
+from megatron.core.models.gpt.loss import masked_mean_loss
+from megatron.core.parallel_state import ProcessGroups
+from megatron.core.transformer.cuda_graphs.buffers import BWD, FWD, Event
+from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
+from megatron.core.transformer.cuda_graphs.manager import CudaGraphManager
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.config import DDPConfig
+
+LAYERS = 3
+
+
+def tiny_gpt(rope=False):
+    cfg = TransformerConfig(
+        num_layers=LAYERS, hidden_size=32, num_attention_heads=4, seq_length=16, hidden_dropout=0.0,
+        attention_dropout=0.0, position_embedding_type="rope" if rope else "learned_absolute",
+    ).finalize()
+    torch.manual_seed(0)
+    return build_gpt_model(cfg, 64), cfg
+
+
+def recorded(scopes, rope=False, microbatches=2):
+    model, _ = tiny_gpt(rope)
+    ddp = DistributedDataParallel(model, config=DDPConfig(), pg=ProcessGroups.single())
+    manager = CudaGraphManager(CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=scopes))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        manager.apply(model)
+    manager.start_recording()
+    tokens = torch.randint(0, 64, (2, 16))
+    losses = []
+    for _ in range(microbatches):
+        loss, _ = masked_mean_loss(ddp(tokens, None, tokens), torch.ones(2, 16))
+        loss.backward()
+        losses.append(loss.detach())
+    return manager, manager.make_plan(), losses, ddp
+
+
+def test_whole_layer_record_order_and_handoffs():
+    manager, plan, _, _ = recorded([])
+    assert [r.name.split(".")[-1] for r in manager.regions] == ["layer"] * LAYERS
+    n = LAYERS
+    assert plan.cycle == [Event(FWD, i) for i in range(n)] + [Event(BWD, i) for i in reversed(range(n))]
+    # Two micro-batches were recorded; the cycle is one of them.
+    assert len(manager.order) == 2 * len(plan.cycle)
+    # Layer k+1 reads layer k's output buffer; layer 0 reads the (eager) embedding output.
+    assert manager.regions[0].sources[0].kind == "own"
+    for k in range(1, n):
+        assert manager.regions[k].sources[0].kind == "handoff"
+        assert plan.owner(("input", k, 0)) == ("output", k - 1, 0)
+        assert plan.owner(("grad_output", k - 1, 0)) == ("grad_input", k, 0)
+
+
+def test_rope_table_is_one_shared_buffer():
+    manager, plan, _, _ = recorded([], rope=True)
+    owners = {plan.owner(("input", r.index, 1)) for r in manager.regions}
+    assert owners == {("shared", -1, 0)}
+
+
+@pytest.mark.parametrize("scope,method", [("attn", "_forward_attention"), ("mlp", "_forward_mlp")])
+def test_sub_layer_scope_graphs_only_that_region(scope, method):
+    manager, plan, _, _ = recorded([scope])
+    assert len(manager.regions) == LAYERS
+    assert all(r.method_name == method for r in manager.regions)
+    # The other half of the layer runs eagerly between graphs: nothing is handed off.
+    assert all(src.kind != "handoff" for r in manager.regions for src in r.sources)
+    layer = manager.regions[0].module
+    other = "_forward_mlp" if scope == "attn" else "_forward_attention"
+    assert other not in vars(layer), "the region left eager must not be routed"
+
+
+def test_attn_and_mlp_together_is_one_layer_graph():
+    manager, _, _, _ = recorded(["attn", "mlp"])
+    assert [r.method_name for r in manager.regions] == ["forward"] * LAYERS
+
+
+def test_recording_does_not_change_numerics():
+    _, _, losses, ddp = recorded([])
+    model, _ = tiny_gpt()
+    ref = DistributedDataParallel(model, config=DDPConfig(), pg=ProcessGroups.single())
+    # tiny_gpt() reseeded and initialised exactly as in recorded(): same tokens follow.
+    tokens = torch.randint(0, 64, (2, 16))
+    for expected in losses:
+        loss, _ = masked_mean_loss(ref(tokens, None, tokens), torch.ones(2, 16))
+        loss.backward()
+        assert torch.equal(loss.detach(), expected)
+    for a, b in zip(ddp.module.parameters(), ref.module.parameters()):
+        assert torch.equal(a.main_grad, b.main_grad)
+
+
+def test_cpu_flags_accepted_with_one_warning_and_eager_run():
+    model, _ = tiny_gpt()
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        manager = CudaGraphManager(CudaGraphConfig(cuda_graph_impl="local")).apply(model)
+    assert manager.state == "off"
+    tokens = torch.randint(0, 64, (2, 16))
+    model(tokens, None, tokens).mean().backward()
+    manager.end_of_iteration()
+    assert manager.state == "off" and manager.order == []
+
+
+def test_scope_without_region_in_model_is_rejected():
+    model, _ = tiny_gpt()
+    with pytest.raises(ValueError, match="no 'moe' region"):
+        CudaGraphManager(CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=["moe"])).apply(model)
