@@ -1,0 +1,35 @@
+"""Tokenizer and data-iterator setup for the training loop."""
+
+import itertools
+from typing import Iterator, Optional, Tuple
+
+from megatron.core.datasets.builder import build_train_valid_test_datasets
+from megatron.core.datasets.data_samplers import build_pretraining_data_loader
+from megatron.core.tokenizers import build_tokenizer, vocab_size_with_padding
+
+
+def setup_tokenizer(cfg, pg):
+    """Builds the tokenizer and sets the padded vocabulary size on the model config."""
+    tokenizer = build_tokenizer(cfg.data)
+    cfg.model.vocab_size = vocab_size_with_padding(
+        tokenizer.vocab_size, cfg.data.make_vocab_size_divisible_by, pg.tp_size
+    )
+    return tokenizer
+
+
+def build_data_iterators(cfg, tokenizer, pg, consumed_samples: int) -> Tuple[Iterator, Optional[Iterator]]:
+    """Train (and valid, when evaluation is on) iterators of micro-batches for this rank."""
+    t = cfg.training
+    train_samples = t.train_iters * t.global_batch_size
+    eval_runs = t.train_iters // t.eval_interval + 1 if t.eval_iters > 0 else 0
+    valid_samples = eval_runs * t.eval_iters * t.global_batch_size
+    train_ds, valid_ds, _ = build_train_valid_test_datasets(
+        cfg.data, tokenizer, seq_length=cfg.model.seq_length, seed=t.seed, num_samples=(train_samples, valid_samples, 0)
+    )
+    workers = cfg.data.num_workers
+    train = build_pretraining_data_loader(train_ds, consumed_samples, t.micro_batch_size, pg.dp_rank, pg.dp_size, workers)
+    valid = None
+    if valid_ds is not None and valid_samples:
+        valid = build_pretraining_data_loader(valid_ds, 0, t.micro_batch_size, pg.dp_rank, pg.dp_size, workers)
+        valid = itertools.cycle(valid)
+    return iter(train), valid

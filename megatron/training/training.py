@@ -1,0 +1,293 @@
+"""The training loop: ``pretrain()`` from flags to a trained model.
+
+The whole path of one run, in order: parse flags -> process groups -> tokenizer and
+data -> model -> DDP (main_grad buffers) -> CUDA-graph manager -> optimizer and LR
+schedule -> loop (``train_step`` per iteration, Megatron's log line, memory line,
+metrics). The only host synchronisations in a step are the ones logging asks for
+(fp16 loss scaling adds one for the overflow check).
+"""
+
+import contextlib
+import datetime
+import math
+import os
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+from megatron.core.models.gpt.loss import masked_mean_loss
+from megatron.core.optimizer.lr_scheduler import build_scheduler
+from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+from megatron.core.transformer.cuda_graphs.manager import CudaGraphManager
+from megatron.training import logging_utils as logs
+from megatron.training.arguments import parse_args
+from megatron.training.config import RunConfig
+from megatron.training.data import build_data_iterators, setup_tokenizer
+
+
+def _set_determinism(cfg: RunConfig, use_cuda: bool) -> None:
+    if not cfg.training.deterministic_mode:
+        return
+    # cuBLAS reads this when its handle is created; setting it before the first matmul suffices.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    if use_cuda:
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+
+
+class Trainer:
+    """One training run. ``pretrain()`` builds it from flags and calls ``train()``.
+
+    Args:
+        cfg: The validated run configuration.
+        pg: Process groups of this rank.
+        model_provider: ``(cfg, vocab_size, pg, device) -> torch.nn.Module`` returning a
+            model whose ``forward(tokens, position_ids, labels)`` gives per-token losses.
+    """
+
+    def __init__(self, cfg: RunConfig, pg: parallel_state.ProcessGroups, model_provider: Callable):
+        self.cfg = cfg
+        self.pg = pg
+        self.device = pg.device
+        t = cfg.training
+        torch.manual_seed(t.seed)
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed_all(t.seed)
+        self.tokenizer = setup_tokenizer(cfg, pg)
+        model = model_provider(cfg, cfg.model.vocab_size, pg, self.device)
+        self.model = DistributedDataParallel(model, config=cfg.ddp, pg=pg)
+        self.graphs = CudaGraphManager(cfg.cuda_graph, on_wgrad_ready=self._wgrads_ready).apply(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = MixedPrecisionOptimizer(params, config=cfg.optimizer, precision=cfg.precision)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, t.train_iters)
+        self.iteration = 0
+        self.consumed_samples = 0
+        self.skipped_iters = 0
+        self.nan_iters = 0
+        self.metrics = logs.MetricsWriter(
+            cfg.logging.metrics_file, cfg.logging.tensorboard_dir, enabled_on_this_rank=pg.is_last_rank
+        )
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.log_lines: List[str] = []
+        self.history: List[Dict] = []
+
+    def _wgrads_ready(self, params, event) -> None:
+        for p in params:
+            self.model.register_grad_ready(p, event)
+
+    # ------------------------------------------------------------------ one step
+    def forward_backward(self, data_iterator) -> torch.Tensor:
+        """Runs every micro-batch of one global batch; returns the summed loss (device)."""
+        n = self.cfg.num_microbatches
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        for mb in range(n):
+            batch = next(data_iterator)
+            tokens = batch["tokens"].to(self.device, non_blocking=True)
+            labels = batch["labels"].to(self.device, non_blocking=True)
+            loss_mask = batch["loss_mask"].to(self.device, non_blocking=True)
+            position_ids = batch["position_ids"].to(self.device, non_blocking=True)
+            sync = contextlib.nullcontext() if mb == n - 1 else self.model.no_sync()
+            with sync:
+                per_token = self.model(tokens, position_ids, labels)
+                loss, _ = masked_mean_loss(per_token, loss_mask)
+                scaled = loss / n
+                if self.cfg.precision.fp16:
+                    scaled = self.optimizer.scale_loss(scaled)
+                scaled.backward()
+            loss_sum += loss.detach()
+        return loss_sum
+
+    def train_step(self, data_iterator):
+        self.model.zero_grad_buffer()
+        loss_sum = self.forward_backward(data_iterator)
+        self.model.finish_grad_sync()
+        success, grad_norm, num_zeros = self.optimizer.step()
+        if success:
+            self.scheduler.step(1)
+        self.graphs.end_of_iteration()
+        loss = loss_sum / self.cfg.num_microbatches
+        if self.pg.dp is not None:
+            dist.all_reduce(loss, group=self.pg.dp)
+            loss = loss / self.pg.dp_size
+        return loss, grad_norm, bool(success)
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> List[Dict]:
+        cfg = self.cfg
+        t, lg = cfg.training, cfg.logging
+        train_iter, _valid_iter = build_data_iterators(cfg, self.tokenizer, self.pg, self.consumed_samples)
+        self.model.train()
+        history = []
+        window_loss = torch.zeros((), device=self.device)
+        window_nan = torch.zeros((), device=self.device, dtype=torch.int32)
+        window_iters = 0
+        last_time = self._sync_time()
+        logs.print_rank_0(f"> training {self.num_params:,} parameters for {t.train_iters} iterations")
+        while self.iteration < t.train_iters:
+            loss, grad_norm, success = self.train_step(train_iter)
+            self.iteration += 1
+            self.consumed_samples += t.global_batch_size
+            if not success:
+                self.skipped_iters += 1
+            is_nan = torch.isnan(loss) | torch.isinf(loss)
+            window_nan += is_nan.int()
+            window_loss += torch.where(is_nan, torch.zeros_like(loss), loss)
+            window_iters += 1
+            if self.iteration == 1 and self.graphs.state == "captured":
+                self._log_capture()
+            if self.iteration % lg.log_interval == 0 or self.iteration == t.train_iters:
+                now = self._sync_time()
+                elapsed_ms = (now - last_time) * 1000.0 / window_iters
+                last_time = now
+                record = self._log_iteration(window_loss / window_iters, grad_norm, window_nan, elapsed_ms)
+                history.append(record)
+                window_loss.zero_()
+                window_nan.zero_()
+                window_iters = 0
+                last_time = self._sync_time()
+            if self.iteration == 1 or (lg.log_memory_interval and self.iteration % lg.log_memory_interval == 0):
+                self._log_memory()
+            if t.exit_interval and self.iteration % t.exit_interval == 0:
+                break
+        self.metrics.close()
+        return history
+
+    def _sync_time(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    # ------------------------------------------------------------------ logging
+    def _log_iteration(self, loss, grad_norm, nan_count, elapsed_ms) -> Dict:
+        cfg, t = self.cfg, self.cfg.training
+        nan_now = int(nan_count.item())
+        self.nan_iters += nan_now
+        if nan_now and cfg.ddp.check_for_nan_in_loss_and_grad:
+            raise RuntimeError(
+                f"NaN or Inf lm loss at iteration {self.iteration} on rank {self.pg.rank}. "
+                "Pass --no-check-for-nan-in-loss-and-grad to keep training through it."
+            )
+        loss_value = loss.item()
+        grad_value = None if grad_norm is None else float(grad_norm)
+        if grad_value is not None and not math.isfinite(grad_value) and cfg.ddp.check_for_nan_in_loss_and_grad:
+            raise RuntimeError(
+                f"grad norm is {grad_value} at iteration {self.iteration} on rank {self.pg.rank}. "
+                "Pass --no-check-for-nan-in-loss-and-grad to keep training through it."
+            )
+        lr = self.scheduler.get_lr(self.iteration)
+        throughput = None
+        if cfg.logging.log_throughput:
+            flops = logs.num_floating_point_operations(
+                cfg.model, batch_size=t.global_batch_size, seq_length=cfg.model.seq_length, vocab_size=cfg.model.vocab_size
+            )
+            throughput = flops / (elapsed_ms / 1000.0) / 1e12 / self.pg.world_size
+        loss_scale = float(self.optimizer.get_loss_scale())
+        line = logs.format_iteration_line(
+            iteration=self.iteration,
+            train_iters=t.train_iters,
+            consumed_samples=self.consumed_samples,
+            elapsed_ms=elapsed_ms,
+            lr=lr,
+            global_batch_size=t.global_batch_size,
+            losses={"lm loss": loss_value},
+            loss_scale=loss_scale,
+            grad_norm=grad_value,
+            skipped_iters=self.skipped_iters,
+            nan_iters=self.nan_iters,
+            throughput_tflops=throughput,
+            timestamp=datetime.datetime.now(),
+        )
+        logs.print_last_rank(line)
+        self.log_lines.append(line)
+        record = {
+            "lm loss": loss_value,
+            "learning-rate": lr,
+            "grad-norm": grad_value,
+            "loss-scale": loss_scale,
+            "iteration-time": elapsed_ms / 1000.0,
+            "batch-size": t.global_batch_size,
+        }
+        if throughput is not None:
+            record["throughput"] = throughput
+        if cfg.logging.log_memory_to_tensorboard:
+            record.update(self._memory_record())
+        self.metrics.write(self.iteration, record, samples=self.consumed_samples)
+        return dict(record, iteration=self.iteration)
+
+    def _memory_record(self) -> Dict[str, float]:
+        mem = logs.memory_stats_mb(self.device)
+        record = {
+            "mem-allocated-bytes": mem["allocated"] * 2**20,
+            "mem-max-allocated-bytes": mem["max_allocated"] * 2**20,
+            "mem-reserved-bytes": mem["reserved"] * 2**20,
+            "mem-max-reserved-bytes": mem["max_reserved"] * 2**20,
+        }
+        if self.graphs.state == "captured":
+            s = self.graphs.stats()
+            record["graph-pool-reserved-bytes"] = s["pool_reserved_bytes"]
+            record["graph-pool-live-bytes"] = s["pool_live_bytes"]
+        return record
+
+    def _log_memory(self) -> None:
+        if self.device.type != "cuda" or self.pg.dp_rank != 0:
+            return
+        mem = logs.memory_stats_mb(self.device)
+        extra = {}
+        if self.graphs.state == "captured":
+            s = self.graphs.stats()
+            extra = {
+                "graph pool reserved": s["pool_reserved_bytes"] / 2**20,
+                "graph pool live": s["pool_live_bytes"] / 2**20,
+                "graph buffers held": s["strong_bytes"] / 2**20,
+            }
+        print(
+            logs.format_memory_line(
+                self.pg.rank, f"(after {self.iteration} iterations)", mem["allocated"], mem["max_allocated"],
+                mem["reserved"], mem["max_reserved"], extra=extra,
+            ),
+            flush=True,
+        )
+
+    def _log_capture(self) -> None:
+        if self.pg.dp_rank != 0:
+            return
+        print(f"> {self.graphs.pool.summary_line()}", flush=True)
+
+
+def default_model_provider(cfg: RunConfig, vocab_size: int, pg, device) -> torch.nn.Module:
+    from megatron.core.models.gpt.gpt_model import build_gpt_model
+
+    return build_gpt_model(cfg.model, vocab_size, pg=pg, device=device)
+
+
+def build_trainer(argv: Optional[Sequence[str]] = None, model_provider: Callable = default_model_provider) -> Trainer:
+    """Parses flags and builds a ``Trainer`` without training (tests, tools).
+
+    The caller owns the process groups: ``parallel_state.destroy(trainer.pg)`` at the end.
+    """
+    cfg = parse_args(argv)
+    use_cuda = torch.cuda.is_available() and not cfg.training.use_cpu
+    # Process groups first: the world size is needed to validate the batch sizes.
+    pg = parallel_state.initialize(cfg.parallel, use_cuda=use_cuda)
+    try:
+        cfg.validate()
+        _set_determinism(cfg, use_cuda)
+        return Trainer(cfg, pg, model_provider)
+    except BaseException:
+        parallel_state.destroy(pg)
+        raise
+
+
+def pretrain(argv: Optional[Sequence[str]] = None, model_provider: Callable = default_model_provider) -> Trainer:
+    """Parses flags, builds everything and trains. Returns the finished ``Trainer``."""
+    trainer = build_trainer(argv, model_provider)
+    try:
+        trainer.history = trainer.train()
+    finally:
+        parallel_state.destroy(trainer.pg)
+    return trainer

@@ -1,0 +1,214 @@
+"""Benchmark: eager vs partial CUDA graphs vs torch.cuda.make_graphed_callables.
+
+Each (config, mode) runs in its own child process so that every run starts from an
+empty device; all runs of one invocation share the machine and the code, so ratios
+against eager are measured in the same run. Per run:
+
+* ms/iteration: median over iterations ``--skip``..end of the device-synchronised
+  wall time of one training step (the same method as the upstream anchor);
+* TFLOP/s per GPU from Megatron's FLOP count;
+* peak device memory as the driver sees it: NVML "used", polled every 2 ms by a thread
+  (``torch.cuda.device_memory_used``), minus the reading before CUDA initialised;
+* graph pool reserved / live bytes from the allocator snapshot filtered by our pool id,
+  and the bytes of static buffers we hold strongly;
+* every loss, so a table row also says whether graphed losses equal eager's bit for bit.
+
+Usage:
+    python tools/graph_bench.py --out DIR                 # all configs and modes, table last
+    python tools/graph_bench.py --config dense8 --mode local:attn --json r.json   # one run
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+CONFIGS = {
+    # The issue's 8-layer config (anchor_upstream.md "small").
+    "dense8": "--num-layers 8 --hidden-size 1024 --ffn-hidden-size 4096 --num-attention-heads 16 "
+    "--seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 2 --global-batch-size 2",
+    # The launch-bound config (anchor_upstream.md "lb").
+    "launch16": "--num-layers 16 --hidden-size 512 --ffn-hidden-size 2048 --num-attention-heads 8 "
+    "--seq-length 512 --max-position-embeddings 512 --micro-batch-size 1 --global-batch-size 1",
+}
+COMMON = (
+    "--lr 1e-4 --min-lr 1e-5 --lr-decay-style constant --seed 1234 --tokenizer-type NullTokenizer "
+    "--vocab-size 32000 --mock-data --bf16 --attention-dropout 0.0 --hidden-dropout 0.0 --log-interval 1000000 "
+    "--num-workers 0"
+)
+MODES = ["eager", "local:layer", "local:attn", "local:mlp", "local:attn+mlp", "mgc"]
+
+
+def mode_flags(mode: str) -> str:
+    if mode in ("eager", "mgc"):
+        return ""
+    scope = mode.split(":", 1)[1]
+    scopes = "" if scope == "layer" else " ".join(scope.split("+"))
+    return f"--cuda-graph-impl local --cuda-graph-scope {scopes}".rstrip()
+
+
+class PeakPoller:
+    """Polls NVML device memory use in a thread."""
+
+    def __init__(self, torch, interval=0.002):
+        self.torch, self.interval, self.peak, self._stop = torch, interval, 0, False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop:
+            self.peak = max(self.peak, self.torch.cuda.device_memory_used())
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop = True
+        self.thread.join()
+        self.peak = max(self.peak, self.torch.cuda.device_memory_used())
+
+
+def wrap_with_make_graphed_callables(trainer):
+    """The peer a user would pick: torch.cuda.make_graphed_callables over the layers."""
+    import torch
+
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    cfg = trainer.cfg.model
+    layers = [m for m in trainer.model.module.modules() if isinstance(m, TransformerLayer)]
+    if cfg.position_embedding_type == "rope":
+        raise SystemExit("mgc mode supports learned positions only (layers take one tensor)")
+    t = trainer.cfg.training
+    samples = tuple(
+        (torch.randn(cfg.seq_length, t.micro_batch_size, cfg.hidden_size, dtype=cfg.params_dtype,
+                     device=trainer.device, requires_grad=True),)
+        for _ in layers
+    )
+    torch.cuda.make_graphed_callables(tuple(layers), samples, num_warmup_iters=3)
+    for layer in layers:
+        graphed = layer.forward
+        layer.forward = lambda hidden_states, rotary_pos_emb=None, _g=graphed: _g(hidden_states)
+
+
+def run_one(config: str, mode: str, iters: int, skip: int, extra: str) -> dict:
+    import torch
+
+    from megatron.core import parallel_state
+    from megatron.training import logging_utils as logs
+    from megatron.training.training import build_trainer
+
+    base = torch.cuda.device_memory_used() if torch.cuda.is_available() else 0
+    argv = f"{CONFIGS[config]} {COMMON} --train-iters {iters} {mode_flags(mode)} {extra}".split()
+    with PeakPoller(torch) as poller:
+        trainer = build_trainer(argv)
+        if mode == "mgc":
+            capture_start = time.perf_counter()
+            wrap_with_make_graphed_callables(trainer)
+            mgc_capture = time.perf_counter() - capture_start
+        from megatron.training.data import build_data_iterators
+
+        it, _ = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0)
+        trainer.model.train()
+        times, losses = [], []
+        for _ in range(iters):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            loss, grad_norm, _ = trainer.train_step(it)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1000)
+            losses.append(loss.item())
+        stats = trainer.graphs.stats() if trainer.graphs.state == "captured" else {}
+    cfg = trainer.cfg
+    flops = logs.num_floating_point_operations(
+        cfg.model, batch_size=cfg.training.global_batch_size, seq_length=cfg.model.seq_length,
+        vocab_size=cfg.model.vocab_size,
+    )
+    ms = statistics.median(times[skip:])
+    result = {
+        "config": config,
+        "mode": mode,
+        "ms_per_iter": ms,
+        "ms_min": min(times[skip:]),
+        "ms_max": max(times[skip:]),
+        "tflops_per_gpu": flops / (ms / 1000) / 1e12,
+        "peak_device_bytes": poller.peak - base,
+        "max_allocated_bytes": torch.cuda.max_memory_allocated(),
+        "max_reserved_bytes": torch.cuda.max_memory_reserved(),
+        "losses": losses,
+        "graphs": stats,
+    }
+    if mode == "mgc":
+        result["graphs"] = {"capture_seconds": mgc_capture}
+    parallel_state.destroy(trainer.pg)
+    return result
+
+
+def table(results):
+    rows = []
+    eager = {r["config"]: r for r in results if r["mode"] == "eager"}
+    head = (f"{'config':9} {'mode':15} {'ms/it':>7} {'x eager':>7} {'TFLOP/s':>7} {'peak GiB':>8} "
+            f"{'mem vs eager':>12} {'pool MiB':>8} {'held MiB':>8} {'graphs':>6} {'loss==eager':>11}")
+    rows.append(head)
+    rows.append("-" * len(head))
+    for r in results:
+        e = eager.get(r["config"])
+        g = r.get("graphs") or {}
+        same = "-" if e is None or r is e else str(r["losses"] == e["losses"])
+        rows.append(
+            f"{r['config']:9} {r['mode']:15} {r['ms_per_iter']:7.2f} "
+            f"{(r['ms_per_iter'] / e['ms_per_iter']) if e else float('nan'):7.3f} {r['tflops_per_gpu']:7.1f} "
+            f"{r['peak_device_bytes'] / 2**30:8.3f} "
+            f"{(100 * (r['peak_device_bytes'] - e['peak_device_bytes']) / e['peak_device_bytes']) if e else float('nan'):+11.2f}% "
+            f"{g.get('pool_reserved_bytes', 0) / 2**20:8.1f} {g.get('strong_bytes', 0) / 2**20:8.1f} "
+            f"{g.get('graphs', 0):6d} {same:>11}"
+        )
+    return "\n".join(rows)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", choices=sorted(CONFIGS))
+    parser.add_argument("--mode")
+    parser.add_argument("--configs", nargs="*", default=["dense8", "launch16"])
+    parser.add_argument("--modes", nargs="*", default=MODES)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--skip", type=int, default=10, help="iterations left out of the timing median")
+    parser.add_argument("--extra", default="", help="more flags for every run")
+    parser.add_argument("--json", help="one run: write its result here")
+    parser.add_argument("--out", default="bench_out", help="all runs: folder for results.json and logs")
+    args = parser.parse_args()
+    if args.config:
+        result = run_one(args.config, args.mode, args.iters, args.skip, args.extra)
+        with open(args.json, "w") as f:
+            json.dump(result, f)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    results = []
+    for config in args.configs:
+        for mode in args.modes:
+            path = os.path.join(args.out, f"{config}_{mode.replace(':', '_').replace('+', '_')}.json")
+            log = path[:-5] + ".log"
+            cmd = [sys.executable, __file__, "--config", config, "--mode", mode, "--iters", str(args.iters),
+                   "--skip", str(args.skip), "--json", path, "--extra", args.extra]
+            with open(log, "w") as f:
+                rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
+            if rc != 0:
+                print(f"{config} {mode}: failed (rc {rc}); see {log}", flush=True)
+                with open(log) as f:
+                    print("".join(f.readlines()[-15:]), flush=True)
+                continue
+            with open(path) as f:
+                results.append(json.load(f))
+            print(f"{config} {mode}: {results[-1]['ms_per_iter']:.2f} ms/it", flush=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
