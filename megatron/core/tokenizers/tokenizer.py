@@ -1,0 +1,232 @@
+"""Tokenizers selected by ``--tokenizer-type``, and vocabulary padding.
+
+Every tokenizer has the same small surface: ``vocab_size`` (unpadded), ``eod``,
+``tokenize(text) -> list[int]`` and ``detokenize(ids) -> str``. The core needs no
+tokenizer package: NullTokenizer, ByteLevelTokenizer and GPT2BPETokenizer are pure
+Python; only HuggingFaceTokenizer imports the optional ``tokenizers`` package, and only
+when it is asked for.
+
+NullTokenizer follows Megatron exactly: ``--vocab-size N`` makes ids ``0..N-1`` text ids
+and ``N`` the end-of-document id, so ``tokenizer.vocab_size == N + 1`` and
+``eod == vocab_size - 1``. Keeping Megatron's off-by-one keeps the padded embedding size,
+the mock data and therefore the loss curve identical to upstream for the same flags.
+"""
+
+import json
+import math
+import os
+from typing import Iterable, List, Optional
+
+from megatron.core.tokenizers.gpt2_bpe import GPT2BPETokenizer
+
+TOKENIZER_TYPES = ("NullTokenizer", "ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
+
+
+class NullTokenizer:
+    """Text is space-separated integer ids (``--tokenizer-type NullTokenizer --vocab-size N``).
+
+    Args:
+        vocab_size: Megatron's ``--vocab-size``: the number of ids before the end-of-document id.
+    """
+
+    def __init__(self, vocab_size: int):
+        if vocab_size is None or int(vocab_size) < 1:
+            raise ValueError(f"--tokenizer-type NullTokenizer needs --vocab-size N with N >= 1, got {vocab_size}.")
+        self._num_text_ids = int(vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._num_text_ids + 1
+
+    @property
+    def eod(self) -> int:
+        return self._num_text_ids
+
+    @property
+    def pad(self) -> int:
+        return self.eod
+
+    def tokenize(self, text: str) -> List[int]:
+        """``"3 1 4"`` -> ``[3, 1, 4]``; any whitespace separates ids."""
+        ids = []
+        for word in text.split():
+            try:
+                value = int(word)
+            except ValueError:
+                raise ValueError(f"NullTokenizer reads space-separated integers, got {word!r} in the text.") from None
+            if not 0 <= value < self.vocab_size:
+                raise ValueError(f"NullTokenizer id {value} is outside [0, {self.vocab_size}); raise --vocab-size.")
+            ids.append(value)
+        return ids
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+class ByteLevelTokenizer:
+    """UTF-8 bytes as ids 0..255, plus ``<eod>`` = 256 and ``<pad>`` = 257 (vocab 258).
+
+    Needs no files and round-trips any text. Special ids are never produced by
+    ``tokenize``; ``detokenize`` writes them as ``<eod>`` / ``<pad>``.
+    """
+
+    EOD = 256
+    PAD = 257
+
+    @property
+    def vocab_size(self) -> int:
+        return 258
+
+    @property
+    def eod(self) -> int:
+        return self.EOD
+
+    @property
+    def pad(self) -> int:
+        return self.PAD
+
+    def tokenize(self, text: str) -> List[int]:
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        out = []
+        run = bytearray()
+        for i in ids:
+            i = int(i)
+            if 0 <= i < 256:
+                run.append(i)
+                continue
+            # Decode the bytes collected so far, so a special id never splits a character.
+            out.append(run.decode("utf-8", errors="replace"))
+            run = bytearray()
+            out.append({self.EOD: "<eod>", self.PAD: "<pad>"}.get(i, ""))
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+# End-of-document names tried, in order, when tokenizer_config.json does not name eos_token.
+_HF_EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "<eod>", "[SEP]")
+
+
+class HuggingFaceTokenizer:
+    """A local Hugging Face ``tokenizer.json`` (``--tokenizer-model``), through the ``tokenizers`` package.
+
+    The end-of-document id is the ``eos_token`` of a ``tokenizer_config.json`` next to
+    the file when there is one, else the first of ``<|endoftext|>``, ``</s>``,
+    ``<|end_of_text|>``, ``<eos>``, ... found in the vocabulary.
+
+    Args:
+        path: Path to tokenizer.json (or a folder holding one).
+    """
+
+    def __init__(self, path: str):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ValueError(
+                "--tokenizer-type HuggingFaceTokenizer needs the optional 'tokenizers' package: "
+                "pip install tokenizers (or use GPT2BPETokenizer with --vocab-file/--merge-file)."
+            ) from None
+        if os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"--tokenizer-model {path} does not exist; pass the path of a tokenizer.json.")
+        try:
+            self._tok = Tokenizer.from_file(path)
+        except Exception as e:  # the Rust side raises its own exception type
+            raise ValueError(f"--tokenizer-model {path} cannot be loaded as a tokenizer.json: {e}") from e
+        self._eod = self._find_eod(path)
+
+    def _find_eod(self, path: str) -> int:
+        names = []
+        config_path = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer_config.json")
+        if os.path.isfile(config_path):
+            with open(config_path, encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token")
+            if isinstance(eos, dict):
+                eos = eos.get("content")
+            if isinstance(eos, str):
+                names.append(eos)
+        names.extend(_HF_EOD_CANDIDATES)
+        for name in names:
+            token_id = self._tok.token_to_id(name)
+            if token_id is not None:
+                return token_id
+        raise ValueError(
+            f"--tokenizer-model {path} has no end-of-document token (looked for {', '.join(names)}); "
+            "add one as a special token or set eos_token in tokenizer_config.json."
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def pad(self) -> int:
+        return self._eod
+
+    def tokenize(self, text: str) -> List[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _require_file(path: Optional[str], flag: str, tokenizer_type: str) -> str:
+    if not path:
+        raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag} PATH.")
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag} {path} does not exist or is not a file.")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"{flag} {path} is not readable.")
+    return path
+
+
+def build_tokenizer(data_config):
+    """Builds the tokenizer that ``--tokenizer-type`` names.
+
+    Args:
+        data_config: A ``DataConfig`` (only the tokenizer fields are read).
+
+    Returns:
+        A tokenizer with ``vocab_size`` (unpadded), ``eod``, ``tokenize`` and ``detokenize``.
+
+    Raises:
+        ValueError: Unknown type, or a missing/unreadable vocab, merge or model file.
+    """
+    kind = data_config.tokenizer_type
+    if kind == "NullTokenizer":
+        return NullTokenizer(data_config.vocab_size)
+    if kind == "ByteLevelTokenizer":
+        return ByteLevelTokenizer()
+    if kind == "GPT2BPETokenizer":
+        vocab = _require_file(data_config.vocab_file, "--vocab-file", kind)
+        merges = _require_file(data_config.merge_file, "--merge-file", kind)
+        return GPT2BPETokenizer(vocab, merges)
+    if kind == "HuggingFaceTokenizer":
+        path = data_config.tokenizer_model
+        if path and os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        return HuggingFaceTokenizer(_require_file(path, "--tokenizer-model", kind))
+    raise ValueError(f"--tokenizer-type {kind} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}.")
+
+
+def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: int, tensor_model_parallel_size: int = 1) -> int:
+    """Pads the vocabulary so the embedding splits evenly (Megatron's rule).
+
+    The padded size is the smallest multiple of ``make_vocab_size_divisible_by * TP``
+    that is >= ``orig_vocab_size``.
+
+    Args:
+        orig_vocab_size: ``tokenizer.vocab_size``.
+        make_vocab_size_divisible_by: ``--make-vocab-size-divisible-by``.
+        tensor_model_parallel_size: ``--tensor-model-parallel-size``.
+    """
+    if make_vocab_size_divisible_by < 1:
+        raise ValueError(f"--make-vocab-size-divisible-by must be >= 1, got {make_vocab_size_divisible_by}.")
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return int(math.ceil(orig_vocab_size / multiple) * multiple)

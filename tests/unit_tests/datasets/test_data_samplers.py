@@ -1,0 +1,59 @@
+"""Megatron pretraining sampler order across data-parallel ranks, and the data loader."""
+
+import pytest
+import torch
+
+from megatron.core.datasets.data_samplers import MegatronPretrainingSampler, build_pretraining_data_loader
+
+
+def batches(total, consumed, mbs, rank, size, drop_last=True):
+    return list(MegatronPretrainingSampler(total, consumed, mbs, rank, size, drop_last=drop_last))
+
+
+def test_single_rank_is_consecutive():
+    assert batches(10, 0, 3, 0, 1) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert batches(10, 4, 3, 0, 1) == [[4, 5, 6], [7, 8, 9]]
+    assert batches(10, 0, 3, 0, 1, drop_last=False)[-1] == [9]
+    assert len(MegatronPretrainingSampler(10, 0, 3, 0, 1)) == 3
+
+
+def test_ranks_split_each_global_step_in_megatron_order():
+    total, mbs = 23, 2
+    rank0, rank1 = batches(total, 1, mbs, 0, 2), batches(total, 1, mbs, 1, 2)
+    assert rank0[:2] == [[1, 2], [5, 6]] and rank1[:2] == [[3, 4], [7, 8]]
+    single = batches(total, 1, 2 * mbs, 0, 1)
+    # Step k of dp=1 with batch mbs*dp holds exactly rank 0's then rank 1's micro-batch of step k.
+    assert [a + b for a, b in zip(rank0, rank1)] == single
+    assert len(rank0) == len(rank1) == len(MegatronPretrainingSampler(total, 1, mbs, 1, 2)) == 5
+
+
+def test_partial_last_step_without_drop_last():
+    assert batches(11, 0, 2, 0, 2, drop_last=False)[-1] == [8, 9]
+    assert batches(11, 0, 2, 1, 2, drop_last=False)[-1] == [10]
+    assert len(MegatronPretrainingSampler(9, 0, 2, 1, 2, drop_last=False)) == 2  # rank 1 has nothing left
+
+
+def test_invalid_arguments():
+    with pytest.raises(ValueError, match="consumed samples"):
+        MegatronPretrainingSampler(10, 10, 1, 0, 1)
+    with pytest.raises(ValueError, match="--micro-batch-size"):
+        MegatronPretrainingSampler(10, 0, 0, 0, 1)
+    with pytest.raises(ValueError, match="rank 2"):
+        MegatronPretrainingSampler(10, 0, 1, 2, 2)
+
+
+class Squares(torch.utils.data.Dataset):
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, i):
+        return {"tokens": torch.tensor([i, i * i]), "loss_mask": torch.ones(2)}
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_data_loader_batches(workers):
+    loader = build_pretraining_data_loader(Squares(), 4, 3, 1, 2, num_workers=workers)
+    first = next(iter(loader))
+    assert first["tokens"].tolist() == [[7, 49], [8, 64], [9, 81]]
+    assert len(list(loader)) == 2  # (20 - 4) // 6 global steps
+    assert build_pretraining_data_loader(None, 0, 1, 0, 1) is None
