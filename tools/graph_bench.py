@@ -37,8 +37,7 @@ CONFIGS = {
 }
 COMMON = (
     "--lr 1e-4 --min-lr 1e-5 --lr-decay-style constant --seed 1234 --tokenizer-type NullTokenizer "
-    "--vocab-size 32000 --mock-data --bf16 --attention-dropout 0.0 --hidden-dropout 0.0 --log-interval 1000000 "
-    "--num-workers 0"
+    "--vocab-size 32000 --mock-data --bf16 --attention-dropout 0.0 --hidden-dropout 0.0 --log-interval 1000000"
 )
 MODES = ["eager", "local:layer", "local:attn", "local:mlp", "local:attn+mlp", "mgc"]
 
@@ -95,7 +94,22 @@ def wrap_with_make_graphed_callables(trainer):
         layer.forward = lambda hidden_states, rotary_pos_emb=None, _g=graphed: _g(hidden_states)
 
 
-def run_one(config: str, mode: str, iters: int, skip: int, extra: str) -> dict:
+def profile_steps(trainer, it, path: str, steps: int = 5) -> None:
+    """Writes a torch.profiler table (CPU and CUDA time per op) of a few steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            trainer.train_step(it)
+        torch.cuda.synchronize()
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+        f.write("\n")
+        f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
+
+
+def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_path: str = "") -> dict:
     import torch
 
     from megatron.core import parallel_state
@@ -123,6 +137,8 @@ def run_one(config: str, mode: str, iters: int, skip: int, extra: str) -> dict:
             times.append((time.perf_counter() - start) * 1000)
             losses.append(loss.item())
         stats = trainer.graphs.stats() if trainer.graphs.state == "captured" else {}
+    if profile_path:
+        profile_steps(trainer, it, profile_path)
     cfg = trainer.cfg
     flops = logs.num_floating_point_operations(
         cfg.model, batch_size=cfg.training.global_batch_size, seq_length=cfg.model.seq_length,
@@ -180,10 +196,11 @@ def main():
     parser.add_argument("--skip", type=int, default=10, help="iterations left out of the timing median")
     parser.add_argument("--extra", default="", help="more flags for every run")
     parser.add_argument("--json", help="one run: write its result here")
+    parser.add_argument("--profile", default="", help="one run: also write a torch.profiler table here")
     parser.add_argument("--out", default="bench_out", help="all runs: folder for results.json and logs")
     args = parser.parse_args()
     if args.config:
-        result = run_one(args.config, args.mode, args.iters, args.skip, args.extra)
+        result = run_one(args.config, args.mode, args.iters, args.skip, args.extra, args.profile)
         with open(args.json, "w") as f:
             json.dump(result, f)
         return

@@ -4,8 +4,14 @@
 ``main_grad`` view into one fp32 ``GradBuffer`` and, after each backward, averages the
 buffer over the data-parallel group bucket by bucket.
 
-How gradients arrive. Eager parameters: a post-accumulate-grad hook adds ``param.grad``
-into ``main_grad``, drops ``param.grad`` and calls ``register_grad_ready(param)``.
+How gradients arrive. Eager parameters: with ``overlap_grad_reduce``, a
+post-accumulate-grad hook adds ``param.grad`` into ``main_grad``, drops ``param.grad``
+and calls ``register_grad_ready(param)`` so buckets can launch during backward.
+Without overlap nothing can launch early, so there are no hooks: ``accumulate_grads()``
+folds every ``param.grad`` into ``main_grad`` with one multi-tensor add after each
+micro-batch's backward (``no_sync`` exit and ``finish_grad_sync`` call it). That is
+the same ``main_grad += grad`` per element, bitwise, without a Python hook per
+parameter on the step's critical path.
 Parameters inside a CUDA-graphed region: the backward graph adds wgrads into
 ``main_grad`` itself and the replay calls ``register_grad_ready(param, event)`` with
 an event recorded after the replay; the bucket waits on that event before it is read.
@@ -70,7 +76,10 @@ class DistributedDataParallel(torch.nn.Module):
         self._use_avg_op = self.dp_group is not None and dist.get_backend(self.dp_group) == "nccl"
         self._sync_enabled = True
         self._next_bucket = 0  # first bucket not yet launched this sync
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_accumulated) for p in params]
+        self._params = params
+        self._hook_handles = []
+        if config.overlap_grad_reduce:
+            self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_accumulated) for p in params]
 
     # ------------------------------------------------------------------ forward
 
@@ -117,8 +126,20 @@ class DistributedDataParallel(torch.nn.Module):
             yield
         finally:
             self._sync_enabled = previous
+            self.accumulate_grads()
 
     # ------------------------------------------------------------------ readiness
+
+    def accumulate_grads(self) -> None:
+        """Adds every pending ``param.grad`` into ``main_grad`` and drops it.
+
+        A no-op with hooks (``overlap_grad_reduce``): they have done it already.
+        """
+        pending = [p for p in self._params if p.grad is not None and p.grad.data_ptr() != p.main_grad.data_ptr()]
+        if pending:
+            torch._foreach_add_([p.main_grad for p in pending], [p.grad for p in pending])
+        for p in self._params:
+            p.grad = None
 
     def _on_grad_accumulated(self, param: torch.nn.Parameter) -> None:
         # Autograd has just put the full gradient of this backward into param.grad.
@@ -189,6 +210,7 @@ class DistributedDataParallel(torch.nn.Module):
         and waits on every handle. Waiting on an NCCL handle orders the current stream
         after the collective; it does not block the host.
         """
+        self.accumulate_grads()
         self.start_grad_sync()
         for bucket in self.buckets:
             if bucket.handle is not None:

@@ -221,6 +221,9 @@ class CudaGraphManager:
                     region.warmup(args, self.config.cuda_graph_warmup_steps - 1)
                     del args
             torch.cuda.synchronize()
+            # Hand the eager cache (iteration 1's activations, warm-up temporaries) back to
+            # the driver: from now on graphed regions allocate from the pool instead.
+            torch.cuda.empty_cache()
             buffers: Dict[Any, Optional[torch.Tensor]] = {}
 
             def static(key, meta, fill):
@@ -244,20 +247,20 @@ class CudaGraphManager:
                             continue
                         buf = static(("input", region.index, i), meta, _fill_sample)
                         args.append(buf.detach().requires_grad_(True) if meta[3] else buf)
+                        del buf
                     outs = region.capture_forward(args, pool, stream)
-                    for j, o in enumerate(outs):
-                        buffers[("output", region.index, j)] = o
+                    buffers.update({("output", region.index, j): o for j, o in enumerate(outs)})
+                    # No stray local may keep a buffer alive past its planned release.
                     del args, outs
                 else:
-                    grad_outputs = []
-                    for j, (rg, o) in enumerate(zip(region.output_requires_grad, region._fwd_outputs)):
-                        meta = (o.shape, o.dtype, o.device, False)
-                        grad_outputs.append(static(("grad_output", region.index, j), meta, _fill_zero) if rg else None)
-                    dgrads = iter(region.capture_backward(grad_outputs, pool, stream))
-                    del grad_outputs
-                    for i, rg in enumerate(region.input_requires_grad):
-                        if rg:
-                            buffers[("grad_input", region.index, i)] = next(dgrads)
+                    grad_outputs = [
+                        static(("grad_output", region.index, j), meta, _fill_zero) if rg else None
+                        for j, (rg, meta) in enumerate(zip(region.output_requires_grad, region.output_meta))
+                    ]
+                    dgrads = region.capture_backward(grad_outputs, pool, stream)
+                    keys = [("grad_input", region.index, i) for i, rg in enumerate(region.input_requires_grad) if rg]
+                    buffers.update(zip(keys, dgrads))
+                    del grad_outputs, dgrads
                 for key in plan.releases_at(position):
                     t = buffers.get(key)
                     if t is not None:

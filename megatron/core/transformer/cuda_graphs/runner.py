@@ -56,6 +56,7 @@ class GraphedRegion:
         self.sources: List[Source] = []
         self.output_is_tuple = False
         self.output_requires_grad: List[bool] = []
+        self.output_meta: List[TensorMeta] = []
         self.num_outputs = 0
         # Filled by capture.
         self.params: List[torch.nn.Parameter] = []
@@ -126,6 +127,7 @@ class GraphedRegion:
         self.output_is_tuple = isinstance(out, (tuple, list))
         self.num_outputs = len(outs)
         self.output_requires_grad = [o.requires_grad for o in outs]
+        self.output_meta = [(o.shape, o.dtype, o.device, False) for o in outs]
         self.manager.record_event(Event(FWD, self.index))
         if any(self.output_requires_grad):
             idx = [j for j, rg in enumerate(self.output_requires_grad) if rg]
