@@ -94,6 +94,7 @@ class ProcessGroups:
         self.world_size = world_size
         self.device = device
         self.dp = dp
+        self.owns_process_group = False  # set when initialize() called init_process_group
         self.tp = None
         self.pp = None
         self.cp = None
@@ -147,17 +148,20 @@ def initialize(config: ParallelConfig, *, use_cuda: bool) -> ProcessGroups:
     backend = config.distributed_backend
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()
+    if owns:
         kwargs = dict(backend=backend, timeout=datetime.timedelta(minutes=config.distributed_timeout_minutes))
         if use_cuda and backend == "nccl":
             kwargs["device_id"] = device
         dist.init_process_group(**kwargs)
     # With TP = PP = CP = 1 every rank is its own model replica, so the data-parallel
     # group is the world. Later layouts carve the world into rank grids here.
-    return ProcessGroups(rank=rank, world_size=world_size, device=device, dp=dist.group.WORLD)
+    groups = ProcessGroups(rank=rank, world_size=world_size, device=device, dp=dist.group.WORLD)
+    groups.owns_process_group = owns
+    return groups
 
 
 def destroy(groups: ProcessGroups) -> None:
     """Tears down torch.distributed if this run initialised it."""
-    if groups.world_size > 1 and dist.is_initialized():
+    if groups.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()

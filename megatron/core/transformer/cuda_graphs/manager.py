@@ -213,6 +213,10 @@ class CudaGraphManager:
         gc.disable()  # a collection during capture can free another graph's tensors
         try:
             torch.cuda.synchronize()
+            # The eager cache still holds the recording iteration's activations, cached on
+            # the default stream; warm-up runs on the capture stream and could not reuse
+            # them, so it would stack its own allocations on top of an eager-peak cache.
+            torch.cuda.empty_cache()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for region in self._fwd_ordered_regions():
@@ -266,7 +270,9 @@ class CudaGraphManager:
                     if t is not None:
                         buffers[key] = make_weak_ref(t)
                     del t
-                region.pool_reserved_after[event.phase] = pool.stats().reserved_bytes
+                pool_stats = pool.stats()
+                region.pool_reserved_after[event.phase] = pool_stats.reserved_bytes
+                region.pool_live_after[event.phase] = pool_stats.live_bytes
                 pool.register_graph()
             torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize()
@@ -362,7 +368,9 @@ class CudaGraphManager:
             "capture_seconds": float(self.capture_seconds),
             "regions": [
                 {"name": r.name, "pool_reserved_after_fwd": r.pool_reserved_after.get(FWD),
-                 "pool_reserved_after_bwd": r.pool_reserved_after.get(BWD)}
+                 "pool_reserved_after_bwd": r.pool_reserved_after.get(BWD),
+                 "pool_live_after_fwd": r.pool_live_after.get(FWD),
+                 "pool_live_after_bwd": r.pool_live_after.get(BWD)}
                 for r in self.regions
             ],
         }

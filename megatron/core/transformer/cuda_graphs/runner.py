@@ -72,6 +72,7 @@ class GraphedRegion:
         self.replays = 0
         self.capture_seconds = 0.0
         self.pool_reserved_after: Dict[str, int] = {}
+        self.pool_live_after: Dict[str, int] = {}
 
     # ------------------------------------------------------------------ arguments
     def bind(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
