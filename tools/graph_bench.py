@@ -109,6 +109,19 @@ def profile_steps(trainer, it, path: str, steps: int = 5) -> None:
         f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
 
 
+def pool_map(pool) -> list:
+    """Segments of our pool with their blocks (size, state): where pool memory goes."""
+    import torch
+
+    from megatron.core.transformer.cuda_graphs.mempool import _pool_id
+
+    out = []
+    for seg in torch.cuda.memory_snapshot():
+        if _pool_id(seg.get("segment_pool_id", (0, 0))) == _pool_id(pool.handle):
+            out.append([seg["total_size"], [(b["size"], b["state"][0]) for b in seg["blocks"]]])
+    return out
+
+
 def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_path: str = "") -> dict:
     import torch
 
@@ -137,6 +150,8 @@ def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_p
             times.append((time.perf_counter() - start) * 1000)
             losses.append(loss.item())
         stats = trainer.graphs.stats() if trainer.graphs.state == "captured" else {}
+        if stats:
+            stats["pool_map"] = pool_map(trainer.graphs.pool)
     if profile_path:
         profile_steps(trainer, it, profile_path)
     cfg = trainer.cfg

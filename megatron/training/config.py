@@ -172,7 +172,7 @@ class DataConfig:
     """Tokenizer."""
 
     vocab_size: Optional[int] = None
-    """Vocabulary size for NullTokenizer (ids 0..N-1; N-1 is the end-of-document token)."""
+    """Vocabulary size for NullTokenizer: ids 0..N-1 plus the end-of-document token N (as Megatron)."""
 
     vocab_file: Optional[str] = None
     """GPT-2 BPE vocab.json."""

@@ -23,6 +23,7 @@ from megatron.core.models.gpt.loss import masked_mean_loss
 from megatron.core.optimizer.lr_scheduler import build_scheduler
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron.core.transformer.cuda_graphs.manager import CudaGraphManager
+from megatron.training import checkpointing
 from megatron.training import logging_utils as logs
 from megatron.training.arguments import parse_args
 from megatron.training.config import RunConfig
@@ -69,6 +70,9 @@ class Trainer:
         self.consumed_samples = 0
         self.skipped_iters = 0
         self.nan_iters = 0
+        self.last_checkpointed_iteration: Optional[int] = None
+        if cfg.checkpoint.load:
+            checkpointing.load_checkpoint(self)  # sets iteration/consumed_samples; copies in place
         self.metrics = logs.MetricsWriter(
             cfg.logging.metrics_file, cfg.logging.tensorboard_dir, enabled_on_this_rank=pg.is_last_rank
         )
@@ -120,7 +124,10 @@ class Trainer:
     def train(self) -> List[Dict]:
         cfg = self.cfg
         t, lg = cfg.training, cfg.logging
-        train_iter, _valid_iter = build_data_iterators(cfg, self.tokenizer, self.pg, self.consumed_samples)
+        # The DataLoader draws its base seed from torch's CPU generator; fork it so a run
+        # resumed from a checkpoint (RNG restored) continues the same random stream.
+        with torch.random.fork_rng(devices=[]):
+            train_iter, _valid_iter = build_data_iterators(cfg, self.tokenizer, self.pg, self.consumed_samples)
         self.model.train()
         history = []
         window_loss = torch.zeros((), device=self.device)
@@ -152,8 +159,13 @@ class Trainer:
                 last_time = self._sync_time()
             if self.iteration == 1 or (lg.log_memory_interval and self.iteration % lg.log_memory_interval == 0):
                 self._log_memory()
+            ck = cfg.checkpoint
+            if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
+                checkpointing.save_checkpoint(self)
             if t.exit_interval and self.iteration % t.exit_interval == 0:
                 break
+        if cfg.checkpoint.save and self.iteration > 0 and self.last_checkpointed_iteration != self.iteration:
+            checkpointing.save_checkpoint(self)  # Megatron also saves at the end of training
         self.metrics.close()
         return history
 
@@ -220,13 +232,7 @@ class Trainer:
         return dict(record, iteration=self.iteration)
 
     def _memory_record(self) -> Dict[str, float]:
-        mem = logs.memory_stats_mb(self.device)
-        record = {
-            "mem-allocated-bytes": mem["allocated"] * 2**20,
-            "mem-max-allocated-bytes": mem["max_allocated"] * 2**20,
-            "mem-reserved-bytes": mem["reserved"] * 2**20,
-            "mem-max-reserved-bytes": mem["max_reserved"] * 2**20,
-        }
+        record = logs.memory_metrics(logs.memory_stats_mb(self.device))
         if self.graphs.state == "captured":
             s = self.graphs.stats()
             record["graph-pool-reserved-bytes"] = s["pool_reserved_bytes"]
@@ -247,8 +253,8 @@ class Trainer:
             }
         print(
             logs.format_memory_line(
-                self.pg.rank, f"(after {self.iteration} iterations)", mem["allocated"], mem["max_allocated"],
-                mem["reserved"], mem["max_reserved"], extra=extra,
+                self.pg.rank, f"(after {self.iteration} iterations)", mem["allocated_mb"], mem["max_allocated_mb"],
+                mem["reserved_mb"], mem["max_reserved_mb"], extra=extra,
             ),
             flush=True,
         )

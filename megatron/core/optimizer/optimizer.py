@@ -127,6 +127,7 @@ class MixedPrecisionOptimizer:
             groups.append({"params": no_decay, "weight_decay": 0.0})
         self.device = self.main_params[0].device
         self.optimizer = _build_inner(groups, config, self.device)
+        self._fused_adam = config.optimizer == "adam" and bool(self.optimizer.param_groups[0].get("fused"))
 
         self.grad_scaler = None
         if precision.fp16:
@@ -180,16 +181,24 @@ class MixedPrecisionOptimizer:
 
     @torch.no_grad()
     def clip_grad_norm(self, grads: List[torch.Tensor]) -> torch.Tensor:
-        """Global L2 norm of ``grads`` (device tensor); clips in place if --clip-grad > 0.
+        """Global L2 norm of ``grads`` (device tensor); clips if --clip-grad > 0.
 
         Same arithmetic as ``torch.nn.utils.clip_grad_norm_``: the clip coefficient is
         ``clamp(max_norm / (norm + 1e-6), max=1)``, computed and applied on the device.
+        With fused AdamW the gradients are not rewritten: the kernel divides them by
+        ``1 / coeff`` as it reads them (its ``grad_scale`` input), which saves one pass
+        over every gradient per step.
         """
         norms = torch._foreach_norm(grads, 2)
         total = torch.linalg.vector_norm(torch.stack(list(norms)), 2)
         if self.config.clip_grad > 0:
-            coeff = torch.clamp(self.config.clip_grad / (total + 1e-6), max=1.0)
-            torch._foreach_mul_(grads, coeff)
+            if self._fused_adam:
+                self.optimizer.grad_scale = torch.clamp((total + 1e-6) / self.config.clip_grad, min=1.0)
+                if getattr(self.optimizer, "found_inf", None) is None:
+                    self.optimizer.found_inf = torch.zeros((), dtype=torch.float32, device=total.device)
+            else:
+                coeff = torch.clamp(self.config.clip_grad / (total + 1e-6), max=1.0)
+                torch._foreach_mul_(grads, coeff)
         return total
 
     @torch.no_grad()

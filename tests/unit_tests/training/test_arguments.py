@@ -238,3 +238,15 @@ def test_list_flags_tool_prints_markdown():
         [sys.executable, os.path.join(REPO, "tools", "list_flags.py")], capture_output=True, text=True, check=True, cwd="/"
     ).stdout
     assert out.strip() == flags_markdown().strip()
+
+
+def test_readme_flag_list_is_current():
+    import os
+
+    from megatron.training.arguments import flags_markdown
+
+    readme = os.path.join(os.path.dirname(__file__), "..", "..", "..", "README.md")
+    with open(readme) as f:
+        text = f.read()
+    expected = flags_markdown().replace("## Command-line flags", "### Command-line flags").replace("\n### ", "\n#### ")
+    assert expected.strip() in text, "README flag list is stale: regenerate it with tools/list_flags.py"
