@@ -39,11 +39,12 @@ COMMON = (
     "--lr 1e-4 --min-lr 1e-5 --lr-decay-style constant --seed 1234 --tokenizer-type NullTokenizer "
     "--vocab-size 32000 --mock-data --bf16 --attention-dropout 0.0 --hidden-dropout 0.0 --log-interval 1000000"
 )
-MODES = ["eager", "local:layer", "local:attn", "local:mlp", "local:attn+mlp", "mgc"]
+# eager:expandable = eager with the allocator setting our graphs switch on by default.
+MODES = ["eager", "eager:expandable", "local:layer", "local:attn", "local:mlp", "local:attn+mlp", "mgc"]
 
 
 def mode_flags(mode: str) -> str:
-    if mode in ("eager", "mgc"):
+    if mode.startswith("eager") or mode == "mgc":
         return ""
     scope = mode.split(":", 1)[1]
     scopes = "" if scope == "layer" else " ".join(scope.split("+"))
@@ -55,11 +56,19 @@ class PeakPoller:
 
     def __init__(self, torch, interval=0.002):
         self.torch, self.interval, self.peak, self._stop = torch, interval, 0, False
+        self.steady_peak = 0  # from mark_steady() on: iterations after graph capture
+        self._steady = False
         self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def mark_steady(self):
+        self._steady = True
 
     def _run(self):
         while not self._stop:
-            self.peak = max(self.peak, self.torch.cuda.device_memory_used())
+            used = self.torch.cuda.device_memory_used()
+            self.peak = max(self.peak, used)
+            if self._steady:
+                self.steady_peak = max(self.steady_peak, used)
             time.sleep(self.interval)
 
     def __enter__(self):
@@ -142,7 +151,13 @@ def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_p
         it, _ = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0)
         trainer.model.train()
         times, losses = [], []
-        for _ in range(iters):
+        for i in range(iters):
+            if i == 2:  # iteration 1 records and captures; from iteration 3 on, steady state
+                torch.cuda.synchronize()
+                steady_alloc_base = torch.cuda.max_memory_allocated()
+                steady_res_base = torch.cuda.max_memory_reserved()
+                torch.cuda.reset_peak_memory_stats()
+                poller.mark_steady()
             torch.cuda.synchronize()
             start = time.perf_counter()
             loss, grad_norm, _ = trainer.train_step(it)
@@ -168,8 +183,12 @@ def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_p
         "ms_max": max(times[skip:]),
         "tflops_per_gpu": flops / (ms / 1000) / 1e12,
         "peak_device_bytes": poller.peak - base,
-        "max_allocated_bytes": torch.cuda.max_memory_allocated(),
-        "max_reserved_bytes": torch.cuda.max_memory_reserved(),
+        "max_allocated_bytes": max(steady_alloc_base, torch.cuda.max_memory_allocated()),
+        "max_reserved_bytes": max(steady_res_base, torch.cuda.max_memory_reserved()),
+        "first_two_iters_max_reserved_bytes": steady_res_base,
+        "steady_max_allocated_bytes": torch.cuda.max_memory_allocated(),
+        "steady_max_reserved_bytes": torch.cuda.max_memory_reserved(),
+        "steady_peak_device_bytes": poller.steady_peak - base,
         "losses": losses,
         "graphs": stats,
     }
@@ -183,7 +202,7 @@ def table(results):
     rows = []
     eager = {r["config"]: r for r in results if r["mode"] == "eager"}
     head = (f"{'config':9} {'mode':15} {'ms/it':>7} {'x eager':>7} {'TFLOP/s':>7} {'peak GiB':>8} "
-            f"{'mem vs eager':>12} {'pool MiB':>8} {'held MiB':>8} {'graphs':>6} {'loss==eager':>11}")
+            f"{'mem vs eager':>12} {'steady vs':>10} {'pool MiB':>8} {'held MiB':>8} {'graphs':>6} {'loss==eager':>11}")
     rows.append(head)
     rows.append("-" * len(head))
     for r in results:
@@ -195,6 +214,7 @@ def table(results):
             f"{(r['ms_per_iter'] / e['ms_per_iter']) if e else float('nan'):7.3f} {r['tflops_per_gpu']:7.1f} "
             f"{r['peak_device_bytes'] / 2**30:8.3f} "
             f"{(100 * (r['peak_device_bytes'] - e['peak_device_bytes']) / e['peak_device_bytes']) if e else float('nan'):+11.2f}% "
+            f"{(100 * (r['steady_peak_device_bytes'] - e['steady_peak_device_bytes']) / e['steady_peak_device_bytes']) if e else float('nan'):+9.2f}% "
             f"{g.get('pool_reserved_bytes', 0) / 2**20:8.1f} {g.get('strong_bytes', 0) / 2**20:8.1f} "
             f"{g.get('graphs', 0):6d} {same:>11}"
         )
@@ -227,8 +247,11 @@ def main():
             log = path[:-5] + ".log"
             cmd = [sys.executable, __file__, "--config", config, "--mode", mode, "--iters", str(args.iters),
                    "--skip", str(args.skip), "--json", path, "--extra", args.extra]
+            env = dict(os.environ)
+            if mode == "eager:expandable":
+                env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
             with open(log, "w") as f:
-                rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
+                rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
             if rc != 0:
                 print(f"{config} {mode}: failed (rc {rc}); see {log}", flush=True)
                 with open(log) as f:

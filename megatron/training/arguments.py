@@ -111,7 +111,11 @@ KNOWN_MEGATRON_FLAGS: Dict[str, KnownFlag] = {
     "--overlap-param-gather": KnownFlag(0, _not_yet("--overlap-param-gather (needs the distributed optimizer)")),
     "--async-save": KnownFlag(0, _not_yet("--async-save", "drop the flag (saves are synchronous)")),
     "--ckpt-format": KnownFlag(
-        None, "--ckpt-format is not supported: checkpoints use this trainer's own per-rank torch format; drop the flag."
+        None,
+        "--ckpt-format {value} is not supported: checkpoints use Megatron's per-rank torch layout; "
+        "use --ckpt-format torch or drop the flag.",
+        accepted_values=("torch",),
+        note="only `torch` is accepted (the layout --save writes)",
     ),
     "--exit-duration-in-mins": KnownFlag(None, _not_yet("--exit-duration-in-mins", "use --exit-interval")),
     "--profile": KnownFlag(0, _not_yet("--profile", "run under nsys or torch.profiler yourself")),

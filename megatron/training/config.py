@@ -302,6 +302,11 @@ class RunConfig:
         if d.tokenizer_type == "NullTokenizer":
             require(d.vocab_size is not None and d.vocab_size >= 2, "--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2).")
         require(self.logging.log_interval >= 1, "--log-interval must be >= 1.")
+        c = self.checkpoint
+        require(
+            c.save_interval is None or c.save_interval >= 1,
+            f"--save-interval must be >= 1, got {c.save_interval}; drop it to save only at the end of training.",
+        )
 
     @property
     def num_microbatches(self) -> int:

@@ -283,6 +283,10 @@ def build_trainer(argv: Optional[Sequence[str]] = None, model_provider: Callable
     try:
         cfg.validate()
         _set_determinism(cfg, use_cuda)
+        if use_cuda and cfg.cuda_graph.enabled and cfg.cuda_graph.cuda_graph_expandable_segments:
+            from megatron.core.transformer.cuda_graphs.mempool import use_expandable_segments
+
+            use_expandable_segments()
         return Trainer(cfg, pg, model_provider)
     except BaseException:
         parallel_state.destroy(pg)

@@ -25,6 +25,12 @@ class CudaGraphConfig:
     cuda_graph_warmup_steps: int = 3
     """Eager forward+backward passes per region before its graphs are captured."""
 
+    cuda_graph_expandable_segments: bool = flag_field(True, flag="--no-cuda-graph-expandable-segments")
+    """With graphs on, switch the caching allocator to expandable segments (unless
+    PYTORCH_CUDA_ALLOC_CONF already says): the graph pool then packs activations and
+    backward temporaries without fragmentation (measured: pool 1308 -> 1184 MiB on the
+    8-layer benchmark)."""
+
     cuda_graph_debug: bool = False
     """Poison released graph buffers and check the first replays against eager runs."""
 

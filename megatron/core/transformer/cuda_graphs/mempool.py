@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import warnings
 from typing import Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -371,3 +373,24 @@ def device_memory_used(
         torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(index)
     return int(total - free)
+
+
+def use_expandable_segments() -> bool:
+    """Turns on the caching allocator's expandable segments unless the user chose.
+
+    Respects ``PYTORCH_CUDA_ALLOC_CONF`` when it mentions ``expandable_segments``.
+    Returns whether expandable segments are now requested. Safe to call before or
+    after CUDA initialisation (it only affects segments created afterwards).
+    """
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments" in conf:
+        return "expandable_segments:true" in conf.replace(" ", "").lower()
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None:
+        return False
+    try:
+        setter("expandable_segments:True")
+    except RuntimeError as err:  # e.g. a platform without virtual memory management
+        warnings.warn(f"expandable segments are not available here ({err}); the graph pool may fragment more.")
+        return False
+    return True

@@ -95,9 +95,9 @@ def test_rope_gqa_swiglu_graphed_equals_eager():
     eager = train(flags, 8)
     for scope in ("layer", "attn", "mlp"):
         graphed = train(f"{flags} {graph_flags(scope)}", 8)
-        # The rotary table is one buffer shared by every layer's graph.
+        # The rotary table is one buffer shared by every layer's graph (MLPs take none).
         plan = graphed[2].graphs.plan
-        assert any(k[0] == "shared" for k in plan.buffers)
+        assert any(k[0] == "shared" for k in plan.buffers) == (scope != "mlp")
         assert_same(eager, graphed, f"rope/gqa/swiglu scope {scope}")
 
 
