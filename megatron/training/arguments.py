@@ -87,6 +87,9 @@ KNOWN_MEGATRON_FLAGS: Dict[str, KnownFlag] = {
     ),
     "--use-flash-attn": KnownFlag(0, None, note="attention uses scaled_dot_product_attention, which picks flash kernels itself"),
     "--use-mcore-models": KnownFlag(0, None, note="models here are always the core models"),
+    "--tensorboard-log-interval": KnownFlag(
+        None, None, note="scalars are written with every log line (--log-interval), averaged like it"
+    ),
     "--no-masked-softmax-fusion": KnownFlag(0, None, note=_NO_FUSION),
     "--no-bias-gelu-fusion": KnownFlag(0, None, note=_NO_FUSION),
     "--no-bias-swiglu-fusion": KnownFlag(0, None, note=_NO_FUSION),

@@ -206,9 +206,6 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = None
     """Write TensorBoard scalars here (needs the tensorboard package)."""
 
-    tensorboard_log_interval: int = 1
-    """Iterations between TensorBoard writes."""
-
     log_memory_to_tensorboard: bool = False
     """Also write memory scalars (mem-*-bytes, graph pool bytes) to TensorBoard."""
 

@@ -127,7 +127,7 @@ class Trainer:
         # The DataLoader draws its base seed from torch's CPU generator; fork it so a run
         # resumed from a checkpoint (RNG restored) continues the same random stream.
         with torch.random.fork_rng(devices=[]):
-            train_iter, _valid_iter = build_data_iterators(cfg, self.tokenizer, self.pg, self.consumed_samples)
+            train_iter, valid_iter = build_data_iterators(cfg, self.tokenizer, self.pg, self.consumed_samples)
         self.model.train()
         history = []
         window_loss = torch.zeros((), device=self.device)
@@ -135,6 +135,7 @@ class Trainer:
         window_iters = 0
         last_time = self._sync_time()
         logs.print_rank_0(f"> training {self.num_params:,} parameters for {t.train_iters} iterations")
+        first_iteration = self.iteration + 1  # 1, or the one after a loaded checkpoint
         while self.iteration < t.train_iters:
             loss, grad_norm, success = self.train_step(train_iter)
             self.iteration += 1
@@ -145,7 +146,7 @@ class Trainer:
             window_nan += is_nan.int()
             window_loss += torch.where(is_nan, torch.zeros_like(loss), loss)
             window_iters += 1
-            if self.iteration == 1 and self.graphs.state == "captured":
+            if self.iteration == first_iteration and self.graphs.state == "captured":
                 self._log_capture()
             if self.iteration % lg.log_interval == 0 or self.iteration == t.train_iters:
                 now = self._sync_time()
@@ -157,17 +158,47 @@ class Trainer:
                 window_nan.zero_()
                 window_iters = 0
                 last_time = self._sync_time()
-            if self.iteration == 1 or (lg.log_memory_interval and self.iteration % lg.log_memory_interval == 0):
+            if self.iteration == first_iteration or (lg.log_memory_interval and self.iteration % lg.log_memory_interval == 0):
                 self._log_memory()
+            if valid_iter is not None and self.iteration % t.eval_interval == 0:
+                self.evaluate(valid_iter, f"iteration {self.iteration}")
             ck = cfg.checkpoint
             if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
                 checkpointing.save_checkpoint(self)
             if t.exit_interval and self.iteration % t.exit_interval == 0:
                 break
+        if valid_iter is not None and self.iteration % t.eval_interval != 0:
+            self.evaluate(valid_iter, "the end of training for val data")
         if cfg.checkpoint.save and self.iteration > 0 and self.last_checkpointed_iteration != self.iteration:
             checkpointing.save_checkpoint(self)  # Megatron also saves at the end of training
         self.metrics.close()
         return history
+
+    def evaluate(self, data_iterator, where: str) -> float:
+        """Mean lm loss over --eval-iters global batches of validation data (no grad).
+
+        Graphed regions run eagerly here (the manager routes eval and no-grad calls
+        around the graphs), so evaluation never disturbs the replay order.
+        """
+        t = self.cfg.training
+        steps = t.eval_iters * self.cfg.num_microbatches
+        total = torch.zeros((), device=self.device)
+        self.model.eval()
+        with torch.no_grad():
+            for _ in range(steps):
+                batch = {k: v.to(self.device, non_blocking=True) for k, v in next(data_iterator).items()}
+                per_token = self.model(batch["tokens"], batch["position_ids"], batch["labels"])
+                total += masked_mean_loss(per_token, batch["loss_mask"])[0]
+        self.model.train()
+        if self.pg.dp is not None:
+            dist.all_reduce(total, group=self.pg.dp)
+        loss = total.item() / steps / self.pg.dp_size
+        ppl = math.exp(min(20.0, loss))
+        line = f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+        logs.print_last_rank("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+        self.metrics.write(self.iteration, {"lm loss validation": loss, "lm loss validation ppl": ppl},
+                           samples=self.consumed_samples)
+        return loss
 
     def _sync_time(self) -> float:
         if self.device.type == "cuda":
@@ -199,6 +230,10 @@ class Trainer:
             )
             throughput = flops / (elapsed_ms / 1000.0) / 1e12 / self.pg.world_size
         loss_scale = float(self.optimizer.get_loss_scale())
+        params_norm = None
+        if cfg.logging.log_params_norm:
+            norms = torch._foreach_norm([p.detach() for p in self.optimizer.main_params], 2)
+            params_norm = torch.linalg.vector_norm(torch.stack(list(norms)), 2).item()
         line = logs.format_iteration_line(
             iteration=self.iteration,
             train_iters=t.train_iters,
@@ -212,6 +247,7 @@ class Trainer:
             skipped_iters=self.skipped_iters,
             nan_iters=self.nan_iters,
             throughput_tflops=throughput,
+            params_norm=params_norm,
             timestamp=datetime.datetime.now(),
         )
         logs.print_last_rank(line)
@@ -226,6 +262,8 @@ class Trainer:
         }
         if throughput is not None:
             record["throughput"] = throughput
+        if params_norm is not None:
+            record["params-norm"] = params_norm
         if cfg.logging.log_memory_to_tensorboard:
             record.update(self._memory_record())
         self.metrics.write(self.iteration, record, samples=self.consumed_samples)
