@@ -259,7 +259,10 @@ def main():
                 continue
             with open(path) as f:
                 results.append(json.load(f))
-            print(f"{config} {mode}: {results[-1]['ms_per_iter']:.2f} ms/it", flush=True)
+            r = results[-1]
+            print(f"{config} {mode}: {r['ms_per_iter']:.2f} ms/it, {r['tflops_per_gpu']:.1f} TFLOP/s, peak "
+                  f"{r['peak_device_bytes'] / 2**30:.3f} GiB, pool {(r.get('graphs') or {}).get('pool_reserved_bytes', 0) / 2**20:.0f} MiB",
+                  flush=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     print(table(results))

@@ -124,10 +124,10 @@ def _rank_file(trainer, checkpoints_dir: str, iteration: int, release: bool = Fa
 
 def _plain(value: Any) -> Any:
     """Config value -> str/int/float/bool/None/list/dict (what weights_only can load)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, enum.Enum):
+    if isinstance(value, enum.Enum):  # first: IntEnum/StrEnum are ints/strs too
         return _plain(value.value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return type(value)(value) if value is not None else None  # plain builtin, not a subclass
     if isinstance(value, torch.dtype):
         return str(value)  # "torch.bfloat16"
     if isinstance(value, (list, tuple)):

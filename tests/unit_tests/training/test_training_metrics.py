@@ -1,0 +1,79 @@
+"""What the training loop records: JSONL metrics per logged iteration and TensorBoard scalars."""
+
+import json
+
+import pytest
+
+from megatron.training.training import pretrain
+
+FLAGS = (
+    "--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+    "--global-batch-size 4 --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 1 --lr-decay-style linear --mock-data "
+    "--tokenizer-type NullTokenizer --vocab-size 128 --num-workers 0 --hidden-dropout 0.0 --attention-dropout 0.0"
+).split()
+MEGATRON_SCALARS = ("lm loss", "learning-rate", "grad-norm", "iteration-time", "loss-scale", "batch-size")
+MEMORY_SCALARS = ("mem-allocated-bytes", "mem-max-allocated-bytes", "mem-reserved-bytes", "mem-max-reserved-bytes")
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_metrics_file_has_every_scalar_per_iteration(tmp_path):
+    path = tmp_path / "m.jsonl"
+    trainer = pretrain(FLAGS + ["--train-iters", "4", "--log-interval", "1", "--metrics-file", str(path),
+                                "--log-memory-to-tensorboard"])  # fmt: skip
+    records = read_jsonl(path)
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]
+    assert [r["samples"] for r in records] == [4, 8, 12, 16]
+    for i, r in enumerate(records, start=1):
+        assert set(MEGATRON_SCALARS + MEMORY_SCALARS) <= set(r), sorted(r)
+        assert r["batch-size"] == 4 and r["loss-scale"] == 1.0
+        assert r["learning-rate"] == pytest.approx(trainer.scheduler.get_lr(i))
+        assert r["grad-norm"] > 0 and r["iteration-time"] > 0
+    assert [r["lm loss"] for r in records] == [h["lm loss"] for h in trainer.history]
+    assert records[0]["learning-rate"] == pytest.approx(1e-3) and records[-1]["learning-rate"] == pytest.approx(1e-4)
+
+
+def test_log_interval_averages_the_window(tmp_path):
+    every = tmp_path / "every.jsonl"
+    pretrain(FLAGS + ["--train-iters", "5", "--log-interval", "1", "--metrics-file", str(every)])
+    sparse = tmp_path / "sparse.jsonl"
+    pretrain(FLAGS + ["--train-iters", "5", "--log-interval", "2", "--metrics-file", str(sparse)])
+    per_iter = [r["lm loss"] for r in read_jsonl(every)]
+    records = read_jsonl(sparse)
+    assert [r["iteration"] for r in records] == [2, 4, 5]  # the last iteration is always logged
+    assert records[0]["lm loss"] == pytest.approx((per_iter[0] + per_iter[1]) / 2, rel=1e-6)
+    assert records[2]["lm loss"] == pytest.approx(per_iter[4], rel=1e-6)
+
+
+def test_tensorboard_event_file(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb, path = tmp_path / "tb", tmp_path / "m.jsonl"
+    pretrain(FLAGS + ["--train-iters", "3", "--log-interval", "1", "--tensorboard-dir", str(tb),
+                      "--metrics-file", str(path), "--log-memory-to-tensorboard"])  # fmt: skip
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert set(MEGATRON_SCALARS + MEMORY_SCALARS) <= tags, sorted(tags)
+    assert "lm loss vs samples" in tags
+    records = read_jsonl(path)
+    for name in MEGATRON_SCALARS:
+        scalars = events.Scalars(name)
+        assert [s.step for s in scalars] == [1, 2, 3], name
+        assert [s.value for s in scalars] == pytest.approx([r[name] for r in records], rel=1e-6), name
+    assert [s.step for s in events.Scalars("lm loss vs samples")] == [4, 8, 12]
+
+
+@pytest.mark.gpu
+def test_graph_pool_bytes_are_recorded_gpu(tmp_path):
+    path = tmp_path / "m.jsonl"
+    pretrain(FLAGS + ["--train-iters", "3", "--log-interval", "1", "--metrics-file", str(path), "--bf16",
+                      "--log-memory-to-tensorboard", "--cuda-graph-impl", "local"])  # fmt: skip
+    records = read_jsonl(path)
+    assert all(r["mem-allocated-bytes"] > 0 for r in records)
+    # Graphs are captured at the end of iteration 1; from then on the pool is accounted.
+    assert all(r["graph-pool-reserved-bytes"] >= r["graph-pool-live-bytes"] > 0 for r in records[1:])
