@@ -64,7 +64,9 @@ class Trainer:
         self.model = DistributedDataParallel(model, config=cfg.ddp, pg=pg)
         self.graphs = CudaGraphManager(cfg.cuda_graph, on_wgrad_ready=self._wgrads_ready).apply(model)
         params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = MixedPrecisionOptimizer(params, config=cfg.optimizer, precision=cfg.precision)
+        self.optimizer = MixedPrecisionOptimizer(
+            params, config=cfg.optimizer, precision=cfg.precision, preallocate_state=self.graphs.state != "off"
+        )
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, t.train_iters)
         self.iteration = 0
         self.consumed_samples = 0

@@ -81,7 +81,7 @@ class MixedPrecisionOptimizer:
         grad_scaler: Loss scaler for fp16, else ``None``.
     """
 
-    def __init__(self, model_params: Iterable[torch.nn.Parameter], *, config, precision):
+    def __init__(self, model_params: Iterable[torch.nn.Parameter], *, config, precision, preallocate_state: bool = False):
         self.config = config
         self.precision = precision
         self.model_params: List[torch.nn.Parameter] = []
@@ -128,6 +128,8 @@ class MixedPrecisionOptimizer:
         self.device = self.main_params[0].device
         self.optimizer = _build_inner(groups, config, self.device)
         self._fused_adam = config.optimizer == "adam" and bool(self.optimizer.param_groups[0].get("fused"))
+        if preallocate_state and config.optimizer == "adam":
+            self._allocate_adam_state()
 
         self.grad_scaler = None
         if precision.fp16:
@@ -140,6 +142,29 @@ class MixedPrecisionOptimizer:
                     growth_interval=precision.loss_scale_window,
                     hysteresis=precision.hysteresis,
                 )
+
+    def _allocate_adam_state(self) -> None:
+        """Allocates Adam's moments now, exactly as torch would at the first step.
+
+        Used with CUDA graphs. Lazily, the moments land in the blocks that the eager
+        recording iteration's activations just freed; from iteration 2 on those
+        activations live in the graph pool, and what is left of those blocks stays
+        reserved for nothing. Measured on the 8-layer H200 benchmark with
+        ``--cuda-graph-scope attn``: peak device memory 6.121 GiB lazily, 5.906 GiB
+        allocated up front. Eager runs keep torch's lazy allocation (it is the cheaper
+        one for them: 5.875 against 5.908 GiB).
+        """
+        for group in self.optimizer.param_groups:
+            on_device = group.get("fused") or group.get("capturable")
+            for p in group["params"]:
+                state = self.optimizer.state[p]
+                if state:
+                    continue
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if on_device else torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group.get("amsgrad"):
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     # ------------------------------------------------------------------ accessors
 

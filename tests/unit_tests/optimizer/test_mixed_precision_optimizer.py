@@ -270,3 +270,29 @@ def test_cuda_uses_fused_and_matches_reference():
         ref_opt.step()
         assert success and grad_norm.is_cuda
     assert all(torch.equal(m, r) for m, r in zip(opt.main_params, ref_masters))
+
+
+def test_preallocated_adam_state_matches_lazy_state_bitwise():
+    """Allocating Adam's moments up front (done with CUDA graphs) changes no number."""
+    torch.manual_seed(0)
+    nets = [_Net(), None]
+    nets[1] = copy.deepcopy(nets[0])
+    config = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.05)
+    ddps = [_wrap(n) for n in nets]
+    opts = [
+        MixedPrecisionOptimizer(d.parameters(), config=config, precision=PrecisionConfig(), preallocate_state=pre)
+        for d, pre in zip(ddps, (False, True))
+    ]
+    assert len(opts[0].optimizer.state) == 0
+    assert len(opts[1].optimizer.state) == len(opts[1].main_params)
+    ptrs = [s["exp_avg"].data_ptr() for s in opts[1].optimizer.state.values()]
+    for _ in range(4):
+        x = torch.randn(8, 6)
+        for d, o in zip(ddps, opts):
+            _train_step(d, o, x)
+    for a, b in zip(ddps[0].parameters(), ddps[1].parameters()):
+        assert torch.equal(a, b)
+    assert ptrs == [s["exp_avg"].data_ptr() for s in opts[1].optimizer.state.values()]
+    for key in ("step", "exp_avg", "exp_avg_sq"):
+        for s0, s1 in zip(opts[0].optimizer.state.values(), opts[1].optimizer.state.values()):
+            assert torch.equal(s0[key], s1[key]) and s0[key].dtype == s1[key].dtype, key

@@ -389,7 +389,11 @@ def use_expandable_segments() -> bool:
     if setter is None:
         return False
     try:
-        setter("expandable_segments:True")
+        with warnings.catch_warnings():
+            # torch 2.11 marks this spelling deprecated in favour of a private
+            # accelerator-generic one; the setting itself is the same.
+            warnings.simplefilter("ignore", FutureWarning)
+            setter("expandable_segments:True")
     except RuntimeError as err:  # e.g. a platform without virtual memory management
         warnings.warn(f"expandable segments are not available here ({err}); the graph pool may fragment more.")
         return False
