@@ -161,7 +161,18 @@ def initialize(config: ParallelConfig, *, use_cuda: bool) -> ProcessGroups:
     return groups
 
 
-def destroy(groups: ProcessGroups) -> None:
-    """Tears down torch.distributed if this run initialised it."""
+def destroy(groups: ProcessGroups, *, failed: bool = False) -> None:
+    """Tears down torch.distributed if this run initialised it.
+
+    Args:
+        groups: The run's process groups.
+        failed: This rank is unwinding an error; skip the closing barrier (a peer that
+            died would make it wait for the whole collective timeout).
+    """
     if groups.owns_process_group and dist.is_initialized():
+        if not failed:
+            # Let every rank finish its last collective first: tearing gloo down while
+            # a peer is still sending aborts the process ("terminate called without an
+            # active exception") after an otherwise finished run.
+            dist.barrier()
         dist.destroy_process_group()
