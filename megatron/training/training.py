@@ -79,7 +79,6 @@ class Trainer:
             cfg.logging.metrics_file, cfg.logging.tensorboard_dir, enabled_on_this_rank=pg.is_last_rank
         )
         self.num_params = sum(p.numel() for p in model.parameters())
-        self.log_lines: List[str] = []
         self.history: List[Dict] = []
 
     def _wgrads_ready(self, params, event) -> None:
@@ -87,20 +86,20 @@ class Trainer:
             self.model.register_grad_ready(p, event)
 
     # ------------------------------------------------------------------ one step
+    def _next_batch(self, data_iterator) -> Dict[str, torch.Tensor]:
+        """The next micro-batch, on this rank's device."""
+        return {k: v.to(self.device, non_blocking=True) for k, v in next(data_iterator).items()}
+
     def forward_backward(self, data_iterator) -> torch.Tensor:
         """Runs every micro-batch of one global batch; returns the summed loss (device)."""
         n = self.cfg.num_microbatches
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         for mb in range(n):
-            batch = next(data_iterator)
-            tokens = batch["tokens"].to(self.device, non_blocking=True)
-            labels = batch["labels"].to(self.device, non_blocking=True)
-            loss_mask = batch["loss_mask"].to(self.device, non_blocking=True)
-            position_ids = batch["position_ids"].to(self.device, non_blocking=True)
+            batch = self._next_batch(data_iterator)
             sync = contextlib.nullcontext() if mb == n - 1 else self.model.no_sync()
             with sync:
-                per_token = self.model(tokens, position_ids, labels)
-                loss, _ = masked_mean_loss(per_token, loss_mask)
+                per_token = self.model(batch["tokens"], batch["position_ids"], batch["labels"])
+                loss, _ = masked_mean_loss(per_token, batch["loss_mask"])
                 scaled = loss / n
                 if self.cfg.precision.fp16:
                     scaled = self.optimizer.scale_loss(scaled)
@@ -188,7 +187,7 @@ class Trainer:
         self.model.eval()
         with torch.no_grad():
             for _ in range(steps):
-                batch = {k: v.to(self.device, non_blocking=True) for k, v in next(data_iterator).items()}
+                batch = self._next_batch(data_iterator)
                 per_token = self.model(batch["tokens"], batch["position_ids"], batch["labels"])
                 total += masked_mean_loss(per_token, batch["loss_mask"])[0]
         self.model.train()
@@ -253,7 +252,6 @@ class Trainer:
             timestamp=datetime.datetime.now(),
         )
         logs.print_last_rank(line)
-        self.log_lines.append(line)
         record = {
             "lm loss": loss_value,
             "learning-rate": lr,
@@ -329,7 +327,7 @@ def build_trainer(argv: Optional[Sequence[str]] = None, model_provider: Callable
             use_expandable_segments()
         return Trainer(cfg, pg, model_provider)
     except BaseException:
-        parallel_state.destroy(pg)
+        parallel_state.destroy(pg, failed=True)
         raise
 
 
@@ -338,6 +336,8 @@ def pretrain(argv: Optional[Sequence[str]] = None, model_provider: Callable = de
     trainer = build_trainer(argv, model_provider)
     try:
         trainer.history = trainer.train()
-    finally:
-        parallel_state.destroy(trainer.pg)
+    except BaseException:
+        parallel_state.destroy(trainer.pg, failed=True)
+        raise
+    parallel_state.destroy(trainer.pg)
     return trainer

@@ -170,10 +170,13 @@ class GraphedRegion:
         return [a for a, rg in zip(args, self.input_requires_grad) if rg]
 
     def _grad(self, outs, args, params, grad_outputs=None):
-        pairs = [(o, g) for j, (o, rg) in enumerate(zip(outs, self.output_requires_grad)) if rg
-                 for g in [None if grad_outputs is None else grad_outputs[j]]]
-        outputs = [o for o, _ in pairs]
-        grads_out = [torch.ones_like(o) if g is None else g for o, g in pairs]
+        # Sample gradients of ones for warm-up; the static grad_output buffers at capture.
+        picked = [j for j, rg in enumerate(self.output_requires_grad) if rg]
+        outputs = [outs[j] for j in picked]
+        if grad_outputs is None:
+            grads_out = [torch.ones_like(o) for o in outputs]
+        else:
+            grads_out = [grad_outputs[j] for j in picked]
         return torch.autograd.grad(outputs, self._grad_inputs(args) + list(params), grads_out, allow_unused=True)
 
     def warmup(self, args: List[Any], steps: int) -> None:
