@@ -69,11 +69,14 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, timeout: float,
         # the parent should see the cause first. No destroy: it could wait on peers.
         results.put(("error", rank, traceback.format_exc()))
         return
-    dist.destroy_process_group()
     try:
         results.put(("ok", rank, value))
     except Exception:  # noqa: BLE001 - an unpicklable return value
         results.put(("error", rank, "return value could not be sent:\n" + traceback.format_exc()))
+    # Tear gloo down only once every rank is done: destroying it while a peer is still in
+    # its last collective aborts that peer ("terminate called without an active exception").
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _kill_all(procs: List[multiprocessing.Process]) -> None:
