@@ -14,7 +14,6 @@ files replace it).
 
 import logging
 import math
-import os
 import re
 from typing import List, Optional, Sequence, Tuple
 

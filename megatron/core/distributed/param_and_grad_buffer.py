@@ -11,7 +11,7 @@ wrote its ``main_grad`` views on another stream; whoever reads, scales or reduce
 bucket first makes the current stream wait on them (``wait_events``).
 """
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 
