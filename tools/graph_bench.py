@@ -97,7 +97,8 @@ def wrap_with_make_graphed_callables(trainer):
                      device=trainer.device, requires_grad=True),)
         for _ in layers
     )
-    torch.cuda.make_graphed_callables(tuple(layers), samples, num_warmup_iters=3)
+    # allow_unused_input: with gradient-accumulation fusion the weights get no autograd grad.
+    torch.cuda.make_graphed_callables(tuple(layers), samples, num_warmup_iters=3, allow_unused_input=True)
     for layer in layers:
         graphed = layer.forward
         layer.forward = lambda hidden_states, rotary_pos_emb=None, _g=graphed: _g(hidden_states)
@@ -118,15 +119,21 @@ def profile_steps(trainer, it, path: str, steps: int = 5) -> None:
         f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
 
 
-def pool_map(pool) -> list:
-    """Segments of our pool with their blocks (size, state): where pool memory goes."""
+def segment_map(pool=None, ours: bool = True) -> list:
+    """Allocator segments with their blocks ``(size, state)``: where memory goes.
+
+    ``ours``: the segments of our graph pool; otherwise every other segment (the
+    regular cache and anything else).
+    """
     import torch
 
     from megatron.core.transformer.cuda_graphs.mempool import _pool_id
 
+    want = _pool_id(pool.handle) if pool is not None else None
     out = []
     for seg in torch.cuda.memory_snapshot():
-        if _pool_id(seg.get("segment_pool_id", (0, 0))) == _pool_id(pool.handle):
+        mine = want is not None and _pool_id(seg.get("segment_pool_id", (0, 0))) == want
+        if mine == ours:
             out.append([seg["total_size"], [(b["size"], b["state"][0]) for b in seg["blocks"]]])
     return out
 
@@ -166,7 +173,10 @@ def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_p
             losses.append(loss.item())
         stats = trainer.graphs.stats() if trainer.graphs.state == "captured" else {}
         if stats:
-            stats["pool_map"] = pool_map(trainer.graphs.pool)
+            stats["pool_map"] = segment_map(trainer.graphs.pool)
+        regular_map = segment_map(trainer.graphs.pool, ours=False)
+        free, total = torch.cuda.mem_get_info()
+        outside = (total - free) - torch.cuda.memory_reserved()
     if profile_path:
         profile_steps(trainer, it, profile_path)
     cfg = trainer.cfg
@@ -191,6 +201,8 @@ def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_p
         "steady_peak_device_bytes": poller.steady_peak - base,
         "losses": losses,
         "graphs": stats,
+        "regular_map": regular_map,
+        "outside_allocator_bytes": outside,
     }
     if mode == "mgc":
         result["graphs"] = {"capture_seconds": mgc_capture}

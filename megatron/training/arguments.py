@@ -95,7 +95,6 @@ KNOWN_MEGATRON_FLAGS: Dict[str, KnownFlag] = {
     "--no-bias-swiglu-fusion": KnownFlag(0, None, note=_NO_FUSION),
     "--no-bias-dropout-fusion": KnownFlag(0, None, note=_NO_FUSION),
     "--no-rope-fusion": KnownFlag(0, None, note=_NO_FUSION),
-    "--no-gradient-accumulation-fusion": KnownFlag(0, None, note="wgrads are accumulated into main_grad by plain PyTorch"),
     "--no-persist-layer-norm": KnownFlag(0, None, note=_NO_FUSION),
     # Rejected: they would change the run, and we cannot do what they ask yet.
     "--num-experts": KnownFlag(None, _not_yet("--num-experts (MoE)", "drop the MoE flags to train a dense model")),

@@ -12,6 +12,9 @@ folds every ``param.grad`` into ``main_grad`` with one multi-tensor add after ea
 micro-batch's backward (``no_sync`` exit and ``finish_grad_sync`` call it). That is
 the same ``main_grad += grad`` per element, bitwise, without a Python hook per
 parameter on the step's critical path.
+Weights of linear layers with gradient-accumulation fusion: the wgrad GEMM adds into
+``main_grad`` itself; autograd still runs the weight's AccumulateGrad (with no
+gradient), so the same hook marks it ready.
 Parameters inside a CUDA-graphed region: the backward graph adds wgrads into
 ``main_grad`` itself and the replay calls ``register_grad_ready(param, event)`` with
 an event recorded after the replay; the bucket waits on that event before it is read.
@@ -26,7 +29,7 @@ Unusual choices:
 """
 
 import contextlib
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -145,9 +148,11 @@ class DistributedDataParallel(torch.nn.Module):
         # Autograd has just put the full gradient of this backward into param.grad.
         # If param.grad already *is* main_grad (someone left it attached), autograd has
         # accumulated into the buffer itself and adding again would double the gradient.
-        if param.grad.data_ptr() != param.main_grad.data_ptr():
-            param.main_grad.add_(param.grad)
-        param.grad = None
+        # No param.grad at all: a fused wgrad GEMM wrote main_grad directly.
+        if param.grad is not None:
+            if param.grad.data_ptr() != param.main_grad.data_ptr():
+                param.main_grad.add_(param.grad)
+            param.grad = None
         self.register_grad_ready(param)
 
     def register_grad_ready(self, param: torch.nn.Parameter, event=None) -> None:
@@ -175,6 +180,14 @@ class DistributedDataParallel(torch.nn.Module):
         bucket.ready.add(param)
         if self.config.overlap_grad_reduce:
             self._launch_in_order(only_ready=True)
+
+    def add_grad_event(self, param: torch.nn.Parameter, event) -> None:
+        """Makes ``param``'s bucket wait on ``event`` before it is read, without marking
+        the parameter ready (part of its gradient is still to come, e.g. a tied weight)."""
+        bucket = self.grad_buffer.param_to_bucket.get(param)
+        if bucket is None:
+            raise RuntimeError("add_grad_event got a parameter that this DDP does not manage.")
+        bucket.add_event(event)
 
     # ------------------------------------------------------------------ reduction
 

@@ -4,7 +4,10 @@ Each layer computes its local partition size from the tensor-parallel size and
 allocates only its local shard, the way Megatron does, so tensor parallelism can be
 added later by inserting the collectives where the comments say. Today only
 TP = 1 runs: there the layers are a plain ``F.linear`` / ``F.embedding`` with no
-extra copies. Weights are stored ``[out, in]`` (``F.linear`` layout).
+extra copies, except that once DDP has given a weight its ``main_grad`` the linear
+and embedding layers add the weight gradient straight into it (gradient-accumulation
+fusion, on by default as in Megatron, which fuses the linear layers only). Weights
+are stored ``[out, in]`` (``F.linear`` layout).
 
 Unusual here: parameters are allocated directly on the target device (``device``
 argument, default: torch's current default device) and initialised there with the
@@ -19,6 +22,73 @@ import torch
 import torch.nn.functional as F
 
 InitMethod = Callable[[torch.Tensor], None]
+
+
+def accumulate_wgrad(main_grad: torch.Tensor, grad_output: torch.Tensor, input_: torch.Tensor) -> None:
+    """``main_grad += grad_output^T @ input_`` (2-D), accumulated in main_grad's dtype by the GEMM."""
+    if grad_output.dtype == main_grad.dtype:
+        main_grad.addmm_(grad_output.t(), input_)
+    elif main_grad.is_cuda:
+        torch.addmm(main_grad, grad_output.t(), input_, out_dtype=main_grad.dtype, out=main_grad)
+    else:  # no mixed-dtype GEMM on the CPU
+        main_grad.add_(grad_output.t() @ input_)
+
+
+class LinearWithGradAccumulation(torch.autograd.Function):
+    """``F.linear`` whose weight gradient is added straight into ``weight.main_grad``.
+
+    Megatron's gradient-accumulation fusion: the wgrad GEMM reads the low-precision
+    activations and accumulates in fp32 into the DDP buffer, so no bf16 wgrad is
+    written, kept or added later. Autograd gets ``None`` for the weight; its
+    AccumulateGrad node still runs (once, after every use of the weight), so DDP's
+    post-accumulate hook still learns when the weight's gradient is complete.
+    """
+
+    @staticmethod
+    def forward(ctx, input_, weight, bias):
+        ctx.save_for_backward(input_, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(input_, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        accumulate_wgrad(weight.main_grad, grad_2d, input_.reshape(-1, input_.shape[-1]))
+        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_input, None, grad_bias
+
+
+class EmbeddingWithGradAccumulation(torch.autograd.Function):
+    """``F.embedding`` whose weight gradient is added straight into ``weight.main_grad``.
+
+    The gradient rows of every token are accumulated in fp32 into the rows they looked
+    up (``index_put_`` with ``accumulate=True``: sort-based on CUDA, deterministic).
+    Unlike ``F.embedding``'s backward, no dense ``[vocab, hidden]`` gradient is built
+    and added later: the only temporary is the fp32 copy of the token gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, input_ids, weight):
+        ctx.save_for_backward(input_ids)
+        ctx.weight = weight
+        return F.embedding(input_ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (input_ids,) = ctx.saved_tensors
+        main_grad = ctx.weight.main_grad
+        rows = grad_output.reshape(-1, grad_output.shape[-1]).to(main_grad.dtype)
+        main_grad.index_put_((input_ids.reshape(-1),), rows, accumulate=True)
+        return None, None
+
+
+def linear(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *, fuse_wgrad: bool):
+    """``F.linear``, or ``LinearWithGradAccumulation`` when the weight has a main_grad to fuse into."""
+    if fuse_wgrad and weight.requires_grad and torch.is_grad_enabled() and hasattr(weight, "main_grad"):
+        return LinearWithGradAccumulation.apply(input_, weight, bias)
+    return F.linear(input_, weight, bias)
 
 
 def init_method_normal(std: float) -> InitMethod:
@@ -116,6 +186,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.output_size_per_partition = _divide(output_size, self.tp_size, "ColumnParallelLinear output size")
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
+        self.gradient_accumulation_fusion = getattr(config, "gradient_accumulation_fusion", False)
         device = resolve_device(device)
         dtype = config.params_dtype
         if skip_weight_param_allocation:
@@ -149,11 +220,12 @@ class ColumnParallelLinear(torch.nn.Module):
         if weight is None:
             assert self.weight is not None, "ColumnParallelLinear built without a weight needs forward(weight=...)"
             weight = self.weight
+        fuse = self.gradient_accumulation_fusion
         # TP > 1: input goes through copy-to-TP-region (identity fwd, all-reduce of the grad bwd),
         # and the output through a gather when gather_output is set.
         if self.skip_bias_add:
-            return F.linear(input_, weight), self.bias
-        return F.linear(input_, weight, self.bias), None
+            return linear(input_, weight, None, fuse_wgrad=fuse), self.bias
+        return linear(input_, weight, self.bias, fuse_wgrad=fuse), None
 
     def extra_repr(self) -> str:
         return (
@@ -201,6 +273,7 @@ class RowParallelLinear(torch.nn.Module):
         self.input_size_per_partition = _divide(input_size, self.tp_size, "RowParallelLinear input size")
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
+        self.gradient_accumulation_fusion = getattr(config, "gradient_accumulation_fusion", False)
         device = resolve_device(device)
         dtype = config.params_dtype
         self.weight = torch.nn.Parameter(
@@ -223,9 +296,10 @@ class RowParallelLinear(torch.nn.Module):
         """
         # TP > 1: scatter the input unless input_is_parallel, all-reduce the partial output,
         # and only then add the (unsplit) bias.
+        fuse = self.gradient_accumulation_fusion
         if self.skip_bias_add:
-            return F.linear(input_, self.weight), self.bias
-        return F.linear(input_, self.weight, self.bias), None
+            return linear(input_, self.weight, None, fuse_wgrad=fuse), self.bias
+        return linear(input_, self.weight, self.bias, fuse_wgrad=fuse), None
 
     def extra_repr(self) -> str:
         return (
@@ -265,11 +339,16 @@ class VocabParallelEmbedding(torch.nn.Module):
         )
         init_method(self.weight)
         _mark_tp(self.weight, True, 0)
+        self.gradient_accumulation_fusion = getattr(config, "gradient_accumulation_fusion", False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Looks up ``input_ids [...]`` and returns ``[..., embedding_dim]``."""
         # TP > 1: shift ids by vocab_start_index, zero rows of ids outside this shard, all-reduce.
-        return F.embedding(input_ids, self.weight)
+        w = self.weight
+        fuse = self.gradient_accumulation_fusion and w.requires_grad and torch.is_grad_enabled()
+        if fuse and hasattr(w, "main_grad"):
+            return EmbeddingWithGradAccumulation.apply(input_ids, w)
+        return F.embedding(input_ids, w)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, per_partition={self.num_embeddings_per_partition}"

@@ -59,10 +59,16 @@ class TransformerBlock(torch.nn.Module):
         else:
             self.final_layernorm = None
 
-    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``[s, b, h] -> [s, b, h]``."""
+    def forward(
+        self, hidden_states: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor] = None, *, final_norm: bool = True
+    ) -> torch.Tensor:
+        """``[s, b, h] -> [s, b, h]``.
+
+        ``final_norm=False`` leaves ``final_layernorm`` to the caller (the GPT model
+        applies it inside its loss head, so the head is one graphable region).
+        """
         for layer in self.layers:
             hidden_states = layer(hidden_states, rotary_pos_emb=rotary_pos_emb)
-        if self.final_layernorm is not None:
+        if final_norm and self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states

@@ -78,6 +78,18 @@ class TransformerConfig:
     attention_dropout: float = 0.1
     """Dropout probability on attention weights."""
 
+    cross_entropy_loss_fusion: bool = flag_field(True, flag="--no-cross-entropy-loss-fusion")
+    """Cross entropy as one fused Triton kernel each way on CUDA (fp32 math, no fp32 copy of
+    the logits, the gradient written over them). Without CUDA or Triton, and with
+    --no-cross-entropy-loss-fusion, torch's log_softmax + nll_loss. On by default here
+    (Megatron's --cross-entropy-loss-fusion opts in; accepted)."""
+
+    gradient_accumulation_fusion: bool = flag_field(True, flag="--no-gradient-accumulation-fusion")
+    """Linear layers add their weight gradient into the fp32 main_grad inside the wgrad GEMM
+    (bf16 inputs, fp32 accumulation) instead of producing a bf16 gradient that DDP adds
+    later, as Megatron's default does with apex; here through torch.addmm(out_dtype=...).
+    The word embedding adds its token gradients into main_grad the same way."""
+
     apply_query_key_layer_scaling: bool = False
     """Unsupported in this trainer (kept so Megatron command lines give a clear error)."""
 

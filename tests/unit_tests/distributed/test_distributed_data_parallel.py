@@ -5,6 +5,7 @@ Parity is bitwise: with DP = 1 main_grad is 0 + grad; with DP = 2 the reference 
 because scaling by a power of two is exact and a two-term sum is commutative.
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -196,6 +197,18 @@ def test_events_are_waited_even_inside_no_sync_and_by_zero_grad():
     assert log == ["wait", "wait"]
 
 
+def test_event_without_readiness_for_a_partly_written_tied_weight():
+    ddp, _ = _make(overlap=True)
+    log = []
+    bucket = ddp.buckets[0]
+    p = bucket.params[0]
+    ddp.add_grad_event(p, _FakeEvent(log))  # a graph wrote part of p's gradient
+    assert p not in bucket.ready and not bucket.launched and log == []
+    for q in bucket.params:
+        ddp.register_grad_ready(q)  # eager autograd completes it later
+    assert bucket.launched and log == ["wait"]
+
+
 def test_gradient_after_launch_raises():
     ddp, _ = _make(overlap=True, bucket_size=100)
     _loss(ddp, torch.randn(2, 6)).backward()
@@ -266,3 +279,33 @@ def test_cuda_event_from_side_stream_is_waited():
     for p in ddp.grad_buffer.params:
         start, end = ddp.grad_buffer.param_range(p)
         assert torch.all(snapshot[start:end] == 3.0)
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_tied_gpt_with_fused_wgrads_overlap_equals_no_overlap(fusion):
+    """Fused wgrads mark weights ready through our hook; the tied embedding weight gets
+    its output-layer part fused and its lookup part through autograd, and must not be
+    declared ready (and its bucket launched) before the second part has arrived."""
+    from megatron.core.models.gpt.gpt_model import build_gpt_model
+    from megatron.core.models.gpt.loss import masked_mean_loss
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    def run(overlap):
+        config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                                   hidden_dropout=0.0, attention_dropout=0.0,
+                                   gradient_accumulation_fusion=fusion).finalize()
+        torch.manual_seed(0)
+        model = build_gpt_model(config, 64)
+        ddp = DistributedDataParallel(model, config=DDPConfig(overlap_grad_reduce=overlap, ddp_bucket_size=3000),
+                                      pg=ProcessGroups.single())
+        tokens = torch.randint(0, 64, (2, 2, 16))
+        for mb in range(2):
+            ctx = ddp.no_sync() if mb == 0 else contextlib.nullcontext()
+            with ctx:
+                masked_mean_loss(ddp(tokens[mb], None, tokens[mb]), torch.ones(2, 16))[0].backward()
+        ddp.finish_grad_sync()
+        assert all(p.grad is None for p in model.parameters())
+        return [p.main_grad.clone() for p in model.parameters()]
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)

@@ -128,3 +128,67 @@ def test_manual_seed_is_repeatable():
     a = torch.randn(5)
     model_parallel_manual_seed(7)
     assert torch.equal(a, torch.randn(5))
+
+
+# ---------------------------------------------------------------- gradient-accumulation fusion
+def _with_main_grad(layer):
+    for p in layer.parameters():
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+    return layer
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_fused_wgrad_goes_to_main_grad_and_accumulates(kind):
+    torch.manual_seed(0)
+    cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
+    layer = _with_main_grad(cls(8, 12, config=cfg(), init_method=init_method_normal(0.5)))
+    x = torch.randn(5, 3, 8, requires_grad=True)
+    g = torch.randn(5, 3, 12)
+    for _ in range(2):  # two micro-batches accumulate
+        out, bias = layer(x)
+        (out if bias is None else out + bias).backward(g)
+    x2 = x.detach().requires_grad_()
+    F.linear(x2, layer.weight.detach()).backward(g)
+    wgrad = g.reshape(-1, 12).t() @ x.detach().reshape(-1, 8)
+    assert layer.weight.grad is None, "the fused path gives autograd no weight gradient"
+    torch.testing.assert_close(layer.weight.main_grad, 2 * wgrad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer.bias.grad, 2 * g.sum((0, 1)))
+    torch.testing.assert_close(x.grad, 2 * x2.grad)
+
+
+def test_fusion_needs_main_grad_and_can_be_turned_off():
+    torch.manual_seed(0)
+    plain = ColumnParallelLinear(4, 6, config=cfg(), init_method=init_method_normal(0.5))
+    plain(torch.randn(3, 4))[0].sum().backward()
+    assert plain.weight.grad is not None  # no main_grad yet (not wrapped in DDP): F.linear
+    off = TransformerConfig(params_dtype=torch.float32, gradient_accumulation_fusion=False).finalize()
+    layer = _with_main_grad(ColumnParallelLinear(4, 6, config=off, init_method=init_method_normal(0.5)))
+    layer(torch.randn(3, 4))[0].sum().backward()
+    assert layer.weight.grad is not None and torch.count_nonzero(layer.weight.main_grad) == 0
+
+
+def test_bf16_activations_accumulate_in_fp32_on_cpu():
+    torch.manual_seed(0)
+    layer = _with_main_grad(ColumnParallelLinear(16, 8, config=cfg(torch.bfloat16), init_method=init_method_normal(0.5)))
+    x = torch.randn(32, 16, dtype=torch.bfloat16)
+    g = torch.randn(32, 8, dtype=torch.bfloat16)
+    layer(x)[0].backward(g)
+    assert layer.weight.main_grad.dtype == torch.float32
+    torch.testing.assert_close(layer.weight.main_grad, (g.t() @ x).float())
+
+
+def test_fused_embedding_wgrad_goes_to_main_grad():
+    torch.manual_seed(0)
+    emb = _with_main_grad(VocabParallelEmbedding(10, 4, config=cfg(), init_method=init_method_normal(0.5)))
+    ids = torch.tensor([[1, 3, 1], [9, 1, 0]])  # repeated ids accumulate
+    g = torch.randn(2, 3, 4)
+    for _ in range(2):
+        emb(ids).backward(g)
+    ref = torch.nn.Parameter(emb.weight.detach().clone())
+    F.embedding(ids, ref).backward(g)
+    assert emb.weight.grad is None
+    torch.testing.assert_close(emb.weight.main_grad, 2 * ref.grad, rtol=1e-6, atol=1e-6)
+    off = TransformerConfig(params_dtype=torch.float32, gradient_accumulation_fusion=False).finalize()
+    plain = _with_main_grad(VocabParallelEmbedding(10, 4, config=off, init_method=init_method_normal(0.5)))
+    plain(ids).backward(g)
+    assert plain.weight.grad is not None and torch.count_nonzero(plain.weight.main_grad) == 0

@@ -205,9 +205,16 @@ def test_all_rejections_are_reported_together():
 def test_known_accepted_flags_are_no_ops():
     accepted = [
         "--transformer-impl", "local", "--use-flash-attn", "--use-mcore-models", "--no-masked-softmax-fusion",
-        "--no-bias-gelu-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+        "--no-bias-gelu-fusion", "--no-persist-layer-norm", "--cross-entropy-loss-fusion",
     ]  # fmt: skip
     assert parse_args(BASE + accepted) == parse_args(BASE)
+
+
+def test_fusion_flags_turn_fusions_off():
+    cfg = parse_args(BASE)
+    assert cfg.model.gradient_accumulation_fusion and cfg.model.cross_entropy_loss_fusion
+    cfg = parse_args(BASE + ["--no-gradient-accumulation-fusion", "--no-cross-entropy-loss-fusion"])
+    assert not cfg.model.gradient_accumulation_fusion and not cfg.model.cross_entropy_loss_fusion
 
 
 def test_known_table_covers_brief_and_has_no_clash():

@@ -76,4 +76,6 @@ def test_graph_pool_bytes_are_recorded_gpu(tmp_path):
     records = read_jsonl(path)
     assert all(r["mem-allocated-bytes"] > 0 for r in records)
     # Graphs are captured at the end of iteration 1; from then on the pool is accounted.
-    assert all(r["graph-pool-reserved-bytes"] >= r["graph-pool-live-bytes"] > 0 for r in records[1:])
+    # Between steps nothing may be live: every static buffer is released to later graphs.
+    assert all(r["graph-pool-reserved-bytes"] > 0 for r in records[1:])
+    assert all(r["graph-pool-reserved-bytes"] >= r["graph-pool-live-bytes"] >= 0 for r in records[1:])

@@ -9,7 +9,7 @@ table is sliced and broadcast instead of gathered. Loss masking is left to the c
 (``megatron.core.models.gpt.loss.masked_mean_loss``).
 """
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -187,13 +187,40 @@ class GPTModel(torch.nn.Module):
         rotary_pos_emb = None
         if self.rotary_pos_emb is not None:
             rotary_pos_emb = self.rotary_pos_emb(seq_len, hidden_states.device)  # cached: same tensor every step
-        hidden_states = self.decoder(hidden_states, rotary_pos_emb=rotary_pos_emb)
+        hidden_states = self.decoder(hidden_states, rotary_pos_emb=rotary_pos_emb, final_norm=False)
+        return self._postprocess(hidden_states, labels)
+
+    def _postprocess(self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Loss head: final norm -> output layer -> per-token cross entropy.
+
+        ``hidden_states [s, b, h]`` from the last layer; returns the fp32 loss ``[b, s]``,
+        or ``logits [b, s, v]`` when ``labels`` is None. One graphable region (see
+        ``graph_postprocess_region``).
+        """
+        if self.decoder.final_layernorm is not None:
+            hidden_states = self.decoder.final_layernorm(hidden_states)
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, v]
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, v]
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), pg=self.pg)  # [s, b] fp32
+        # The logits are ours alone: the fused kernel may write their gradient over them.
+        loss = vocab_parallel_cross_entropy(
+            logits, labels.t(), pg=self.pg, fused=self.config.cross_entropy_loss_fusion
+        )  # [s, b] fp32
         return loss.t().contiguous()  # [b, s]; the caller masks and reduces it
+
+    def graph_postprocess_region(self) -> Optional[Tuple[str, List[torch.nn.Parameter]]]:
+        """The loss head as a graphable region: ``(method name, shared parameters)``.
+
+        Shared parameters get gradient from the region and from eager code (the tied
+        embedding weight: output layer + embedding lookup); autograd must sum those in
+        the parameter's dtype before they reach ``main_grad``, as in eager. ``None`` on a
+        stage without the loss head.
+        """
+        if not self.post_process:
+            return None
+        shared = self.shared_embedding_or_output_weight() if self.pre_process else None
+        return "_postprocess", [shared] if shared is not None else []
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of unique parameters (a tied weight counts once).

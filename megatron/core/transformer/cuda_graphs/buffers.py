@@ -28,8 +28,9 @@ keeps a strong reference for readers autograd cannot see:
   has run (every differentiable use sends its gradient there first): keep it until the
   producer's backward capture (forever when the region has no backward graph);
 * a dgrad handed to a producer is read by that producer's backward graph: keep it until
-  that capture; a dgrad that escapes to eager code is kept for good (eager autograd
-  may hold it past later graphs);
+  that capture. A dgrad that escapes to eager code (the embedding's or an eager MLP's
+  backward) is *copied out* right after its replay: eager autograd gets the copy and
+  may keep it as long as it likes, and the buffer dies with its own backward graph;
 * an own input / shared input is read by its consumers' forward graphs;
 * an own grad_output is read by the region's backward graph only.
 """
@@ -103,6 +104,8 @@ class BufferSpec:
     """Position after which no graph reads the memory, counting reads of tensors that
     autograd saved (they happen in the backward of each forward reader). Debug mode
     poisons the buffer right after this event at replay. ``None``: never dead."""
+    copy_out: bool = False
+    """Replay hands eager code a copy made right after the producing graph, not the buffer."""
 
 
 @dataclasses.dataclass
@@ -225,7 +228,7 @@ def build_plan(cycle: Sequence[Event], regions: Sequence[RegionIO]) -> Plan:
                     ("grad_output", src.region, src.index), alias_of=key, readers=[p]
                 )
             else:
-                buffers[key] = BufferSpec(key, release_after=None, readers=[b])
+                buffers[key] = BufferSpec(key, release_after=b, readers=[b], copy_out=True)
     # When is the memory dead for good? A forward reader may have saved the tensor for
     # its backward, so its backward counts as a reader too.
     region_of_fwd = {pos[Event(FWD, r)]: r for r in range(len(regions))}

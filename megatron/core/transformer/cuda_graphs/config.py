@@ -31,6 +31,12 @@ class CudaGraphConfig:
     backward temporaries without fragmentation (measured: pool 1308 -> 1184 MiB on the
     8-layer benchmark)."""
 
+    cuda_graph_postprocess: bool = flag_field(True, flag="--no-cuda-graph-postprocess")
+    """Also graph the loss head (final norm, output layer, cross entropy) into the same
+    pool whenever the region that runs right before it is graphed (the last layer's MLP
+    or whole layer): the head's logits and the first backward graphs then share memory,
+    as they do in eager. With only attn graphed the head stays eager either way."""
+
     cuda_graph_debug: bool = False
     """Poison released graph buffers and check the first replays against eager runs."""
 

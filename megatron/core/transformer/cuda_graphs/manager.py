@@ -47,8 +47,11 @@ class CudaGraphManager:
 
     Args:
         config: The ``--cuda-graph-*`` settings.
-        on_wgrad_ready: Called after every backward replay with the region's parameters
-            and the CUDA event recorded after it (DDP waits on it before reducing).
+        on_wgrad_ready: Called after every backward replay as ``(params, event,
+            event_only)``: the parameters whose main_grad the graph completed, the CUDA
+            event recorded after it (DDP waits on it before reducing), and parameters
+            the graph wrote part of (a tied weight) whose bucket must wait on the event
+            but which eager autograd completes later.
     """
 
     def __init__(self, config: CudaGraphConfig, *, on_wgrad_ready: Optional[Callable] = None):
@@ -90,11 +93,19 @@ class CudaGraphManager:
         if not self.config.enabled:
             return self
         names = {m: n for n, m in model.named_modules()}
-        for layer in layers:
-            for region_name, method in scope_lib.regions_for_layer(layer, self.config.cuda_graph_scope):
-                region = GraphedRegion(self, layer, method, f"{names[layer]}.{region_name}", len(self.regions))
-                self.regions.append(region)
-                setattr(layer, method, self._route(region))
+        picked = [
+            (layer, method, f"{names[layer]}.{region_name}", [])
+            for layer in layers
+            for region_name, method in scope_lib.regions_for_layer(layer, self.config.cuda_graph_scope)
+        ]
+        head = scope_lib.postprocess_region(model, layers, self.config.cuda_graph_scope)
+        if head is not None and self.config.cuda_graph_postprocess:
+            module, method, shared = head
+            picked.append((module, method, f"{names[module]}.postprocess".lstrip("."), shared))
+        for module, method, name, shared in picked:
+            region = GraphedRegion(self, module, method, name, len(self.regions), shared_params=shared)
+            self.regions.append(region)
+            setattr(module, method, self._route(region))
         return self
 
     def _route(self, region: GraphedRegion) -> Callable:
@@ -170,9 +181,9 @@ class CudaGraphManager:
         for t in self._poison.get(position, ()):
             t.fill_(float("nan"))
 
-    def wgrads_ready(self, params, event) -> None:
+    def wgrads_ready(self, params, event, event_only=()) -> None:
         if self.on_wgrad_ready is not None:
-            self.on_wgrad_ready(params, event)
+            self.on_wgrad_ready(params, event, event_only)
 
     def end_of_iteration(self) -> None:
         """Called by the trainer after every training iteration."""
@@ -206,16 +217,29 @@ class CudaGraphManager:
         self._inputs.clear()
         device = torch.cuda.current_device()
         self.pool = pool = GraphPool()
-        stream = torch.cuda.Stream()
+        # Capture where the training runs, unless that is the default stream (which cannot
+        # be captured): one set of per-stream resources (cuBLAS workspaces) serves both.
+        caller = torch.cuda.current_stream()
+        shared_stream = caller != torch.cuda.default_stream()
+        stream = caller if shared_stream else torch.cuda.Stream()
         cpu_rng, cuda_rng = torch.get_rng_state(), torch.cuda.get_rng_state()
+        # Warm-up runs real backwards: fused wgrads land in main_grad. Keep a host copy.
+        saved_grads = self._save_main_grads()
         gc_enabled = gc.isenabled()
         gc.collect()
         gc.disable()  # a collection during capture can free another graph's tensors
         try:
             torch.cuda.synchronize()
-            # The eager cache still holds the recording iteration's activations, cached on
-            # the default stream; warm-up runs on the capture stream and could not reuse
-            # them, so it would stack its own allocations on top of an eager-peak cache.
+            # With a capture stream of its own: iteration 1 ran every GEMM eagerly on the
+            # caller's stream, so cuBLAS holds two 32 MiB workspaces (Hopper) for it, and the
+            # graphs get their own. Drop the caller's: eager GEMMs that remain (partial
+            # scopes) re-create them on first use; with whole layers graphed none remain.
+            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_workspaces is not None and not shared_stream:
+                clear_workspaces()
+            # The eager cache still holds the recording iteration's activations; warm-up
+            # would stack its own allocations on top of that eager-peak cache (on another
+            # stream it could not even reuse them), and the pool is separate anyway.
             torch.cuda.empty_cache()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -281,6 +305,8 @@ class CudaGraphManager:
                 gc.enable()
             torch.set_rng_state(cpu_rng)
             torch.cuda.set_rng_state(cuda_rng)
+            for grad, saved in saved_grads:
+                grad.copy_(saved)
         self.buffers = buffers
         self._bake(buffers)
         self._anchor = torch.zeros((), device=device, requires_grad=True)
@@ -289,6 +315,11 @@ class CudaGraphManager:
         self.capture_seconds = time.perf_counter() - start
         pool.add_capture_time(self.capture_seconds)
         pool.strong_bytes = self.strong_bytes()
+
+    def _save_main_grads(self) -> List[Any]:
+        """(main_grad, host copy) of every parameter a region may touch (once, at capture)."""
+        params = {id(p): p for r in self.regions for p in r.module.parameters() if hasattr(p, "main_grad")}
+        return [(p.main_grad, p.main_grad.to("cpu")) for p in params.values()]
 
     def _fwd_ordered_regions(self) -> List[GraphedRegion]:
         return [self.regions[e.region] for e in self.cycle if e.phase == FWD]
@@ -323,7 +354,10 @@ class CudaGraphManager:
                 (get(("grad_output", region.index, j)), True) if rg and ("grad_output", region.index, j) in plan.buffers else None
                 for j, rg in enumerate(region.output_requires_grad)
             ]
-            grad_inputs = [get(("grad_input", region.index, i)) for i, rg in enumerate(region.input_requires_grad) if rg]
+            grad_inputs = [
+                (get(("grad_input", region.index, i)), plan.buffers[("grad_input", region.index, i)].copy_out)
+                for i, rg in enumerate(region.input_requires_grad) if rg
+            ]
             region.finish_capture(inputs, outputs, grad_outputs, grad_inputs)
         if self.config.cuda_graph_debug:
             self._plan_poison(buffers)
@@ -347,7 +381,8 @@ class CudaGraphManager:
         from megatron.core.transformer.cuda_graphs.weakref import is_weak_ref
 
         seen = {}
-        for t in self.buffers.values():
+        held = list(self.buffers.values()) + [g for r in self.regions for g in r.shared_grads]
+        for t in held:
             if t is not None and not is_weak_ref(t):
                 seen[t.data_ptr()] = t.untyped_storage().nbytes()
         return sum(seen.values())

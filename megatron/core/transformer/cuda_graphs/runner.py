@@ -4,7 +4,13 @@ A region is a bound method of a layer (``forward`` for a whole layer, or e.g.
 ``_forward_attention``) whose tensor arguments and outputs become static buffers. The
 manager decides the order and the buffers (``buffers.py``); this file does the torch
 work for one region. Parameters are not graph inputs: their addresses are stable, and
-the backward graph adds their gradients into ``param.main_grad`` itself.
+the backward graph adds their gradients into ``param.main_grad`` itself. A *shared*
+parameter (one that eager code also differentiates, e.g. a tied embedding used by the
+loss head) is the exception: its gradient lands in a static buffer that becomes
+``param.grad``, so autograd adds the eager contribution to it in the parameter's dtype
+before DDP folds it into ``main_grad``, exactly as in an eager run. With
+gradient-accumulation fusion the region's part goes into ``main_grad`` inside the graph
+(as eager does) and DDP only waits on the graph's event for it.
 """
 
 import inspect
@@ -41,9 +47,15 @@ class GraphedRegion:
         method_name: Name of the bound method to graph (``forward`` for the whole layer).
         name: Display name, e.g. ``decoder.layers.3.attn``.
         index: Position of the region in the manager's list (its id in events).
+        shared_params: Parameters that eager code differentiates too (see the module
+            docstring). The graph never marks them complete: its part goes to
+            ``param.grad``, or with gradient-accumulation fusion into ``main_grad``.
     """
 
-    def __init__(self, manager, module: torch.nn.Module, method_name: str, name: str, index: int):
+    def __init__(
+        self, manager, module: torch.nn.Module, method_name: str, name: str, index: int,
+        shared_params: Sequence[torch.nn.Parameter] = (),
+    ):
         self.manager = manager
         self.module = module
         self.method_name = method_name
@@ -58,8 +70,13 @@ class GraphedRegion:
         self.output_requires_grad: List[bool] = []
         self.output_meta: List[TensorMeta] = []
         self.num_outputs = 0
+        self.shared_params: List[torch.nn.Parameter] = list(shared_params)
         # Filled by capture.
-        self.params: List[torch.nn.Parameter] = []
+        self.params: List[torch.nn.Parameter] = []  # main_grad written by the backward graph
+        self.shared_grads: List[torch.Tensor] = []  # static wgrad buffers of shared_params
+        # Shared parameters whose part the graph fuses into main_grad (gradient-accumulation
+        # fusion): DDP waits for our event, but eager autograd says when they are complete.
+        self.fused_shared_params: List[torch.nn.Parameter] = []
         self.fwd_graph: Optional[torch.cuda.CUDAGraph] = None
         self.bwd_graph: Optional[torch.cuda.CUDAGraph] = None
         self._capture_args: Optional[List[Any]] = None
@@ -67,7 +84,7 @@ class GraphedRegion:
         self.replay_inputs: List[Tuple[int, torch.Tensor, bool]] = []  # (arg index, static, copy?)
         self.replay_outputs: List[torch.Tensor] = []
         self.replay_grad_outputs: List[Optional[Tuple[torch.Tensor, bool]]] = []
-        self.replay_grad_inputs: List[Optional[torch.Tensor]] = []
+        self.replay_grad_inputs: List[Tuple[torch.Tensor, bool]] = []  # (static dgrad, copy out?)
         self.wgrad_event: Optional[torch.cuda.Event] = None
         self.replays = 0
         self.capture_seconds = 0.0
@@ -157,14 +174,25 @@ class GraphedRegion:
             self.params = []
             return
         outs = self._split_outputs(self.fn(*args))
+        reached = _leaves_reached(outs)  # includes weights whose wgrad is fused (no autograd grad)
         grads = self._grad(outs, args, candidates)
-        self.params = [p for p, g in zip(candidates, grads[len(self._grad_inputs(args)):]) if g is not None]
+        has_grad = {id(p) for p, g in zip(candidates, grads[len(self._grad_inputs(args)):]) if g is not None}
+        used = [p for p in candidates if id(p) in reached or id(p) in has_grad]
+        shared = {id(p) for p in self.shared_params}
+        self.shared_params = [p for p in used if id(p) in shared and id(p) in has_grad]
+        self.fused_shared_params = [p for p in used if id(p) in shared and id(p) not in has_grad]
+        self.params = [p for p in used if id(p) not in shared]
         missing = [p for p in self.params if not hasattr(p, "main_grad")]
         if missing:
             raise RuntimeError(
                 f"CUDA graph for {self.name}: parameters without main_grad; wrap the model in "
                 "DistributedDataParallel before capturing (graphs add weight gradients to main_grad)."
             )
+
+    def _wgrad_params(self) -> List[torch.nn.Parameter]:
+        # Fused weights return no gradient, but asking for them runs their backward (and
+        # its main_grad accumulation) even when no input needs a gradient.
+        return self.params + self.shared_params + self.fused_shared_params
 
     def _grad_inputs(self, args: Sequence[Any]) -> List[torch.Tensor]:
         return [a for a, rg in zip(args, self.input_requires_grad) if rg]
@@ -183,7 +211,7 @@ class GraphedRegion:
         for _ in range(steps):
             outs = self._split_outputs(self.fn(*args))
             if any(self.output_requires_grad):
-                self._grad(outs, args, self.params)
+                self._grad(outs, args, self._wgrad_params())
             del outs
 
     def capture_forward(self, args: List[Any], pool, stream) -> Tuple[torch.Tensor, ...]:
@@ -213,7 +241,7 @@ class GraphedRegion:
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=pool.handle, capture_error_mode="thread_local")
             try:
-                grads = self._grad(outs, args, self.params, grad_outputs)
+                grads = self._grad(outs, args, self._wgrad_params(), grad_outputs)
                 for p, g in zip(self.params, grads[n_in:]):
                     if g is not None:
                         p.main_grad.add_(g)
@@ -221,6 +249,8 @@ class GraphedRegion:
                 graph.capture_end()
         self.capture_seconds += time.perf_counter() - start
         self.bwd_graph = graph
+        # Read by eager autograd after every replay, until DDP folds it: held for good.
+        self.shared_grads = list(grads[n_in + len(self.params):n_in + len(self.params) + len(self.shared_params)])
         dgrads = list(grads[:n_in])
         del grads
         # The autograd graph of the forward capture is freed now: its saved tensors go
@@ -269,14 +299,34 @@ class GraphedRegion:
             elif g.data_ptr() != static.data_ptr():
                 static.copy_(g)
         self.bwd_graph.replay()
+        # Dgrads for eager code leave as copies (before debug mode poisons the buffers).
+        dgrads = iter([d if d is None else d.clone() if copy else d.detach() for d, copy in self.replay_grad_inputs])
         self.manager.after_replay()
+        for p, g in zip(self.shared_params, self.shared_grads):
+            if p.grad is not None:
+                raise RuntimeError(
+                    f"CUDA graph for {self.name}: the shared parameter {tuple(p.shape)} still has a .grad from "
+                    "before this backward; DDP folds .grad into main_grad after every micro-batch, so "
+                    "something else kept it (a graphed backward cannot reproduce eager's summation then)."
+                )
+            p.grad = g  # eager autograd adds its own contribution in place, as AccumulateGrad does
         if self.wgrad_event is not None:
             self.wgrad_event.record()
-        self.manager.wgrads_ready(self.params, self.wgrad_event)
-        out: List[Optional[torch.Tensor]] = []
-        grad_inputs = iter(self.replay_grad_inputs)
-        for rg in self.input_requires_grad:
-            d = next(grad_inputs) if rg else None
-            out.append(None if d is None else d.detach())
-        return tuple(out)
+        self.manager.wgrads_ready(self.params, self.wgrad_event, self.fused_shared_params)
+        return tuple(next(dgrads) if rg else None for rg in self.input_requires_grad)
 
+
+def _leaves_reached(outputs: Sequence[torch.Tensor]) -> set:
+    """ids of the leaf tensors (parameters, inputs) the autograd graph of ``outputs`` reaches."""
+    found, seen = set(), set()
+    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)  # an AccumulateGrad node
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(f for f, _ in fn.next_functions if f is not None)
+    return found

@@ -54,8 +54,11 @@ def test_handed_off_dgrad_released_after_its_reader():
     # dgrad of layer 2 is read by layer 1's backward graph, then dead.
     assert plan.buffers[("grad_input", 2, 0)].release_after == pos(cycle, BWD, 1)
     assert plan.buffers[("grad_input", 1, 0)].release_after == pos(cycle, BWD, 0)
-    # The first layer's dgrad escapes to eager code (embedding backward): kept.
-    assert plan.buffers[("grad_input", 0, 0)].release_after is None
+    # The first layer's dgrad escapes to eager code (embedding backward): replay hands out
+    # a copy, so the buffer dies with its own backward graph.
+    spec = plan.buffers[("grad_input", 0, 0)]
+    assert spec.copy_out and spec.release_after == pos(cycle, BWD, 0)
+    assert not any(b.copy_out for k, b in plan.buffers.items() if k != ("grad_input", 0, 0))
 
 
 def test_output_escaping_to_eager_kept_until_producer_backward():
@@ -115,8 +118,9 @@ def test_sub_layer_regions_with_eager_between():
     for r in range(n):
         assert plan.buffers[("input", r, 0)].alias_of is None
         assert plan.buffers[("grad_output", r, 0)].alias_of is None
-        # dgrads go to the eager MLP below: kept (eager autograd may hold them).
-        assert plan.buffers[("grad_input", r, 0)].release_after is None
+        # dgrads go to the eager MLP below: copied out at replay, released after their graph.
+        spec = plan.buffers[("grad_input", r, 0)]
+        assert spec.copy_out and spec.release_after == plan.cycle.index(Event(BWD, r))
 
 
 def test_region_without_backward_keeps_its_output():

@@ -73,7 +73,8 @@ def test_dense8_graphed_equals_eager_every_scope(precision):
         graphed = train(f"{flags} {graph_flags(scope)}", 50)
         trainer = graphed[2]
         assert trainer.graphs.state == "captured"
-        n_regions = {"layer": 8, "attn": 8, "mlp": 8, "attn mlp": 8}[scope]
+        # + the loss head, graphed whenever the last layer's MLP is.
+        n_regions = {"layer": 9, "attn": 8, "mlp": 9, "attn mlp": 9}[scope]
         assert len(trainer.graphs.regions) == n_regions
         assert trainer.graphs.num_graphs() == 2 * n_regions
         assert_same(eager, graphed, f"scope {scope!r} {precision or 'fp32'}")
@@ -87,6 +88,28 @@ def test_grad_accumulation_and_overlap(scope):
     eager = train(flags, 8)
     graphed = train(f"{flags} {graph_flags(scope)}", 8)
     assert_same(eager, graphed, f"3 micro-batches, overlap, scope {scope}")
+
+
+@pytest.mark.parametrize("fusion", ["", "--no-gradient-accumulation-fusion"], ids=["fused-wgrad", "unfused-wgrad"])
+@pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
+def test_loss_head_graphed_equals_eager(untie, fusion):
+    # 3 micro-batches, overlap. Tied and unfused: the graph leaves the output layer's wgrad
+    # in .grad, eager autograd adds the embedding's in bf16, DDP folds the sum. Tied and
+    # fused: the graph adds the output layer's part into main_grad, the bucket waits on
+    # the graph's event, and the embedding's part completes it later.
+    flags = f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 --global-batch-size 6 --overlap-grad-reduce {fusion}"
+    if untie:
+        flags += " --untie-embeddings-and-output-weights"
+    eager = train(flags, 6)
+    graphed = train(f"{flags} {graph_flags('layer')}", 6)
+    head = graphed[2].graphs.regions[-1]
+    assert head.name == "postprocess" and head.bwd_graph is not None
+    assert len(head.shared_params) == (1 if not untie and fusion else 0)
+    assert len(head.fused_shared_params) == (1 if not untie and not fusion else 0)
+    assert_same(eager, graphed, f"loss head, {'untied' if untie else 'tied'} {fusion}")
+    without = train(f"{flags} {graph_flags('layer')} --no-cuda-graph-postprocess", 6)
+    assert all(r.name != "postprocess" for r in without[2].graphs.regions)
+    assert_same(eager, without, "layers graphed, loss head eager")
 
 
 def test_rope_gqa_swiglu_graphed_equals_eager():
@@ -117,12 +140,14 @@ def test_dropout_masks_change_between_replays():
 def test_pool_accounting_and_release():
     _, _, trainer = train(f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 {graph_flags('layer')}", 2)
     s = trainer.graphs.stats()
-    assert s["graphs"] == 6
-    assert 0 < s["pool_live_bytes"] <= s["pool_reserved_bytes"]
-    # Hand-offs released: we hold far less than one buffer per graph input and output.
+    assert s["graphs"] == 8  # 3 layers + the loss head, forward and backward
+    assert 0 <= s["pool_live_bytes"] <= s["pool_reserved_bytes"] and s["pool_reserved_bytes"] > 0
+    # Hand-offs released: we hold far less than one buffer per graph input and output,
+    # plus the tied embedding's wgrad buffer (read by eager autograd after each replay).
     hidden_bytes = 256 * 2 * 256 * 2
-    assert s["strong_bytes"] <= 3 * hidden_bytes, s
-    assert len(s["regions"]) == 3 and all(r["pool_reserved_after_bwd"] for r in s["regions"])
+    tied_wgrad_bytes = 32000 * 256 * 2
+    assert s["strong_bytes"] <= 3 * hidden_bytes + tied_wgrad_bytes, s
+    assert len(s["regions"]) == 4 and all(r["pool_reserved_after_bwd"] for r in s["regions"])
 
 
 def test_shape_change_after_capture_is_a_clear_error():

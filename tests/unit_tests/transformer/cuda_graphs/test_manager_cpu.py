@@ -18,19 +18,22 @@ from megatron.training.config import DDPConfig
 LAYERS = 3
 
 
-def tiny_gpt(rope=False):
+def tiny_gpt(rope=False, untie=False):
     cfg = TransformerConfig(
         num_layers=LAYERS, hidden_size=32, num_attention_heads=4, seq_length=16, hidden_dropout=0.0,
         attention_dropout=0.0, position_embedding_type="rope" if rope else "learned_absolute",
+        untie_embeddings_and_output_weights=untie,
     ).finalize()
     torch.manual_seed(0)
     return build_gpt_model(cfg, 64), cfg
 
 
-def recorded(scopes, rope=False, microbatches=2):
-    model, _ = tiny_gpt(rope)
+def recorded(scopes, rope=False, microbatches=2, untie=False, postprocess=True):
+    model, _ = tiny_gpt(rope, untie)
     ddp = DistributedDataParallel(model, config=DDPConfig(), pg=ProcessGroups.single())
-    manager = CudaGraphManager(CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=scopes))
+    manager = CudaGraphManager(
+        CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=scopes, cuda_graph_postprocess=postprocess)
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         manager.apply(model)
@@ -46,32 +49,55 @@ def recorded(scopes, rope=False, microbatches=2):
 
 def test_whole_layer_record_order_and_handoffs():
     manager, plan, _, _ = recorded([])
-    assert [r.name.split(".")[-1] for r in manager.regions] == ["layer"] * LAYERS
-    n = LAYERS
+    assert [r.name.split(".")[-1] for r in manager.regions] == ["layer"] * LAYERS + ["postprocess"]
+    n = LAYERS + 1  # the loss head follows the last layer
     assert plan.cycle == [Event(FWD, i) for i in range(n)] + [Event(BWD, i) for i in reversed(range(n))]
     # Two micro-batches were recorded; the cycle is one of them.
     assert len(manager.order) == 2 * len(plan.cycle)
-    # Layer k+1 reads layer k's output buffer; layer 0 reads the (eager) embedding output.
+    # Region k+1 reads region k's output buffer; layer 0 reads the (eager) embedding output.
     assert manager.regions[0].sources[0].kind == "own"
     for k in range(1, n):
         assert manager.regions[k].sources[0].kind == "handoff"
         assert plan.owner(("input", k, 0)) == ("output", k - 1, 0)
         assert plan.owner(("grad_output", k - 1, 0)) == ("grad_input", k, 0)
+    # The head's labels are its own input; its per-token loss escapes to eager code.
+    head = manager.regions[-1]
+    assert head.sources[1].kind == "own" and head.input_requires_grad == [True, False]
+    assert plan.buffers[("output", LAYERS, 0)].release_after == plan.cycle.index(Event(BWD, LAYERS))
+
+
+@pytest.mark.parametrize("untie", [False, True])
+def test_loss_head_shares_a_tied_embedding_weight_only(untie):
+    manager, _, _, ddp = recorded([], untie=untie)
+    head = manager.regions[-1]
+    assert head.method_name == "_postprocess"
+    expected = [] if untie else [ddp.module.embedding.word_embeddings.weight]
+    assert [id(p) for p in head.shared_params] == [id(p) for p in expected]
+
+
+@pytest.mark.parametrize("scopes,has_head", [([], True), (["mlp"], True), (["attn", "mlp"], True), (["attn"], False)])
+def test_loss_head_is_graphed_only_after_a_graphed_region(scopes, has_head):
+    manager, _, _, _ = recorded(scopes)
+    assert (manager.regions[-1].name == "postprocess") == has_head
+    manager, _, _, _ = recorded(scopes, postprocess=False)
+    assert all(r.name != "postprocess" for r in manager.regions)
 
 
 def test_rope_table_is_one_shared_buffer():
     manager, plan, _, _ = recorded([], rope=True)
-    owners = {plan.owner(("input", r.index, 1)) for r in manager.regions}
+    owners = {plan.owner(("input", r.index, 1)) for r in manager.regions[:LAYERS]}
     assert owners == {("shared", -1, 0)}
 
 
 @pytest.mark.parametrize("scope,method", [("attn", "_forward_attention"), ("mlp", "_forward_mlp")])
 def test_sub_layer_scope_graphs_only_that_region(scope, method):
     manager, plan, _, _ = recorded([scope])
-    assert len(manager.regions) == LAYERS
-    assert all(r.method_name == method for r in manager.regions)
-    # The other half of the layer runs eagerly between graphs: nothing is handed off.
-    assert all(src.kind != "handoff" for r in manager.regions for src in r.sources)
+    layers = manager.regions[:LAYERS]
+    assert all(r.method_name == method for r in layers)
+    # The other half of the layer runs eagerly between graphs: nothing is handed off,
+    # except from the last MLP to the loss head right after it.
+    assert all(src.kind != "handoff" for r in layers for src in r.sources)
+    assert len(manager.regions) == LAYERS + (scope == "mlp")
     layer = manager.regions[0].module
     other = "_forward_mlp" if scope == "attn" else "_forward_attention"
     assert other not in vars(layer), "the region left eager must not be routed"
@@ -79,7 +105,7 @@ def test_sub_layer_scope_graphs_only_that_region(scope, method):
 
 def test_attn_and_mlp_together_is_one_layer_graph():
     manager, _, _, _ = recorded(["attn", "mlp"])
-    assert [r.method_name for r in manager.regions] == ["forward"] * LAYERS
+    assert [r.method_name for r in manager.regions] == ["forward"] * LAYERS + ["_postprocess"]
 
 
 def test_recording_does_not_change_numerics():
@@ -111,3 +137,18 @@ def test_scope_without_region_in_model_is_rejected():
     model, _ = tiny_gpt()
     with pytest.raises(ValueError, match="no 'moe' region"):
         CudaGraphManager(CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=["moe"])).apply(model)
+
+
+def test_parameter_discovery_sees_fused_weights_that_get_no_autograd_grad():
+    from megatron.core.transformer.cuda_graphs.runner import _leaves_reached
+
+    model, _ = tiny_gpt()
+    DistributedDataParallel(model, config=DDPConfig(), pg=ProcessGroups.single())  # main_grad: fused wgrads
+    tokens = torch.randint(0, 64, (2, 16))
+    out = model(tokens, None, tokens)
+    reached = _leaves_reached([out])
+    params = list(model.parameters())
+    assert all(id(p) in reached for p in params)
+    grads = torch.autograd.grad(out.sum(), params, allow_unused=True)
+    fused = [name for (name, _), g in zip(model.named_parameters(), grads) if g is None]
+    assert fused and all(name.endswith("weight") and "layernorm" not in name for name in fused), fused

@@ -139,6 +139,8 @@ def replay(cycle, regions, plan, block, temps, saves_inputs, cycles=2):
                 for i, rg in enumerate(io.input_requires_grad):
                     if rg:
                         write(("grad_input", e.region, i))
+                        if plan.buffers[("grad_input", e.region, i)].copy_out:
+                            read(("grad_input", e.region, i), f"copy-out after B{e.region}")
             # Eager code between graphs: every region output is read by eager consumers
             # (final norm, eager MLP, logging) until the producer's backward runs.
             for r, rio in enumerate(regions):
@@ -147,9 +149,11 @@ def replay(cycle, regions, plan, block, temps, saves_inputs, cycles=2):
                 if f <= pos < end - 1 or (f <= pos and r not in bpos):
                     for j in range(len(rio.output_requires_grad)):
                         read(("output", r, j), f"eager after {cycle[pos]}")
-        # Eager readers of dgrads that escape (embedding backward) run after the cycle.
+        # Eager readers of escaping dgrads (embedding backward) run after the cycle; they
+        # read the copy, unless the plan handed out the buffer itself.
+        handed_off = {spec.alias_of for spec in plan.buffers.values()}
         for (kind, r, i), spec in plan.buffers.items():
-            if kind == "grad_input" and spec.release_after is None:
+            if kind == "grad_input" and (kind, r, i) not in handed_off and not spec.copy_out:
                 read((kind, r, i), "eager after the cycle")
     return bad
 
@@ -186,6 +190,15 @@ def test_plan_never_lets_a_later_graph_clobber_a_live_buffer(case, saves_inputs,
     # The plan is not just "keep everything": memory is actually shared.
     used = set(block.values()) | {b for bs in temps.values() for b in bs}
     assert len(used) < len(block) + sum(len(bs) for bs in temps.values())
+
+
+def test_escaping_dgrad_released_without_copy_out_is_caught():
+    cycle, regions = CASES["sub-layer regions with eager between"]
+    plan = build_plan(cycle, regions)
+    for spec in plan.buffers.values():
+        spec.copy_out = False  # hand eager code the buffer itself, yet release it as if copied
+    block, temps = simulate_capture(cycle, regions, plan, saves_inputs=False, runner_holds=False)
+    assert replay(cycle, regions, plan, block, temps, saves_inputs=False) != []
 
 
 @pytest.mark.parametrize("case", ["layers with hand-offs", "sub-layer regions with eager between", "frozen regions (no backward)"])
