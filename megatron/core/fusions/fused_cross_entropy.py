@@ -15,6 +15,7 @@ results differ from it in the last bits (not across eager and graphed runs: both
 the same path).
 """
 
+import os
 from typing import Optional
 
 import torch
@@ -39,8 +40,6 @@ def available(logits: Optional[torch.Tensor] = None) -> bool:
 
 
 def _interpreting() -> bool:
-    import os
-
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
