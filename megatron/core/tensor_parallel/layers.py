@@ -84,9 +84,14 @@ class EmbeddingWithGradAccumulation(torch.autograd.Function):
         return None, None
 
 
+def _fuses_wgrad(enabled: bool, weight: torch.Tensor) -> bool:
+    """Whether this call should add the weight gradient straight into ``weight.main_grad``."""
+    return enabled and weight.requires_grad and torch.is_grad_enabled() and hasattr(weight, "main_grad")
+
+
 def linear(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *, fuse_wgrad: bool):
     """``F.linear``, or ``LinearWithGradAccumulation`` when the weight has a main_grad to fuse into."""
-    if fuse_wgrad and weight.requires_grad and torch.is_grad_enabled() and hasattr(weight, "main_grad"):
+    if _fuses_wgrad(fuse_wgrad, weight):
         return LinearWithGradAccumulation.apply(input_, weight, bias)
     return F.linear(input_, weight, bias)
 
@@ -344,11 +349,9 @@ class VocabParallelEmbedding(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Looks up ``input_ids [...]`` and returns ``[..., embedding_dim]``."""
         # TP > 1: shift ids by vocab_start_index, zero rows of ids outside this shard, all-reduce.
-        w = self.weight
-        fuse = self.gradient_accumulation_fusion and w.requires_grad and torch.is_grad_enabled()
-        if fuse and hasattr(w, "main_grad"):
-            return EmbeddingWithGradAccumulation.apply(input_ids, w)
-        return F.embedding(input_ids, w)
+        if _fuses_wgrad(self.gradient_accumulation_fusion, self.weight):
+            return EmbeddingWithGradAccumulation.apply(input_ids, self.weight)
+        return F.embedding(input_ids, self.weight)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, per_partition={self.num_embeddings_per_partition}"
