@@ -16,7 +16,7 @@ Weights of linear layers with gradient-accumulation fusion: the wgrad GEMM adds 
 ``main_grad`` itself; autograd still runs the weight's AccumulateGrad (with no
 gradient), so the same hook marks it ready.
 Parameters inside a CUDA-graphed region: the backward graph adds wgrads into
-``main_grad`` itself and the replay calls ``register_grad_ready(param, event)`` with
+``main_grad`` itself and the replay calls ``register_grads_ready(params, event)`` with
 an event recorded after the replay; the bucket waits on that event before it is read.
 
 Unusual choices:
@@ -153,7 +153,7 @@ class DistributedDataParallel(torch.nn.Module):
             if param.grad.data_ptr() != param.main_grad.data_ptr():
                 param.main_grad.add_(param.grad)
             param.grad = None
-        self.register_grad_ready(param)
+        self.register_grads_ready((param,))
 
     def register_grad_ready(self, param: torch.nn.Parameter, event=None) -> None:
         """Marks ``param``'s gradient as complete in ``main_grad`` for this backward.
@@ -164,27 +164,37 @@ class DistributedDataParallel(torch.nn.Module):
                 ``main_grad`` (a graph replay, maybe on another stream). It is waited on
                 before the bucket is scaled or reduced, with or without overlap.
         """
-        bucket = self.grad_buffer.param_to_bucket.get(param)
-        if bucket is None:
-            raise RuntimeError("register_grad_ready got a parameter that this DDP does not manage.")
+        self.register_grads_ready((param,), event)
+
+    def register_grads_ready(self, params, event=None) -> None:
+        """``register_grad_ready`` for many parameters written by the same work (one
+        graph replay): each bucket they touch gets ``event`` once. Runs once per backward
+        graph replay, so it keys by ``id`` (a tensor's ``__hash__`` is a Python call)."""
+        buckets = self.grad_buffer.bucket_of_id
+        touched = {}
+        for param in params:
+            bucket = buckets.get(id(param))
+            if bucket is None:
+                raise RuntimeError("register_grad_ready got a parameter that this DDP does not manage.")
+            touched[bucket.index] = bucket
+            if self._sync_enabled:
+                if bucket.launched:
+                    raise RuntimeError(
+                        f"a gradient arrived for bucket {bucket.index} after its reduction was launched; run "
+                        "every micro-batch but the last under no_sync(), and call zero_grad_buffer() before "
+                        "the next iteration's backward."
+                    )
+                bucket.ready.add(id(param))
         if event is not None:
-            bucket.add_event(event)
-        if not self._sync_enabled:
-            return
-        if bucket.launched:
-            raise RuntimeError(
-                f"a gradient arrived for bucket {bucket.index} after its reduction was launched; run "
-                "every micro-batch but the last under no_sync(), and call zero_grad_buffer() before "
-                "the next iteration's backward."
-            )
-        bucket.ready.add(param)
-        if self.config.overlap_grad_reduce:
+            for bucket in touched.values():
+                bucket.add_event(event)
+        if self._sync_enabled and self.config.overlap_grad_reduce:
             self._launch_in_order(only_ready=True)
 
     def add_grad_event(self, param: torch.nn.Parameter, event) -> None:
         """Makes ``param``'s bucket wait on ``event`` before it is read, without marking
         the parameter ready (part of its gradient is still to come, e.g. a tied weight)."""
-        bucket = self.grad_buffer.param_to_bucket.get(param)
+        bucket = self.grad_buffer.bucket_of_id.get(id(param))
         if bucket is None:
             raise RuntimeError("add_grad_event got a parameter that this DDP does not manage.")
         bucket.add_event(event)

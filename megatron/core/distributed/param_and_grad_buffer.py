@@ -32,7 +32,7 @@ class Bucket:
         params: Parameters whose ``main_grad`` lies in this bucket, in buffer order.
         data: 1-D view of the buffer covering all of them (alignment gaps included).
         offset: Index of ``data[0]`` in the whole buffer.
-        ready: Parameters whose gradient is complete for the current sync.
+        ready: ``id``s of the parameters whose gradient is complete for the current sync.
         handle: The in-flight async collective, if launched and not yet waited on.
         launched: True once the bucket's reduction was started this sync
             (with DP = 1 this means only that its events were waited on).
@@ -126,12 +126,12 @@ class GradBuffer:
         for param, start in zip(self.params, starts):
             param.main_grad = self.data[start : start + param.numel()].view(param.shape)
         self.buckets: List[Bucket] = []
-        self.param_to_bucket: Dict[torch.nn.Parameter, Bucket] = {}
+        self.bucket_of_id: Dict[int, Bucket] = {}  # id(param) -> its bucket
         for index, (p0, p1, e0, e1) in enumerate(bucket_ranges):
             bucket = Bucket(index, self.params[p0:p1], self.data[e0:e1], e0)
             self.buckets.append(bucket)
             for param in bucket.params:
-                self.param_to_bucket[param] = bucket
+                self.bucket_of_id[id(param)] = bucket
 
     def zero_(self) -> None:
         """Zeroes the whole buffer in place (same storage, same address)."""

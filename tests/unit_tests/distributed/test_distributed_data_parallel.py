@@ -182,6 +182,27 @@ def test_register_grad_ready_by_hand_and_events_on_cpu():
         assert all(torch.equal(p.main_grad, torch.ones_like(p)) for p in first.params)
 
 
+def test_register_grads_ready_in_bulk_adds_one_event_per_bucket():
+    """One backward replay marks all of its parameters at once: every bucket they touch
+    gets the replay's event once, and buckets launch as they complete."""
+    for overlap in (False, True):
+        ddp, _ = _make(overlap=overlap, bucket_size=100)
+        assert len(ddp.buckets) >= 2
+        log = []
+        event = _FakeEvent(log)
+        params = list(ddp.grad_buffer.params)
+        ddp.register_grads_ready(params[:-1], event)  # the last bucket stays incomplete
+        last = ddp.buckets[-1]
+        assert all(b.is_ready() for b in ddp.buckets[:-1]) and not last.is_ready()
+        assert [b.launched for b in ddp.buckets[:-1]] == [overlap] * (len(ddp.buckets) - 1)
+        ddp.register_grad_ready(params[-1])
+        ddp.finish_grad_sync()
+        touched = {ddp.grad_buffer.bucket_of_id[id(p)].index for p in params[:-1]}
+        assert log == ["wait"] * len(touched)  # once per bucket, not once per parameter
+    with pytest.raises(RuntimeError, match="does not manage"):
+        ddp.register_grads_ready([torch.nn.Parameter(torch.zeros(1))])
+
+
 def test_events_are_waited_even_inside_no_sync_and_by_zero_grad():
     ddp, _ = _make(overlap=True, bucket_size=100)
     log = []
@@ -203,7 +224,7 @@ def test_event_without_readiness_for_a_partly_written_tied_weight():
     bucket = ddp.buckets[0]
     p = bucket.params[0]
     ddp.add_grad_event(p, _FakeEvent(log))  # a graph wrote part of p's gradient
-    assert p not in bucket.ready and not bucket.launched and log == []
+    assert id(p) not in bucket.ready and not bucket.launched and log == []
     for q in bucket.params:
         ddp.register_grad_ready(q)  # eager autograd completes it later
     assert bucket.launched and log == ["wait"]
