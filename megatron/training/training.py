@@ -67,7 +67,8 @@ class Trainer:
         self.graphs = CudaGraphManager(cfg.cuda_graph, on_wgrad_ready=self._wgrads_ready).apply(model)
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = MixedPrecisionOptimizer(
-            params, config=cfg.optimizer, precision=cfg.precision, preallocate_state=self.graphs.state != "off"
+            params, config=cfg.optimizer, precision=cfg.precision, preallocate_state=self.graphs.state != "off",
+            grad_buffers=[self.model.grad_buffer.data],
         )
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, t.train_iters)
         self.iteration = 0
@@ -92,8 +93,7 @@ class Trainer:
         self.history: List[Dict] = []
 
     def _wgrads_ready(self, params, event, event_only=()) -> None:
-        for p in params:
-            self.model.register_grad_ready(p, event)
+        self.model.register_grads_ready(params, event)
         for p in event_only:
             self.model.add_grad_event(p, event)
 

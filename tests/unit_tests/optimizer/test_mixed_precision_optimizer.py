@@ -296,3 +296,56 @@ def test_preallocated_adam_state_matches_lazy_state_bitwise():
     for key in ("step", "exp_avg", "exp_avg_sq"):
         for s0, s1 in zip(opts[0].optimizer.state.values(), opts[1].optimizer.state.values()):
             assert torch.equal(s0[key], s1[key]) and s0[key].dtype == s1[key].dtype, key
+
+
+def test_norm_over_the_flat_grad_buffer():
+    """With the DDP buffer given, the norm is one reduction over it (gaps are zero)."""
+    torch.manual_seed(0)
+    net, x = _Net(), torch.randn(8, 6)
+    norms = []
+    for buffers in (False, True):
+        ddp = _wrap(copy.deepcopy(net))
+        opt = MixedPrecisionOptimizer(
+            ddp.parameters(), config=OptimizerConfig(clip_grad=0.0), precision=PrecisionConfig(),
+            grad_buffers=[ddp.grad_buffer.data] if buffers else (),
+        )
+        norms.append(_train_step(ddp, opt, x)[1])
+    torch.testing.assert_close(norms[1], norms[0], rtol=1e-6, atol=0)  # another summation order
+    other = _wrap(_Net())
+    with pytest.raises(ValueError, match="grad_buffers"):
+        MixedPrecisionOptimizer(ddp.parameters(), config=OptimizerConfig(), precision=PrecisionConfig(),
+                                grad_buffers=[other.grad_buffer.data])
+
+
+@pytest.mark.parametrize("preallocate", [False, True])
+def test_direct_fused_adamw_equals_torch_fused_step(monkeypatch, preallocate):
+    """The direct ``torch._fused_adamw_`` call is bitwise torch's fused AdamW step (run
+    here with torch's CPU fused kernel), with clipping through its grad_scale input and
+    lazily created state (first step by torch, then direct)."""
+    import megatron.core.optimizer.optimizer as optim_module
+
+    if not hasattr(torch, "_fused_adamw_"):
+        pytest.skip("this torch has no fused AdamW")
+
+    def fused_inner(groups, config, device):
+        return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                                 eps=config.adam_eps, weight_decay=config.weight_decay, fused=True)
+
+    monkeypatch.setattr(optim_module, "_build_inner", fused_inner)
+    torch.manual_seed(0)
+    nets = [_Net(), None]
+    nets[1] = copy.deepcopy(nets[0])
+    ddps = [_wrap(n) for n in nets]
+    config = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.05)
+    opts = [MixedPrecisionOptimizer(d.parameters(), config=config, precision=PrecisionConfig(),
+                                    preallocate_state=preallocate) for d in ddps]
+    opts[1]._build_fused_lists = lambda: None  # torch's own AdamW.step every time
+    for step in range(4):
+        x = torch.randn(8, 6)
+        for d, o in zip(ddps, opts):
+            _train_step(d, o, x)
+        assert bool(opts[0]._fused_lists) == (preallocate or step > 0)
+    for a, b in zip(ddps[0].parameters(), ddps[1].parameters()):
+        assert torch.equal(a, b)
+    for s0, s1 in zip(opts[0].optimizer.state.values(), opts[1].optimizer.state.values()):
+        assert all(torch.equal(s0[k], s1[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
