@@ -70,7 +70,7 @@ class SelfAttention(torch.nn.Module):
             init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
             bias=config.add_bias_linear,
             input_is_parallel=True,
-            skip_bias_add=True,
+            skip_bias_add=False,  # in the GEMM: no fused bias-dropout-add kernel to defer it to
             pg=pg,
             device=device,
         )
@@ -85,8 +85,8 @@ class SelfAttention(torch.nn.Module):
             rotary_pos_emb: ``freqs [s, 1, 1, rot_dim]`` from ``RotaryEmbedding`` or None.
 
         Returns:
-            ``(output [s, b, h], bias of the output projection or None)``; the bias is
-            not added (the layer fuses it into bias-dropout-add).
+            ``(output [s, b, h], None)``: the output projection adds its bias in the
+            GEMM, so the layer's bias-dropout-add gets none.
         """
         s, b, _ = hidden_states.shape
         g, hpg, d = self.num_groups, self.heads_per_group, self.kv_channels

@@ -30,8 +30,8 @@ def test_gelu_formula():
     out, bias = mlp(x)
     h = x @ mlp.linear_fc1.weight.t() + mlp.linear_fc1.bias
     h = 0.5 * h * (1.0 + torch.erf(h / math.sqrt(2.0)))  # exact GeLU
-    torch.testing.assert_close(out, h @ mlp.linear_fc2.weight.t(), rtol=1e-12, atol=1e-12)
-    assert bias is mlp.linear_fc2.bias
+    torch.testing.assert_close(out, h @ mlp.linear_fc2.weight.t() + mlp.linear_fc2.bias, rtol=1e-12, atol=1e-12)
+    assert bias is None  # added inside fc2's GEMM
 
 
 def test_swiglu_formula_gate_first():
@@ -43,7 +43,7 @@ def test_swiglu_formula_gate_first():
     gate = x @ w1[:24].t() + b1[:24]
     up = x @ w1[24:].t() + b1[24:]
     h = gate * torch.sigmoid(gate) * up
-    torch.testing.assert_close(out, h @ mlp.linear_fc2.weight.t(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, h @ mlp.linear_fc2.weight.t() + mlp.linear_fc2.bias, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
