@@ -63,6 +63,8 @@ class GraphedRegion:
         self.name = name
         self.index = index
         self._signature = inspect.signature(self.fn)
+        plain = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in self._signature.parameters.values())
+        self._names: Optional[List[str]] = list(self._signature.parameters) if plain else None
         # Filled by the recording iteration.
         self.arg_meta: Optional[List[Any]] = None  # per positional arg: ("tensor", TensorMeta) | ("value", v)
         self.sources: List[Source] = []
@@ -94,8 +96,9 @@ class GraphedRegion:
     # ------------------------------------------------------------------ arguments
     def bind(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
         """Positional arguments with defaults filled, so every call looks the same."""
-        if not kwargs and len(args) == len(self._signature.parameters):
-            return tuple(args)
+        names, n = self._names, len(args)
+        if names is not None and len(kwargs) == len(names) - n and all(k in kwargs for k in names[n:]):
+            return tuple(args) + tuple(kwargs[k] for k in names[n:])  # every call of a step: no inspect
         bound = self._signature.bind(*args, **kwargs)
         bound.apply_defaults()
         return tuple(bound.arguments.values())

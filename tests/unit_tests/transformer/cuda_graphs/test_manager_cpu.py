@@ -152,3 +152,21 @@ def test_parameter_discovery_sees_fused_weights_that_get_no_autograd_grad():
     grads = torch.autograd.grad(out.sum(), params, allow_unused=True)
     fused = [name for (name, _), g in zip(model.named_parameters(), grads) if g is None]
     assert fused and all(name.endswith("weight") and "layernorm" not in name for name in fused), fused
+
+
+def test_region_call_binding_fills_defaults_and_keywords():
+    """Every call of a region becomes the same positional tuple, however it was spelled."""
+    from megatron.core.transformer.cuda_graphs.runner import GraphedRegion
+
+    class Layer(torch.nn.Module):
+        def forward(self, hidden_states, rotary_pos_emb=None):
+            return hidden_states
+
+    x, r = torch.zeros(1), torch.ones(1)
+    region = GraphedRegion(None, Layer(), "forward", "layer", 0)
+    assert region.bind((x,), {}) == (x, None)  # default filled
+    assert region.bind((x, r), {}) == (x, r)
+    assert region.bind((x,), {"rotary_pos_emb": r}) == (x, r)
+    assert region.bind((), {"rotary_pos_emb": r, "hidden_states": x}) == (x, r)
+    with pytest.raises(TypeError):
+        region.bind((x,), {"other": r})
