@@ -6,6 +6,9 @@ against eager are measured in the same run. Per run:
 
 * ms/iteration: median over iterations ``--skip``..end of the device-synchronised
   wall time of one training step (the same method as the upstream anchor);
+* pipelined ms/iteration: the mean of ``PIPELINED`` more steps run back to back with
+  one sync at the end. Our step has no host sync, so the host queues the next step
+  while the device finishes this one; this is what the training log line reports;
 * TFLOP/s per GPU from Megatron's FLOP count;
 * peak device memory as the driver sees it: NVML "used", polled every 2 ms by a thread
   (``torch.cuda.device_memory_used``), minus the reading before CUDA initialised;
@@ -39,8 +42,24 @@ COMMON = (
     "--lr 1e-4 --min-lr 1e-5 --lr-decay-style constant --seed 1234 --tokenizer-type NullTokenizer "
     "--vocab-size 32000 --mock-data --bf16 --attention-dropout 0.0 --hidden-dropout 0.0 --log-interval 1000000"
 )
-# eager:expandable = eager with the allocator setting our graphs switch on by default.
-MODES = ["eager", "eager:expandable", "local:layer", "local:attn", "local:mlp", "local:attn+mlp", "mgc"]
+# eager:expandable = eager with the allocator setting our graphs switch on by default;
+# lean = a plain-PyTorch loop on the same shapes (tools/lean_gpt.py), the host-speed yardstick.
+MODES = ["eager", "eager:expandable", "lean", "local:layer", "local:attn", "local:mlp", "local:attn+mlp", "mgc"]
+
+
+PIPELINED = 20  # steps timed back to back after the synced ones
+
+
+def pipelined_ms(step) -> float:
+    """Mean ms/iteration of ``PIPELINED`` calls of ``step`` with one sync at the end."""
+    import torch
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(PIPELINED):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1000 / PIPELINED
 
 
 def mode_flags(mode: str) -> str:
@@ -138,15 +157,59 @@ def segment_map(pool=None, ours: bool = True) -> list:
     return out
 
 
+def run_lean(config: str, iters: int, skip: int) -> dict:
+    """The lean plain-PyTorch peer (``lean_gpt.py``) on the same shapes: the yardstick
+    for our eager step on this machine start."""
+    import torch
+
+    import lean_gpt
+    from megatron.core.tokenizers import build_tokenizer, vocab_size_with_padding
+    from megatron.training import logging_utils as logs
+    from megatron.training.arguments import parse_args
+
+    cfg = parse_args(f"{CONFIGS[config]} {COMMON} --train-iters {iters + PIPELINED}".split())
+    tokenizer = build_tokenizer(cfg.data)  # the same padded vocabulary as ours
+    cfg.model.vocab_size = vocab_size_with_padding(tokenizer.vocab_size, cfg.data.make_vocab_size_divisible_by)
+    device = torch.device("cuda")
+    base = torch.cuda.device_memory_used()
+    with PeakPoller(torch) as poller:
+        torch.manual_seed(1234)
+        model, optimizer = lean_gpt.build(cfg.model, device)
+        mb, seq = cfg.training.micro_batch_size, cfg.model.seq_length
+        times, losses = [], []
+        for _ in range(iters):
+            tokens = torch.randint(cfg.model.vocab_size, (mb, seq + 1), device=device)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            loss = lean_gpt.train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:])
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1000)
+            losses.append(loss.item())
+        pipe = pipelined_ms(lambda: lean_gpt.train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:]))
+    ms = statistics.median(times[skip:])
+    flops = logs.num_floating_point_operations(
+        cfg.model, batch_size=cfg.training.global_batch_size, seq_length=seq, vocab_size=cfg.model.vocab_size
+    )
+    peak = poller.peak - base
+    return {"config": config, "mode": "lean", "ms_per_iter": ms, "ms_min": min(times[skip:]),
+            "ms_max": max(times[skip:]), "pipelined_ms_per_iter": pipe, "tflops_per_gpu": flops / (ms / 1000) / 1e12,
+            "peak_device_bytes": peak,
+            "steady_peak_device_bytes": peak, "losses": losses, "graphs": {}}
+
+
 def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_path: str = "") -> dict:
     import torch
+
+    if mode == "lean":
+        return run_lean(config, iters, skip)
 
     from megatron.core import parallel_state
     from megatron.training import logging_utils as logs
     from megatron.training.training import build_trainer
 
     base = torch.cuda.device_memory_used() if torch.cuda.is_available() else 0
-    argv = f"{CONFIGS[config]} {COMMON} --train-iters {iters} {mode_flags(mode)} {extra}".split()
+    # Data for the synced, pipelined and profiled steps.
+    argv = f"{CONFIGS[config]} {COMMON} --train-iters {iters + PIPELINED + 10} {mode_flags(mode)} {extra}".split()
     with PeakPoller(torch) as poller:
         trainer = build_trainer(argv)
         if mode == "mgc":
@@ -171,6 +234,7 @@ def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_p
             torch.cuda.synchronize()
             times.append((time.perf_counter() - start) * 1000)
             losses.append(loss.item())
+        pipe = pipelined_ms(lambda: trainer.train_step(it))
         stats = trainer.graphs.stats() if trainer.graphs.state == "captured" else {}
         if stats:
             stats["pool_map"] = segment_map(trainer.graphs.pool)
@@ -191,6 +255,7 @@ def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_p
         "ms_per_iter": ms,
         "ms_min": min(times[skip:]),
         "ms_max": max(times[skip:]),
+        "pipelined_ms_per_iter": pipe,
         "tflops_per_gpu": flops / (ms / 1000) / 1e12,
         "peak_device_bytes": poller.peak - base,
         "max_allocated_bytes": max(steady_alloc_base, torch.cuda.max_memory_allocated()),
@@ -213,23 +278,29 @@ def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_p
 def table(results):
     rows = []
     eager = {r["config"]: r for r in results if r["mode"] == "eager"}
-    head = (f"{'config':9} {'mode':15} {'ms/it':>7} {'x eager':>7} {'TFLOP/s':>7} {'peak GiB':>8} "
+    head = (f"{'config':9} {'mode':15} {'ms/it':>7} {'x eager':>7} {'pipe ms':>7} {'TFLOP/s':>7} {'peak GiB':>8} "
             f"{'mem vs eager':>12} {'steady vs':>10} {'pool MiB':>8} {'held MiB':>8} {'graphs':>6} {'loss==eager':>11}")
     rows.append(head)
     rows.append("-" * len(head))
     for r in results:
         e = eager.get(r["config"])
         g = r.get("graphs") or {}
-        same = "-" if e is None or r is e else str(r["losses"] == e["losses"])
+        same = "-" if e is None or r is e or r["mode"] == "lean" else str(r["losses"] == e["losses"])
         rows.append(
             f"{r['config']:9} {r['mode']:15} {r['ms_per_iter']:7.2f} "
-            f"{(r['ms_per_iter'] / e['ms_per_iter']) if e else float('nan'):7.3f} {r['tflops_per_gpu']:7.1f} "
+            f"{(r['ms_per_iter'] / e['ms_per_iter']) if e else float('nan'):7.3f} "
+            f"{r.get('pipelined_ms_per_iter', float('nan')):7.2f} {r['tflops_per_gpu']:7.1f} "
             f"{r['peak_device_bytes'] / 2**30:8.3f} "
             f"{(100 * (r['peak_device_bytes'] - e['peak_device_bytes']) / e['peak_device_bytes']) if e else float('nan'):+11.2f}% "
             f"{(100 * (r['steady_peak_device_bytes'] - e['steady_peak_device_bytes']) / e['steady_peak_device_bytes']) if e else float('nan'):+9.2f}% "
             f"{g.get('pool_reserved_bytes', 0) / 2**20:8.1f} {g.get('strong_bytes', 0) / 2**20:8.1f} "
             f"{g.get('graphs', 0):6d} {same:>11}"
         )
+    rows.append("loss==eager: bit for bit only where every kernel is deterministic; without "
+                "--deterministic-mode dense8 eager differs from itself run to run (the GPU tests check "
+                "parity in deterministic mode). lean: plain PyTorch on the same shapes (tools/lean_gpt.py). "
+                "ms/it: one step with a device sync around it (the anchor's method); pipe ms: steps back to "
+                "back, one sync at the end (what the training log reports).")
     return "\n".join(rows)
 
 
