@@ -1,0 +1,43 @@
+"""tools/pool_peak.py: the pool's high-water mark from an allocator trace (synthetic, CPU)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
+import pool_peak  # noqa: E402
+
+MEG = "/repo/megatron/core/"
+
+
+def _alloc(addr, size, where):
+    return {"action": "alloc", "addr": addr, "size": size,
+            "frames": [{"filename": "/torch/x.py", "line": 1, "name": "f"},
+                       {"filename": MEG + where[0], "line": where[1], "name": where[2]}]}
+
+
+def _free(addr, size):
+    return {"action": "free_requested", "addr": addr, "size": size}
+
+
+def test_peak_counts_only_our_pool_and_groups_by_site():
+    snapshot = {
+        "segments": [
+            {"device": 0, "address": 1000, "total_size": 1000, "segment_pool_id": (7, 1)},  # ours
+            {"device": 0, "address": 5000, "total_size": 1000, "segment_pool_id": (0, 0)},  # regular cache
+        ],
+        "device_traces": [[
+            _alloc(1000, 100, ("a.py", 3, "fwd")),
+            _alloc(5000, 900, ("b.py", 9, "eager")),  # not in the pool: ignored
+            _alloc(1100, 200, ("a.py", 3, "fwd")),
+            _alloc(1300, 50, ("c.py", 5, "bwd")),      # peak: 350 live
+            _free(1100, 200),
+            _alloc(1100, 120, ("c.py", 5, "bwd")),     # 270: below the peak
+            _free(1000, 100),
+        ]],
+    }
+    peak, at, blocks = pool_peak.pool_peak(snapshot, (7, 1), 0)
+    assert (peak, at) == (350, 3)
+    assert sorted(b["addr"] for b in blocks) == [1000, 1100, 1300]
+    sites = pool_peak.by_site(blocks)
+    assert sites == [("a.py:3:fwd", 300, 2), ("c.py:5:bwd", 50, 1)]
+    assert pool_peak.allocation_site({"frames": []}) == "(no frame here)"

@@ -1,0 +1,112 @@
+"""What is live in our graph pool at its high-water mark, grouped by allocation site.
+
+The pool's reserved size is set during capture, at the moment its live bytes peak;
+replays allocate nothing. This tool records the allocator's history while iteration 1
+records and captures, replays the trace of the pool's segments, finds that moment and
+prints what was live then: bytes and block count per allocation site (the innermost
+frames in this repository), and which capture (region, forward or backward) was running.
+
+Usage (on a GPU):
+    python tools/pool_peak.py --config dense8 --mode local:attn
+"""
+
+import argparse
+import collections
+import os
+import sys
+from typing import Dict, List, Sequence, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.core.transformer.cuda_graphs.mempool import _pool_id  # noqa: E402
+
+
+def pool_peak(snapshot: dict, pool_id, device: int) -> Tuple[int, int, List[dict]]:
+    """``(peak live bytes, trace index of the peak, blocks live then)`` of one pool.
+
+    Args:
+        snapshot: ``torch.cuda.memory._snapshot()`` taken with history recording on.
+        pool_id: The pool's id (``(int, int)``); its segments are found in the snapshot.
+        device: Device index whose trace is replayed.
+    """
+    want = _pool_id(pool_id)
+    ranges = [(s["address"], s["address"] + s["total_size"]) for s in snapshot["segments"]
+              if s.get("device", device) == device and _pool_id(s.get("segment_pool_id", (0, 0))) == want]
+    live: Dict[int, dict] = {}
+    current = peak = peak_at = 0
+    peak_live: List[dict] = []
+    for i, entry in enumerate(snapshot["device_traces"][device]):
+        addr = entry.get("addr")
+        if entry["action"] == "alloc" and any(lo <= addr < hi for lo, hi in ranges):
+            live[addr] = entry
+            current += entry["size"]
+            if current > peak:
+                peak, peak_at, peak_live = current, i, list(live.values())
+        elif entry["action"] == "free_requested" and addr in live:
+            current -= live.pop(addr)["size"]
+    return peak, peak_at, peak_live
+
+
+def allocation_site(entry: dict, root: str = "/megatron/", depth: int = 3) -> str:
+    """The innermost ``depth`` frames of ``entry`` whose file lies under ``root``."""
+    frames = [f for f in entry.get("frames", []) if root in f["filename"]]
+    return " <- ".join(f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}" for f in frames[:depth]) or "(no frame here)"
+
+
+def by_site(blocks: Sequence[dict]) -> List[Tuple[str, int, int]]:
+    """``(site, bytes, count)`` per allocation site, largest first."""
+    size, count = collections.Counter(), collections.Counter()
+    for b in blocks:
+        site = allocation_site(b)
+        size[site] += b["size"]
+        count[site] += 1
+    return [(site, nbytes, count[site]) for site, nbytes in size.most_common()]
+
+
+def main():
+    import torch
+
+    from megatron.core import parallel_state
+    from megatron.core.transformer.cuda_graphs import runner
+    from megatron.training.data import build_data_iterators
+    from megatron.training.training import build_trainer
+    from tools.graph_bench import COMMON, CONFIGS, mode_flags
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="dense8")
+    parser.add_argument("--mode", default="local:attn", help="a local:* mode of graph_bench.py")
+    parser.add_argument("--top", type=int, default=15)
+    args = parser.parse_args()
+
+    trainer = build_trainer(f"{CONFIGS[args.config]} {COMMON} --train-iters 10 {mode_flags(args.mode)}".split())
+    device = torch.cuda.current_device()
+    captures = []  # (trace length when the capture began, region, phase)
+
+    def note(method, phase):
+        def wrapped(self, *a, **k):
+            captures.append((len(torch.cuda.memory._snapshot()["device_traces"][device]), self.name, phase))
+            return method(self, *a, **k)
+        return wrapped
+
+    runner.GraphedRegion.capture_forward = note(runner.GraphedRegion.capture_forward, "forward")
+    runner.GraphedRegion.capture_backward = note(runner.GraphedRegion.capture_backward, "backward")
+    it, _ = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0)
+    trainer.model.train()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    trainer.train_step(it)  # iteration 1: records, then captures every graph
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    if trainer.graphs.state != "captured":
+        raise SystemExit(f"--mode {args.mode} captured no graphs")
+    peak, at, blocks = pool_peak(snapshot, trainer.graphs.pool.handle, device)
+    during = [c for c in captures if c[0] <= at][-1:]
+    reserved = trainer.graphs.stats()["pool_reserved_bytes"]
+    print(f"{args.config} {args.mode}: pool reserved {reserved / 2**20:.1f} MiB; live peak "
+          f"{peak / 2**20:.1f} MiB during the {during[0][2] + ' capture of ' + during[0][1] if during else 'set-up'}")
+    for site, nbytes, n in by_site(blocks)[: args.top]:
+        print(f"  {nbytes / 2**20:9.1f} MiB  x{n:<4d} {site}")
+    parallel_state.destroy(trainer.pg)
+
+
+if __name__ == "__main__":
+    main()
