@@ -191,10 +191,11 @@ def run_lean(config: str, iters: int, skip: int) -> dict:
         cfg.model, batch_size=cfg.training.global_batch_size, seq_length=seq, vocab_size=cfg.model.vocab_size
     )
     peak = poller.peak - base
-    return {"config": config, "mode": "lean", "ms_per_iter": ms, "ms_min": min(times[skip:]),
-            "ms_max": max(times[skip:]), "pipelined_ms_per_iter": pipe, "tflops_per_gpu": flops / (ms / 1000) / 1e12,
-            "peak_device_bytes": peak,
-            "steady_peak_device_bytes": peak, "losses": losses, "graphs": {}}
+    return {
+        "config": config, "mode": "lean", "ms_per_iter": ms, "ms_min": min(times[skip:]), "ms_max": max(times[skip:]),
+        "pipelined_ms_per_iter": pipe, "tflops_per_gpu": flops / (ms / 1000) / 1e12,
+        "peak_device_bytes": peak, "steady_peak_device_bytes": peak, "losses": losses, "graphs": {},
+    }
 
 
 def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_path: str = "") -> dict:

@@ -138,7 +138,7 @@ class MixedPrecisionOptimizer:
         self.device = self.main_params[0].device
         self.optimizer = _build_inner(groups, config, self.device)
         self._fused_adam = config.optimizer == "adam" and bool(self.optimizer.param_groups[0].get("fused"))
-        self._fused_lists: Optional[List[Tuple[Dict[str, Any], List[torch.Tensor], ...]]] = None
+        self._fused_lists: Optional[tuple] = None  # see _build_fused_lists
         self._grad_scale: Optional[torch.Tensor] = None  # fused AdamW divides grads by it (clipping)
         self.grad_buffers = self._check_grad_buffers(grad_buffers)
         if preallocate_state and config.optimizer == "adam":
@@ -181,7 +181,7 @@ class MixedPrecisionOptimizer:
 
     def _check_grad_buffers(self, buffers: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Flat buffers that hold every ``main_grad`` (and zeros elsewhere): the gradient
-        norm is then taken over them. Checked to cover every parameter exactly once."""
+        norm is then taken over them. Checked to hold every parameter's ``main_grad``."""
         buffers = list(buffers)
         if not buffers:
             return []
