@@ -10,6 +10,7 @@ Single-process runs (no torchrun) get a world of one without initialising
 
 import dataclasses
 import datetime
+import importlib
 import os
 from typing import Optional
 
@@ -150,6 +151,15 @@ def initialize(config: ParallelConfig, *, use_cuda: bool) -> ProcessGroups:
         backend = "nccl" if use_cuda else "gloo"
     owns = not dist.is_initialized()
     if owns:
+        # A process group that outlives destroy() is freed at interpreter shutdown, where
+        # gloo's worker threads abort about one exit in 15 ("terminate called without an
+        # active exception", torch 2.13, DP=2 on the CPU). torch.optim imports
+        # torch._dynamo, which, imported after the group exists, keeps hidden references
+        # to it; imported first it keeps none. destroy() drops our own handle.
+        try:
+            importlib.import_module("torch._dynamo")
+        except ImportError:
+            pass
         kwargs = dict(backend=backend, timeout=datetime.timedelta(minutes=config.distributed_timeout_minutes))
         if use_cuda and backend == "nccl":
             kwargs["device_id"] = device
@@ -176,3 +186,4 @@ def destroy(groups: ProcessGroups, *, failed: bool = False) -> None:
             # active exception") after an otherwise finished run.
             dist.barrier()
         dist.destroy_process_group()
+        groups.dp = None  # our last handle: the group (and gloo's threads) ends here

@@ -61,7 +61,6 @@ class DistributedDataParallel(torch.nn.Module):
         self.module = module
         self.config = config
         self.pg = pg
-        self.dp_group = pg.dp
         self.dp_size = pg.dp_size
         bucket_size = config.ddp_bucket_size
         if bucket_size is None:
@@ -83,6 +82,11 @@ class DistributedDataParallel(torch.nn.Module):
         self._hook_handles = []
         if config.overlap_grad_reduce:
             self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_accumulated) for p in params]
+
+    @property
+    def dp_group(self):
+        """The data-parallel group, read from ``pg`` (no second handle to keep it alive)."""
+        return self.pg.dp
 
     # ------------------------------------------------------------------ forward
 
