@@ -56,6 +56,10 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, timeout: float,
 
         # Two ranks on two cores: one intra-op thread each avoids oversubscription.
         torch.set_num_threads(1)
+        # As parallel_state.initialize does: torch._dynamo (imported by torch.optim),
+        # imported after the group exists, keeps it alive past destroy_process_group, and
+        # gloo's threads then abort at interpreter exit now and then.
+        import torch._dynamo  # noqa: F401
         dist.init_process_group(
             "gloo",
             init_method="env://",
