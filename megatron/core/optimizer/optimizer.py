@@ -139,7 +139,6 @@ class MixedPrecisionOptimizer:
         self.optimizer = _build_inner(groups, config, self.device)
         self._fused_adam = config.optimizer == "adam" and bool(self.optimizer.param_groups[0].get("fused"))
         self._fused_lists: Optional[tuple] = None  # see _build_fused_lists
-        self._grad_scale: Optional[torch.Tensor] = None  # fused AdamW divides grads by it (clipping)
         self.grad_buffers = self._check_grad_buffers(grad_buffers)
         if preallocate_state and config.optimizer == "adam":
             self._allocate_adam_state()
@@ -249,8 +248,7 @@ class MixedPrecisionOptimizer:
         total = torch.linalg.vector_norm(torch.stack(list(norms)), 2)
         if self.config.clip_grad > 0:
             if self._fused_adam:
-                self._grad_scale = torch.clamp((total + 1e-6) / self.config.clip_grad, min=1.0)
-                self.optimizer.grad_scale = self._grad_scale
+                self.optimizer.grad_scale = torch.clamp((total + 1e-6) / self.config.clip_grad, min=1.0)
                 if getattr(self.optimizer, "found_inf", None) is None:
                     self.optimizer.found_inf = torch.zeros((), dtype=torch.float32, device=total.device)
             else:
@@ -308,13 +306,14 @@ class MixedPrecisionOptimizer:
             self.optimizer.step()
             return
         groups, all_steps = self._fused_lists
+        grad_scale = getattr(self.optimizer, "grad_scale", None)  # clipping, as torch's step reads it
         torch._foreach_add_(all_steps, 1)
         for group, params, grads, exp_avgs, exp_avg_sqs, steps in groups:
             beta1, beta2 = group["betas"]
             torch._fused_adamw_(
                 params, grads, exp_avgs, exp_avg_sqs, [], steps,
                 amsgrad=False, lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-                eps=group["eps"], maximize=False, grad_scale=self._grad_scale, found_inf=None,
+                eps=group["eps"], maximize=False, grad_scale=grad_scale, found_inf=None,
             )
 
     def _build_fused_lists(self):
