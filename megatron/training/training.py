@@ -25,6 +25,7 @@ from megatron.core.models.gpt.loss import masked_mean_loss
 from megatron.core.optimizer.lr_scheduler import build_scheduler
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron.core.transformer.cuda_graphs.manager import CudaGraphManager
+from megatron.core.transformer.cuda_graphs.streams import side_stream
 from megatron.training import checkpointing
 from megatron.training import logging_utils as logs
 from megatron.training.arguments import parse_args
@@ -86,11 +87,11 @@ class Trainer:
         # With graphs, training and evaluation run on a stream of their own: graphs cannot
         # be captured on the default stream, and when the eager parts share the capture
         # stream there is one set of per-stream cuBLAS workspaces (2 x 32 MiB on Hopper)
-        # and one allocator cache. Eager runs stay on the default stream: the first kernel
-        # on any other stream costs ~70 MiB outside the allocator (measured on the H200,
-        # also with eager module loading and CUDA_DEVICE_MAX_CONNECTIONS=1).
+        # and one allocator cache. It is a driver-made stream, not one from torch's pool
+        # (which would cost 70 MiB: see cuda_graphs/streams.py). Eager runs stay on the
+        # default stream.
         use_stream = self.device.type == "cuda" and self.graphs.state != "off"
-        self.stream = torch.cuda.Stream(device=self.device) if use_stream else None
+        self.stream = side_stream(self.device) if use_stream else None
         self.history: List[Dict] = []
 
     def _wgrads_ready(self, params, event, event_only=()) -> None:

@@ -209,6 +209,7 @@ class CudaGraphManager:
     # ------------------------------------------------------------------ capture
     def capture(self) -> None:
         from megatron.core.transformer.cuda_graphs.mempool import GraphPool, allocate_into_pool
+        from megatron.core.transformer.cuda_graphs.streams import side_stream
         from megatron.core.transformer.cuda_graphs.weakref import make_weak_ref
 
         start = time.perf_counter()
@@ -221,7 +222,7 @@ class CudaGraphManager:
         # be captured): one set of per-stream resources (cuBLAS workspaces) serves both.
         caller = torch.cuda.current_stream()
         shared_stream = caller != torch.cuda.default_stream()
-        stream = caller if shared_stream else torch.cuda.Stream()
+        stream = caller if shared_stream else side_stream()
         cpu_rng, cuda_rng = torch.get_rng_state(), torch.cuda.get_rng_state()
         # Warm-up runs real backwards: fused wgrads land in main_grad. Keep a host copy.
         saved_grads = self._save_main_grads()
