@@ -105,7 +105,11 @@ class Trainer:
         if self._prefetched is not None and self._prefetched[0] is data_iterator:
             batch, self._prefetched = self._prefetched[1], None
             return batch
-        return {k: v.to(self.device, non_blocking=True) for k, v in next(data_iterator).items()}
+        batch = next(data_iterator)
+        if self.device.type != "cuda":
+            return batch
+        # Pinned, the copy is asynchronous (data_samplers.py says why we pin here).
+        return {k: (v if v.is_cuda else v.pin_memory()).to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def _prefetch(self, data_iterator) -> None:
         """Fetches the next step's first micro-batch while the device runs the optimizer,

@@ -1,5 +1,6 @@
 """Megatron pretraining sampler order across data-parallel ranks, and the data loader."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,3 +58,16 @@ def test_data_loader_batches(workers):
     assert first["tokens"].tolist() == [[7, 49], [8, 64], [9, 81]]
     assert len(list(loader)) == 2  # (20 - 4) // 6 global steps
     assert build_pretraining_data_loader(None, 0, 1, 0, 1) is None
+
+
+def test_worker_batches_travel_as_numpy_and_arrive_as_tensors():
+    from megatron.core.datasets.data_samplers import collate_to_numpy
+
+    sent = collate_to_numpy([Squares()[2], Squares()[3]])
+    assert isinstance(sent["tokens"], np.ndarray) and sent["tokens"].tolist() == [[2, 4], [3, 9]]
+    assert collate_to_numpy([torch.ones(2), torch.zeros(2)]).tolist() == [[1, 1], [0, 0]]  # not a dict: tensors
+    loader = build_pretraining_data_loader(Squares(), 0, 2, 0, 1, num_workers=2)
+    batches = list(loader)
+    assert len(batches) == len(loader) == 10
+    assert all(isinstance(v, torch.Tensor) for b in batches for v in b.values())
+    assert batches[1]["tokens"].tolist() == [[2, 4], [3, 9]] and batches[1]["loss_mask"].dtype == torch.float32
