@@ -17,7 +17,6 @@ cannot be loaded or the call fails, it falls back to ``torch.cuda.Stream()``.
 """
 
 import ctypes
-import ctypes.util
 import warnings
 from typing import Dict
 
@@ -30,8 +29,7 @@ _streams: Dict[int, torch.cuda.Stream] = {}
 
 def _driver_stream(device: int) -> int:
     """A new non-blocking stream on ``device``'s primary context, as a raw handle."""
-    name = ctypes.util.find_library("cuda") or "libcuda.so.1"
-    lib = ctypes.CDLL(name)
+    lib = ctypes.CDLL("libcuda.so.1")  # the driver torch has loaded already (Linux)
     handle = ctypes.c_void_p()
     with torch.cuda.device(device):
         torch.cuda.synchronize()  # makes the device's primary context current on this thread
