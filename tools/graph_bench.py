@@ -22,6 +22,7 @@ Usage:
 """
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -276,6 +277,19 @@ def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_p
     return result
 
 
+def merge_runs(runs):
+    """One row from several runs of one (config, mode) (``--repeat``): median ms/it and
+    pipelined ms/it, the largest peaks; ``ms_runs`` keeps every run's ms/it."""
+    row = dict(runs[0])
+    row["ms_per_iter"] = statistics.median(r["ms_per_iter"] for r in runs)
+    row["pipelined_ms_per_iter"] = statistics.median(r["pipelined_ms_per_iter"] for r in runs)
+    row["tflops_per_gpu"] = runs[0]["tflops_per_gpu"] * runs[0]["ms_per_iter"] / row["ms_per_iter"]
+    for key in ("peak_device_bytes", "steady_peak_device_bytes"):
+        row[key] = max(r[key] for r in runs)
+    row["ms_runs"] = [r["ms_per_iter"] for r in runs]
+    return row
+
+
 def table(results):
     rows = []
     eager = {r["config"]: r for r in results if r["mode"] == "eager"}
@@ -297,6 +311,10 @@ def table(results):
             f"{g.get('pool_reserved_bytes', 0) / 2**20:8.1f} {g.get('strong_bytes', 0) / 2**20:8.1f} "
             f"{g.get('graphs', 0):6d} {same:>11}"
         )
+    for r in results:
+        if len(r.get("ms_runs", ())) > 1:
+            rows.append(f"{r['config']} {r['mode']}: ms/it of each run, in run order: "
+                        + " ".join(f"{ms:.2f}" for ms in r["ms_runs"]))
     rows.append("loss==eager: bit for bit only where every kernel is deterministic; without "
                 "--deterministic-mode dense8 eager differs from itself run to run (the GPU tests check "
                 "parity in deterministic mode). lean: plain PyTorch on the same shapes (tools/lean_gpt.py). "
@@ -317,6 +335,9 @@ def main():
     parser.add_argument("--json", help="one run: write its result here")
     parser.add_argument("--profile", default="", help="one run: also write a torch.profiler table here")
     parser.add_argument("--out", default="bench_out", help="all runs: folder for results.json and logs")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="all runs: run the mode list this many times, round robin (host speed drifts); "
+                        "a row then shows the median")
     args = parser.parse_args()
     if args.config:
         result = run_one(args.config, args.mode, args.iters, args.skip, args.extra, args.profile)
@@ -324,32 +345,42 @@ def main():
             json.dump(result, f)
         return
     os.makedirs(args.out, exist_ok=True)
-    results = []
-    for config in args.configs:
-        for mode in args.modes:
-            path = os.path.join(args.out, f"{config}_{mode.replace(':', '_').replace('+', '_')}.json")
-            log = path[:-5] + ".log"
-            cmd = [sys.executable, __file__, "--config", config, "--mode", mode, "--iters", str(args.iters),
-                   "--skip", str(args.skip), "--json", path, "--extra", args.extra]
-            env = dict(os.environ)
-            if mode == "eager:expandable":
-                env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-            with open(log, "w") as f:
-                rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-            if rc != 0:
-                print(f"{config} {mode}: failed (rc {rc}); see {log}", flush=True)
-                with open(log) as f:
-                    print("".join(f.readlines()[-15:]), flush=True)
-                continue
-            with open(path) as f:
-                results.append(json.load(f))
-            r = results[-1]
-            print(f"{config} {mode}: {r['ms_per_iter']:.2f} ms/it, {r['tflops_per_gpu']:.1f} TFLOP/s, peak "
-                  f"{r['peak_device_bytes'] / 2**30:.3f} GiB, pool {(r.get('graphs') or {}).get('pool_reserved_bytes', 0) / 2**20:.0f} MiB",
-                  flush=True)
+    runs = []
+    for rep, config, mode in itertools.product(range(args.repeat), args.configs, args.modes):
+        name = f"{config}_{mode.replace(':', '_').replace('+', '_')}" + (f"_run{rep + 1}" if args.repeat > 1 else "")
+        r = run_child(config, mode, args, os.path.join(args.out, name))
+        if r is not None:
+            runs.append(r)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
+        json.dump(runs, f, indent=1)
+    grouped = {}
+    for r in runs:
+        grouped.setdefault((r["config"], r["mode"]), []).append(r)
+    results = [merge_runs(group) if len(group) > 1 else group[0] for group in grouped.values()]
     print(table(results))
+
+
+def run_child(config: str, mode: str, args, stem: str):
+    """One (config, mode) in a child process; its result, or None (its log's tail printed)."""
+    path, log = stem + ".json", stem + ".log"
+    cmd = [sys.executable, __file__, "--config", config, "--mode", mode, "--iters", str(args.iters),
+           "--skip", str(args.skip), "--json", path, "--extra", args.extra]
+    env = dict(os.environ)
+    if mode == "eager:expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    with open(log, "w") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if rc != 0:
+        print(f"{config} {mode}: failed (rc {rc}); see {log}", flush=True)
+        with open(log) as f:
+            print("".join(f.readlines()[-15:]), flush=True)
+        return None
+    with open(path) as f:
+        r = json.load(f)
+    print(f"{config} {mode}: {r['ms_per_iter']:.2f} ms/it, {r['tflops_per_gpu']:.1f} TFLOP/s, peak "
+          f"{r['peak_device_bytes'] / 2**30:.3f} GiB, pool {(r.get('graphs') or {}).get('pool_reserved_bytes', 0) / 2**20:.0f} MiB",
+          flush=True)
+    return r
 
 
 if __name__ == "__main__":

@@ -27,3 +27,28 @@ def test_table_ratios_lean_and_footnote():
     assert layer.split()[2:5] == ["10.00", "0.500", "9.50"]
     assert "+1.00%" in layer and "1024.0" in layer and layer.split()[-1] == "True"
     assert lines[-1].startswith("loss==eager: bit for bit only")
+
+
+def test_repeat_runs_round_robin_and_merges_medians(tmp_path, monkeypatch, capsys):
+    order = []
+    ms = {"eager": iter([17.0, 15.0, 16.0]), "lean": iter([13.0, 12.0, 14.0])}
+
+    def fake_child(config, mode, args, stem):
+        order.append((mode, Path(stem).name))
+        t = next(ms[mode])
+        return _row(mode, t, t - 1, 4.0 if mode == "eager" else 3.9 + t / 1000, [t])
+
+    monkeypatch.setattr(graph_bench, "run_child", fake_child)
+    monkeypatch.setattr(sys, "argv", ["graph_bench.py", "--configs", "dense8", "--modes", "eager", "lean",
+                                      "--repeat", "3", "--out", str(tmp_path)])
+    graph_bench.main()
+    assert [m for m, _ in order] == ["eager", "lean"] * 3  # alternating: drift hits both alike
+    assert order[-1][1] == "dense8_lean_run3"
+    out = capsys.readouterr().out
+    eager = next(line for line in out.splitlines() if line.startswith("dense8    eager"))
+    lean = next(line for line in out.splitlines() if line.startswith("dense8    lean"))
+    assert eager.split()[2:5] == ["16.00", "1.000", "15.00"]  # medians
+    assert lean.split()[2:4] == ["13.00", "0.812"]
+    assert "dense8 eager: ms/it of each run, in run order: 17.00 15.00 16.00" in out
+    merged = graph_bench.merge_runs([_row("lean", 13.0, 12.0, 3.9, []), _row("lean", 12.0, 11.0, 3.95, [])])
+    assert merged["peak_device_bytes"] == int(3.95 * 2**30) and merged["tflops_per_gpu"] == 100.0 * 13.0 / 12.5
