@@ -330,3 +330,45 @@ def test_tied_gpt_with_fused_wgrads_overlap_equals_no_overlap(fusion):
 
     for a, b in zip(run(False), run(True)):
         assert torch.equal(a, b)
+
+
+def test_bf16_grads_fold_into_fp32_main_grad_like_a_mixed_add():
+    # The fold upcasts bf16 grads into a scratch buffer and adds fp32 to fp32; the
+    # reference is the per-tensor mixed-dtype add it replaces, over 3 micro-batches.
+    torch.manual_seed(0)
+    net = _Net().to(torch.bfloat16)
+    ref = copy.deepcopy(net)
+    ddp = DistributedDataParallel(net, config=DDPConfig(), pg=ProcessGroups.single())
+    expected = [torch.zeros_like(p, dtype=torch.float32) for p in ref.parameters()]
+    xs = [torch.randn(4, 6, dtype=torch.bfloat16) for _ in range(3)]
+    for i, x in enumerate(xs):
+        with ddp.no_sync() if i < len(xs) - 1 else contextlib.nullcontext():
+            _loss(ddp, x).backward()
+        _loss(ref, x).backward()
+        for e, p in zip(expected, ref.parameters()):
+            e.add_(p.grad)
+            p.grad = None
+    ddp.finish_grad_sync()
+    _assert_main_grads_equal(ddp, expected)
+    assert all(p.main_grad.dtype == torch.float32 for p in ddp.parameters())
+
+
+def test_fold_follows_a_change_in_which_params_have_grads():
+    # The fold keeps its lists for the parameters it saw last; a backward that reaches
+    # other parameters (here: fc1 alone, then the whole net) must still fold them all.
+    torch.manual_seed(0)
+    net = _Net().to(torch.bfloat16)
+    ref = copy.deepcopy(net)
+    ddp = DistributedDataParallel(net, config=DDPConfig(), pg=ProcessGroups.single())
+    expected = [torch.zeros_like(p, dtype=torch.float32) for p in ref.parameters()]
+    x = torch.randn(4, 6, dtype=torch.bfloat16)
+    for loss_of in (lambda m: m.fc1(x).sum(), lambda m: _loss(m, x), lambda m: m.fc1(x).sum()):
+        with ddp.no_sync():
+            loss_of(ddp.module).backward()
+        loss_of(ref).backward()
+        for e, p in zip(expected, ref.parameters()):
+            if p.grad is not None:
+                e.add_(p.grad)
+            p.grad = None
+    ddp.finish_grad_sync()
+    _assert_main_grads_equal(ddp, expected)
