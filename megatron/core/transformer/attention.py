@@ -92,6 +92,11 @@ class SelfAttention(torch.nn.Module):
         g, hpg, d = self.num_groups, self.heads_per_group, self.kv_channels
         n = self.num_heads
         qkv, _ = self.linear_qkv(hidden_states)  # [s, b, g * (hpg + 2) * d]
+        if hpg == 1 and rotary_pos_emb is None:
+            # MHA without RoPE: the same [b, n, s, d] views as below in three ops instead
+            # of eight (each op is also an autograd node, and the step is host-bound).
+            q, k, v = qkv.view(s, b, n, 3, d).permute(3, 1, 2, 0, 4).unbind(0)
+            return self._attend(q, k, v)
         qkv = qkv.view(s, b, g, hpg + 2, d)
         # torch.split (not indexing) so backward is one cat instead of zero-filled slices summed.
         if rotary_pos_emb is not None:
@@ -107,13 +112,13 @@ class SelfAttention(torch.nn.Module):
             v = v.expand(s, b, g, hpg, d)
         # [s, b, g, hpg, d] -> [s, b, n, d]: a view for MHA (hpg == 1) and MQA (g == 1).
         q, k, v = q.reshape(s, b, n, d), k.reshape(s, b, n, d), v.reshape(s, b, n, d)
+        return self._attend(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, None]:
+        """Causal SDPA on ``[b, n, s, d]`` views, then the output projection."""
+        b, n, s, d = q.shape
         context = F.scaled_dot_product_attention(
-            q.permute(1, 2, 0, 3),  # [b, n, s, d] views
-            k.permute(1, 2, 0, 3),
-            v.permute(1, 2, 0, 3),
-            dropout_p=self.attention_dropout if self.training else 0.0,
-            is_causal=True,
-            scale=self.softmax_scale,
+            q, k, v, dropout_p=self.attention_dropout if self.training else 0.0, is_causal=True, scale=self.softmax_scale
         )  # [b, n, s, d]
         context = context.permute(2, 0, 1, 3).reshape(s, b, n * d)
         return self.linear_proj(context)
