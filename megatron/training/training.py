@@ -122,18 +122,18 @@ class Trainer:
     def forward_backward(self, data_iterator) -> torch.Tensor:
         """Runs every micro-batch of one global batch; returns the summed loss (device)."""
         n = self.cfg.num_microbatches
-        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        loss_sum = None
         for mb in range(n):
             batch = self._next_batch(data_iterator)
             sync = contextlib.nullcontext() if mb == n - 1 else self.model.no_sync()
             with sync:
                 per_token = self.model(batch["tokens"], batch["position_ids"], batch["labels"])
                 loss, _ = masked_mean_loss(per_token, batch["loss_mask"])
-                scaled = loss / n
+                scaled = loss / n if n > 1 else loss  # x / 1 is x: one launch fewer
                 if self.cfg.precision.fp16:
                     scaled = self.optimizer.scale_loss(scaled)
                 scaled.backward()
-            loss_sum += loss.detach()
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         return loss_sum
 
     @contextlib.contextmanager
@@ -164,7 +164,8 @@ class Trainer:
             if success:
                 self.scheduler.step(1)
             self.graphs.end_of_iteration()
-            loss = loss_sum / self.cfg.num_microbatches
+            n = self.cfg.num_microbatches
+            loss = loss_sum / n if n > 1 else loss_sum
             if self.pg.dp is not None:
                 dist.all_reduce(loss, group=self.pg.dp)
                 loss = loss / self.pg.dp_size
