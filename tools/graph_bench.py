@@ -10,7 +10,7 @@ against eager are measured in the same run. Per run:
   one sync at the end. Our step has no host sync, so the host queues the next step
   while the device finishes this one; this is what the training log line reports;
 * TFLOP/s per GPU from Megatron's FLOP count;
-* peak device memory as the driver sees it: NVML "used", polled every 2 ms by a thread
+* peak device memory as the driver sees it: NVML "used", polled every 2 ms by a child process
   (``torch.cuda.device_memory_used``), minus the reading before CUDA initialised;
 * graph pool reserved / live bytes from the allocator snapshot filtered by our pool id,
   and the bytes of static buffers we hold strongly;
@@ -28,7 +28,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 CONFIGS = {
@@ -71,34 +70,65 @@ def mode_flags(mode: str) -> str:
     return f"--cuda-graph-impl local --cuda-graph-scope {scopes}".rstrip()
 
 
+# The poller's own loop, run by a child process (see PeakPoller). argv: CUDA device index,
+# interval in seconds. stdin: "steady" starts the steady peak, "stop" prints both peaks.
+_POLL_LOOP = """
+import select, sys, torch
+device, interval = int(sys.argv[1]), float(sys.argv[2])
+peak = steady = 0
+is_steady = False
+print("ready", flush=True)
+while True:
+    used = torch.cuda.device_memory_used(device)
+    peak = max(peak, used)
+    if is_steady:
+        steady = max(steady, used)
+    if select.select([sys.stdin], [], [], interval)[0]:
+        command = sys.stdin.readline().strip()
+        if command == "steady":
+            is_steady = True
+        else:
+            used = torch.cuda.device_memory_used(device)
+            print(max(peak, used), max(steady, used), flush=True)
+            break
+"""
+
+
 class PeakPoller:
-    """Polls NVML device memory use in a thread."""
+    """Polls NVML device memory use (``torch.cuda.device_memory_used``) every 2 ms.
+
+    The polling runs in a child process: NVML's figure is device-wide, and a thread
+    in this process would take the GIL ~500 times a second from the host-bound step
+    it is measuring. The child never initialises CUDA (NVML only), so it adds no
+    device memory of its own.
+    """
 
     def __init__(self, torch, interval=0.002):
-        self.torch, self.interval, self.peak, self._stop = torch, interval, 0, False
-        self.steady_peak = 0  # from mark_steady() on: iterations after graph capture
-        self._steady = False
-        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.torch, self.interval = torch, interval
+        self.peak = self.steady_peak = 0  # steady: from mark_steady() on (after capture)
+        self.child = None
 
     def mark_steady(self):
-        self._steady = True
-
-    def _run(self):
-        while not self._stop:
-            used = self.torch.cuda.device_memory_used()
-            self.peak = max(self.peak, used)
-            if self._steady:
-                self.steady_peak = max(self.steady_peak, used)
-            time.sleep(self.interval)
+        self.child.stdin.write("steady\n")
+        self.child.stdin.flush()
 
     def __enter__(self):
-        self.thread.start()
+        # The CUDA index: the child's torch maps it to NVML's (CUDA_VISIBLE_DEVICES) as ours does.
+        device = self.torch.cuda.current_device()
+        self.child = subprocess.Popen(
+            [sys.executable, "-c", _POLL_LOOP, str(device), str(self.interval)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        if self.child.stdout.readline().strip() != "ready":
+            raise RuntimeError("the memory poller process did not start")
         return self
 
     def __exit__(self, *exc):
-        self._stop = True
-        self.thread.join()
-        self.peak = max(self.peak, self.torch.cuda.device_memory_used())
+        self.child.stdin.write("stop\n")
+        self.child.stdin.flush()
+        peak, steady = self.child.stdout.readline().split()
+        self.child.wait()
+        self.peak, self.steady_peak = int(peak), int(steady)
 
 
 def wrap_with_make_graphed_callables(trainer):
