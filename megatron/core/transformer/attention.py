@@ -93,10 +93,12 @@ class SelfAttention(torch.nn.Module):
         n = self.num_heads
         qkv, _ = self.linear_qkv(hidden_states)  # [s, b, g * (hpg + 2) * d]
         if hpg == 1 and rotary_pos_emb is None:
-            # MHA without RoPE: the same [b, n, s, d] views as below in three ops instead
-            # of eight (each op is also an autograd node, and the step is host-bound).
-            q, k, v = qkv.view(s, b, n, 3, d).permute(3, 1, 2, 0, 4).unbind(0)
-            return self._attend(q, k, v)
+            # MHA without RoPE: the same [b, n, s, d] views as below in five ops instead
+            # of eight (each op is also an autograd node, and eager steps are host-bound).
+            # Unbinding before permuting keeps backward at one stack into the [s, b, n, 3, d]
+            # gradient; permuting first would stack into [3, b, n, s, d] and then copy.
+            q, k, v = qkv.view(s, b, n, 3, d).unbind(3)
+            return self._attend(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3))
         qkv = qkv.view(s, b, g, hpg + 2, d)
         # torch.split (not indexing) so backward is one cat instead of zero-filled slices summed.
         if rotary_pos_emb is not None:
