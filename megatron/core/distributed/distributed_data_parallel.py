@@ -152,6 +152,7 @@ class DistributedDataParallel(torch.nn.Module):
         if pending:
             key = tuple(map(id, pending))
             if self._fold_plan is None or self._fold_plan.key != key:
+                self._fold_plan = None  # its scratch is free for the new plan
                 self._fold_plan = _FoldPlan(pending, key)
             self._fold_plan.run(pending)
         for p in with_grad:
@@ -270,31 +271,41 @@ class DistributedDataParallel(torch.nn.Module):
         self._hook_handles = []
 
 
+# Low-precision gradients up to this many elements are upcast through scratch tensors
+# before the fold; larger ones are added directly (one launch each, a small share of
+# their cost), so the scratch stays small (0.5 MiB on the 8-layer model).
+_FOLD_SCRATCH_MAX_NUMEL = 1 << 16
+
+
 class _FoldPlan:
     """``main_grad += grad`` for one set of parameters, in a few multi-tensor kernels.
 
     A multi-tensor add needs one dtype on both sides; with bf16 grads and fp32
     main_grads it falls back to one add (one launch) per tensor: ~70 a step on the
-    8-layer model (norms, biases, the position table), which is host time in a
-    host-bound step. So the low-precision grads are first copied into fp32 scratch
-    tensors by a multi-tensor copy (which converts dtypes in its fast path), then
-    added. The upcast is exact and the add is the same fp32 add, so the result is the
-    mixed add's, bit for bit. The scratch tensors and lists are kept for as long as
-    the same parameters arrive with gradients (every step): about 8 MiB on that
-    model, nearly all for the position table.
+    8-layer model (norms and biases), which is host time in a host-bound step. So the
+    small low-precision grads are first copied into fp32 scratch tensors by a
+    multi-tensor copy (which converts dtypes in its fast path), then added by one
+    multi-tensor add. The upcast is exact and the add is the same fp32 add, so the
+    result is the mixed add's, bit for bit. Large grads (the position table) and
+    fp32 grads are added directly. The lists and scratch are kept for as long as the
+    same parameters arrive with gradients (every step).
     """
 
     def __init__(self, params: List[torch.nn.Parameter], key: tuple):
         self.key = key
-        self.lowp = [i for i, p in enumerate(params) if p.grad.dtype != p.main_grad.dtype]
-        self.same = [i for i, p in enumerate(params) if p.grad.dtype == p.main_grad.dtype]
-        self.lowp_mains = [params[i].main_grad for i in self.lowp]
-        self.same_mains = [params[i].main_grad for i in self.same]
-        self.scratch = [torch.empty_like(main) for main in self.lowp_mains]
+        self.small = [
+            i for i, p in enumerate(params)
+            if p.grad.dtype != p.main_grad.dtype and p.numel() <= _FOLD_SCRATCH_MAX_NUMEL
+        ]
+        small = set(self.small)
+        self.direct = [i for i in range(len(params)) if i not in small]
+        self.small_mains = [params[i].main_grad for i in self.small]
+        self.direct_mains = [params[i].main_grad for i in self.direct]
+        self.scratch = [torch.empty_like(main) for main in self.small_mains]
 
     def run(self, params: List[torch.nn.Parameter]) -> None:
-        if self.lowp:
-            torch._foreach_copy_(self.scratch, [params[i].grad for i in self.lowp])
-            torch._foreach_add_(self.lowp_mains, self.scratch)
-        if self.same:
-            torch._foreach_add_(self.same_mains, [params[i].grad for i in self.same])
+        if self.small:
+            torch._foreach_copy_(self.scratch, [params[i].grad for i in self.small])
+            torch._foreach_add_(self.small_mains, self.scratch)
+        if self.direct:
+            torch._foreach_add_(self.direct_mains, [params[i].grad for i in self.direct])

@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 
+from megatron.core.distributed import distributed_data_parallel as ddp_module
 from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel, default_bucket_size
 from megatron.core.parallel_state import ProcessGroups
 from megatron.training.config import DDPConfig
@@ -332,9 +333,12 @@ def test_tied_gpt_with_fused_wgrads_overlap_equals_no_overlap(fusion):
         assert torch.equal(a, b)
 
 
-def test_bf16_grads_fold_into_fp32_main_grad_like_a_mixed_add():
-    # The fold upcasts bf16 grads into a scratch buffer and adds fp32 to fp32; the
-    # reference is the per-tensor mixed-dtype add it replaces, over 3 micro-batches.
+@pytest.mark.parametrize("scratch_max_numel", [1 << 16, 20])
+def test_bf16_grads_fold_into_fp32_main_grad_like_a_mixed_add(monkeypatch, scratch_max_numel):
+    # The fold upcasts small bf16 grads into scratch tensors and adds fp32 to fp32, and
+    # adds larger ones directly (20: fc1's and fc2's weights take that path); the
+    # reference is the per-tensor mixed-dtype add, over 3 micro-batches.
+    monkeypatch.setattr(ddp_module, "_FOLD_SCRATCH_MAX_NUMEL", scratch_max_numel)
     torch.manual_seed(0)
     net = _Net().to(torch.bfloat16)
     ref = copy.deepcopy(net)
