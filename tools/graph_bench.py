@@ -126,9 +126,11 @@ class PeakPoller:
     def __exit__(self, *exc):
         self.child.stdin.write("stop\n")
         self.child.stdin.flush()
-        peak, steady = self.child.stdout.readline().split()
+        reply = self.child.stdout.readline().split()
         self.child.wait()
-        self.peak, self.steady_peak = int(peak), int(steady)
+        if len(reply) != 2:
+            raise RuntimeError(f"the memory poller process ended without its peaks (exit code {self.child.returncode})")
+        self.peak, self.steady_peak = int(reply[0]), int(reply[1])
 
 
 def wrap_with_make_graphed_callables(trainer):
