@@ -93,13 +93,27 @@ class SelfAttention(torch.nn.Module):
         n = self.num_heads
         qkv, _ = self.linear_qkv(hidden_states)  # [s, b, g * (hpg + 2) * d]
         if hpg == 1 and rotary_pos_emb is None:
-            # MHA without RoPE: the same [b, n, s, d] views as below in five ops instead
-            # of eight (each op is also an autograd node, and eager steps are host-bound).
-            # Unbinding before permuting keeps backward at one stack into the [s, b, n, 3, d]
-            # gradient; permuting first would stack into [3, b, n, s, d] and then copy.
+            # MHA without RoPE: the same views as the general path in two ops instead of
+            # five (each op is also an autograd node, and eager steps are host-bound).
+            # Backward stacks straight into the qkv gradient, as the split's cat does.
             q, k, v = qkv.view(s, b, n, 3, d).unbind(3)
-            return self._attend(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3))
-        qkv = qkv.view(s, b, g, hpg + 2, d)
+        else:
+            q, k, v = self._split_qkv(qkv.view(s, b, g, hpg + 2, d), rotary_pos_emb)
+        context = F.scaled_dot_product_attention(
+            q.permute(1, 2, 0, 3),  # [b, n, s, d] views
+            k.permute(1, 2, 0, 3),
+            v.permute(1, 2, 0, 3),
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            is_causal=True,
+            scale=self.softmax_scale,
+        )  # [b, n, s, d]
+        context = context.permute(2, 0, 1, 3).reshape(s, b, n * d)
+        return self.linear_proj(context)
+
+    def _split_qkv(self, qkv: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor]):
+        """``[s, b, g, hpg + 2, d]`` -> ``q, k, v`` as ``[s, b, n, d]`` views (RoPE applied)."""
+        s, b, g, _, d = qkv.shape
+        hpg, n = self.heads_per_group, self.num_heads
         # torch.split (not indexing) so backward is one cat instead of zero-filled slices summed.
         if rotary_pos_emb is not None:
             # Rotate the query and key heads of each group in one call: they are adjacent.
@@ -113,14 +127,4 @@ class SelfAttention(torch.nn.Module):
             k = k.expand(s, b, g, hpg, d)
             v = v.expand(s, b, g, hpg, d)
         # [s, b, g, hpg, d] -> [s, b, n, d]: a view for MHA (hpg == 1) and MQA (g == 1).
-        q, k, v = q.reshape(s, b, n, d), k.reshape(s, b, n, d), v.reshape(s, b, n, d)
-        return self._attend(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3))
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, None]:
-        """Causal SDPA on ``[b, n, s, d]`` views, then the output projection."""
-        b, n, s, d = q.shape
-        context = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.attention_dropout if self.training else 0.0, is_causal=True, scale=self.softmax_scale
-        )  # [b, n, s, d]
-        context = context.permute(2, 0, 1, 3).reshape(s, b, n * d)
-        return self.linear_proj(context)
+        return q.reshape(s, b, n, d), k.reshape(s, b, n, d), v.reshape(s, b, n, d)
