@@ -120,7 +120,7 @@ class Trainer:
             self._prefetched = None  # the next fetch raises it again
 
     def forward_backward(self, data_iterator) -> torch.Tensor:
-        """Runs every micro-batch of one global batch; returns the summed loss (device)."""
+        """Runs every micro-batch of one global batch; returns their mean loss (device)."""
         n = self.cfg.num_microbatches
         loss_sum = None
         for mb in range(n):
@@ -134,7 +134,7 @@ class Trainer:
                     scaled = self.optimizer.scale_loss(scaled)
                 scaled.backward()
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-        return loss_sum
+        return loss_sum / n if n > 1 else loss_sum
 
     @contextlib.contextmanager
     def on_stream(self):
@@ -157,15 +157,13 @@ class Trainer:
     def train_step(self, data_iterator):
         with self.on_stream():
             self.model.zero_grad_buffer()
-            loss_sum = self.forward_backward(data_iterator)
+            loss = self.forward_backward(data_iterator)
             self.model.finish_grad_sync()
             success, grad_norm, num_zeros = self.optimizer.step()
             self._prefetch(data_iterator)
             if success:
                 self.scheduler.step(1)
             self.graphs.end_of_iteration()
-            n = self.cfg.num_microbatches
-            loss = loss_sum / n if n > 1 else loss_sum
             if self.pg.dp is not None:
                 dist.all_reduce(loss, group=self.pg.dp)
                 loss = loss / self.pg.dp_size
