@@ -11,8 +11,17 @@ setup(
     install_requires=["torch>=2.4,<2.15", "numpy>=1.24", "einops>=0.7"],
     extras_require={
         # Triton: the fused cross-entropy kernels are tested on the CPU in its interpreter.
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "pyyaml>=6", "tensorboard>=2.14", "matplotlib>=3.7", "tokenizers>=0.15",
-                 "triton>=3.0; platform_system == 'Linux'"],
+        "test": [
+            "pytest>=7",
+            # Pinned: another ruff version may format differently, and CI checks the format.
+            "ruff==0.17.6",
+            "pytest-timeout>=2.1",
+            "pyyaml>=6",
+            "tensorboard>=2.14",
+            "matplotlib>=3.7",
+            "tokenizers>=0.15",
+            "triton>=3.0; platform_system == 'Linux'",
+        ],
         "tensorboard": ["tensorboard>=2.14"],
         "tokenizers": ["tokenizers>=0.15", "tqdm>=4.60"],
         # Transformer Engine is optional and never required; apex builds from source only

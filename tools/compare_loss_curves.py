@@ -23,14 +23,14 @@ import dataclasses
 import json
 import math
 import sys
-from typing import Dict, List, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
 
 DEFAULT_METRIC = "lm loss"
 DEFAULT_DECIMALS = 5
-Curve = Dict[int, float]
+Curve = dict[int, float]
 
 
-def read_metrics_jsonl(path: str) -> List[dict]:
+def read_metrics_jsonl(path: str) -> list[dict]:
     """The records of a ``--metrics-file`` (JSONL); blank lines are skipped.
 
     Raises:
@@ -122,8 +122,8 @@ class Comparison:
     """
 
     ok: bool
-    first_mismatch: Optional[int]
-    report: List[str]
+    first_mismatch: int | None
+    report: list[str]
 
     def text(self) -> str:
         return "\n".join(self.report)
@@ -194,11 +194,13 @@ def compare_curves(
     return Comparison(False, first, report)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Compare two loss curves (metrics JSONL or golden JSON).")
     parser.add_argument("expected", help="Reference: golden_values.json or a --metrics-file.")
     parser.add_argument("actual", help="Curve to check: a --metrics-file or golden_values.json.")
-    parser.add_argument("--metric", action="append", help=f"Metric to compare (repeatable; default {DEFAULT_METRIC!r}).")
+    parser.add_argument(
+        "--metric", action="append", help=f"Metric to compare (repeatable; default {DEFAULT_METRIC!r})."
+    )
     parser.add_argument("--rtol", type=float, default=0.0, help="Relative tolerance (default 0: exact mode).")
     parser.add_argument("--atol", type=float, default=0.0, help="Absolute tolerance (default 0: exact mode).")
     parser.add_argument("--decimals", type=int, default=DEFAULT_DECIMALS, help="Rounding of the exact mode.")

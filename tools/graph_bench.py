@@ -117,7 +117,9 @@ class PeakPoller:
         device = self.torch.cuda.current_device()
         self.child = subprocess.Popen(
             [sys.executable, "-c", _POLL_LOOP, str(device), str(self.interval)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         if self.child.stdout.readline().strip() != "ready":
             raise RuntimeError("the memory poller process did not start")
@@ -145,8 +147,16 @@ def wrap_with_make_graphed_callables(trainer):
         raise SystemExit("mgc mode supports learned positions only (layers take one tensor)")
     t = trainer.cfg.training
     samples = tuple(
-        (torch.randn(cfg.seq_length, t.micro_batch_size, cfg.hidden_size, dtype=cfg.params_dtype,
-                     device=trainer.device, requires_grad=True),)
+        (
+            torch.randn(
+                cfg.seq_length,
+                t.micro_batch_size,
+                cfg.hidden_size,
+                dtype=cfg.params_dtype,
+                device=trainer.device,
+                requires_grad=True,
+            ),
+        )
         for _ in layers
     )
     # allow_unused_input: with gradient-accumulation fusion the weights get no autograd grad.
@@ -193,9 +203,9 @@ def segment_map(pool=None, ours: bool = True) -> list:
 def run_lean(config: str, iters: int, skip: int) -> dict:
     """The lean plain-PyTorch peer (``lean_gpt.py``) on the same shapes: the yardstick
     for our eager step on this machine start."""
+    import lean_gpt
     import torch
 
-    import lean_gpt
     from megatron.core.tokenizers import build_tokenizer, vocab_size_with_padding
     from megatron.training import logging_utils as logs
     from megatron.training.arguments import parse_args
@@ -225,9 +235,17 @@ def run_lean(config: str, iters: int, skip: int) -> dict:
     )
     peak = poller.peak - base
     return {
-        "config": config, "mode": "lean", "ms_per_iter": ms, "ms_min": min(times[skip:]), "ms_max": max(times[skip:]),
-        "pipelined_ms_per_iter": pipe, "tflops_per_gpu": flops / (ms / 1000) / 1e12,
-        "peak_device_bytes": peak, "steady_peak_device_bytes": peak, "losses": losses, "graphs": {},
+        "config": config,
+        "mode": "lean",
+        "ms_per_iter": ms,
+        "ms_min": min(times[skip:]),
+        "ms_max": max(times[skip:]),
+        "pipelined_ms_per_iter": pipe,
+        "tflops_per_gpu": flops / (ms / 1000) / 1e12,
+        "peak_device_bytes": peak,
+        "steady_peak_device_bytes": peak,
+        "losses": losses,
+        "graphs": {},
     }
 
 
@@ -279,7 +297,9 @@ def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_p
         profile_steps(trainer, it, profile_path)
     cfg = trainer.cfg
     flops = logs.num_floating_point_operations(
-        cfg.model, batch_size=cfg.training.global_batch_size, seq_length=cfg.model.seq_length,
+        cfg.model,
+        batch_size=cfg.training.global_batch_size,
+        seq_length=cfg.model.seq_length,
         vocab_size=cfg.model.vocab_size,
     )
     ms = statistics.median(times[skip:])
@@ -325,8 +345,10 @@ def merge_runs(runs):
 def table(results):
     rows = []
     eager = {r["config"]: r for r in results if r["mode"] == "eager"}
-    head = (f"{'config':9} {'mode':15} {'ms/it':>7} {'x eager':>7} {'pipe ms':>7} {'TFLOP/s':>7} {'peak GiB':>8} "
-            f"{'mem vs eager':>12} {'steady vs':>10} {'pool MiB':>8} {'held MiB':>8} {'graphs':>6} {'loss==eager':>11}")
+    head = (
+        f"{'config':9} {'mode':15} {'ms/it':>7} {'x eager':>7} {'pipe ms':>7} {'TFLOP/s':>7} {'peak GiB':>8} "
+        f"{'mem vs eager':>12} {'steady vs':>10} {'pool MiB':>8} {'held MiB':>8} {'graphs':>6} {'loss==eager':>11}"
+    )
     rows.append(head)
     rows.append("-" * len(head))
     for r in results:
@@ -345,13 +367,17 @@ def table(results):
         )
     for r in results:
         if len(r.get("ms_runs", ())) > 1:
-            rows.append(f"{r['config']} {r['mode']}: ms/it of each run, in run order: "
-                        + " ".join(f"{ms:.2f}" for ms in r["ms_runs"]))
-    rows.append("loss==eager: bit for bit only where every kernel is deterministic; without "
-                "--deterministic-mode dense8 eager differs from itself run to run (the GPU tests check "
-                "parity in deterministic mode). lean: plain PyTorch on the same shapes (tools/lean_gpt.py). "
-                "ms/it: one step with a device sync around it (the anchor's method); pipe ms: steps back to "
-                "back, one sync at the end (what the training log reports).")
+            rows.append(
+                f"{r['config']} {r['mode']}: ms/it of each run, in run order: "
+                + " ".join(f"{ms:.2f}" for ms in r["ms_runs"])
+            )
+    rows.append(
+        "loss==eager: bit for bit only where every kernel is deterministic; without "
+        "--deterministic-mode dense8 eager differs from itself run to run (the GPU tests check "
+        "parity in deterministic mode). lean: plain PyTorch on the same shapes (tools/lean_gpt.py). "
+        "ms/it: one step with a device sync around it (the anchor's method); pipe ms: steps back to "
+        "back, one sync at the end (what the training log reports)."
+    )
     return "\n".join(rows)
 
 
@@ -367,9 +393,13 @@ def main():
     parser.add_argument("--json", help="one run: write its result here")
     parser.add_argument("--profile", default="", help="one run: also write a torch.profiler table here")
     parser.add_argument("--out", default="bench_out", help="all runs: folder for results.json and logs")
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="all runs: run the mode list this many times, round robin (host speed drifts); "
-                        "a row then shows the median")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="all runs: run the mode list this many times, round robin (host speed drifts); "
+        "a row then shows the median",
+    )
     args = parser.parse_args()
     if args.config:
         result = run_one(args.config, args.mode, args.iters, args.skip, args.extra, args.profile)
@@ -395,8 +425,22 @@ def main():
 def run_child(config: str, mode: str, args, stem: str):
     """One (config, mode) in a child process; its result, or None (its log's tail printed)."""
     path, log = stem + ".json", stem + ".log"
-    cmd = [sys.executable, __file__, "--config", config, "--mode", mode, "--iters", str(args.iters),
-           "--skip", str(args.skip), "--json", path, "--extra", args.extra]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--config",
+        config,
+        "--mode",
+        mode,
+        "--iters",
+        str(args.iters),
+        "--skip",
+        str(args.skip),
+        "--json",
+        path,
+        "--extra",
+        args.extra,
+    ]
     env = dict(os.environ)
     if mode == "eager:expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
@@ -409,9 +453,11 @@ def run_child(config: str, mode: str, args, stem: str):
         return None
     with open(path) as f:
         r = json.load(f)
-    print(f"{config} {mode}: {r['ms_per_iter']:.2f} ms/it, {r['tflops_per_gpu']:.1f} TFLOP/s, peak "
-          f"{r['peak_device_bytes'] / 2**30:.3f} GiB, pool {(r.get('graphs') or {}).get('pool_reserved_bytes', 0) / 2**20:.0f} MiB",
-          flush=True)
+    print(
+        f"{config} {mode}: {r['ms_per_iter']:.2f} ms/it, {r['tflops_per_gpu']:.1f} TFLOP/s, peak "
+        f"{r['peak_device_bytes'] / 2**30:.3f} GiB, pool {(r.get('graphs') or {}).get('pool_reserved_bytes', 0) / 2**20:.0f} MiB",
+        flush=True,
+    )
     return r
 
 

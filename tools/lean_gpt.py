@@ -51,9 +51,16 @@ class LeanGPT(torch.nn.Module):
 
 def build(model_cfg, device):
     """The lean model and its fused AdamW for our ``TransformerConfig``-like sizes."""
-    model = LeanGPT(model_cfg.num_layers, model_cfg.hidden_size, model_cfg.ffn_hidden_size,
-                    model_cfg.num_attention_heads, model_cfg.vocab_size, model_cfg.seq_length,
-                    device, torch.bfloat16)
+    model = LeanGPT(
+        model_cfg.num_layers,
+        model_cfg.hidden_size,
+        model_cfg.ffn_hidden_size,
+        model_cfg.num_attention_heads,
+        model_cfg.vocab_size,
+        model_cfg.seq_length,
+        device,
+        torch.bfloat16,
+    )
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
 

@@ -108,8 +108,12 @@ def write_files(vocab, merges, output_dir: str) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", required=True, help="Folder for vocab.json, merges.txt (and tokenizer.json).")
-    parser.add_argument("--input", default=None, help="UTF-8 text file to train on (default: a built-in paragraph set).")
-    parser.add_argument("--num-merges", type=int, default=300, help="Number of merges to learn (fewer if pairs run out).")
+    parser.add_argument(
+        "--input", default=None, help="UTF-8 text file to train on (default: a built-in paragraph set)."
+    )
+    parser.add_argument(
+        "--num-merges", type=int, default=300, help="Number of merges to learn (fewer if pairs run out)."
+    )
     args = parser.parse_args(argv)
     text = DEFAULT_CORPUS
     if args.input is not None:

@@ -12,7 +12,7 @@ Needs matplotlib (an optional dependency; the Agg backend, so no display is need
 import argparse
 import os
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,8 +32,8 @@ def _pyplot():
     return plt
 
 
-def plot(paths: Sequence[str], output: str, *, labels: Optional[Sequence[str]] = None, metric: str = DEFAULT_METRIC,
-         title: Optional[str] = None, log_y: bool = False) -> str:  # fmt: skip
+def plot(paths: Sequence[str], output: str, *, labels: Sequence[str] | None = None, metric: str = DEFAULT_METRIC,
+         title: str | None = None, log_y: bool = False) -> str:  # fmt: skip
     """Writes a PNG of ``metric`` for every run in ``paths``; returns ``output``.
 
     Raises:
@@ -41,7 +41,11 @@ def plot(paths: Sequence[str], output: str, *, labels: Optional[Sequence[str]] =
     """
     if labels is not None and len(labels) != len(paths):
         raise ValueError(f"--labels has {len(labels)} names for {len(paths)} runs.")
-    labels = list(labels) if labels is not None else [os.path.basename(os.path.dirname(os.path.abspath(p))) or p for p in paths]
+    labels = (
+        list(labels)
+        if labels is not None
+        else [os.path.basename(os.path.dirname(os.path.abspath(p))) or p for p in paths]
+    )
     curves = [load_curve(p, metric) for p in paths]
     plt = _pyplot()
     panels = 2 if len(curves) > 1 else 1
@@ -75,7 +79,7 @@ def plot(paths: Sequence[str], output: str, *, labels: Optional[Sequence[str]] =
     return output
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Plot loss curves of several runs into a PNG.")
     parser.add_argument("runs", nargs="+", help="--metrics-file JSONL or golden_values.json files.")
     parser.add_argument("--output", "-o", required=True, help="PNG file to write.")

@@ -14,14 +14,14 @@ import argparse
 import collections
 import os
 import sys
-from typing import Dict, List, Sequence, Tuple
+from collections.abc import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.core.transformer.cuda_graphs.mempool import _pool_id  # noqa: E402
 
 
-def pool_peak(snapshot: dict, pool_id, device: int) -> Tuple[int, int, List[dict]]:
+def pool_peak(snapshot: dict, pool_id, device: int) -> tuple[int, int, list[dict]]:
     """``(peak live bytes, trace index of the peak, blocks live then)`` of one pool.
 
     Args:
@@ -30,11 +30,14 @@ def pool_peak(snapshot: dict, pool_id, device: int) -> Tuple[int, int, List[dict
         device: Device index whose trace is replayed.
     """
     want = _pool_id(pool_id)
-    ranges = [(s["address"], s["address"] + s["total_size"]) for s in snapshot["segments"]
-              if s.get("device", device) == device and _pool_id(s.get("segment_pool_id", (0, 0))) == want]
-    live: Dict[int, dict] = {}
+    ranges = [
+        (s["address"], s["address"] + s["total_size"])
+        for s in snapshot["segments"]
+        if s.get("device", device) == device and _pool_id(s.get("segment_pool_id", (0, 0))) == want
+    ]
+    live: dict[int, dict] = {}
     current = peak = peak_at = 0
-    peak_live: List[dict] = []
+    peak_live: list[dict] = []
     for i, entry in enumerate(snapshot["device_traces"][device]):
         addr = entry.get("addr")
         if entry["action"] == "alloc" and any(lo <= addr < hi for lo, hi in ranges):
@@ -50,10 +53,13 @@ def pool_peak(snapshot: dict, pool_id, device: int) -> Tuple[int, int, List[dict
 def allocation_site(entry: dict, root: str = "/megatron/", depth: int = 3) -> str:
     """The innermost ``depth`` frames of ``entry`` whose file lies under ``root``."""
     frames = [f for f in entry.get("frames", []) if root in f["filename"]]
-    return " <- ".join(f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}" for f in frames[:depth]) or "(no frame here)"
+    return (
+        " <- ".join(f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}" for f in frames[:depth])
+        or "(no frame here)"
+    )
 
 
-def by_site(blocks: Sequence[dict]) -> List[Tuple[str, int, int]]:
+def by_site(blocks: Sequence[dict]) -> list[tuple[str, int, int]]:
     """``(site, bytes, count)`` per allocation site, largest first."""
     size, count = collections.Counter(), collections.Counter()
     for b in blocks:
@@ -86,6 +92,7 @@ def main():
         def wrapped(self, *a, **k):
             captures.append((len(torch.cuda.memory._snapshot()["device_traces"][device]), self.name, phase))
             return method(self, *a, **k)
+
         return wrapped
 
     runner.GraphedRegion.capture_forward = note(runner.GraphedRegion.capture_forward, "forward")
@@ -101,8 +108,10 @@ def main():
     peak, at, blocks = pool_peak(snapshot, trainer.graphs.pool.handle, device)
     during = [c for c in captures if c[0] <= at][-1:]
     reserved = trainer.graphs.stats()["pool_reserved_bytes"]
-    print(f"{args.config} {args.mode}: pool reserved {reserved / 2**20:.1f} MiB; live peak "
-          f"{peak / 2**20:.1f} MiB during the {during[0][2] + ' capture of ' + during[0][1] if during else 'set-up'}")
+    print(
+        f"{args.config} {args.mode}: pool reserved {reserved / 2**20:.1f} MiB; live peak "
+        f"{peak / 2**20:.1f} MiB during the {during[0][2] + ' capture of ' + during[0][1] if during else 'set-up'}"
+    )
     for site, nbytes, n in by_site(blocks)[: args.top]:
         print(f"  {nbytes / 2**20:9.1f} MiB  x{n:<4d} {site}")
     parallel_state.destroy(trainer.pg)

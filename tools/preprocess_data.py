@@ -63,9 +63,13 @@ class Encoder:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{self.args.input}: line {line_no} is not valid JSON ({e.msg}, column {e.colno}).") from None
+            raise ValueError(
+                f"{self.args.input}: line {line_no} is not valid JSON ({e.msg}, column {e.colno})."
+            ) from None
         if not isinstance(record, dict):
-            raise ValueError(f"{self.args.input}: line {line_no} is a JSON {type(record).__name__}, expected an object.")
+            raise ValueError(
+                f"{self.args.input}: line {line_no} is a JSON {type(record).__name__}, expected an object."
+            )
         out = {}
         for key in self.args.json_keys:
             if key not in record:
@@ -75,7 +79,9 @@ class Encoder:
                 )
             text = record[key]
             if not isinstance(text, str):
-                raise ValueError(f"{self.args.input}: line {line_no}: {key!r} holds a {type(text).__name__}, expected a string.")
+                raise ValueError(
+                    f"{self.args.input}: line {line_no}: {key!r} holds a {type(text).__name__}, expected a string."
+                )
             ids = self.tokenizer.tokenize(text)
             if ids and self.args.append_eod:
                 ids.append(self.tokenizer.eod)
@@ -97,7 +103,9 @@ def get_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Tokenise JSONL into Megatron .bin/.idx files.")
     group = parser.add_argument_group("input")
     group.add_argument("--input", required=True, help="JSONL file, one JSON object per line.")
-    group.add_argument("--json-keys", nargs="+", default=["text"], help="Keys whose text to tokenise (one output per key).")
+    group.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="Keys whose text to tokenise (one output per key)."
+    )
     group.add_argument("--split-sentences", action="store_true", help="Not supported (Megatron uses nltk for it).")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
@@ -105,13 +113,17 @@ def get_args(argv=None) -> argparse.Namespace:
     group.add_argument("--merge-file", default=None, help="GPT-2 merges.txt (GPT2BPETokenizer).")
     group.add_argument("--tokenizer-model", default=None, help="tokenizer.json (HuggingFaceTokenizer).")
     group.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size (NullTokenizer).")
-    group.add_argument("--append-eod", action="store_true", help="Append the end-of-document id to every non-empty document.")
+    group.add_argument(
+        "--append-eod", action="store_true", help="Append the end-of-document id to every non-empty document."
+    )
     group = parser.add_argument_group("output")
     group.add_argument("--output-prefix", required=True, help="Writes {prefix}_{key}_document.bin/.idx.")
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="Tokenizer processes.")
     group.add_argument("--chunk-size", type=int, default=64, help="Lines handed to a worker at a time.")
-    group.add_argument("--log-interval", type=int, default=10000, help="Documents between progress lines (without tqdm).")
+    group.add_argument(
+        "--log-interval", type=int, default=10000, help="Documents between progress lines (without tqdm)."
+    )
     args = parser.parse_args(argv)
     if args.split_sentences:
         parser.error("--split-sentences is not supported; drop it (documents are tokenised whole).")
@@ -132,7 +144,7 @@ def main(argv=None) -> None:
     try:
         tokenizer = build_tokenizer(_data_config(args))  # fail fast, before any worker starts
     except ValueError as e:
-        raise SystemExit(f"error: {e}")
+        raise SystemExit(f"error: {e}") from None
     dtype = optimal_dtype(tokenizer.vocab_size)
     paths = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
     builders = {key: IndexedDatasetBuilder(p + ".bin", dtype) for key, p in paths.items()}
@@ -163,16 +175,21 @@ def main(argv=None) -> None:
                 docs += 1
                 if bar is None and docs % args.log_interval == 0:
                     elapsed = time.time() - start
-                    print(f"processed {docs} documents ({docs / elapsed:.1f} docs/s, {read / elapsed / 2**20:.2f} MB/s)", flush=True)
+                    print(
+                        f"processed {docs} documents ({docs / elapsed:.1f} docs/s, {read / elapsed / 2**20:.2f} MB/s)",
+                        flush=True,
+                    )
         for key, path in paths.items():
             builders[key].finalize(path + ".idx")
     except BaseException as e:
         for builder in builders.values():
             builder.abort()
         if isinstance(e, UnicodeDecodeError):
-            raise SystemExit(f"error: --input {args.input} is not UTF-8 text ({e.reason} at byte {e.start} of a read block).")
+            raise SystemExit(
+                f"error: --input {args.input} is not UTF-8 text ({e.reason} at byte {e.start} of a read block)."
+            ) from None
         if isinstance(e, ValueError):
-            raise SystemExit(f"error: {e}")
+            raise SystemExit(f"error: {e}") from None
         raise
     finally:
         if pool is not None:
@@ -180,7 +197,10 @@ def main(argv=None) -> None:
         if bar is not None:
             bar.close()
     elapsed = time.time() - start
-    print(f"done: {docs} documents, {tokens} tokens in {elapsed:.1f} s; wrote " + ", ".join(p + ".bin/.idx" for p in paths.values()))
+    print(
+        f"done: {docs} documents, {tokens} tokens in {elapsed:.1f} s; wrote "
+        + ", ".join(p + ".bin/.idx" for p in paths.values())
+    )
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ def analyse(trace_path: str, steps: int) -> dict:
             if p["name"] == "phase::step":
                 continue
             if p["ts"] <= ts <= p["ts"] + p["dur"] and p["ts"] > best_start:
-                best, best_start = p["name"][len("phase::"):], p["ts"]
+                best, best_start = p["name"][len("phase::") :], p["ts"]
         return best
 
     busy, idle_by_phase = 0.0, collections.Counter()
@@ -144,10 +144,14 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    print(f"{args.config} {args.mode}: wall {result['wall_ms_per_step']:.2f} ms/step, GPU busy "
-          f"{result['gpu_busy_ms_per_step']:.2f} ms/step, {result['kernels_per_step']:.0f} kernels/step")
-    print("  GPU idle by phase (ms/step): " + ", ".join(
-        f"{k} {v:.2f}" for k, v in result["gpu_idle_ms_per_step_by_phase"].items()))
+    print(
+        f"{args.config} {args.mode}: wall {result['wall_ms_per_step']:.2f} ms/step, GPU busy "
+        f"{result['gpu_busy_ms_per_step']:.2f} ms/step, {result['kernels_per_step']:.0f} kernels/step"
+    )
+    print(
+        "  GPU idle by phase (ms/step): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in result["gpu_idle_ms_per_step_by_phase"].items())
+    )
     for name, ms in result["top_kernels_ms_per_step"]:
         print(f"  {ms:7.3f}  {name}")
     parallel_state.destroy(trainer.pg)

@@ -73,7 +73,10 @@ def main(argv=None) -> int:
         for case in cases:
             workdir = os.path.join(root, case.name)
             start = time.time()
-            print(f"[{case.name}] training ({case.device}, {case.nproc} process(es), {case.test_type}) in {workdir}", flush=True)
+            print(
+                f"[{case.name}] training ({case.device}, {case.nproc} process(es), {case.test_type}) in {workdir}",
+                flush=True,
+            )
             try:
                 curves = harness.run_case(case, workdir)
             except (RuntimeError, ValueError) as e:

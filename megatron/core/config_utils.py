@@ -8,17 +8,18 @@ override what the generator would infer (flag name, aliases, choices, nargs).
 """
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def flag_field(
     default: Any = dataclasses.MISSING,
     *,
     default_factory: Any = dataclasses.MISSING,
-    flag: Optional[str] = None,
+    flag: str | None = None,
     aliases: Sequence[str] = (),
-    choices: Optional[Sequence[Any]] = None,
-    nargs: Optional[str] = None,
+    choices: Sequence[Any] | None = None,
+    nargs: str | None = None,
     no_flag: bool = False,
 ):
     """A dataclass field with command-line metadata.

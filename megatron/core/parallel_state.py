@@ -12,7 +12,6 @@ import dataclasses
 import datetime
 import importlib
 import os
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -30,7 +29,7 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     """Pipeline model parallel size (not supported above 1 yet)."""
 
-    virtual_pipeline_model_parallel_size: Optional[int] = None
+    virtual_pipeline_model_parallel_size: int | None = None
     """Virtual pipeline stages per rank (not supported yet)."""
 
     context_parallel_size: int = 1
@@ -71,7 +70,9 @@ class ParallelConfig:
             "--virtual-pipeline-model-parallel-size is not supported yet; drop the flag.",
         )
         require(not self.sequence_parallel, "--sequence-parallel is not supported yet (it needs tensor parallelism).")
-        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        model_parallel = (
+            self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        )
         require(
             self.world_size % model_parallel == 0,
             f"world size {self.world_size} is not divisible by TP*PP*CP = {model_parallel}.",
@@ -122,7 +123,7 @@ class ProcessGroups:
         return self.rank == self.world_size - 1
 
     @classmethod
-    def single(cls, device: Optional[torch.device] = None) -> "ProcessGroups":
+    def single(cls, device: torch.device | None = None) -> "ProcessGroups":
         """A world of one, for tests and single-process runs."""
         return cls(rank=0, world_size=1, device=device or torch.device("cpu"))
 

@@ -30,7 +30,8 @@ import inspect
 import sys
 import textwrap
 import typing
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Union
 
 from megatron.training.config import RunConfig
 
@@ -64,9 +65,9 @@ class KnownFlag(NamedTuple):
         note: Why an accepted flag is harmless (shown in --help and the user guide).
     """
 
-    nargs: Union[int, str, None]
-    message: Optional[str]
-    accepted_values: Tuple[str, ...] = ()
+    nargs: int | str | None
+    message: str | None
+    accepted_values: tuple[str, ...] = ()
     note: str = ""
 
 
@@ -76,7 +77,7 @@ def _not_yet(flag: str, fix: str = "drop the flag") -> str:
 
 _NO_FUSION = "fusion kernels from apex/TE are not used; plain PyTorch computes the same thing"
 
-KNOWN_MEGATRON_FLAGS: Dict[str, KnownFlag] = {
+KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
     # Accepted: the behaviour they ask for is what this trainer does anyway.
     "--transformer-impl": KnownFlag(
         None,
@@ -85,7 +86,9 @@ KNOWN_MEGATRON_FLAGS: Dict[str, KnownFlag] = {
         accepted_values=("local",),
         note="only `local` is accepted (what this trainer is)",
     ),
-    "--use-flash-attn": KnownFlag(0, None, note="attention uses scaled_dot_product_attention, which picks flash kernels itself"),
+    "--use-flash-attn": KnownFlag(
+        0, None, note="attention uses scaled_dot_product_attention, which picks flash kernels itself"
+    ),
     "--use-mcore-models": KnownFlag(0, None, note="models here are always the core models"),
     "--tensorboard-log-interval": KnownFlag(
         None, None, note="scalars are written with every log line (--log-interval), averaged like it"
@@ -130,9 +133,13 @@ KNOWN_MEGATRON_FLAGS: Dict[str, KnownFlag] = {
     "--wandb-project": KnownFlag(None, _not_yet("--wandb-project (W&B)", "use --tensorboard-dir or --metrics-file")),
     "--wandb-exp-name": KnownFlag(None, _not_yet("--wandb-exp-name (W&B)", "use --tensorboard-dir or --metrics-file")),
     "--wandb-save-dir": KnownFlag(None, _not_yet("--wandb-save-dir (W&B)", "use --tensorboard-dir or --metrics-file")),
-    "--split-sentences": KnownFlag(0, "--split-sentences belongs to tools/preprocess_data.py, not to training; drop the flag."),
+    "--split-sentences": KnownFlag(
+        0, "--split-sentences belongs to tools/preprocess_data.py, not to training; drop the flag."
+    ),
     "--enable-cuda-graph": KnownFlag(0, "--enable-cuda-graph is deprecated in Megatron; use --cuda-graph-impl local."),
-    "--external-cuda-graph": KnownFlag(0, "--external-cuda-graph is deprecated in Megatron; use --cuda-graph-impl local."),
+    "--external-cuda-graph": KnownFlag(
+        0, "--external-cuda-graph is deprecated in Megatron; use --cuda-graph-impl local."
+    ),
 }
 
 
@@ -142,14 +149,14 @@ class _FieldFlag(NamedTuple):
     group: str  # attribute of RunConfig
     name: str  # field name
     dest: str  # argparse dest, "<group>.<name>" (field names repeat across groups)
-    flags: Tuple[str, ...]  # the flag first, then aliases
-    kwargs: Dict[str, Any]  # argparse add_argument keyword arguments, without dest/help
+    flags: tuple[str, ...]  # the flag first, then aliases
+    kwargs: dict[str, Any]  # argparse add_argument keyword arguments, without dest/help
     help: str
     default_text: str  # for the user guide
 
 
-@functools.lru_cache(maxsize=None)
-def field_docstrings(cls: type) -> Dict[str, str]:
+@functools.cache
+def field_docstrings(cls: type) -> dict[str, str]:
     """Attribute docstrings of a dataclass: the string literal right after each field.
 
     Returns:
@@ -195,7 +202,7 @@ def _default_text(default: Any) -> str:
     return str(default)
 
 
-def _field_flag(group: str, cls: type, field: dataclasses.Field, hint: Any) -> Optional[_FieldFlag]:
+def _field_flag(group: str, cls: type, field: dataclasses.Field, hint: Any) -> _FieldFlag | None:
     """Builds the flag description of one field, or None for ``no_flag`` fields."""
     meta = field.metadata
     if meta.get("no_flag"):
@@ -206,7 +213,7 @@ def _field_flag(group: str, cls: type, field: dataclasses.Field, hint: Any) -> O
     flag = meta.get("flag") or _kebab(field.name)
     flags = (flag,) + tuple(meta.get("aliases") or ())
     tp = _unwrap_optional(hint)
-    kwargs: Dict[str, Any] = {"default": default}
+    kwargs: dict[str, Any] = {"default": default}
     if tp is bool:
         if default:
             kwargs["action"] = "store_false"
@@ -218,7 +225,7 @@ def _field_flag(group: str, cls: type, field: dataclasses.Field, hint: Any) -> O
             kwargs["action"] = "store_true"
             help_text = doc
         return _FieldFlag(group, field.name, f"{group}.{field.name}", flags, kwargs, help_text, "off")
-    if typing.get_origin(tp) in (list, List):
+    if typing.get_origin(tp) in (list, list):
         (item,) = typing.get_args(tp) or (str,)
         kwargs["type"] = item
         kwargs["nargs"] = meta.get("nargs") or "*"
@@ -238,13 +245,13 @@ def _field_flag(group: str, cls: type, field: dataclasses.Field, hint: Any) -> O
     return _FieldFlag(group, field.name, f"{group}.{field.name}", flags, kwargs, help_text, text)
 
 
-def _groups() -> List[Tuple[str, type]]:
+def _groups() -> list[tuple[str, type]]:
     """(RunConfig attribute, config dataclass) for each concern, in declaration order."""
     hints = typing.get_type_hints(RunConfig)
     return [(f.name, hints[f.name]) for f in dataclasses.fields(RunConfig)]
 
 
-def field_flags() -> List[_FieldFlag]:
+def field_flags() -> list[_FieldFlag]:
     """Every generated flag, grouped by concern in declaration order."""
     out = []
     for group, cls in _groups():
@@ -323,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_known_flags(values: Dict[str, Any]) -> None:
+def _check_known_flags(values: dict[str, Any]) -> None:
     """Raises ``ValueError`` naming every given known-but-unsupported flag."""
     errors = []
     for flag, known in KNOWN_MEGATRON_FLAGS.items():
@@ -338,7 +345,7 @@ def _check_known_flags(values: Dict[str, Any]) -> None:
         raise ValueError("unsupported Megatron flags:\n  " + "\n  ".join(errors))
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> RunConfig:
+def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     """Parses a command line into a ``RunConfig``.
 
     Only fills the dataclasses: the caller runs ``RunConfig.validate()`` (after the
@@ -355,7 +362,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> RunConfig:
     values = vars(namespace)
     _check_known_flags(values)
     config = RunConfig()
-    by_group: Dict[str, Dict[str, Any]] = {}
+    by_group: dict[str, dict[str, Any]] = {}
     for ff in field_flags():
         value = values[ff.dest]
         by_group.setdefault(ff.group, {})[ff.name] = list(value) if isinstance(value, list) else value
@@ -379,7 +386,7 @@ def flags_markdown() -> str:
         "Generated from the config dataclasses (`python tools/list_flags.py`). Flags follow Megatron's",
         "spelling; booleans are switches. Unknown flags stop the run with a suggestion.",
     ]
-    by_group: Dict[str, List[_FieldFlag]] = {}
+    by_group: dict[str, list[_FieldFlag]] = {}
     for ff in field_flags():
         by_group.setdefault(ff.group, []).append(ff)
     for group, cls in _groups():

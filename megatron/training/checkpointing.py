@@ -37,7 +37,7 @@ import os
 import random
 import shutil
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -139,12 +139,12 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def config_to_dict(config: Any) -> Dict[str, Any]:
+def config_to_dict(config: Any) -> dict[str, Any]:
     """A config dataclass (e.g. ``RunConfig``) as nested plain dicts, one per concern."""
     return {f.name: _plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
 
 
-def check_config(saved: Dict[str, Any], cfg, path: str) -> None:
+def check_config(saved: dict[str, Any], cfg, path: str) -> None:
     """Raises ``ValueError`` if the checkpoint's model shape differs from this run's.
 
     Args:
@@ -174,7 +174,7 @@ def check_config(saved: Dict[str, Any], cfg, path: str) -> None:
 # ---------------------------------------------------------------------- RNG
 
 
-def get_rng_state(include_cuda: bool) -> Dict[str, Any]:
+def get_rng_state(include_cuda: bool) -> dict[str, Any]:
     """Python, numpy, torch CPU (and the current CUDA device's) generator states, as plain values."""
     version, internal, gauss = random.getstate()
     algorithm, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
@@ -193,7 +193,7 @@ def get_rng_state(include_cuda: bool) -> Dict[str, Any]:
     return state
 
 
-def set_rng_state(state: Dict[str, Any], include_cuda: bool) -> None:
+def set_rng_state(state: dict[str, Any], include_cuda: bool) -> None:
     """Restores what ``get_rng_state`` returned."""
     version, internal, gauss = state["random_rng_state"]
     random.setstate((version, tuple(internal), gauss))
@@ -229,7 +229,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_file(state: Dict[str, Any], path: str) -> None:
+def _write_file(state: dict[str, Any], path: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb") as f:
         torch.save(state, f)
@@ -345,7 +345,7 @@ def save_checkpoint(trainer) -> str:
 # ---------------------------------------------------------------------- load
 
 
-def read_tracker(checkpoints_dir: str) -> Tuple[int, bool]:
+def read_tracker(checkpoints_dir: str) -> tuple[int, bool]:
     """Reads ``latest_checkpointed_iteration.txt``.
 
     Returns:
@@ -376,7 +376,7 @@ def read_tracker(checkpoints_dir: str) -> Tuple[int, bool]:
     return iteration, False
 
 
-def find_checkpoint(trainer, checkpoints_dir: str) -> Optional[Tuple[str, int, bool]]:
+def find_checkpoint(trainer, checkpoints_dir: str) -> tuple[str, int, bool] | None:
     """This rank's checkpoint file under ``checkpoints_dir``.
 
     Returns:
@@ -414,11 +414,13 @@ def find_checkpoint(trainer, checkpoints_dir: str) -> Optional[Tuple[str, int, b
     return path, iteration, release
 
 
-def _load_file(path: str) -> Dict[str, Any]:
+def _load_file(path: str) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - unpickling errors come in many types
-        raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); it is truncated or corrupt.") from e
+        raise ValueError(
+            f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); it is truncated or corrupt."
+        ) from e
     if not isinstance(state, dict) or "model" not in state:
         raise ValueError(f"checkpoint {path} is not a model_optim_rng.pt written by this trainer (no 'model' entry).")
     version = state.get("checkpoint_version", 0)
@@ -475,7 +477,7 @@ def load_checkpoint(trainer) -> int:
         trainer.scheduler.step(0)
 
     if not weights_only and not ckpt.no_load_rng:
-        states: List[Dict[str, Any]] = state["rng_state"]
+        states: list[dict[str, Any]] = state["rng_state"]
         dp_rank = trainer.pg.dp_rank
         # Same DP size: each rank its own state; otherwise rank 0's, as Megatron does.
         chosen = states[dp_rank] if len(states) == trainer.pg.dp_size else states[0]

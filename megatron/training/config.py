@@ -6,7 +6,6 @@ the core code they configure) and runs the cross-concern checks.
 """
 
 import dataclasses
-from typing import List, Optional
 
 import torch
 
@@ -23,7 +22,7 @@ class TrainingConfig:
     micro_batch_size: int = 2
     """Batch size per model instance (per data-parallel rank) and micro-batch."""
 
-    global_batch_size: Optional[int] = None
+    global_batch_size: int | None = None
     """Samples per optimizer step across all ranks. Defaults to micro batch * DP."""
 
     train_iters: int = 100
@@ -35,7 +34,7 @@ class TrainingConfig:
     deterministic_mode: bool = False
     """Use deterministic kernels (torch.use_deterministic_algorithms) for bitwise-repeatable runs."""
 
-    exit_interval: Optional[int] = None
+    exit_interval: int | None = None
     """Exit after the iteration that is a multiple of this value."""
 
     eval_interval: int = 1000
@@ -67,10 +66,10 @@ class OptimizerConfig:
     lr_warmup_iters: int = 0
     """Iterations of linear warm-up."""
 
-    lr_warmup_fraction: Optional[float] = None
+    lr_warmup_fraction: float | None = None
     """Warm-up as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)."""
 
-    lr_decay_iters: Optional[int] = None
+    lr_decay_iters: int | None = None
     """Iterations over which to decay. Defaults to --train-iters."""
 
     weight_decay: float = 0.01
@@ -102,7 +101,7 @@ class PrecisionConfig:
     fp16: bool = False
     """float16 model with fp32 main parameters and loss scaling."""
 
-    loss_scale: Optional[float] = None
+    loss_scale: float | None = None
     """Static loss scale for fp16 (default: dynamic loss scaling)."""
 
     initial_loss_scale: float = 2.0**32
@@ -139,7 +138,7 @@ class DDPConfig:
     overlap_grad_reduce: bool = False
     """Overlap the gradient all-reduce of each bucket with the rest of backward."""
 
-    ddp_bucket_size: Optional[int] = None
+    ddp_bucket_size: int | None = None
     """Elements per gradient bucket (default: max(40M, 1M * DP))."""
 
     use_distributed_optimizer: bool = False
@@ -156,13 +155,13 @@ class DataConfig:
     mock_data: bool = False
     """Train on Megatron-style synthetic documents (no files needed)."""
 
-    data_path: List[str] = flag_field(default_factory=list, nargs="*")
+    data_path: list[str] = flag_field(default_factory=list, nargs="*")
     """Dataset prefix, or a weighted blend: 0.3 prefixA 0.7 prefixB."""
 
     split: str = "969,30,1"
     """Train/valid/test split of each dataset, as weights."""
 
-    data_cache_path: Optional[str] = None
+    data_cache_path: str | None = None
     """Folder for the cached document/sample/shuffle indices."""
 
     tokenizer_type: str = flag_field(
@@ -171,16 +170,16 @@ class DataConfig:
     )
     """Tokenizer."""
 
-    vocab_size: Optional[int] = None
+    vocab_size: int | None = None
     """Vocabulary size for NullTokenizer: ids 0..N-1 plus the end-of-document token N (as Megatron)."""
 
-    vocab_file: Optional[str] = None
+    vocab_file: str | None = None
     """GPT-2 BPE vocab.json."""
 
-    merge_file: Optional[str] = None
+    merge_file: str | None = None
     """GPT-2 BPE merges.txt."""
 
-    tokenizer_model: Optional[str] = None
+    tokenizer_model: str | None = None
     """Hugging Face tokenizer.json."""
 
     make_vocab_size_divisible_by: int = 128
@@ -200,16 +199,16 @@ class LoggingConfig:
     log_throughput: bool = False
     """Add TFLOP/s per GPU to the log line."""
 
-    log_memory_interval: Optional[int] = None
+    log_memory_interval: int | None = None
     """Iterations between memory lines (default: after the first iteration and when graphs are captured)."""
 
-    tensorboard_dir: Optional[str] = None
+    tensorboard_dir: str | None = None
     """Write TensorBoard scalars here (needs the tensorboard package)."""
 
     log_memory_to_tensorboard: bool = False
     """Also write memory scalars (mem-*-bytes, graph pool bytes) to TensorBoard."""
 
-    metrics_file: Optional[str] = None
+    metrics_file: str | None = None
     """Write one JSON object per logged iteration to this file (JSONL)."""
 
     log_params_norm: bool = False
@@ -220,13 +219,13 @@ class LoggingConfig:
 class CheckpointConfig:
     """Saving and loading checkpoints."""
 
-    save: Optional[str] = None
+    save: str | None = None
     """Folder to save checkpoints to."""
 
-    load: Optional[str] = None
+    load: str | None = None
     """Folder to load a checkpoint from."""
 
-    save_interval: Optional[int] = None
+    save_interval: int | None = None
     """Iterations between checkpoint saves."""
 
     no_load_optim: bool = False
@@ -297,7 +296,10 @@ class RunConfig:
             "no training data: pass --mock-data for synthetic documents, or --data-path PREFIX.",
         )
         if d.tokenizer_type == "NullTokenizer":
-            require(d.vocab_size is not None and d.vocab_size >= 2, "--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2).")
+            require(
+                d.vocab_size is not None and d.vocab_size >= 2,
+                "--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2).",
+            )
         require(self.logging.log_interval >= 1, "--log-interval must be >= 1.")
         c = self.checkpoint
         require(

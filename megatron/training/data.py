@@ -1,7 +1,7 @@
 """Tokenizer and data-iterator setup for the training loop."""
 
 import itertools
-from typing import Iterator, Optional, Tuple
+from collections.abc import Iterator
 
 from megatron.core.datasets.builder import build_train_valid_test_datasets
 from megatron.core.datasets.data_samplers import build_pretraining_data_loader
@@ -17,7 +17,7 @@ def setup_tokenizer(cfg, pg):
     return tokenizer
 
 
-def build_data_iterators(cfg, tokenizer, pg, consumed_samples: int) -> Tuple[Iterator, Optional[Iterator]]:
+def build_data_iterators(cfg, tokenizer, pg, consumed_samples: int) -> tuple[Iterator, Iterator | None]:
     """Train (and valid, when evaluation is on) iterators of micro-batches for this rank."""
     t = cfg.training
     train_samples = t.train_iters * t.global_batch_size
@@ -27,7 +27,9 @@ def build_data_iterators(cfg, tokenizer, pg, consumed_samples: int) -> Tuple[Ite
         cfg.data, tokenizer, seq_length=cfg.model.seq_length, seed=t.seed, num_samples=(train_samples, valid_samples, 0)
     )
     workers = cfg.data.num_workers
-    train = build_pretraining_data_loader(train_ds, consumed_samples, t.micro_batch_size, pg.dp_rank, pg.dp_size, workers)
+    train = build_pretraining_data_loader(
+        train_ds, consumed_samples, t.micro_batch_size, pg.dp_rank, pg.dp_size, workers
+    )
     valid = None
     if valid_ds is not None and valid_samples:
         valid = build_pretraining_data_loader(valid_ds, 0, t.micro_batch_size, pg.dp_rank, pg.dp_size, workers)

@@ -12,7 +12,8 @@ process groups.
 import datetime
 import json
 import os
-from typing import Any, Dict, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,13 +50,13 @@ def format_iteration_line(
     global_batch_size: int,
     losses: Mapping[str, float],
     loss_scale: float,
-    grad_norm: Optional[float],
-    num_zeros: Optional[float] = None,
-    params_norm: Optional[float] = None,
+    grad_norm: float | None,
+    num_zeros: float | None = None,
+    params_norm: float | None = None,
     skipped_iters: int,
     nan_iters: int,
-    throughput_tflops: Optional[float] = None,
-    timestamp: Optional[datetime.datetime] = None,
+    throughput_tflops: float | None = None,
+    timestamp: datetime.datetime | None = None,
 ) -> str:
     """Megatron's per-iteration log line.
 
@@ -82,25 +83,25 @@ def format_iteration_line(
     """
     timestamp = timestamp or datetime.datetime.now()
     parts = [
-        "iteration {:8d}/{:8d}".format(iteration, train_iters),
-        "consumed samples: {:12d}".format(consumed_samples),
-        "elapsed time per iteration (ms): {:.1f}".format(elapsed_ms),
+        f"iteration {iteration:8d}/{train_iters:8d}",
+        f"consumed samples: {consumed_samples:12d}",
+        f"elapsed time per iteration (ms): {elapsed_ms:.1f}",
     ]
     if throughput_tflops is not None:
-        parts.append("throughput per GPU (TFLOP/s/GPU): {:.1f}".format(throughput_tflops))
-    parts.append("learning rate: {:.6E}".format(lr))
-    parts.append("global batch size: {:5d}".format(global_batch_size))
+        parts.append(f"throughput per GPU (TFLOP/s/GPU): {throughput_tflops:.1f}")
+    parts.append(f"learning rate: {lr:.6E}")
+    parts.append(f"global batch size: {global_batch_size:5d}")
     for name, value in losses.items():
-        parts.append("{}: {:.6E}".format(name, value))
-    parts.append("loss scale: {:.1f}".format(loss_scale))
+        parts.append(f"{name}: {value:.6E}")
+    parts.append(f"loss scale: {loss_scale:.1f}")
     if grad_norm is not None:
-        parts.append("grad norm: {:.3f}".format(grad_norm))
+        parts.append(f"grad norm: {grad_norm:.3f}")
     if num_zeros is not None:
-        parts.append("num zeros: {:.1f}".format(num_zeros))
+        parts.append(f"num zeros: {num_zeros:.1f}")
     if params_norm is not None:
-        parts.append("params norm: {:.3f}".format(params_norm))
-    parts.append("number of skipped iterations: {:3d}".format(skipped_iters))
-    parts.append("number of nan iterations: {:3d}".format(nan_iters))
+        parts.append(f"params norm: {params_norm:.3f}")
+    parts.append(f"number of skipped iterations: {skipped_iters:3d}")
+    parts.append(f"number of nan iterations: {nan_iters:3d}")
     # Megatron ends every part with " |", so the line ends with one too.
     return "[{}] ".format(timestamp.strftime("%Y-%m-%d %H:%M:%S.%f")) + " ".join(p + " |" for p in parts)
 
@@ -112,7 +113,7 @@ def format_memory_line(
     max_allocated_mb: float,
     reserved_mb: float,
     max_reserved_mb: float,
-    extra: Optional[Mapping[str, float]] = None,
+    extra: Mapping[str, float] | None = None,
 ) -> str:
     """Megatron-style memory line, e.g. ``[Rank 0] (after 1 iterations) memory (MB) | allocated: 1.00 | ...``.
 
@@ -133,7 +134,7 @@ def format_memory_line(
     return " | ".join(parts)
 
 
-def memory_stats_mb(device: torch.device) -> Dict[str, float]:
+def memory_stats_mb(device: torch.device) -> dict[str, float]:
     """Allocator statistics of ``device`` in MB, keyed like ``format_memory_line``'s arguments.
 
     All zeros for a CPU device (there is no caching allocator to ask).
@@ -149,7 +150,7 @@ def memory_stats_mb(device: torch.device) -> Dict[str, float]:
     }
 
 
-def memory_metrics(stats_mb: Mapping[str, float]) -> Dict[str, float]:
+def memory_metrics(stats_mb: Mapping[str, float]) -> dict[str, float]:
     """``memory_stats_mb`` output -> Megatron's TensorBoard names, in bytes."""
     return {
         "mem-allocated-bytes": stats_mb["allocated_mb"] * _MB,
@@ -159,7 +160,9 @@ def memory_metrics(stats_mb: Mapping[str, float]) -> Dict[str, float]:
     }
 
 
-def num_floating_point_operations(config: TransformerConfig, *, batch_size: int, seq_length: int, vocab_size: int) -> float:
+def num_floating_point_operations(
+    config: TransformerConfig, *, batch_size: int, seq_length: int, vocab_size: int
+) -> float:
     """Model FLOPs of one training iteration (forward + backward) of a dense GPT.
 
     Counted from the matmul shapes; a matmul ``[m, k] @ [k, n]`` costs ``2 m k n``.
@@ -249,7 +252,7 @@ class MetricsWriter:
         ValueError: ``tensorboard_dir`` is set but the tensorboard package is missing.
     """
 
-    def __init__(self, path: Optional[str], tensorboard_dir: Optional[str], *, enabled_on_this_rank: bool):
+    def __init__(self, path: str | None, tensorboard_dir: str | None, *, enabled_on_this_rank: bool):
         if tensorboard_dir is not None:
             _check_tensorboard_installed()
         self.enabled = enabled_on_this_rank
@@ -264,7 +267,7 @@ class MetricsWriter:
         if tensorboard_dir is not None:
             self._tb = _make_summary_writer(tensorboard_dir)
 
-    def write(self, iteration: int, metrics: Mapping[str, Any], *, samples: Optional[int] = None) -> None:
+    def write(self, iteration: int, metrics: Mapping[str, Any], *, samples: int | None = None) -> None:
         """Records one iteration's metrics.
 
         Args:
@@ -326,4 +329,3 @@ def print_last_rank(message: str) -> None:
     rank, world = _rank_and_world()
     if rank == world - 1:
         print(message, flush=True)
-

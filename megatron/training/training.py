@@ -14,7 +14,7 @@ import datetime
 import math
 import os
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,7 +68,10 @@ class Trainer:
         self.graphs = CudaGraphManager(cfg.cuda_graph, on_wgrad_ready=self._wgrads_ready).apply(model)
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = MixedPrecisionOptimizer(
-            params, config=cfg.optimizer, precision=cfg.precision, preallocate_state=self.graphs.state != "off",
+            params,
+            config=cfg.optimizer,
+            precision=cfg.precision,
+            preallocate_state=self.graphs.state != "off",
             grad_buffers=[self.model.grad_buffer.data],
         )
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, t.train_iters)
@@ -76,7 +79,7 @@ class Trainer:
         self.consumed_samples = 0
         self.skipped_iters = 0
         self.nan_iters = 0
-        self.last_checkpointed_iteration: Optional[int] = None
+        self.last_checkpointed_iteration: int | None = None
         if cfg.checkpoint.load:
             checkpointing.load_checkpoint(self)  # sets iteration/consumed_samples; copies in place
         self.metrics = logs.MetricsWriter(
@@ -92,7 +95,7 @@ class Trainer:
         # default stream.
         use_stream = self.device.type == "cuda" and self.graphs.state != "off"
         self.stream = side_stream(self.device) if use_stream else None
-        self.history: List[Dict] = []
+        self.history: list[dict] = []
 
     def _wgrads_ready(self, params, event, event_only=()) -> None:
         self.model.register_grads_ready(params, event)
@@ -100,7 +103,7 @@ class Trainer:
             self.model.add_grad_event(p, event)
 
     # ------------------------------------------------------------------ one step
-    def _next_batch(self, data_iterator) -> Dict[str, torch.Tensor]:
+    def _next_batch(self, data_iterator) -> dict[str, torch.Tensor]:
         """The next micro-batch, on this rank's device (the one prefetched, if any)."""
         if self._prefetched is not None and self._prefetched[0] is data_iterator:
             batch, self._prefetched = self._prefetched[1], None
@@ -170,7 +173,7 @@ class Trainer:
         return self._hand_over(loss), self._hand_over(grad_norm), bool(success)
 
     # ------------------------------------------------------------------ loop
-    def train(self) -> List[Dict]:
+    def train(self) -> list[dict]:
         cfg = self.cfg
         t, lg = cfg.training, cfg.logging
         # The DataLoader draws its base seed from torch's CPU generator; fork it so a run
@@ -207,7 +210,9 @@ class Trainer:
                 window_nan.zero_()
                 window_iters = 0
                 last_time = self._sync_time()
-            if self.iteration == first_iteration or (lg.log_memory_interval and self.iteration % lg.log_memory_interval == 0):
+            if self.iteration == first_iteration or (
+                lg.log_memory_interval and self.iteration % lg.log_memory_interval == 0
+            ):
                 self._log_memory()
             if valid_iter is not None and self.iteration % t.eval_interval == 0:
                 self.evaluate(valid_iter, f"iteration {self.iteration}")
@@ -245,8 +250,9 @@ class Trainer:
         ppl = math.exp(min(20.0, loss))
         line = f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
         logs.print_last_rank("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
-        self.metrics.write(self.iteration, {"lm loss validation": loss, "lm loss validation ppl": ppl},
-                           samples=self.consumed_samples)
+        self.metrics.write(
+            self.iteration, {"lm loss validation": loss, "lm loss validation ppl": ppl}, samples=self.consumed_samples
+        )
         return loss
 
     def _sync_time(self) -> float:
@@ -255,7 +261,7 @@ class Trainer:
         return time.perf_counter()
 
     # ------------------------------------------------------------------ logging
-    def _log_iteration(self, loss, grad_norm, nan_count, elapsed_ms) -> Dict:
+    def _log_iteration(self, loss, grad_norm, nan_count, elapsed_ms) -> dict:
         cfg, t = self.cfg, self.cfg.training
         nan_now = int(nan_count.item())
         self.nan_iters += nan_now
@@ -275,7 +281,10 @@ class Trainer:
         throughput = None
         if cfg.logging.log_throughput:
             flops = logs.num_floating_point_operations(
-                cfg.model, batch_size=t.global_batch_size, seq_length=cfg.model.seq_length, vocab_size=cfg.model.vocab_size
+                cfg.model,
+                batch_size=t.global_batch_size,
+                seq_length=cfg.model.seq_length,
+                vocab_size=cfg.model.vocab_size,
             )
             throughput = flops / (elapsed_ms / 1000.0) / 1e12 / self.pg.world_size
         loss_scale = float(self.optimizer.get_loss_scale())
@@ -317,7 +326,7 @@ class Trainer:
         self.metrics.write(self.iteration, record, samples=self.consumed_samples)
         return dict(record, iteration=self.iteration)
 
-    def _memory_record(self) -> Dict[str, float]:
+    def _memory_record(self) -> dict[str, float]:
         record = logs.memory_metrics(logs.memory_stats_mb(self.device))
         if self.graphs.state == "captured":
             s = self.graphs.stats()
@@ -339,8 +348,13 @@ class Trainer:
             }
         print(
             logs.format_memory_line(
-                self.pg.rank, f"(after {self.iteration} iterations)", mem["allocated_mb"], mem["max_allocated_mb"],
-                mem["reserved_mb"], mem["max_reserved_mb"], extra=extra,
+                self.pg.rank,
+                f"(after {self.iteration} iterations)",
+                mem["allocated_mb"],
+                mem["max_allocated_mb"],
+                mem["reserved_mb"],
+                mem["max_reserved_mb"],
+                extra=extra,
             ),
             flush=True,
         )
@@ -357,7 +371,7 @@ def default_model_provider(cfg: RunConfig, vocab_size: int, pg, device) -> torch
     return build_gpt_model(cfg.model, vocab_size, pg=pg, device=device)
 
 
-def build_trainer(argv: Optional[Sequence[str]] = None, model_provider: Callable = default_model_provider) -> Trainer:
+def build_trainer(argv: Sequence[str] | None = None, model_provider: Callable = default_model_provider) -> Trainer:
     """Parses flags and builds a ``Trainer`` without training (tests, tools).
 
     The caller owns the process groups: ``parallel_state.destroy(trainer.pg)`` at the end.
@@ -379,7 +393,7 @@ def build_trainer(argv: Optional[Sequence[str]] = None, model_provider: Callable
         raise
 
 
-def pretrain(argv: Optional[Sequence[str]] = None, model_provider: Callable = default_model_provider) -> Trainer:
+def pretrain(argv: Sequence[str] | None = None, model_provider: Callable = default_model_provider) -> Trainer:
     """Parses flags, builds everything and trains. Returns the finished ``Trainer``."""
     trainer = build_trainer(argv, model_provider)
     try:

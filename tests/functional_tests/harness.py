@@ -36,7 +36,8 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any, Dict, List, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import yaml
 
@@ -67,16 +68,16 @@ class Case:
 
     name: str
     folder: str
-    model_args: Dict[str, Any]
+    model_args: dict[str, Any]
     test_type: str = "regular"
     device: str = "cpu"
     nproc: int = 1
-    metrics: List[str] = dataclasses.field(default_factory=lambda: ["lm loss"])
+    metrics: list[str] = dataclasses.field(default_factory=lambda: ["lm loss"])
     rtol: float = 0.0
     atol: float = 0.0
-    golden_from: Optional[str] = None
-    data: Optional[Dict[str, Any]] = None
-    env_vars: Dict[str, str] = dataclasses.field(default_factory=dict)
+    golden_from: str | None = None
+    data: dict[str, Any] | None = None
+    env_vars: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def golden_path(self) -> str:
@@ -89,11 +90,9 @@ class Case:
         return int(self.model_args["--train-iters"])
 
 
-def list_cases() -> List[str]:
+def list_cases() -> list[str]:
     """Names of every case folder, sorted."""
-    return sorted(
-        d for d in os.listdir(FUNCTIONAL_DIR) if os.path.isfile(os.path.join(FUNCTIONAL_DIR, d, CONFIG_FILE))
-    )
+    return sorted(d for d in os.listdir(FUNCTIONAL_DIR) if os.path.isfile(os.path.join(FUNCTIONAL_DIR, d, CONFIG_FILE)))
 
 
 def load_case(name: str) -> Case:
@@ -143,7 +142,7 @@ def load_case(name: str) -> Case:
     return case
 
 
-def model_args_to_argv(model_args: Mapping[str, Any], substitutions: Optional[Mapping[str, str]] = None) -> List[str]:
+def model_args_to_argv(model_args: Mapping[str, Any], substitutions: Mapping[str, str] | None = None) -> list[str]:
     """``{"--num-layers": 2, "--bf16": true}`` -> ``["--num-layers", "2", "--bf16"]``."""
 
     def text(value: Any) -> str:
@@ -152,7 +151,7 @@ def model_args_to_argv(model_args: Mapping[str, Any], substitutions: Optional[Ma
             out = out.replace("${" + key + "}", sub)
         return out
 
-    argv: List[str] = []
+    argv: list[str] = []
     for flag, value in model_args.items():
         if value is None or value is False:
             continue
@@ -174,7 +173,7 @@ _WORDS = (
 ).split()
 
 
-def synthetic_corpus(documents: int, seed: int = 1234) -> List[str]:
+def synthetic_corpus(documents: int, seed: int = 1234) -> list[str]:
     """Deterministic pseudo-sentences (a fixed LCG, so every Python gives the same text)."""
     state = seed
     texts = []
@@ -209,14 +208,22 @@ def prepare_jsonl_dataset(case: Case, workdir: str) -> str:
 # ---------------------------------------------------------------------- running
 
 
-def _command(case: Case, argv: List[str]) -> List[str]:
+def _command(case: Case, argv: list[str]) -> list[str]:
     entry = os.path.join(REPO, "pretrain_gpt.py")
     if case.nproc > 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={case.nproc}", entry, *argv]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={case.nproc}",
+            entry,
+            *argv,
+        ]
     return [sys.executable, entry, *argv]
 
 
-def _env(case: Case) -> Dict[str, str]:
+def _env(case: Case) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     if case.device == "cpu":
@@ -226,7 +233,7 @@ def _env(case: Case) -> Dict[str, str]:
     return env
 
 
-def _run(case: Case, argv: List[str], workdir: str, timeout: float) -> None:
+def _run(case: Case, argv: list[str], workdir: str, timeout: float) -> None:
     log = os.path.join(workdir, "train.log")
     with open(log, "a", encoding="utf-8") as out:
         proc = subprocess.run(
@@ -238,7 +245,7 @@ def _run(case: Case, argv: List[str], workdir: str, timeout: float) -> None:
         raise RuntimeError(f"case {case.name}: training exited with code {proc.returncode}; log tail:\n{tail}")
 
 
-def run_case(case: Case, workdir: str, timeout: float = 600) -> Dict[str, Dict[int, float]]:
+def run_case(case: Case, workdir: str, timeout: float = 600) -> dict[str, dict[int, float]]:
     """Trains the case in ``workdir``; returns ``{metric: {iteration: value}}``."""
     os.makedirs(workdir, exist_ok=True)
     substitutions = {}
@@ -256,24 +263,28 @@ def run_case(case: Case, workdir: str, timeout: float = 600) -> Dict[str, Dict[i
     return {m: compare_tool.load_curve(metrics_file, m) for m in case.metrics}
 
 
-def read_golden(case: Case) -> Dict[str, Dict[int, float]]:
+def read_golden(case: Case) -> dict[str, dict[int, float]]:
     """``{metric: {step: value}}`` from the case's golden file."""
     return {m: compare_tool.load_curve(case.golden_path, m) for m in case.metrics}
 
 
-def compare_with_golden(case: Case, curves: Mapping[str, Dict[int, float]]) -> List[Any]:
+def compare_with_golden(case: Case, curves: Mapping[str, dict[int, float]]) -> list[Any]:
     """One ``Comparison`` per metric of the case (golden first)."""
     golden = read_golden(case)
     return [
         compare_tool.compare_curves(
-            golden[m], curves[m], rtol=case.rtol, atol=case.atol,
-            names=(os.path.relpath(case.golden_path, REPO), f"{case.name} run"), metric=m,
+            golden[m],
+            curves[m],
+            rtol=case.rtol,
+            atol=case.atol,
+            names=(os.path.relpath(case.golden_path, REPO), f"{case.name} run"),
+            metric=m,
         )  # fmt: skip
         for m in case.metrics
     ]
 
 
-def write_golden(case: Case, curves: Mapping[str, Dict[int, float]]) -> str:
+def write_golden(case: Case, curves: Mapping[str, dict[int, float]]) -> str:
     """Writes ``golden_values.json`` into the case folder; returns its path."""
     if case.golden_from:
         raise ValueError(f"case {case.name} is checked against {case.golden_from}'s goldens; regenerate that case.")

@@ -37,7 +37,9 @@ def test_case_matches_golden(name, tmp_path):
     if not os.path.isfile(case.golden_path):
         regen = f"python tools/regenerate_goldens.py --case {case.golden_from or name}"
         if case.device == "gpu":
-            pytest.skip(f"GPU case {name}: {case.golden_path} not generated yet; run `{regen}` on a GPU machine and commit it.")
+            pytest.skip(
+                f"GPU case {name}: {case.golden_path} not generated yet; run `{regen}` on a GPU machine and commit it."
+            )
         pytest.fail(f"CPU case {name} has no {case.golden_path}; run `{regen}` and commit it.")
     curves = harness.run_case(case, str(tmp_path))
     results = harness.compare_with_golden(case, curves)
@@ -52,7 +54,9 @@ def test_cases_are_well_formed():
         if case.device == "gpu":
             assert case.rtol == case.atol == 0, f"{name}: GPU cases are compared exactly"
         if case.golden_from:
-            assert not os.path.exists(os.path.join(case.folder, harness.GOLDEN_FILE)), f"{name}: borrows a golden, owns one too"
+            assert not os.path.exists(os.path.join(case.folder, harness.GOLDEN_FILE)), (
+                f"{name}: borrows a golden, owns one too"
+            )
             assert harness.load_case(case.golden_from).device == case.device, name
         if case.device == "gpu" and not os.path.isfile(case.golden_path):
             continue
@@ -87,7 +91,14 @@ def test_case_config_errors(tmp_path, monkeypatch):
 
 def test_model_args_to_argv():
     argv = harness.model_args_to_argv(
-        {"--num-layers": 2, "--bf16": True, "--fp16": False, "--scope": ["attn", "mlp"], "--data-path": "${DATA_PATH}", "--lr": 3.0e-3},
+        {
+            "--num-layers": 2,
+            "--bf16": True,
+            "--fp16": False,
+            "--scope": ["attn", "mlp"],
+            "--data-path": "${DATA_PATH}",
+            "--lr": 3.0e-3,
+        },
         {"DATA_PATH": "/d/x"},
     )
     assert argv == ["--num-layers", "2", "--bf16", "--scope", "attn", "mlp", "--data-path", "/d/x", "--lr", "0.003"]

@@ -34,7 +34,9 @@ def test_load_curve_reads_both_formats(tmp_path):
     curve = compare.load_curve(jsonl)
     assert curve == {1: 10.123456789, 2: 9.5, 3: 9.25}
     golden = compare.golden_from_curves({"lm loss": curve})
-    assert golden == {"lm loss": {"start_step": 1, "end_step": 3, "step_interval": 1, "values": {"1": 10.12346, "2": 9.5, "3": 9.25}}}
+    assert golden == {
+        "lm loss": {"start_step": 1, "end_step": 3, "step_interval": 1, "values": {"1": 10.12346, "2": 9.5, "3": 9.25}}
+    }
     path = tmp_path / "golden.json"
     path.write_text(json.dumps(golden))
     assert compare.load_curve(str(path)) == {1: 10.12346, 2: 9.5, 3: 9.25}

@@ -13,15 +13,15 @@ are not what we test); interpreter start-up has its own, generous allowance.
 """
 
 import datetime
+import multiprocessing
 import os
 import pickle
 import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable, List, Optional
-
-import multiprocessing
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -60,6 +60,7 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, timeout: float,
         # imported after the group exists, keeps it alive past destroy_process_group, and
         # gloo's threads then abort at interpreter exit now and then.
         import torch._dynamo  # noqa: F401
+
         dist.init_process_group(
             "gloo",
             init_method="env://",
@@ -83,7 +84,7 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, timeout: float,
     dist.destroy_process_group()
 
 
-def _kill_all(procs: List[multiprocessing.Process]) -> None:
+def _kill_all(procs: list[multiprocessing.Process]) -> None:
     for proc in procs:
         if proc.is_alive():
             proc.kill()
@@ -91,7 +92,7 @@ def _kill_all(procs: List[multiprocessing.Process]) -> None:
         proc.join(timeout=10)
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -> List[Any]:
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo CPU processes.
 
     Args:
@@ -126,15 +127,15 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     for proc in procs:
         proc.start()
 
-    results: List[Any] = [None] * world_size
+    results: list[Any] = [None] * world_size
     ready: set = set()
     done: set = set()
     failures: dict = {}  # rank -> text
     exited_at: dict = {}  # rank -> when its process was first seen dead without reporting
     started = time.monotonic()
-    deadline: Optional[float] = None  # set once every rank is up
-    give_up: Optional[float] = None  # set at the first failure: collect the others' reports briefly
-    timed_out: Optional[str] = None
+    deadline: float | None = None  # set once every rank is up
+    give_up: float | None = None  # set at the first failure: collect the others' reports briefly
+    timed_out: str | None = None
     try:
         while len(done) + len(failures) < world_size:
             try:
@@ -165,7 +166,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             if give_up is not None and now > give_up:
                 break
             if deadline is None and now - started > _STARTUP_TIMEOUT_S:
-                timed_out = f"ranks {sorted(set(range(world_size)) - ready)} did not start within {_STARTUP_TIMEOUT_S:.0f} s."
+                timed_out = (
+                    f"ranks {sorted(set(range(world_size)) - ready)} did not start within {_STARTUP_TIMEOUT_S:.0f} s."
+                )
                 break
             if deadline is not None and now > deadline:
                 pending = sorted(set(range(world_size)) - done - set(failures))

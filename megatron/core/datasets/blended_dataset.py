@@ -11,7 +11,7 @@ in the blend size and its result is cached next to the GPT indices when a cache 
 is known.
 """
 
-from typing import Dict, List, Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -19,7 +19,7 @@ import torch
 from megatron.core.datasets.index_cache import CachedIndices
 
 
-def build_blending_indices(weights: Sequence[float], size: int) -> Dict[str, np.ndarray]:
+def build_blending_indices(weights: Sequence[float], size: int) -> dict[str, np.ndarray]:
     """Chooses the source dataset of each blended sample.
 
     Args:
@@ -63,13 +63,13 @@ class BlendedDataset(torch.utils.data.Dataset):
 
     def __init__(
         self,
-        datasets: List[torch.utils.data.Dataset],
+        datasets: list[torch.utils.data.Dataset],
         weights: Sequence[float],
         size: int,
         *,
-        description: Optional[dict] = None,
-        cache_dir: Optional[str] = None,
-        default_cache_dir: Optional[str] = None,
+        description: dict | None = None,
+        cache_dir: str | None = None,
+        default_cache_dir: str | None = None,
         split_name: str = "train",
     ):
         assert len(datasets) == len(weights) and len(datasets) < np.iinfo(np.int16).max
@@ -78,7 +78,13 @@ class BlendedDataset(torch.utils.data.Dataset):
         self.datasets = datasets
         self.weights = [w / total for w in weights]
         self.size = int(size)
-        full_description = {"class": "BlendedDataset", "format": 1, "weights": self.weights, "size": self.size, "datasets": description}
+        full_description = {
+            "class": "BlendedDataset",
+            "format": 1,
+            "weights": self.weights,
+            "size": self.size,
+            "datasets": description,
+        }
         cache = CachedIndices(
             full_description,
             f"BlendedDataset-{split_name}",
@@ -97,6 +103,6 @@ class BlendedDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.size
 
-    def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         d = int(self.dataset_index[idx])
         return self.datasets[d][int(self.dataset_sample_index[idx])]

@@ -15,7 +15,7 @@ files replace it).
 import logging
 import math
 import re
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -30,7 +30,7 @@ SPLIT_NAMES = ("train", "valid", "test")
 BLEND_SURPLUS = 0.005
 
 
-def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], List[float]]:
+def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float]]:
     """``["0.3", "pA", "0.7", "pB"]`` -> (prefixes, normalised weights).
 
     Entries holding spaces are split, so ``["0.3 pA 0.7 pB"]`` works too. Without weights
@@ -40,7 +40,7 @@ def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], List[float]]:
     if not words:
         raise ValueError("--data-path is empty; pass a dataset prefix (or --mock-data).")
 
-    def as_float(word: str) -> Optional[float]:
+    def as_float(word: str) -> float | None:
         try:
             return float(word)
         except ValueError:
@@ -62,7 +62,7 @@ def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], List[float]]:
     return prefixes, [w / total for w in weights]
 
 
-def parse_split(split: str) -> List[float]:
+def parse_split(split: str) -> list[float]:
     """``"969,30,1"`` -> normalised [train, valid, test] weights (missing ones are 0)."""
     numbers = re.findall(r"[^,/\s]+", split)
     try:
@@ -71,18 +71,20 @@ def parse_split(split: str) -> List[float]:
         raise ValueError(f"--split {split!r} must be comma-separated numbers, e.g. 969,30,1.") from None
     values += [0.0] * (3 - len(values))
     if len(values) != 3 or not all(math.isfinite(v) and v >= 0 for v in values) or sum(values) <= 0:
-        raise ValueError(f"--split {split!r} needs up to three non-negative weights (train,valid,test) with a positive sum.")
+        raise ValueError(
+            f"--split {split!r} needs up to three non-negative weights (train,valid,test) with a positive sum."
+        )
     total = sum(values)
     return [v / total for v in values]
 
 
-def split_ranges(split: Sequence[float], num_documents: int) -> List[Optional[Tuple[int, int]]]:
+def split_ranges(split: Sequence[float], num_documents: int) -> list[tuple[int, int] | None]:
     """Document [begin, end) of each split; None where the split's weight is 0.
 
     Book-ends are the cumulative weights, each rounded to a document index, so adjacent
     splits touch and together cover every document.
     """
-    ranges: List[Optional[Tuple[int, int]]] = []
+    ranges: list[tuple[int, int] | None] = []
     edge = 0.0
     for weight in split:
         lo, hi = edge, edge + weight
@@ -94,7 +96,7 @@ def split_ranges(split: Sequence[float], num_documents: int) -> List[Optional[Tu
     return ranges
 
 
-def _blend_sizes(weights: Sequence[float], target: int) -> List[int]:
+def _blend_sizes(weights: Sequence[float], target: int) -> list[int]:
     return [int(math.ceil(math.ceil(target * w) * (1 + BLEND_SURPLUS))) for w in weights]
 
 
@@ -117,7 +119,7 @@ def build_train_valid_test_datasets(
     *,
     seq_length: int,
     seed: int,
-    num_samples: Tuple[int, int, int],
+    num_samples: tuple[int, int, int],
 ):
     """Builds (train, valid, test) datasets; a split is None when its weight or sample count is 0.
 

@@ -18,13 +18,13 @@ Unusual here, both for a host-bound GPU step (dense8 eager on an H200 host):
   pins each batch itself when it copies it to the device.
 """
 
-from typing import Dict, Iterable, Iterator, List, Optional, Union
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-Batch = Dict[str, Union[torch.Tensor, np.ndarray]]
+Batch = dict[str, torch.Tensor | np.ndarray]
 
 
 class MegatronPretrainingSampler:
@@ -75,11 +75,11 @@ class MegatronPretrainingSampler:
         # A partial last step yields a batch only to ranks whose slice is not empty.
         return full + (1 if rest > self.data_parallel_rank * self.micro_batch_size else 0)
 
-    def _slice(self, batch: List[int]) -> List[int]:
+    def _slice(self, batch: list[int]) -> list[int]:
         start = self.data_parallel_rank * self.micro_batch_size
         return batch[start : start + self.micro_batch_size]
 
-    def __iter__(self) -> Iterator[List[int]]:
+    def __iter__(self) -> Iterator[list[int]]:
         for begin in range(self.consumed_samples, self.total_samples - self._step + 1, self._step):
             yield self._slice(list(range(begin, begin + self._step)))
         if not self.drop_last:
@@ -96,7 +96,7 @@ def build_pretraining_data_loader(
     data_parallel_rank: int,
     data_parallel_size: int,
     num_workers: int = 0,
-) -> Optional[Iterable[Batch]]:
+) -> Iterable[Batch] | None:
     """A DataLoader over ``dataset`` driven by ``MegatronPretrainingSampler``.
 
     Batches are dicts of stacked tensors ([micro_batch_size, seq_length] for GPT data),

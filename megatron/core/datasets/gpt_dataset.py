@@ -21,7 +21,6 @@ result, no compiled helper), and the arrays are cached atomically (see ``index_c
 import hashlib
 import logging
 import os
-from typing import Dict, Optional
 
 import numpy as np
 import torch
@@ -35,7 +34,9 @@ _SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 _INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
 
 
-def _build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_final_epoch: bool) -> np.ndarray:
+def _build_document_index(
+    documents: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_final_epoch: bool
+) -> np.ndarray:
     if not separate_final_epoch or num_epochs == 1:
         index = np.tile(documents.astype(np.int32), num_epochs)
         rng.shuffle(index)
@@ -45,7 +46,9 @@ def _build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random
     return np.concatenate((first, last))
 
 
-def _build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray, num_samples: int, seq_length: int) -> np.ndarray:
+def _build_sample_index(
+    sequence_lengths: np.ndarray, document_index: np.ndarray, num_samples: int, seq_length: int
+) -> np.ndarray:
     """Sample boundaries [num_samples + 1, 2] = (document-index position, token offset).
 
     Boundary i is global token i * seq_length of the concatenated (shuffled) documents.
@@ -75,8 +78,8 @@ def _build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Rando
 
 
 def build_gpt_indices(
-    sequence_lengths: np.ndarray, documents: np.ndarray, num_samples: Optional[int], seq_length: int, seed: int
-) -> Dict[str, np.ndarray]:
+    sequence_lengths: np.ndarray, documents: np.ndarray, num_samples: int | None, seq_length: int, seed: int
+) -> dict[str, np.ndarray]:
     """Builds the document, sample and shuffle indices of one split.
 
     Args:
@@ -144,14 +147,14 @@ class GPTDataset(torch.utils.data.Dataset):
         self,
         low_level_dataset,
         documents: np.ndarray,
-        num_samples: Optional[int],
+        num_samples: int | None,
         *,
         seq_length: int,
         seed: int,
         eod: int,
         split_name: str = "train",
-        path_prefix: Optional[str] = None,
-        cache_dir: Optional[str] = None,
+        path_prefix: str | None = None,
+        cache_dir: str | None = None,
         eod_mask_loss: bool = False,
     ):
         if seq_length < 1:
@@ -186,7 +189,9 @@ class GPTDataset(torch.utils.data.Dataset):
             "add_extra_token": True,
         }
         default_dir = default_cache_dir(path_prefix, type(self).__name__) if path_prefix else None
-        self.cache = CachedIndices(description, f"{type(self).__name__}-{split_name}", _INDEX_NAMES, cache_dir, default_dir)
+        self.cache = CachedIndices(
+            description, f"{type(self).__name__}-{split_name}", _INDEX_NAMES, cache_dir, default_dir
+        )
         arrays = self.cache.get(lambda: build_gpt_indices(lengths, self.documents, num_samples, seq_length, seed))
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
@@ -212,7 +217,7 @@ class GPTDataset(torch.utils.data.Dataset):
         assert len(text) == self.seq_length + 1, (len(text), self.seq_length)
         return text
 
-    def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         text = torch.from_numpy(self.sample_tokens(idx))
         tokens = text[:-1].contiguous()
         labels = text[1:].contiguous()
@@ -251,9 +256,11 @@ class MockGPTLowLevelDataset:
 
     def __getitem__(self, idx: int) -> np.ndarray:
         length = int(self.sequence_lengths[idx])
-        return np.concatenate([(np.arange(length - 1, dtype=np.int64) + 1) % self.vocab_size, [self.eod]]).astype(np.int64)
+        return np.concatenate([(np.arange(length - 1, dtype=np.int64) + 1) % self.vocab_size, [self.eod]]).astype(
+            np.int64
+        )
 
-    def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         if length is None:
             length = int(self.sequence_lengths[idx]) - offset
         return self[idx][offset : offset + length]

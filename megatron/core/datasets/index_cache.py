@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import tempfile
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 TMP_CACHE_ROOT = os.path.join(tempfile.gettempdir(), "megatron_index_cache")
 
 
-def description_hash(description: dict) -> Tuple[str, str]:
+def description_hash(description: dict) -> tuple[str, str]:
     """Returns (canonical JSON text, its md5 hex digest)."""
     text = json.dumps(description, sort_keys=True, indent=2)
     return text, hashlib.md5(text.encode("utf-8")).hexdigest()
@@ -66,8 +66,8 @@ class CachedIndices:
         description: dict,
         prefix: str,
         names: Sequence[str],
-        explicit_dir: Optional[str],
-        default_dir: Optional[str],
+        explicit_dir: str | None,
+        default_dir: str | None,
     ):
         self.description_text, self.key = description_hash(description)
         self.prefix = prefix
@@ -80,13 +80,13 @@ class CachedIndices:
         else:
             self.candidates = []
         self.cache_hit = False
-        self.directory: Optional[str] = None
+        self.directory: str | None = None
 
     def path(self, directory: str, name: str) -> str:
         suffix = "txt" if name == "description" else "npy"
         return os.path.join(directory, f"{self.key}-{self.prefix}-{name}.{suffix}")
 
-    def _try_load(self, directory: str) -> Optional[Dict[str, np.ndarray]]:
+    def _try_load(self, directory: str) -> dict[str, np.ndarray] | None:
         paths = [self.path(directory, n) for n in (*self.names, "description")]
         if not all(os.path.isfile(p) for p in paths):
             return None
@@ -96,14 +96,14 @@ class CachedIndices:
             logger.warning("ignoring unreadable index cache in %s (%s); rebuilding", directory, e)
             return None
 
-    def _save(self, directory: str, arrays: Dict[str, np.ndarray]) -> None:
+    def _save(self, directory: str, arrays: dict[str, np.ndarray]) -> None:
         os.makedirs(directory, exist_ok=True)
         for name in self.names:
             _atomic_write(self.path(directory, name), lambda f, a=arrays[name]: np.save(f, a, allow_pickle=False))
         text = self.description_text.encode("utf-8")
         _atomic_write(self.path(directory, "description"), lambda f: f.write(text))
 
-    def get(self, build: Callable[[], Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
+    def get(self, build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """Returns the arrays, from the first cache folder holding them or from ``build()``."""
         for directory in self.candidates:
             arrays = self._try_load(directory)

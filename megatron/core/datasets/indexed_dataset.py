@@ -22,7 +22,7 @@ the header and every size before trusting a byte, and names the file in each err
 
 import os
 import struct
-from typing import List, Optional, Sequence, Union
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -48,10 +48,12 @@ def dtype_code(dtype) -> int:
     for code, candidate in DTYPE_CODES.items():
         if candidate == dtype:
             return code
-    raise ValueError(f"dtype {dtype} cannot be stored in an indexed dataset; use one of {sorted(map(str, DTYPE_CODES.values()))}.")
+    raise ValueError(
+        f"dtype {dtype} cannot be stored in an indexed dataset; use one of {sorted(map(str, DTYPE_CODES.values()))}."
+    )
 
 
-def optimal_dtype(vocab_size: Optional[int]) -> np.dtype:
+def optimal_dtype(vocab_size: int | None) -> np.dtype:
     """Token dtype for a vocabulary: uint16 when it has fewer than 65,500 ids, else int32 (as Megatron)."""
     if vocab_size is not None and vocab_size < 65500:
         return np.dtype(np.uint16)
@@ -97,10 +99,10 @@ class IndexedDatasetBuilder:
         self.bin_path = bin_path
         self._tmp_bin = _tmp_path(bin_path)
         self._file = open(self._tmp_bin, "wb")
-        self.sequence_lengths: List[int] = []
-        self.document_indices: List[int] = [0]
+        self.sequence_lengths: list[int] = []
+        self.document_indices: list[int] = [0]
 
-    def add_document(self, tokens, lengths: Optional[Sequence[int]] = None) -> None:
+    def add_document(self, tokens, lengths: Sequence[int] | None = None) -> None:
         """Appends one document.
 
         Args:
@@ -122,7 +124,9 @@ class IndexedDatasetBuilder:
         if lengths is None:
             lengths = [array.size] if array.size else []
         if sum(lengths) != array.size:
-            raise ValueError(f"sequence lengths {list(lengths)} sum to {sum(lengths)}, not the {array.size} tokens given.")
+            raise ValueError(
+                f"sequence lengths {list(lengths)} sum to {sum(lengths)}, not the {array.size} tokens given."
+            )
         self._file.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
         self.sequence_lengths.extend(int(n) for n in lengths)
         self.document_indices.append(len(self.sequence_lengths))
@@ -211,14 +215,18 @@ class IndexedDataset:
         offset += 8 * num_sequences
         self.document_indices = np.frombuffer(self._idx_map, dtype="<i8", count=num_documents, offset=offset)
         if num_documents == 0 or self.document_indices[0] != 0 or self.document_indices[-1] != num_sequences:
-            raise ValueError(f"{idx_path}: document indices must start at 0 and end at the sequence count {num_sequences}.")
+            raise ValueError(
+                f"{idx_path}: document indices must start at 0 and end at the sequence count {num_sequences}."
+            )
 
         bin_size = os.path.getsize(bin_path)
         needed = 0
         if num_sequences:
             needed = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
         if bin_size < needed:
-            raise ValueError(f"{bin_path} is {bin_size} bytes but {idx_path} points to {needed}: the .bin is truncated; regenerate it.")
+            raise ValueError(
+                f"{bin_path} is {bin_size} bytes but {idx_path} points to {needed}: the .bin is truncated; regenerate it."
+            )
         # numpy cannot memory-map an empty file.
         self._bin_map = np.memmap(bin_path, dtype=np.uint8, mode="r") if bin_size else np.empty(0, dtype=np.uint8)
 
@@ -233,13 +241,13 @@ class IndexedDataset:
     def __len__(self) -> int:
         return len(self.sequence_lengths)
 
-    def __getitem__(self, idx: Union[int, np.integer, slice]) -> Union[np.ndarray, List[np.ndarray]]:
+    def __getitem__(self, idx: int | np.integer | slice) -> np.ndarray | list[np.ndarray]:
         """One sequence as a numpy array (a read-only view), or a list for a slice."""
         if isinstance(idx, slice):
             return [self.get(i) for i in range(*idx.indices(len(self)))]
         return self.get(idx)
 
-    def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``[offset, offset + length)`` of sequence ``idx`` (to its end when length is None)."""
         n = len(self)
         idx = int(idx)

@@ -29,7 +29,6 @@ Unusual choices:
 """
 
 import contextlib
-from typing import List
 
 import torch
 import torch.distributed as dist
@@ -69,7 +68,9 @@ class DistributedDataParallel(torch.nn.Module):
 
         params = [p for p in module.parameters() if p.requires_grad]
         devices = {p.device for p in params}
-        require(len(devices) <= 1, f"all trainable parameters must live on one device, found {sorted(map(str, devices))}.")
+        require(
+            len(devices) <= 1, f"all trainable parameters must live on one device, found {sorted(map(str, devices))}."
+        )
         device = devices.pop() if devices else pg.device
         # Backward order: the last parameters get their gradients first.
         self.grad_buffer = GradBuffer(list(reversed(params)), bucket_size=bucket_size, device=device)
@@ -104,7 +105,7 @@ class DistributedDataParallel(torch.nn.Module):
     # ------------------------------------------------------------------ buffer
 
     @property
-    def buckets(self) -> List[Bucket]:
+    def buckets(self) -> list[Bucket]:
         return self.grad_buffer.buckets
 
     def zero_grad_buffer(self) -> None:
@@ -291,10 +292,11 @@ class _FoldPlan:
     same parameters arrive with gradients (every step).
     """
 
-    def __init__(self, params: List[torch.nn.Parameter], key: tuple):
+    def __init__(self, params: list[torch.nn.Parameter], key: tuple):
         self.key = key
         self.small = [
-            i for i, p in enumerate(params)
+            i
+            for i, p in enumerate(params)
             if p.grad.dtype != p.main_grad.dtype and p.numel() <= _FOLD_SCRATCH_MAX_NUMEL
         ]
         small = set(self.small)
@@ -303,7 +305,7 @@ class _FoldPlan:
         self.direct_mains = [params[i].main_grad for i in self.direct]
         self.scratch = [torch.empty_like(main) for main in self.small_mains]
 
-    def run(self, params: List[torch.nn.Parameter]) -> None:
+    def run(self, params: list[torch.nn.Parameter]) -> None:
         if self.small:
             torch._foreach_copy_(self.scratch, [params[i].grad for i in self.small])
             torch._foreach_add_(self.small_mains, self.scratch)

@@ -11,7 +11,7 @@ wrote its ``main_grad`` views on another stream; whoever reads, scales or reduce
 bucket first makes the current stream wait on them (``wait_events``).
 """
 
-from typing import Dict, List, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -38,7 +38,7 @@ class Bucket:
             (with DP = 1 this means only that its events were waited on).
     """
 
-    def __init__(self, index: int, params: List[torch.nn.Parameter], data: torch.Tensor, offset: int):
+    def __init__(self, index: int, params: list[torch.nn.Parameter], data: torch.Tensor, offset: int):
         self.index = index
         self.params = params
         self.data = data
@@ -47,7 +47,7 @@ class Bucket:
         self.handle = None
         self.launched = False
         # id(event) -> event; an event object re-recorded every replay is stored once.
-        self._events: Dict[int, object] = {}
+        self._events: dict[int, object] = {}
 
     @property
     def numel(self) -> int:
@@ -106,8 +106,8 @@ class GradBuffer:
         self.device = torch.device(device)
 
         # Pass 1: offsets and bucket boundaries, in plain integers.
-        starts: List[int] = []
-        bucket_ranges: List[tuple] = []  # (first param index, end param index, start elem, end elem)
+        starts: list[int] = []
+        bucket_ranges: list[tuple] = []  # (first param index, end param index, start elem, end elem)
         offset = 0
         first_param, bucket_start = 0, 0
         for i, param in enumerate(self.params):
@@ -125,8 +125,8 @@ class GradBuffer:
         self.data = torch.zeros(self.numel, dtype=dtype, device=self.device)
         for param, start in zip(self.params, starts):
             param.main_grad = self.data[start : start + param.numel()].view(param.shape)
-        self.buckets: List[Bucket] = []
-        self.bucket_of_id: Dict[int, Bucket] = {}  # id(param) -> its bucket
+        self.buckets: list[Bucket] = []
+        self.bucket_of_id: dict[int, Bucket] = {}  # id(param) -> its bucket
         for index, (p0, p1, e0, e1) in enumerate(bucket_ranges):
             bucket = Bucket(index, self.params[p0:p1], self.data[e0:e1], e0)
             self.buckets.append(bucket)

@@ -16,7 +16,6 @@ the same path).
 """
 
 import os
-from typing import Optional
 
 import torch
 
@@ -32,7 +31,7 @@ _BLOCK = 4096
 # The vocabulary size is a compile-time constant of the kernels (one compile per size).
 
 
-def available(logits: Optional[torch.Tensor] = None) -> bool:
+def available(logits: torch.Tensor | None = None) -> bool:
     """Whether the fused kernel can run (on ``logits``' device, when given)."""
     if not HAVE_TRITON:
         return False
@@ -46,7 +45,9 @@ def _interpreting() -> bool:
 if HAVE_TRITON:
 
     @triton.jit
-    def _forward_kernel(logits_ptr, row_stride, target_ptr, loss_ptr, lse_ptr, n_cols: tl.constexpr, BLOCK: tl.constexpr):
+    def _forward_kernel(
+        logits_ptr, row_stride, target_ptr, loss_ptr, lse_ptr, n_cols: tl.constexpr, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * row_stride
         offs = tl.arange(0, BLOCK)
@@ -70,7 +71,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _backward_kernel(
-        logits_ptr, row_stride, grad_ptr, grad_row_stride, target_ptr, lse_ptr, grad_loss_ptr, n_cols: tl.constexpr,
+        logits_ptr,
+        row_stride,
+        grad_ptr,
+        grad_row_stride,
+        target_ptr,
+        lse_ptr,
+        grad_loss_ptr,
+        n_cols: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)

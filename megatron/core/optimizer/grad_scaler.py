@@ -11,8 +11,6 @@ unit of hysteresis; once hysteresis is used up, each further overflow halves the
 doubles and hysteresis is refilled.
 """
 
-from typing import Dict
-
 
 class ConstantGradScaler:
     """A fixed loss scale (``--loss-scale``)."""
@@ -25,10 +23,10 @@ class ConstantGradScaler:
     def update(self, found_inf: bool) -> None:
         """A constant scale ignores overflows (the step is still skipped)."""
 
-    def state_dict(self) -> Dict[str, float]:
+    def state_dict(self) -> dict[str, float]:
         return {"scale": self.scale}
 
-    def load_state_dict(self, state: Dict[str, float]) -> None:
+    def load_state_dict(self, state: dict[str, float]) -> None:
         # The command line decides a static scale; nothing to restore.
         pass
 
@@ -87,14 +85,14 @@ class DynamicGradScaler:
             self._hysteresis_tracker = self.hysteresis
             self.scale *= self.growth_factor
 
-    def state_dict(self) -> Dict[str, float]:
+    def state_dict(self) -> dict[str, float]:
         return {
             "scale": self.scale,
             "growth_tracker": self._growth_tracker,
             "hysteresis_tracker": self._hysteresis_tracker,
         }
 
-    def load_state_dict(self, state: Dict[str, float]) -> None:
+    def load_state_dict(self, state: dict[str, float]) -> None:
         self.scale = float(state["scale"])
         self._growth_tracker = int(state["growth_tracker"])
         self._hysteresis_tracker = int(state["hysteresis_tracker"])

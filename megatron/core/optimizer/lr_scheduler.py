@@ -11,7 +11,7 @@ first iteration runs at lr 0, and ``step()`` is called after each optimizer step
 """
 
 import math
-from typing import Any, Dict
+from typing import Any
 
 from megatron.core.config_utils import require
 
@@ -87,7 +87,7 @@ class OptimizerParamScheduler:
             group["lr"] = lr
         return lr
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "max_lr": self.max_lr,
             "min_lr": self.min_lr,
@@ -97,7 +97,7 @@ class OptimizerParamScheduler:
             "num_steps": self.num_steps,
         }
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores the position; the schedule itself comes from this run's flags."""
         self.num_steps = int(state["num_steps"])
         self.step(0)

@@ -23,7 +23,8 @@ Unusual choices:
   parallelism arrives, the squared norm must be summed over those groups here.
 """
 
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ def _uses_weight_decay(param: torch.Tensor) -> bool:
     return param.ndim >= 2
 
 
-def _build_inner(groups: List[Dict[str, Any]], config, device: torch.device) -> torch.optim.Optimizer:
+def _build_inner(groups: list[dict[str, Any]], config, device: torch.device) -> torch.optim.Optimizer:
     """AdamW or SGD, fused on CUDA when this torch supports it, else foreach."""
     if config.optimizer == "adam":
         cls = torch.optim.AdamW
@@ -56,7 +57,7 @@ def _build_inner(groups: List[Dict[str, Any]], config, device: torch.device) -> 
     return cls(groups, foreach=True, **kwargs)
 
 
-def _unscale_and_check(grads: List[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+def _unscale_and_check(grads: list[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
     """grads *= inv_scale in place; found_inf becomes 1 if any grad is inf/nan."""
     try:
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
@@ -89,12 +90,17 @@ class MixedPrecisionOptimizer:
     """
 
     def __init__(
-        self, model_params: Iterable[torch.nn.Parameter], *, config, precision, preallocate_state: bool = False,
+        self,
+        model_params: Iterable[torch.nn.Parameter],
+        *,
+        config,
+        precision,
+        preallocate_state: bool = False,
         grad_buffers: Sequence[torch.Tensor] = (),
     ):
         self.config = config
         self.precision = precision
-        self.model_params: List[torch.nn.Parameter] = []
+        self.model_params: list[torch.nn.Parameter] = []
         seen = set()
         for param in model_params:
             if id(param) in seen:
@@ -110,10 +116,10 @@ class MixedPrecisionOptimizer:
             raise ValueError("the optimizer got no trainable parameters.")
 
         # Main params: fp32 copies of low-precision params, the fp32 params themselves.
-        self.main_params: List[torch.Tensor] = []
-        self._lowp_model: List[torch.nn.Parameter] = []
-        self._lowp_main: List[torch.Tensor] = []
-        self._fp32_model: List[torch.nn.Parameter] = []
+        self.main_params: list[torch.Tensor] = []
+        self._lowp_model: list[torch.nn.Parameter] = []
+        self._lowp_main: list[torch.Tensor] = []
+        self._fp32_model: list[torch.nn.Parameter] = []
         for param in self.model_params:
             if param.dtype in _LOW_PRECISION:
                 main = param.detach().clone().float()
@@ -138,7 +144,7 @@ class MixedPrecisionOptimizer:
         self.device = self.main_params[0].device
         self.optimizer = _build_inner(groups, config, self.device)
         self._fused_adam = config.optimizer == "adam" and bool(self.optimizer.param_groups[0].get("fused"))
-        self._fused_lists: Optional[tuple] = None  # see _build_fused_lists
+        self._fused_lists: tuple | None = None  # see _build_fused_lists
         self.grad_buffers = self._check_grad_buffers(grad_buffers)
         if preallocate_state and config.optimizer == "adam":
             self._allocate_adam_state()
@@ -172,13 +178,15 @@ class MixedPrecisionOptimizer:
                 state = self.optimizer.state[p]
                 if state:
                     continue
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if on_device else torch.tensor(0.0)
+                state["step"] = (
+                    torch.zeros((), dtype=torch.float32, device=p.device) if on_device else torch.tensor(0.0)
+                )
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 if group.get("amsgrad"):
                     state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
-    def _check_grad_buffers(self, buffers: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    def _check_grad_buffers(self, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Flat buffers that hold every ``main_grad`` (and zeros elsewhere): the gradient
         norm is then taken over them. Checked to hold every parameter's ``main_grad``."""
         buffers = list(buffers)
@@ -197,7 +205,7 @@ class MixedPrecisionOptimizer:
     # ------------------------------------------------------------------ accessors
 
     @property
-    def param_groups(self) -> List[Dict[str, Any]]:
+    def param_groups(self) -> list[dict[str, Any]]:
         """The inner optimizer's param groups (the LR scheduler writes ``lr`` here)."""
         return self.optimizer.param_groups
 
@@ -213,7 +221,7 @@ class MixedPrecisionOptimizer:
 
     # ------------------------------------------------------------------ step
 
-    def _attach_grads(self) -> List[torch.Tensor]:
+    def _attach_grads(self) -> list[torch.Tensor]:
         """Points every main param's ``.grad`` at its model param's ``main_grad``.
 
         Re-done each step because the attribute is cheap to set and someone may have
@@ -233,7 +241,7 @@ class MixedPrecisionOptimizer:
             param.grad = None
 
     @torch.no_grad()
-    def clip_grad_norm(self, grads: List[torch.Tensor]) -> torch.Tensor:
+    def clip_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Global L2 norm of ``grads`` (device tensor); clips if --clip-grad > 0.
 
         Same arithmetic as ``torch.nn.utils.clip_grad_norm_``: the clip coefficient is
@@ -257,7 +265,7 @@ class MixedPrecisionOptimizer:
         return total
 
     @torch.no_grad()
-    def step(self) -> Tuple[bool, Optional[torch.Tensor], Optional[int]]:
+    def step(self) -> tuple[bool, torch.Tensor | None, int | None]:
         """Unscales (fp16), clips, steps the inner optimizer and updates the model params.
 
         Returns:
@@ -311,9 +319,21 @@ class MixedPrecisionOptimizer:
         for group, params, grads, exp_avgs, exp_avg_sqs, steps in groups:
             beta1, beta2 = group["betas"]
             torch._fused_adamw_(
-                params, grads, exp_avgs, exp_avg_sqs, [], steps,
-                amsgrad=False, lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-                eps=group["eps"], maximize=False, grad_scale=grad_scale, found_inf=None,
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                [],
+                steps,
+                amsgrad=False,
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=False,
+                grad_scale=grad_scale,
+                found_inf=None,
             )
 
     def _build_fused_lists(self):
@@ -328,12 +348,22 @@ class MixedPrecisionOptimizer:
             if isinstance(group["lr"], torch.Tensor) or any(isinstance(b, torch.Tensor) for b in group["betas"]):
                 return None
             states = [self.optimizer.state.get(p) for p in group["params"]]
-            if not all(st and torch.is_tensor(st.get("step")) and st["step"].device == p.device
-                       for st, p in zip(states, group["params"])):
+            if not all(
+                st and torch.is_tensor(st.get("step")) and st["step"].device == p.device
+                for st, p in zip(states, group["params"])
+            ):
                 return None  # lazily allocated state: torch's first step creates it
             steps = [st["step"] for st in states]
-            groups.append((group, list(group["params"]), [p.grad for p in group["params"]],
-                           [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states], steps))
+            groups.append(
+                (
+                    group,
+                    list(group["params"]),
+                    [p.grad for p in group["params"]],
+                    [st["exp_avg"] for st in states],
+                    [st["exp_avg_sq"] for st in states],
+                    steps,
+                )
+            )
             all_steps += steps
         return groups, all_steps
 
@@ -345,7 +375,7 @@ class MixedPrecisionOptimizer:
         for param, main in zip(self._lowp_model, self._lowp_main):
             main.copy_(param)
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """Inner optimizer state, fp32 copies of low-precision params, scaler numbers.
 
         Only tensors, lists, dicts, strings and numbers: loadable with
@@ -358,7 +388,7 @@ class MixedPrecisionOptimizer:
         }
 
     @torch.no_grad()
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores what ``state_dict`` saved; main params are copied into the model params too."""
         saved = state["main_params"]
         if len(saved) != len(self._lowp_main):

@@ -16,7 +16,7 @@ deterministic.
 """
 
 import math
-from typing import Callable, Optional, Tuple
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -89,7 +89,7 @@ def _fuses_wgrad(enabled: bool, weight: torch.Tensor) -> bool:
     return enabled and weight.requires_grad and torch.is_grad_enabled() and hasattr(weight, "main_grad")
 
 
-def linear(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *, fuse_wgrad: bool):
+def linear(input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, fuse_wgrad: bool):
     """``F.linear``, or ``LinearWithGradAccumulation`` when the weight has a main_grad to fuse into."""
     if _fuses_wgrad(fuse_wgrad, weight):
         return LinearWithGradAccumulation.apply(input_, weight, bias)
@@ -209,8 +209,8 @@ class ColumnParallelLinear(torch.nn.Module):
             self.bias = None
 
     def forward(
-        self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None
-    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        self, input_: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Applies the layer to ``input_ [..., input_size]``.
 
         Args:
@@ -292,7 +292,7 @@ class RowParallelLinear(torch.nn.Module):
         else:
             self.bias = None
 
-    def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Applies the layer to ``input_ [..., input_size_per_partition]``.
 
         Returns:
@@ -327,7 +327,9 @@ class VocabParallelEmbedding(torch.nn.Module):
         device: Device for the parameters (default: torch's default device).
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, config, init_method: InitMethod, pg=None, device=None):
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, *, config, init_method: InitMethod, pg=None, device=None
+    ):
         super().__init__()
         self.tp_size = get_tensor_model_parallel_size(pg)
         _check_tp_supported(self.tp_size, "VocabParallelEmbedding")
@@ -339,7 +341,10 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
         self.weight = torch.nn.Parameter(
             torch.empty(
-                self.num_embeddings_per_partition, embedding_dim, device=resolve_device(device), dtype=config.params_dtype
+                self.num_embeddings_per_partition,
+                embedding_dim,
+                device=resolve_device(device),
+                dtype=config.params_dtype,
             )
         )
         init_method(self.weight)

@@ -20,13 +20,15 @@ import functools
 import json
 import re
 import unicodedata
-from typing import Dict, Iterable, List, Tuple
+from collections.abc import Iterable
 
 EOD_TOKEN = "<|endoftext|>"
 
 # Unicode White_Space property (what the ``regex`` module's \s matches). Python's \s also
 # matches U+001C..U+001F, which GPT-2's pattern does not treat as space.
-_WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
+_WHITESPACE = (
+    "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
+)
 
 
 def _class_from_ranges(predicate) -> str:
@@ -62,14 +64,18 @@ def gpt2_pretokenize_pattern() -> "re.Pattern[str]":
 
 
 @functools.lru_cache(maxsize=1)
-def bytes_to_unicode() -> Dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte alphabet: every byte value -> one printable character.
 
     Bytes that are already printable (and not space) stand for themselves; the other 68
     are given the code points 256, 257, ... in byte order, so no symbol is whitespace or
     a control character and vocab.json stays readable.
     """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\xa1"), ord("\xac") + 1),
+        *range(ord("\xae"), ord("\xff") + 1),
+    ]
     mapping = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
@@ -80,7 +86,7 @@ def bytes_to_unicode() -> Dict[int, str]:
     return {b: mapping[b] for b in [*printable, *(b for b in range(256) if b not in printable)]}
 
 
-def bpe_merge(symbols: Tuple[str, ...], ranks: Dict[Tuple[str, str], int]) -> Tuple[str, ...]:
+def bpe_merge(symbols: tuple[str, ...], ranks: dict[tuple[str, str], int]) -> tuple[str, ...]:
     """Applies ranked merges to one pre-tokenised piece until no ranked pair remains.
 
     Args:
@@ -114,7 +120,7 @@ def bpe_merge(symbols: Tuple[str, ...], ranks: Dict[Tuple[str, str], int]) -> Tu
     return tuple(word)
 
 
-def read_merges(path: str) -> List[Tuple[str, str]]:
+def read_merges(path: str) -> list[tuple[str, str]]:
     """Reads merges.txt: an optional ``#version`` line, then one ``left right`` pair a line."""
     merges = []
     with open(path, encoding="utf-8") as f:
@@ -143,9 +149,11 @@ class GPT2BPETokenizer:
     def __init__(self, vocab_file: str, merge_file: str):
         try:
             with open(vocab_file, encoding="utf-8") as f:
-                self.encoder: Dict[str, int] = json.load(f)
+                self.encoder: dict[str, int] = json.load(f)
         except OSError as e:
-            raise ValueError(f"--vocab-file {vocab_file} cannot be read ({e.strerror}); pass the GPT-2 vocab.json.") from e
+            raise ValueError(
+                f"--vocab-file {vocab_file} cannot be read ({e.strerror}); pass the GPT-2 vocab.json."
+            ) from e
         except json.JSONDecodeError as e:
             raise ValueError(f"--vocab-file {vocab_file} is not valid JSON ({e}); pass the GPT-2 vocab.json.") from e
         if not isinstance(self.encoder, dict):
@@ -153,18 +161,24 @@ class GPT2BPETokenizer:
         try:
             merges = read_merges(merge_file)
         except OSError as e:
-            raise ValueError(f"--merge-file {merge_file} cannot be read ({e.strerror}); pass the GPT-2 merges.txt.") from e
+            raise ValueError(
+                f"--merge-file {merge_file} cannot be read ({e.strerror}); pass the GPT-2 merges.txt."
+            ) from e
         if EOD_TOKEN not in self.encoder:
-            raise ValueError(f"--vocab-file {vocab_file} has no {EOD_TOKEN} token, which GPT2BPETokenizer uses as end of document.")
-        self.decoder: Dict[int, str] = {i: t for t, i in self.encoder.items()}
-        self.ranks: Dict[Tuple[str, str], int] = {pair: r for r, pair in enumerate(merges)}
+            raise ValueError(
+                f"--vocab-file {vocab_file} has no {EOD_TOKEN} token, which GPT2BPETokenizer uses as end of document."
+            )
+        self.decoder: dict[int, str] = {i: t for t, i in self.encoder.items()}
+        self.ranks: dict[tuple[str, str], int] = {pair: r for r, pair in enumerate(merges)}
         self.byte_encoder = bytes_to_unicode()
         self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
         missing = [c for c in self.byte_encoder.values() if c not in self.encoder]
         if missing:
-            raise ValueError(f"--vocab-file {vocab_file} lacks {len(missing)} of the 256 byte tokens; it is not a byte-level BPE vocab.")
+            raise ValueError(
+                f"--vocab-file {vocab_file} lacks {len(missing)} of the 256 byte tokens; it is not a byte-level BPE vocab."
+            )
         self._pattern = gpt2_pretokenize_pattern()
-        self._cache: Dict[str, List[int]] = {}
+        self._cache: dict[str, list[int]] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -179,7 +193,7 @@ class GPT2BPETokenizer:
         # GPT-2 has no pad token; Megatron pads with end-of-document.
         return self.eod
 
-    def _piece_ids(self, piece: str) -> List[int]:
+    def _piece_ids(self, piece: str) -> list[int]:
         ids = self._cache.get(piece)
         if ids is None:
             symbols = tuple(self.byte_encoder[b] for b in piece.encode("utf-8"))
@@ -188,9 +202,9 @@ class GPT2BPETokenizer:
                 self._cache[piece] = ids
         return ids
 
-    def tokenize(self, text: str) -> List[int]:
+    def tokenize(self, text: str) -> list[int]:
         """Text -> token ids."""
-        ids: List[int] = []
+        ids: list[int] = []
         for piece in self._pattern.findall(text):
             ids.extend(self._piece_ids(piece))
         return ids

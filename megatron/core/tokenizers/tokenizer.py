@@ -15,7 +15,7 @@ the mock data and therefore the loss curve identical to upstream for the same fl
 import json
 import math
 import os
-from typing import Iterable, List, Optional
+from collections.abc import Iterable
 
 from megatron.core.tokenizers.gpt2_bpe import GPT2BPETokenizer
 
@@ -46,7 +46,7 @@ class NullTokenizer:
     def pad(self) -> int:
         return self.eod
 
-    def tokenize(self, text: str) -> List[int]:
+    def tokenize(self, text: str) -> list[int]:
         """``"3 1 4"`` -> ``[3, 1, 4]``; any whitespace separates ids."""
         ids = []
         for word in text.split():
@@ -85,7 +85,7 @@ class ByteLevelTokenizer:
     def pad(self) -> int:
         return self.PAD
 
-    def tokenize(self, text: str) -> List[int]:
+    def tokenize(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
     def detokenize(self, ids: Iterable[int]) -> str:
@@ -169,14 +169,14 @@ class HuggingFaceTokenizer:
     def pad(self) -> int:
         return self._eod
 
-    def tokenize(self, text: str) -> List[int]:
+    def tokenize(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-def _require_file(path: Optional[str], flag: str, tokenizer_type: str) -> str:
+def _require_file(path: str | None, flag: str, tokenizer_type: str) -> str:
     if not path:
         raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag} PATH.")
     if not os.path.isfile(path):
@@ -215,7 +215,9 @@ def build_tokenizer(data_config):
     raise ValueError(f"--tokenizer-type {kind} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}.")
 
 
-def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: int, tensor_model_parallel_size: int = 1) -> int:
+def vocab_size_with_padding(
+    orig_vocab_size: int, make_vocab_size_divisible_by: int, tensor_model_parallel_size: int = 1
+) -> int:
     """Pads the vocabulary so the embedding splits evenly (Megatron's rule).
 
     The padded size is the smallest multiple of ``make_vocab_size_divisible_by * TP``

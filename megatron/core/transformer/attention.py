@@ -11,7 +11,6 @@ on Python ints.
 """
 
 import math
-from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -76,8 +75,8 @@ class SelfAttention(torch.nn.Module):
         )
 
     def forward(
-        self, hidden_states: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor] = None
-    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attends causally over the sequence.
 
         Args:
@@ -110,7 +109,7 @@ class SelfAttention(torch.nn.Module):
         context = context.permute(2, 0, 1, 3).reshape(s, b, n * d)
         return self.linear_proj(context)
 
-    def _split_qkv(self, qkv: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor]):
+    def _split_qkv(self, qkv: torch.Tensor, rotary_pos_emb: torch.Tensor | None):
         """``[s, b, g, hpg + 2, d]`` -> ``q, k, v`` as ``[s, b, n, d]`` views (RoPE applied)."""
         s, b, g, _, d = qkv.shape
         hpg, n = self.heads_per_group, self.num_heads

@@ -7,8 +7,6 @@ bias-GeLU or bias-dropout-add kernel, that is one kernel and one autograd node f
 each than a separate add. So fc2 returns no bias for the layer's dropout-add.
 """
 
-from typing import Optional, Tuple
-
 import torch
 import torch.nn.functional as F
 
@@ -57,7 +55,7 @@ class MLP(torch.nn.Module):
             device=device,
         )
 
-    def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s, b, h] -> (output [s, b, h], None)``: the fc2 bias is already added."""
         intermediate, _ = self.linear_fc1(hidden_states)  # [s, b, ffn] or [s, b, 2 * ffn]
         if self.gated:

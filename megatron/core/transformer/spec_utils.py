@@ -7,7 +7,8 @@ arguments, so e.g. a layer can swap its MLP for an MoE layer without code change
 """
 
 import dataclasses
-from typing import Any, Callable, Dict, Union
+from collections.abc import Callable
+from typing import Any
 
 
 @dataclasses.dataclass
@@ -20,12 +21,12 @@ class ModuleSpec:
         submodules: Specs of the module's children, passed as ``submodules=`` when not None.
     """
 
-    module: Union[type, Callable]
-    params: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    module: type | Callable
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
     submodules: Any = None
 
 
-def build_module(spec: Union[ModuleSpec, type, Callable], *args, **kwargs):
+def build_module(spec: ModuleSpec | type | Callable, *args, **kwargs):
     """Builds ``spec`` with the given arguments.
 
     Args:

@@ -6,8 +6,6 @@ are annotated with ``is_first_layer`` / ``is_last_layer`` *within this block*: t
 CUDA-graph code uses these to know where a chain of graph regions starts and ends.
 """
 
-from typing import Optional
-
 import torch
 
 from megatron.core.transformer.norm import build_norm
@@ -35,7 +33,7 @@ class TransformerBlock(torch.nn.Module):
         layer_spec,
         pg=None,
         *,
-        num_layers: Optional[int] = None,
+        num_layers: int | None = None,
         layer_offset: int = 0,
         post_layer_norm: bool = True,
         pre_process: bool = True,
@@ -60,7 +58,7 @@ class TransformerBlock(torch.nn.Module):
             self.final_layernorm = None
 
     def forward(
-        self, hidden_states: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor] = None, *, final_norm: bool = True
+        self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None, *, final_norm: bool = True
     ) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``.
 

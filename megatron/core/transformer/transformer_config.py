@@ -7,7 +7,6 @@ filled by ``finalize()``; ``validate()`` raises ``ValueError`` naming the flag.
 """
 
 import dataclasses
-from typing import Optional
 
 import torch
 
@@ -24,7 +23,7 @@ class TransformerConfig:
     hidden_size: int = 128
     """Transformer hidden size."""
 
-    ffn_hidden_size: Optional[int] = None
+    ffn_hidden_size: int | None = None
     """MLP hidden size. Defaults to 4 * hidden size, as in Megatron (also with --swiglu)."""
 
     num_attention_heads: int = 4
@@ -33,16 +32,16 @@ class TransformerConfig:
     group_query_attention: bool = False
     """Use grouped-query attention (set --num-query-groups)."""
 
-    num_query_groups: Optional[int] = None
+    num_query_groups: int | None = None
     """Number of key/value groups for grouped-query attention. Defaults to the number of heads."""
 
-    kv_channels: Optional[int] = None
+    kv_channels: int | None = None
     """Projection size per attention head. Defaults to hidden size / heads."""
 
     seq_length: int = 128
     """Maximum sequence length to process."""
 
-    max_position_embeddings: Optional[int] = None
+    max_position_embeddings: int | None = None
     """Size of the learned position table. Defaults to --seq-length."""
 
     position_embedding_type: str = flag_field("learned_absolute", choices=("learned_absolute", "rope"))
@@ -93,7 +92,7 @@ class TransformerConfig:
     apply_query_key_layer_scaling: bool = False
     """Unsupported in this trainer (kept so Megatron command lines give a clear error)."""
 
-    vocab_size: Optional[int] = flag_field(None, no_flag=True)
+    vocab_size: int | None = flag_field(None, no_flag=True)
     """Padded vocabulary size, set by the tokenizer setup (the --vocab-size flag lives in the data config)."""
 
     params_dtype: torch.dtype = flag_field(torch.float32, no_flag=True)
@@ -103,7 +102,11 @@ class TransformerConfig:
         """Fills derived fields. Idempotent; returns self."""
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
-        if self.kv_channels is None and self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads == 0:
+        if (
+            self.kv_channels is None
+            and self.num_attention_heads > 0
+            and self.hidden_size % self.num_attention_heads == 0
+        ):
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if not self.group_query_attention:
             self.num_query_groups = self.num_attention_heads
@@ -121,7 +124,8 @@ class TransformerConfig:
             f"({self.num_attention_heads}); pick sizes that divide, or set --kv-channels explicitly.",
         )
         require(
-            self.num_query_groups is not None, "--group-query-attention needs --num-query-groups N (N divides the head count)."
+            self.num_query_groups is not None,
+            "--group-query-attention needs --num-query-groups N (N divides the head count).",
         )
         require(
             self.num_query_groups > 0 and self.num_attention_heads % self.num_query_groups == 0,

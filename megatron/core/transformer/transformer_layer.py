@@ -10,7 +10,7 @@ branches).
 """
 
 import dataclasses
-from typing import Any, Dict, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,16 +56,16 @@ class TransformerLayer(torch.nn.Module):
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config=config, hidden_size=h, device=device)
         self.mlp = build_module(submodules.mlp, config=config, pg=pg, device=device)
 
-    def graph_regions(self) -> Dict[str, str]:
+    def graph_regions(self) -> dict[str, str]:
         """Graphable regions of this layer: region name -> name of the method that runs it."""
         return {"attn": "_forward_attention", "mlp": "_forward_mlp"}
 
-    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``."""
         return self._forward_mlp(self._forward_attention(hidden_states, rotary_pos_emb))
 
     def _forward_attention(
-        self, hidden_states: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor] = None
+        self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Attention region: norm -> self-attention -> bias-dropout-add onto the residual."""
         assert rotary_pos_emb is not None or not self.uses_rope, "a RoPE model must pass rotary_pos_emb"
@@ -77,9 +77,7 @@ class TransformerLayer(torch.nn.Module):
         out, bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
         return self._bias_dropout_add(out, bias, hidden_states)
 
-    def _bias_dropout_add(
-        self, out: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor
-    ) -> torch.Tensor:
+    def _bias_dropout_add(self, out: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
         # residual + dropout(out + bias), Megatron's order of operations.
         if bias is not None:
             out = out + bias

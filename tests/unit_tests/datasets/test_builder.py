@@ -132,7 +132,9 @@ def test_empty_split_range_is_a_clear_error(tmp_path):
 
 def test_mock_data_entry_point():
     cfg = DataConfig(mock_data=True, vocab_size=1000, split="99,1,0")
-    train, valid, test = build_train_valid_test_datasets(cfg, NullTokenizer(1000), seq_length=64, seed=1234, num_samples=(64, 16, 8))
+    train, valid, test = build_train_valid_test_datasets(
+        cfg, NullTokenizer(1000), seq_length=64, seed=1234, num_samples=(64, 16, 8)
+    )
     assert isinstance(train, MockGPTDataset) and isinstance(valid, MockGPTDataset) and test is None
     assert int(train.document_index.max()) < 99_000 <= int(valid.document_index.min())
     item = train[0]

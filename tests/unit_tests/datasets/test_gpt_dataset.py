@@ -118,7 +118,9 @@ def test_epochs_and_separate_final_epoch(corpus):
 def test_eod_mask_loss(tmp_path):
     docs = [np.array([5, 6, EOD]), np.array([7, 8, 9, EOD])]
     low = write(str(tmp_path / "eod"), docs)
-    ds = GPTDataset(low, np.arange(2), 1, seq_length=5, seed=0, eod=EOD, cache_dir=str(tmp_path / "c"), eod_mask_loss=True)
+    ds = GPTDataset(
+        low, np.arange(2), 1, seq_length=5, seed=0, eod=EOD, cache_dir=str(tmp_path / "c"), eod_mask_loss=True
+    )
     item = ds[0]
     assert bool(((item["tokens"] == EOD) == (item["loss_mask"] == 0)).all())
     assert int((item["loss_mask"] == 0).sum()) == 1
@@ -131,7 +133,12 @@ def test_cache_written_then_loaded(corpus, tmp_path):
     assert not first.cache.cache_hit and first.cache.directory == cache
     files = sorted(os.listdir(cache))
     assert len(files) == 4 and all(f.startswith(first.cache.key) for f in files)
-    assert {f.split("-")[-1] for f in files} == {"description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy"}
+    assert {f.split("-")[-1] for f in files} == {
+        "description.txt",
+        "document_index.npy",
+        "sample_index.npy",
+        "shuffle_index.npy",
+    }
     assert not any(".tmp" in f for f in files)
     second = GPTDataset(low, np.arange(50), 200, seq_length=8, seed=7, eod=EOD, path_prefix=prefix, cache_dir=cache)
     assert second.cache.cache_hit
@@ -167,14 +174,25 @@ def test_unwritable_explicit_cache_is_a_user_error(corpus, tmp_path):
     blocker = tmp_path / "blocker"
     blocker.write_text("x")
     with pytest.raises(ValueError, match="--data-cache-path"):
-        GPTDataset(low, np.arange(5), 4, seq_length=4, seed=1, eod=EOD, path_prefix=prefix, cache_dir=str(blocker / "sub"))
+        GPTDataset(
+            low, np.arange(5), 4, seq_length=4, seed=1, eod=EOD, path_prefix=prefix, cache_dir=str(blocker / "sub")
+        )
 
 
 def test_deterministic_across_builds(corpus, tmp_path):
     prefix, _, low = corpus
 
     def build(cache, seed):
-        return GPTDataset(low, np.arange(50), 100, seq_length=12, seed=seed, eod=EOD, path_prefix=prefix, cache_dir=str(tmp_path / cache))
+        return GPTDataset(
+            low,
+            np.arange(50),
+            100,
+            seq_length=12,
+            seed=seed,
+            eod=EOD,
+            path_prefix=prefix,
+            cache_dir=str(tmp_path / cache),
+        )
 
     a, b, c = build("a", 11), build("b", 11), build("c", 12)
     assert not b.cache.cache_hit  # built from scratch, not read back

@@ -58,9 +58,17 @@ def test_end_to_end(tmp_path, workers):
                       "--append-eod", "--workers", str(workers), "--log-interval", "10", *BPE_FLAGS)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert sorted(os.listdir(tmp_path)) == sorted(
-        ["in.jsonl", "out_text_document.bin", "out_text_document.idx", "out_title_document.bin", "out_title_document.idx"]
+        [
+            "in.jsonl",
+            "out_text_document.bin",
+            "out_text_document.idx",
+            "out_title_document.bin",
+            "out_title_document.idx",
+        ]
     )
-    tok = build_tokenizer(DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=BPE_FLAGS[3], merge_file=BPE_FLAGS[5]))
+    tok = build_tokenizer(
+        DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=BPE_FLAGS[3], merge_file=BPE_FLAGS[5])
+    )
     ds = IndexedDataset(prefix + "_text_document")
     assert ds.dtype == np.uint16
     assert ds.num_documents == 41 and len(ds) == 40  # the empty text is a document without sequences
@@ -77,7 +85,16 @@ def test_end_to_end(tmp_path, workers):
 
 def test_null_tokenizer_without_eod(tmp_path):
     path = write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2 3"}, {"text": "4 5"}])
-    result = run_tool("--input", path, "--output-prefix", str(tmp_path / "n"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "100")
+    result = run_tool(
+        "--input",
+        path,
+        "--output-prefix",
+        str(tmp_path / "n"),
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "100",
+    )
     assert result.returncode == 0, result.stderr
     ds = IndexedDataset(str(tmp_path / "n_text_document"))
     assert [ds[0].tolist(), ds[1].tolist()] == [[1, 2, 3], [4, 5]]
@@ -98,7 +115,9 @@ def test_bad_input_lines(tmp_path, capsys, lines, message):
 
 
 def test_missing_input_and_tokenizer_files(tmp_path, capsys):
-    error = tool_error(capsys, "--input", str(tmp_path / "none.jsonl"), "--output-prefix", str(tmp_path / "o"), *BPE_FLAGS)
+    error = tool_error(
+        capsys, "--input", str(tmp_path / "none.jsonl"), "--output-prefix", str(tmp_path / "o"), *BPE_FLAGS
+    )
     assert "--input" in error and "none.jsonl does not exist" in error
     path = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
     error = tool_error(capsys, "--input", path, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "GPT2BPETokenizer",

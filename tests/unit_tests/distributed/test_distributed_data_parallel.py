@@ -313,13 +313,20 @@ def test_tied_gpt_with_fused_wgrads_overlap_equals_no_overlap(fusion):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     def run(overlap):
-        config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
-                                   hidden_dropout=0.0, attention_dropout=0.0,
-                                   gradient_accumulation_fusion=fusion).finalize()
+        config = TransformerConfig(
+            num_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            seq_length=16,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            gradient_accumulation_fusion=fusion,
+        ).finalize()
         torch.manual_seed(0)
         model = build_gpt_model(config, 64)
-        ddp = DistributedDataParallel(model, config=DDPConfig(overlap_grad_reduce=overlap, ddp_bucket_size=3000),
-                                      pg=ProcessGroups.single())
+        ddp = DistributedDataParallel(
+            model, config=DDPConfig(overlap_grad_reduce=overlap, ddp_bucket_size=3000), pg=ProcessGroups.single()
+        )
         tokens = torch.randint(0, 64, (2, 2, 16))
         for mb in range(2):
             ctx = ddp.no_sync() if mb == 0 else contextlib.nullcontext()

@@ -65,7 +65,9 @@ CPU_SCRIPT = textwrap.dedent(
 @pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed (pip install -e .[test] brings it on Linux)")
 def test_kernels_match_reference_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-c", CPU_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", CPU_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
 
 

@@ -106,7 +106,9 @@ def test_bf16_keeps_fp32_masters():
     ref_masters = [m.clone() for m in masters]
     ref_opt = torch.optim.AdamW(
         [{"params": [r for r in ref_masters if r.ndim >= 2]}, {"params": [r for r in ref_masters if r.ndim < 2]}],
-        lr=1e-4, weight_decay=0.0, foreach=True,
+        lr=1e-4,
+        weight_decay=0.0,
+        foreach=True,
     )
     for _ in range(3):
         ddp.zero_grad_buffer()
@@ -244,7 +246,9 @@ def test_reload_model_params_refreshes_masters():
 
 def test_params_without_main_grad_are_rejected():
     with pytest.raises(ValueError, match="DistributedDataParallel"):
-        MixedPrecisionOptimizer(torch.nn.Linear(2, 2).parameters(), config=OptimizerConfig(), precision=PrecisionConfig())
+        MixedPrecisionOptimizer(
+            torch.nn.Linear(2, 2).parameters(), config=OptimizerConfig(), precision=PrecisionConfig()
+        )
 
 
 @pytest.mark.gpu
@@ -252,12 +256,19 @@ def test_cuda_uses_fused_and_matches_reference():
     torch.manual_seed(0)
     net = _Net().cuda().to(torch.bfloat16)
     ddp = DistributedDataParallel(net, config=DDPConfig(), pg=ProcessGroups.single(torch.device("cuda")))
-    opt = MixedPrecisionOptimizer(ddp.parameters(), config=OptimizerConfig(lr=1e-3), precision=PrecisionConfig(bf16=True))
+    opt = MixedPrecisionOptimizer(
+        ddp.parameters(), config=OptimizerConfig(lr=1e-3), precision=PrecisionConfig(bf16=True)
+    )
     assert opt.optimizer.defaults.get("fused") is True
     ref_masters = [m.clone() for m in opt.main_params]
     ref_opt = torch.optim.AdamW(
-        [{"params": [r for r in ref_masters if r.ndim >= 2]}, {"params": [r for r in ref_masters if r.ndim < 2], "weight_decay": 0.0}],
-        lr=1e-3, weight_decay=0.01, fused=True,
+        [
+            {"params": [r for r in ref_masters if r.ndim >= 2]},
+            {"params": [r for r in ref_masters if r.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=1e-3,
+        weight_decay=0.01,
+        fused=True,
     )
     for _ in range(3):
         ddp.zero_grad_buffer()
@@ -306,15 +317,21 @@ def test_norm_over_the_flat_grad_buffer():
     for buffers in (False, True):
         ddp = _wrap(copy.deepcopy(net))
         opt = MixedPrecisionOptimizer(
-            ddp.parameters(), config=OptimizerConfig(clip_grad=0.0), precision=PrecisionConfig(),
+            ddp.parameters(),
+            config=OptimizerConfig(clip_grad=0.0),
+            precision=PrecisionConfig(),
             grad_buffers=[ddp.grad_buffer.data] if buffers else (),
         )
         norms.append(_train_step(ddp, opt, x)[1])
     torch.testing.assert_close(norms[1], norms[0], rtol=1e-6, atol=0)  # another summation order
     other = _wrap(_Net())
     with pytest.raises(ValueError, match="grad_buffers"):
-        MixedPrecisionOptimizer(ddp.parameters(), config=OptimizerConfig(), precision=PrecisionConfig(),
-                                grad_buffers=[other.grad_buffer.data])
+        MixedPrecisionOptimizer(
+            ddp.parameters(),
+            config=OptimizerConfig(),
+            precision=PrecisionConfig(),
+            grad_buffers=[other.grad_buffer.data],
+        )
 
 
 @pytest.mark.parametrize("preallocate", [False, True])
@@ -328,8 +345,14 @@ def test_direct_fused_adamw_equals_torch_fused_step(monkeypatch, preallocate):
         pytest.skip("this torch has no fused AdamW")
 
     def fused_inner(groups, config, device):
-        return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                                 eps=config.adam_eps, weight_decay=config.weight_decay, fused=True)
+        return torch.optim.AdamW(
+            groups,
+            lr=config.lr,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+            fused=True,
+        )
 
     monkeypatch.setattr(optim_module, "_build_inner", fused_inner)
     torch.manual_seed(0)
@@ -337,8 +360,12 @@ def test_direct_fused_adamw_equals_torch_fused_step(monkeypatch, preallocate):
     nets[1] = copy.deepcopy(nets[0])
     ddps = [_wrap(n) for n in nets]
     config = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.05)
-    opts = [MixedPrecisionOptimizer(d.parameters(), config=config, precision=PrecisionConfig(),
-                                    preallocate_state=preallocate) for d in ddps]
+    opts = [
+        MixedPrecisionOptimizer(
+            d.parameters(), config=config, precision=PrecisionConfig(), preallocate_state=preallocate
+        )
+        for d in ddps
+    ]
     opts[1]._build_fused_lists = lambda: None  # torch's own AdamW.step every time
     for step in range(4):
         x = torch.randn(8, 6)

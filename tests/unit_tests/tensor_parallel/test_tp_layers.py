@@ -169,7 +169,9 @@ def test_fusion_needs_main_grad_and_can_be_turned_off():
 
 def test_bf16_activations_accumulate_in_fp32_on_cpu():
     torch.manual_seed(0)
-    layer = _with_main_grad(ColumnParallelLinear(16, 8, config=cfg(torch.bfloat16), init_method=init_method_normal(0.5)))
+    layer = _with_main_grad(
+        ColumnParallelLinear(16, 8, config=cfg(torch.bfloat16), init_method=init_method_normal(0.5))
+    )
     x = torch.randn(32, 16, dtype=torch.bfloat16)
     g = torch.randn(32, 8, dtype=torch.bfloat16)
     layer(x)[0].backward(g)

@@ -31,7 +31,14 @@ def hf_tokenizers():
     return module
 
 
-TEXTS = ["", "Hello world", "The train left at 7:15.\n\n  Twice!", "café naïve 東京 🚂", "tabs\tand   spaces  ", "I'm sure they'll've"]
+TEXTS = [
+    "",
+    "Hello world",
+    "The train left at 7:15.\n\n  Twice!",
+    "café naïve 東京 🚂",
+    "tabs\tand   spaces  ",
+    "I'm sure they'll've",
+]
 
 
 def test_null_tokenizer_follows_megatron():
@@ -68,7 +75,7 @@ def test_gpt2_bpe_round_trip_and_merges():
         assert tok.detokenize(tok.tokenize(text)) == text
     # Frequent words of the training text are single merged tokens; rare text falls back to bytes.
     assert tok.tokenize(" the") == [tok.encoder["Ġthe"]]
-    assert len(tok.tokenize(" the")) < len(" the".encode()) and len(tok.tokenize("zzq")) == 3
+    assert len(tok.tokenize(" the")) < len(b" the") and len(tok.tokenize("zzq")) == 3
     # End of document is never parsed out of text (as Megatron's GPT-2 tokenizer).
     assert tok.eod not in tok.tokenize("<|endoftext|>")
     assert tok.detokenize([tok.eod]) == "<|endoftext|>"
@@ -111,9 +118,18 @@ def test_hugging_face_without_package(monkeypatch):
     "fields, message",
     [
         (dict(tokenizer_type="GPT2BPETokenizer", merge_file=MERGES), "needs --vocab-file"),
-        (dict(tokenizer_type="GPT2BPETokenizer", vocab_file="/no/vocab.json", merge_file=MERGES), "--vocab-file /no/vocab.json does not exist"),
-        (dict(tokenizer_type="GPT2BPETokenizer", vocab_file=VOCAB, merge_file="/no/m.txt"), "--merge-file /no/m.txt does not exist"),
-        (dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="/no/tok.json"), "--tokenizer-model /no/tok.json does not exist"),
+        (
+            dict(tokenizer_type="GPT2BPETokenizer", vocab_file="/no/vocab.json", merge_file=MERGES),
+            "--vocab-file /no/vocab.json does not exist",
+        ),
+        (
+            dict(tokenizer_type="GPT2BPETokenizer", vocab_file=VOCAB, merge_file="/no/m.txt"),
+            "--merge-file /no/m.txt does not exist",
+        ),
+        (
+            dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="/no/tok.json"),
+            "--tokenizer-model /no/tok.json does not exist",
+        ),
         (dict(tokenizer_type="HuggingFaceTokenizer"), "needs --tokenizer-model"),
         (dict(tokenizer_type="SentencePieceTokenizer"), "not supported"),
     ],

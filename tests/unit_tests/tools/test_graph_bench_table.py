@@ -9,9 +9,17 @@ import graph_bench  # noqa: E402
 
 def _row(mode, ms, pipe, peak_gib, losses, graphs=None):
     peak = int(peak_gib * 2**30)
-    return {"config": "dense8", "mode": mode, "ms_per_iter": ms, "pipelined_ms_per_iter": pipe,
-            "tflops_per_gpu": 100.0, "peak_device_bytes": peak, "steady_peak_device_bytes": peak,
-            "losses": losses, "graphs": graphs or {}}
+    return {
+        "config": "dense8",
+        "mode": mode,
+        "ms_per_iter": ms,
+        "pipelined_ms_per_iter": pipe,
+        "tflops_per_gpu": 100.0,
+        "peak_device_bytes": peak,
+        "steady_peak_device_bytes": peak,
+        "losses": losses,
+        "graphs": graphs or {},
+    }
 
 
 def test_table_ratios_lean_and_footnote():
@@ -39,8 +47,11 @@ def test_repeat_runs_round_robin_and_merges_medians(tmp_path, monkeypatch, capsy
         return _row(mode, t, t - 1, 4.0 if mode == "eager" else 3.9 + t / 1000, [t])
 
     monkeypatch.setattr(graph_bench, "run_child", fake_child)
-    monkeypatch.setattr(sys, "argv", ["graph_bench.py", "--configs", "dense8", "--modes", "eager", "lean",
-                                      "--repeat", "3", "--out", str(tmp_path)])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["graph_bench.py", "--configs", "dense8", "--modes", "eager", "lean", "--repeat", "3", "--out", str(tmp_path)],
+    )
     graph_bench.main()
     assert [m for m, _ in order] == ["eager", "lean"] * 3  # alternating: drift hits both alike
     assert order[-1][1] == "dense8_lean_run3"

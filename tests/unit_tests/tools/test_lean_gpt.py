@@ -12,8 +12,9 @@ import lean_gpt  # noqa: E402
 
 def test_lean_gpt_trains_with_tied_output_layer():
     torch.manual_seed(0)
-    cfg = SimpleNamespace(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                          vocab_size=64, seq_length=16)
+    cfg = SimpleNamespace(
+        num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=64, seq_length=16
+    )
     model, optimizer = lean_gpt.build(cfg, torch.device("cpu"))
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert not any(n.startswith("output") for n, _ in model.named_parameters())  # tied to the embedding

@@ -10,9 +10,15 @@ MEG = "/repo/megatron/core/"
 
 
 def _alloc(addr, size, where):
-    return {"action": "alloc", "addr": addr, "size": size,
-            "frames": [{"filename": "/torch/x.py", "line": 1, "name": "f"},
-                       {"filename": MEG + where[0], "line": where[1], "name": where[2]}]}
+    return {
+        "action": "alloc",
+        "addr": addr,
+        "size": size,
+        "frames": [
+            {"filename": "/torch/x.py", "line": 1, "name": "f"},
+            {"filename": MEG + where[0], "line": where[1], "name": where[2]},
+        ],
+    }
 
 
 def _free(addr, size):
@@ -25,15 +31,17 @@ def test_peak_counts_only_our_pool_and_groups_by_site():
             {"device": 0, "address": 1000, "total_size": 1000, "segment_pool_id": (7, 1)},  # ours
             {"device": 0, "address": 5000, "total_size": 1000, "segment_pool_id": (0, 0)},  # regular cache
         ],
-        "device_traces": [[
-            _alloc(1000, 100, ("a.py", 3, "fwd")),
-            _alloc(5000, 900, ("b.py", 9, "eager")),  # not in the pool: ignored
-            _alloc(1100, 200, ("a.py", 3, "fwd")),
-            _alloc(1300, 50, ("c.py", 5, "bwd")),      # peak: 350 live
-            _free(1100, 200),
-            _alloc(1100, 120, ("c.py", 5, "bwd")),     # 270: below the peak
-            _free(1000, 100),
-        ]],
+        "device_traces": [
+            [
+                _alloc(1000, 100, ("a.py", 3, "fwd")),
+                _alloc(5000, 900, ("b.py", 9, "eager")),  # not in the pool: ignored
+                _alloc(1100, 200, ("a.py", 3, "fwd")),
+                _alloc(1300, 50, ("c.py", 5, "bwd")),  # peak: 350 live
+                _free(1100, 200),
+                _alloc(1100, 120, ("c.py", 5, "bwd")),  # 270: below the peak
+                _free(1000, 100),
+            ]
+        ],
     }
     peak, at, blocks = pool_peak.pool_peak(snapshot, (7, 1), 0)
     assert (peak, at) == (350, 3)

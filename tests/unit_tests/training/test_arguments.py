@@ -141,7 +141,10 @@ def test_anchor_command_line_parses_and_validates():
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--hidden-size", "100", "--num-attention-heads", "3"], "--hidden-size (100) must be divisible by --num-attention-heads"),
+        (
+            ["--hidden-size", "100", "--num-attention-heads", "3"],
+            "--hidden-size (100) must be divisible by --num-attention-heads",
+        ),
         (["--micro-batch-size", "2", "--global-batch-size", "7"], "--global-batch-size (7) must be divisible"),
         (["--bf16", "--fp16"], "--bf16 and --fp16"),
         (["--tensor-model-parallel-size", "2"], "not supported yet"),
@@ -242,7 +245,11 @@ def test_flags_markdown():
 
 def test_list_flags_tool_prints_markdown():
     out = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tools", "list_flags.py")], capture_output=True, text=True, check=True, cwd="/"
+        [sys.executable, os.path.join(REPO, "tools", "list_flags.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
     ).stdout
     assert out.strip() == flags_markdown().strip()
 

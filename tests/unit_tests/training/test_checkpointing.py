@@ -14,7 +14,6 @@ from megatron.core import parallel_state
 from megatron.training import checkpointing
 from megatron.training.checkpointing import get_checkpoint_name, read_tracker, tracker_path
 from megatron.training.training import build_trainer, pretrain
-
 from tests.unit_tests.dist_utils import run_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -54,7 +53,9 @@ def assert_state_equal(a, b):
 def adam_steps(trainer):
     """Adam's step count of every parameter (0 for fresh state, whether allocated eagerly or not)."""
     state = trainer.optimizer.optimizer.state
-    return {int(float(state[m]["step"])) if m in state and "step" in state[m] else 0 for m in trainer.optimizer.main_params}
+    return {
+        int(float(state[m]["step"])) if m in state and "step" in state[m] else 0 for m in trainer.optimizer.main_params
+    }
 
 
 def _assert_plain(value, where="config"):
@@ -106,7 +107,12 @@ def test_save_interval_layout_and_content(tmp_path):
     d = tmp_path / "ckpt"
     trainer = run("--train-iters", 7, "--save", d, "--save-interval", 3)
     # Every 3 iterations, plus the end of training (as Megatron); nothing half-written left.
-    assert sorted(os.listdir(d)) == ["iter_0000003", "iter_0000006", "iter_0000007", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(d)) == [
+        "iter_0000003",
+        "iter_0000006",
+        "iter_0000007",
+        "latest_checkpointed_iteration.txt",
+    ]
     assert (d / "latest_checkpointed_iteration.txt").read_text() == "7"
     assert read_tracker(str(d)) == (7, False)
     state = load_file(d, 7)  # weights_only: plain values and tensors only
@@ -115,7 +121,11 @@ def test_save_interval_layout_and_content(tmp_path):
     assert_state_equal(state["model"], trainer.model.state_dict())
     assert state["opt_param_scheduler"]["num_steps"] == 7
     assert len(state["optimizer"]["optimizer"]["state"]) == len(trainer.optimizer.model_params)
-    assert len(state["rng_state"]) == 1 and set(state["rng_state"][0]) >= {"random_rng_state", "np_rng_state", "torch_rng_state"}
+    assert len(state["rng_state"]) == 1 and set(state["rng_state"][0]) >= {
+        "random_rng_state",
+        "np_rng_state",
+        "torch_rng_state",
+    }
     config = state["config"]
     _assert_plain(config)
     assert config["model"]["hidden_size"] == 32 and config["model"]["params_dtype"] == "torch.float32"
@@ -145,10 +155,14 @@ def test_loading_keeps_parameter_and_main_grad_storage(tmp_path):
     run("--bf16", "--train-iters", 2, "--save", tmp_path / "c")
     trainer = build("--bf16", "--train-iters", 4)
     params = trainer.optimizer.model_params
-    before = [(p.data_ptr(), p.main_grad.data_ptr(), m.data_ptr()) for p, m in zip(params, trainer.optimizer.main_params)]
+    before = [
+        (p.data_ptr(), p.main_grad.data_ptr(), m.data_ptr()) for p, m in zip(params, trainer.optimizer.main_params)
+    ]
     trainer.cfg.checkpoint.load = str(tmp_path / "c")
     assert checkpointing.load_checkpoint(trainer) == 2
-    after = [(p.data_ptr(), p.main_grad.data_ptr(), m.data_ptr()) for p, m in zip(params, trainer.optimizer.main_params)]
+    after = [
+        (p.data_ptr(), p.main_grad.data_ptr(), m.data_ptr()) for p, m in zip(params, trainer.optimizer.main_params)
+    ]
     assert before == after
     assert_state_equal(trainer.model.state_dict(), load_file(tmp_path / "c", 2)["model"])
 
@@ -234,14 +248,16 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path, where):
     child.write_text(_CHILD)
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     argv = FLAGS + ["--train-iters", "6", "--save", str(c), "--save-interval", "2"]
-    proc = subprocess.run([sys.executable, str(child), where, *argv], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(child), where, *argv], env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert read_tracker(str(c)) == (2, False)
     if where == "file":
         assert not (c / "iter_0000004").exists()
         (partial,) = glob.glob(str(c / "iter_0000004.tmp-*" / "mp_rank_00" / "model_optim_rng.pt"))
         assert os.path.getsize(partial) > 0
-        with pytest.raises(Exception):
+        with pytest.raises((RuntimeError, EOFError, OSError)):
             torch.load(partial, weights_only=True)  # really truncated
     else:
         assert (c / "iter_0000004").is_dir()  # complete, but not what the tracker says
@@ -249,7 +265,12 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path, where):
     # Resuming re-saves iteration 4 over whatever is there and clears the leftovers.
     resumed = run("--train-iters", 6, "--load", c, "--save", c, "--save-interval", 2)
     assert [r["iteration"] for r in resumed.history] == [3, 4, 5, 6]
-    assert sorted(os.listdir(c)) == ["iter_0000002", "iter_0000004", "iter_0000006", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(c)) == [
+        "iter_0000002",
+        "iter_0000004",
+        "iter_0000006",
+        "latest_checkpointed_iteration.txt",
+    ]
     assert load_file(c, 4)["iteration"] == 4
 
 
@@ -261,7 +282,9 @@ def test_resave_killed_between_renames_falls_back_to_the_old_folder(tmp_path):
     import shutil
 
     shutil.rmtree(c / "iter_0000002.old-4242")
-    with pytest.raises(ValueError, match=r"points at iteration 2, but .*iter_0000002/mp_rank_00/model_optim_rng.pt does not exist"):
+    with pytest.raises(
+        ValueError, match=r"points at iteration 2, but .*iter_0000002/mp_rank_00/model_optim_rng.pt does not exist"
+    ):
         build("--train-iters", 4, "--load", c)
 
 

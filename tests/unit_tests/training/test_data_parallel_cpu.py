@@ -33,8 +33,18 @@ def test_torchrun_dp2_matches_single_process(tmp_path):
     single, dp2 = tmp_path / "single.jsonl", tmp_path / "dp2.jsonl"
     run([sys.executable, "pretrain_gpt.py", *FLAGS, "--metrics-file", str(single)], tmp_path)
     out = run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "pretrain_gpt.py", *FLAGS, "--metrics-file", str(dp2)],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "pretrain_gpt.py",
+            *FLAGS,
+            "--metrics-file",
+            str(dp2),
+        ],
         tmp_path,
     )
     assert "iteration       20/      20" in out
@@ -65,7 +75,19 @@ def test_gloo_threads_end_with_the_run(tmp_path):
     probe.write_text(_EXIT_PROBE)
     flags = list(FLAGS)
     flags[flags.index("--train-iters") + 1] = "4"
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(probe), str(tmp_path), *flags], tmp_path)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(probe),
+            str(tmp_path),
+            *flags,
+        ],
+        tmp_path,
+    )
     left = {rank: (tmp_path / f"threads_{rank}").read_text() for rank in (0, 1)}
     assert left == {0: "", 1: ""}, f"gloo threads alive after pretrain(): {left}"

@@ -13,8 +13,20 @@ TINY = (
 
 def test_validation_loss_lines_and_metrics(tmp_path, capsys):
     metrics = tmp_path / "m.jsonl"
-    pretrain(TINY + ["--train-iters", "5", "--eval-iters", "2", "--eval-interval", "2",
-                     "--log-params-norm", "--metrics-file", str(metrics)])
+    pretrain(
+        TINY
+        + [
+            "--train-iters",
+            "5",
+            "--eval-iters",
+            "2",
+            "--eval-interval",
+            "2",
+            "--log-params-norm",
+            "--metrics-file",
+            str(metrics),
+        ]
+    )
     out = capsys.readouterr().out
     assert " validation loss at iteration 2 | lm loss value: " in out
     assert " validation loss at iteration 4 | lm loss value: " in out

@@ -57,7 +57,9 @@ def test_iteration_line_exact():
 
 
 def test_iteration_line_optional_parts():
-    line = _line(throughput_tflops=None, grad_norm=None, num_zeros=17.0, params_norm=301.23456, skipped_iters=3, nan_iters=12)
+    line = _line(
+        throughput_tflops=None, grad_norm=None, num_zeros=17.0, params_norm=301.23456, skipped_iters=3, nan_iters=12
+    )
     assert line == (
         "[2026-11-30 07:37:14.123456] iteration        5/      50 | consumed samples:           40 | "
         "elapsed time per iteration (ms): 123.4 | learning rate: 1.000000E-04 | global batch size:     8 | "
@@ -95,7 +97,9 @@ def test_memory_stats_cpu_are_zeros_and_feed_the_line():
     stats = memory_stats_mb(torch.device("cpu"))
     assert stats == {"allocated_mb": 0.0, "max_allocated_mb": 0.0, "reserved_mb": 0.0, "max_reserved_mb": 0.0}
     assert "allocated: 0.00" in format_memory_line(0, "x", **stats)
-    assert memory_metrics({"allocated_mb": 1.0, "max_allocated_mb": 2.0, "reserved_mb": 3.0, "max_reserved_mb": 4.0}) == {
+    assert memory_metrics(
+        {"allocated_mb": 1.0, "max_allocated_mb": 2.0, "reserved_mb": 3.0, "max_reserved_mb": 4.0}
+    ) == {
         "mem-allocated-bytes": 1048576.0,
         "mem-max-allocated-bytes": 2097152.0,
         "mem-reserved-bytes": 3145728.0,
@@ -133,7 +137,9 @@ def _hand_count(cfg, b, s, V):
 def test_flops_tiny_config_by_hand():
     cfg = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=2, ffn_hidden_size=8)
     # Per token forward: QKV 2*4*12=96, attention 2*2*3*2*2=48, proj 32, fc1 64, fc2 64, logits 2*4*5=40.
-    assert num_floating_point_operations(cfg, batch_size=1, seq_length=3, vocab_size=5) == 3 * 1 * 3 * (96 + 48 + 32 + 64 + 64 + 40)
+    assert num_floating_point_operations(cfg, batch_size=1, seq_length=3, vocab_size=5) == 3 * 1 * 3 * (
+        96 + 48 + 32 + 64 + 64 + 40
+    )
     cfg.finalize()
     assert num_floating_point_operations(cfg, batch_size=2, seq_length=3, vocab_size=5) == _hand_count(cfg, 2, 3, 5)
 
@@ -175,7 +181,12 @@ def test_metrics_writer_jsonl(tmp_path):
     writer = MetricsWriter(str(path), None, enabled_on_this_rank=True)
     writer.write(1, {"lm loss": 10.5, "learning-rate": 1e-4, "grad-norm": torch.tensor(2.0)})
     # Flushed on every write: readable before close.
-    assert json.loads(path.read_text().splitlines()[0]) == {"iteration": 1, "lm loss": 10.5, "learning-rate": 1e-4, "grad-norm": 2.0}
+    assert json.loads(path.read_text().splitlines()[0]) == {
+        "iteration": 1,
+        "lm loss": 10.5,
+        "learning-rate": 1e-4,
+        "grad-norm": 2.0,
+    }
     writer.write(2, {"lm loss": float("nan"), "grad-norm": None}, samples=16)
     writer.close()
     writer.close()
@@ -217,7 +228,9 @@ def test_metrics_writer_tensorboard_names(tmp_path, monkeypatch):
     monkeypatch.setattr(logging_utils, "_check_tensorboard_installed", lambda: None)
     monkeypatch.setattr(logging_utils, "_make_summary_writer", lambda log_dir: fake)
     writer = MetricsWriter(None, str(tmp_path), enabled_on_this_rank=True)
-    writer.write(7, {"lm loss": 3.0, "mem-allocated-bytes": 1024.0, "graph-pool-bytes": 5.0, "num-zeros": None}, samples=56)
+    writer.write(
+        7, {"lm loss": 3.0, "mem-allocated-bytes": 1024.0, "graph-pool-bytes": 5.0, "num-zeros": None}, samples=56
+    )
     writer.close()
     assert ("lm loss", 3.0, 7) in fake.scalars
     assert ("lm loss vs samples", 3.0, 56) in fake.scalars

@@ -11,7 +11,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 def make(swiglu, bias=True):
     cfg = TransformerConfig(
-        num_layers=4, hidden_size=16, ffn_hidden_size=24, gated_linear_unit=swiglu, add_bias_linear=bias,
+        num_layers=4,
+        hidden_size=16,
+        ffn_hidden_size=24,
+        gated_linear_unit=swiglu,
+        add_bias_linear=bias,
         params_dtype=torch.float64,
     ).finalize()
     torch.manual_seed(0)

@@ -12,8 +12,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 def config(**kw):
-    base = dict(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=8, hidden_dropout=0.0,
-                attention_dropout=0.0)
+    base = dict(
+        num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=8, hidden_dropout=0.0, attention_dropout=0.0
+    )
     base.update(kw)
     return TransformerConfig(**base).finalize()
 
@@ -79,16 +80,18 @@ def test_hidden_dropout_only_in_training():
 def test_block_numbers_and_annotates_layers():
     cfg = config(num_layers=6)
     block = TransformerBlock(cfg, get_gpt_layer_local_spec(), num_layers=3, layer_offset=3, device="cpu")
-    assert [l.layer_number for l in block.layers] == [4, 5, 6]
-    assert [l.is_first_layer for l in block.layers] == [True, False, False]
-    assert [l.is_last_layer for l in block.layers] == [False, False, True]
+    assert [layer.layer_number for layer in block.layers] == [4, 5, 6]
+    assert [layer.is_first_layer for layer in block.layers] == [True, False, False]
+    assert [layer.is_last_layer for layer in block.layers] == [False, False, True]
     assert isinstance(block.final_layernorm, torch.nn.LayerNorm)
     x = torch.randn(8, 2, 32)
     h = x
     for layer in block.layers:
         h = layer(h)
     torch.testing.assert_close(block(x), block.final_layernorm(h))
-    assert TransformerBlock(cfg, get_gpt_layer_local_spec(), post_layer_norm=False, device="cpu").final_layernorm is None
+    assert (
+        TransformerBlock(cfg, get_gpt_layer_local_spec(), post_layer_norm=False, device="cpu").final_layernorm is None
+    )
 
 
 def test_build_norm():

@@ -10,12 +10,9 @@ rest through (``--rotary-percent`` < 1). The cos/sin tables it needs are compute
 with the angle table and attached to it, for the common activation dtypes.
 """
 
-from typing import Dict, Tuple
-
 import torch
 
 from megatron.core.tensor_parallel.layers import resolve_device
-
 
 # Activation dtypes whose cos/sin tables are precomputed with each cached angle table.
 _TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -40,7 +37,7 @@ class RotaryEmbedding(torch.nn.Module):
             )
         self.rot_dim = rot_dim
         self.rotary_base = rotary_base
-        self._cache: Dict[Tuple[int, str], torch.Tensor] = {}
+        self._cache: dict[tuple[int, str], torch.Tensor] = {}
 
     def forward(self, seq_len: int, device=None) -> torch.Tensor:
         """Returns the cached ``freqs [seq_len, 1, 1, rot_dim]`` (fp32) on ``device``."""
@@ -65,7 +62,7 @@ class RotaryEmbedding(torch.nn.Module):
         return freqs
 
 
-def _rope_tables(freqs: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+def _rope_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, signed_sin)``, each ``[s, rot_dim]`` in ``dtype``; cached on ``freqs`` when it came from
     ``RotaryEmbedding`` (so no layer recomputes them), else computed here."""
     tables = getattr(freqs, "_rope_tables", None)

@@ -9,8 +9,6 @@ table is sliced and broadcast instead of gathered. Loss masking is left to the c
 (``megatron.core.models.gpt.loss.masked_mean_loss``).
 """
 
-from typing import List, Optional, Tuple
-
 import torch
 import torch.nn.functional as F
 
@@ -38,7 +36,9 @@ class LanguageModelEmbedding(torch.nn.Module):
         device: Device for the parameters (default: torch's default device).
     """
 
-    def __init__(self, config, vocab_size: int, max_sequence_length: int, position_embedding_type: str, pg=None, device=None):
+    def __init__(
+        self, config, vocab_size: int, max_sequence_length: int, position_embedding_type: str, pg=None, device=None
+    ):
         super().__init__()
         init = init_method_normal(config.init_method_std)
         self.embedding_dropout = config.hidden_dropout
@@ -53,7 +53,7 @@ class LanguageModelEmbedding(torch.nn.Module):
         else:
             self.position_embeddings = None
 
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids [b, s]`` (and ``position_ids [b, s]``) -> ``[s, b, h]`` contiguous."""
         embeddings = self.word_embeddings(input_ids.t())  # [s, b, h]: gather in the transposed order
         if self.position_embeddings is not None:
@@ -155,7 +155,7 @@ class GPTModel(torch.nn.Module):
         else:
             self.output_layer = None
 
-    def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
+    def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
         """The weight shared by the embedding and the output layer on this stage, if any."""
         if not self.share_embeddings_and_output_weights:
             return None
@@ -166,8 +166,8 @@ class GPTModel(torch.nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        position_ids: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Runs the model.
 
@@ -190,7 +190,7 @@ class GPTModel(torch.nn.Module):
         hidden_states = self.decoder(hidden_states, rotary_pos_emb=rotary_pos_emb, final_norm=False)
         return self._postprocess(hidden_states, labels)
 
-    def _postprocess(self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _postprocess(self, hidden_states: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Loss head: final norm -> output layer -> per-token cross entropy.
 
         ``hidden_states [s, b, h]`` from the last layer; returns the fp32 loss ``[b, s]``,
@@ -209,7 +209,7 @@ class GPTModel(torch.nn.Module):
         )  # [s, b] fp32
         return loss.t().contiguous()  # [b, s]; the caller masks and reduces it
 
-    def graph_postprocess_region(self) -> Optional[Tuple[str, List[torch.nn.Parameter]]]:
+    def graph_postprocess_region(self) -> tuple[str, list[torch.nn.Parameter]] | None:
         """The loss head as a graphable region: ``(method name, shared parameters)``.
 
         Shared parameters get gradient from the region and from eager code (the tied

@@ -4,12 +4,10 @@ The model returns an unreduced fp32 loss per token; which tokens count (padding,
 end-of-document, prompt) is the data's business, expressed as a 0/1 ``loss_mask``.
 """
 
-from typing import Tuple
-
 import torch
 
 
-def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean loss over the tokens whose mask is 1.
 
     Args:

@@ -36,7 +36,7 @@ keeps a strong reference for readers autograd cannot see:
 """
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 FWD = "fwd"
 BWD = "bwd"
@@ -75,16 +75,16 @@ class RegionIO:
     """What the recording pass learned about one region's tensor arguments."""
 
     name: str
-    inputs: List[Source]
-    input_requires_grad: List[bool]
-    output_requires_grad: List[bool]
+    inputs: list[Source]
+    input_requires_grad: list[bool]
+    output_requires_grad: list[bool]
 
     @property
     def has_backward(self) -> bool:
         return any(self.output_requires_grad)
 
 
-BufferKey = Tuple[str, int, int]  # (kind, region, index)
+BufferKey = tuple[str, int, int]  # (kind, region, index)
 
 
 @dataclasses.dataclass
@@ -97,10 +97,10 @@ class BufferSpec:
     """
 
     key: BufferKey
-    alias_of: Optional[BufferKey] = None
-    release_after: Optional[int] = None
-    readers: List[int] = dataclasses.field(default_factory=list)
-    dead_after: Optional[int] = None
+    alias_of: BufferKey | None = None
+    release_after: int | None = None
+    readers: list[int] = dataclasses.field(default_factory=list)
+    dead_after: int | None = None
     """Position after which no graph reads the memory, counting reads of tensors that
     autograd saved (they happen in the backward of each forward reader). Debug mode
     poisons the buffer right after this event at replay. ``None``: never dead."""
@@ -110,10 +110,10 @@ class BufferSpec:
 
 @dataclasses.dataclass
 class Plan:
-    cycle: List[Event]
-    buffers: Dict[BufferKey, BufferSpec]
+    cycle: list[Event]
+    buffers: dict[BufferKey, BufferSpec]
 
-    def releases_at(self, position: int) -> List[BufferKey]:
+    def releases_at(self, position: int) -> list[BufferKey]:
         """Buffers whose strong reference is dropped right after capturing ``position``."""
         return [k for k, b in self.buffers.items() if b.alias_of is None and b.release_after == position]
 
@@ -127,13 +127,16 @@ class Plan:
         """Human-readable table, for debugging and error messages."""
         lines = ["cycle: " + " ".join(str(e) for e in self.cycle)]
         for key, b in sorted(self.buffers.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
-            what = f"alias of {b.alias_of}" if b.alias_of else (
-                "kept" if b.release_after is None else f"released after {self.cycle[b.release_after]}")
+            what = (
+                f"alias of {b.alias_of}"
+                if b.alias_of
+                else ("kept" if b.release_after is None else f"released after {self.cycle[b.release_after]}")
+            )
             lines.append(f"  {key}: {what}")
         return "\n".join(lines)
 
 
-def split_cycle(order: Sequence[Event]) -> List[Event]:
+def split_cycle(order: Sequence[Event]) -> list[Event]:
     """Finds the repeating cycle of one micro-batch in a recorded iteration.
 
     Every region runs forward once and backward at most once per micro-batch; the
@@ -162,7 +165,7 @@ def split_cycle(order: Sequence[Event]) -> List[Event]:
 def build_plan(cycle: Sequence[Event], regions: Sequence[RegionIO]) -> Plan:
     """Computes aliasing and release points for every static buffer of a cycle."""
     cycle = list(cycle)
-    pos: Dict[Event, int] = {}
+    pos: dict[Event, int] = {}
     for i, e in enumerate(cycle):
         if e in pos:
             raise ValueError(f"event {e} appears twice in one cycle")
@@ -174,13 +177,13 @@ def build_plan(cycle: Sequence[Event], regions: Sequence[RegionIO]) -> Plan:
     def fpos(r: int) -> int:
         return pos[Event(FWD, r)]
 
-    def bpos(r: int) -> Optional[int]:
+    def bpos(r: int) -> int | None:
         return pos.get(Event(BWD, r))
 
-    buffers: Dict[BufferKey, BufferSpec] = {}
+    buffers: dict[BufferKey, BufferSpec] = {}
     # Forward readers of every output and shared group.
-    output_readers: Dict[Tuple[int, int], List[int]] = {}
-    shared_readers: Dict[int, List[int]] = {}
+    output_readers: dict[tuple[int, int], list[int]] = {}
+    shared_readers: dict[int, list[int]] = {}
     for r, io in enumerate(regions):
         for i, src in enumerate(io.inputs):
             if src.kind == "handoff":
@@ -192,7 +195,7 @@ def build_plan(cycle: Sequence[Event], regions: Sequence[RegionIO]) -> Plan:
 
     for r, io in enumerate(regions):
         b = bpos(r)
-        for j, rg in enumerate(io.output_requires_grad):
+        for j in range(len(io.output_requires_grad)):
             readers = [fpos(r)] + output_readers.get((r, j), [])
             # Eager readers of an output finish before the producer's backward; without
             # a backward graph nothing bounds them, so the buffer is kept.
@@ -214,7 +217,9 @@ def build_plan(cycle: Sequence[Event], regions: Sequence[RegionIO]) -> Plan:
             continue
         for j, rg in enumerate(io.output_requires_grad):
             if rg:
-                buffers.setdefault(("grad_output", r, j), BufferSpec(("grad_output", r, j), release_after=b, readers=[b]))
+                buffers.setdefault(
+                    ("grad_output", r, j), BufferSpec(("grad_output", r, j), release_after=b, readers=[b])
+                )
         for i, rg in enumerate(io.input_requires_grad):
             if not rg:
                 continue
@@ -247,7 +252,7 @@ def build_plan(cycle: Sequence[Event], regions: Sequence[RegionIO]) -> Plan:
     return Plan(cycle=cycle, buffers=buffers)
 
 
-def _root(buffers: Dict[BufferKey, BufferSpec], key: BufferKey) -> BufferKey:
+def _root(buffers: dict[BufferKey, BufferSpec], key: BufferKey) -> BufferKey:
     while buffers[key].alias_of is not None:
         key = buffers[key].alias_of
     return key

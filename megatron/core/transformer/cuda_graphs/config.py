@@ -1,7 +1,6 @@
 """CUDA-graph configuration (``--cuda-graph-impl``, ``--cuda-graph-scope`` ...)."""
 
 import dataclasses
-from typing import List
 
 from megatron.core.config_utils import flag_field, require
 
@@ -16,7 +15,7 @@ class CudaGraphConfig:
     """CUDA-graph implementation: none (eager) or local (this trainer's memory-lean partial graphs).
     transformer_engine and full_iteration are Megatron values that are not supported here."""
 
-    cuda_graph_scope: List[str] = flag_field(
+    cuda_graph_scope: list[str] = flag_field(
         default_factory=list, flag="--cuda-graph-scope", aliases=("--cuda-graph-modules",), nargs="*"
     )
     """Regions to graph in every layer: attn mlp moe moe_router moe_preprocess mamba.
@@ -64,7 +63,10 @@ class CudaGraphConfig:
             len(set(self.cuda_graph_scope)) == len(self.cuda_graph_scope),
             f"--cuda-graph-scope lists a scope twice: {' '.join(self.cuda_graph_scope)}.",
         )
-        require(self.cuda_graph_warmup_steps >= 1, "--cuda-graph-warmup-steps must be >= 1 (kernels need one eager pass before capture).")
+        require(
+            self.cuda_graph_warmup_steps >= 1,
+            "--cuda-graph-warmup-steps must be >= 1 (kernels need one eager pass before capture).",
+        )
 
     @property
     def enabled(self) -> bool:

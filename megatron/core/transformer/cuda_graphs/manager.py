@@ -19,7 +19,8 @@ import gc
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -54,10 +55,10 @@ class CudaGraphManager:
             but which eager autograd completes later.
     """
 
-    def __init__(self, config: CudaGraphConfig, *, on_wgrad_ready: Optional[Callable] = None):
+    def __init__(self, config: CudaGraphConfig, *, on_wgrad_ready: Callable | None = None):
         self.config = config
         self.on_wgrad_ready = on_wgrad_ready
-        self.regions: List[GraphedRegion] = []
+        self.regions: list[GraphedRegion] = []
         self.state = OFF
         if config.enabled:
             if torch.cuda.is_available():
@@ -67,19 +68,19 @@ class CudaGraphManager:
                     "--cuda-graph-impl local: CUDA is not available, so CUDA graphs are off and the run is eager.",
                     stacklevel=2,
                 )
-        self.order: List[Event] = []
-        self.cycle: List[Event] = []
+        self.order: list[Event] = []
+        self.cycle: list[Event] = []
         self.cursor = 0
-        self.plan: Optional[Plan] = None
+        self.plan: Plan | None = None
         self.pool = None
-        self.buffers: Dict[Any, Optional[torch.Tensor]] = {}
+        self.buffers: dict[Any, torch.Tensor | None] = {}
         self.capture_seconds = 0.0
-        self._outputs: Dict[int, Any] = {}
-        self._inputs: Dict[int, Any] = {}
+        self._outputs: dict[int, Any] = {}
+        self._inputs: dict[int, Any] = {}
         self._shared_groups = 0
-        self._anchor: Optional[torch.Tensor] = None
-        self._poison: Dict[int, List[torch.Tensor]] = {}
-        self._debug_checked: Dict[int, int] = {}
+        self._anchor: torch.Tensor | None = None
+        self._poison: dict[int, list[torch.Tensor]] = {}
+        self._debug_checked: dict[int, int] = {}
 
     @property
     def active(self) -> bool:
@@ -129,7 +130,10 @@ class CudaGraphManager:
             return region.record_forward(args)
         region.check_args(args)
         outs = GraphReplay.apply(region, self._anchor, *args)
-        if self.config.cuda_graph_debug and self._debug_checked.get(region.index, 0) < self.config.cuda_graph_debug_replays:
+        if (
+            self.config.cuda_graph_debug
+            and self._debug_checked.get(region.index, 0) < self.config.cuda_graph_debug_replays
+        ):
             self._debug_compare(region, args, outs)
         return region._join_outputs(outs)
 
@@ -253,7 +257,7 @@ class CudaGraphManager:
             # Hand the eager cache (iteration 1's activations, warm-up temporaries) back to
             # the driver: from now on graphed regions allocate from the pool instead.
             torch.cuda.empty_cache()
-            buffers: Dict[Any, Optional[torch.Tensor]] = {}
+            buffers: dict[Any, torch.Tensor | None] = {}
 
             def static(key, meta, fill):
                 owner = plan.owner(key)
@@ -317,12 +321,12 @@ class CudaGraphManager:
         pool.add_capture_time(self.capture_seconds)
         pool.strong_bytes = self.strong_bytes()
 
-    def _save_main_grads(self) -> List[Any]:
+    def _save_main_grads(self) -> list[Any]:
         """(main_grad, host copy) of every parameter a region may touch (once, at capture)."""
         params = {id(p): p for r in self.regions for p in r.module.parameters() if hasattr(p, "main_grad")}
         return [(p.main_grad, p.main_grad.to("cpu")) for p in params.values()]
 
-    def _fwd_ordered_regions(self) -> List[GraphedRegion]:
+    def _fwd_ordered_regions(self) -> list[GraphedRegion]:
         return [self.regions[e.region] for e in self.cycle if e.phase == FWD]
 
     @staticmethod
@@ -345,19 +349,23 @@ class CudaGraphManager:
                 # A hand-off is never copied into: it is the producer's output buffer.
                 # The first reader of a shared buffer copies; the others find it filled.
                 copy = src.kind == "own" or (
-                    src.kind == "shared" and plan.buffers[plan.owner(key)].readers[0] == self.cycle.index(Event(FWD, region.index))
+                    src.kind == "shared"
+                    and plan.buffers[plan.owner(key)].readers[0] == self.cycle.index(Event(FWD, region.index))
                 )
                 if src.kind == "shared" and not copy:
                     continue
                 inputs.append((i, get(key), copy))
             outputs = [get(("output", region.index, j)) for j in range(region.num_outputs)]
             grad_outputs = [
-                (get(("grad_output", region.index, j)), True) if rg and ("grad_output", region.index, j) in plan.buffers else None
+                (get(("grad_output", region.index, j)), True)
+                if rg and ("grad_output", region.index, j) in plan.buffers
+                else None
                 for j, rg in enumerate(region.output_requires_grad)
             ]
             grad_inputs = [
                 (get(("grad_input", region.index, i)), plan.buffers[("grad_input", region.index, i)].copy_out)
-                for i, rg in enumerate(region.input_requires_grad) if rg
+                for i, rg in enumerate(region.input_requires_grad)
+                if rg
             ]
             region.finish_capture(inputs, outputs, grad_outputs, grad_inputs)
         if self.config.cuda_graph_debug:
@@ -391,7 +399,7 @@ class CudaGraphManager:
     def num_graphs(self) -> int:
         return sum((r.fwd_graph is not None) + (r.bwd_graph is not None) for r in self.regions)
 
-    def stats(self) -> Dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         """Plain-typed accounting for logs, metrics and tools (takes an allocator snapshot)."""
         if self.pool is None:
             return {"graphs": 0}
@@ -403,10 +411,13 @@ class CudaGraphManager:
             "strong_bytes": int(self.strong_bytes()),
             "capture_seconds": float(self.capture_seconds),
             "regions": [
-                {"name": r.name, "pool_reserved_after_fwd": r.pool_reserved_after.get(FWD),
-                 "pool_reserved_after_bwd": r.pool_reserved_after.get(BWD),
-                 "pool_live_after_fwd": r.pool_live_after.get(FWD),
-                 "pool_live_after_bwd": r.pool_live_after.get(BWD)}
+                {
+                    "name": r.name,
+                    "pool_reserved_after_fwd": r.pool_reserved_after.get(FWD),
+                    "pool_reserved_after_bwd": r.pool_reserved_after.get(BWD),
+                    "pool_live_after_fwd": r.pool_live_after.get(FWD),
+                    "pool_live_after_bwd": r.pool_live_after.get(BWD),
+                }
                 for r in self.regions
             ],
         }

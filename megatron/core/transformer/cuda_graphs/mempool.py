@@ -39,7 +39,7 @@ import contextlib
 import dataclasses
 import os
 import warnings
-from typing import Iterator, List, Optional, Tuple, Union
+from collections.abc import Iterator
 
 import torch
 
@@ -88,7 +88,7 @@ def _private_api(name: str):
     return fn
 
 
-def _device_index(device: Union[None, int, str, torch.device]) -> int:
+def _device_index(device: None | int | str | torch.device) -> int:
     if device is None:
         return torch.cuda.current_device()
     if isinstance(device, int):
@@ -99,7 +99,7 @@ def _device_index(device: Union[None, int, str, torch.device]) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _snapshot_segments() -> List[dict]:
+def _snapshot_segments() -> list[dict]:
     """All segments of the caching allocator, every device and pool."""
     try:
         # torch >= 2.8 can skip serialising trace entries.
@@ -108,11 +108,11 @@ def _snapshot_segments() -> List[dict]:
         return torch.cuda.memory_snapshot()
 
 
-def _pool_id(handle) -> Tuple[int, int]:
+def _pool_id(handle) -> tuple[int, int]:
     return tuple(int(x) for x in handle)
 
 
-def pool_stats_from_segments(segments: List[dict], pool_id, device: int) -> PoolStats:
+def pool_stats_from_segments(segments: list[dict], pool_id, device: int) -> PoolStats:
     """Sums the segments of one pool on one device from an allocator snapshot.
 
     Pure function over ``torch.cuda.memory_snapshot()`` output (a list of
@@ -152,9 +152,7 @@ def pool_stats_from_segments(segments: List[dict], pool_id, device: int) -> Pool
     )
 
 
-def format_pool_summary(
-    num_graphs: int, stats: PoolStats, strong_bytes: int, capture_seconds: float
-) -> str:
+def format_pool_summary(num_graphs: int, stats: PoolStats, strong_bytes: int, capture_seconds: float) -> str:
     """The pool's log line in Megatron's ``|``-separated style (MB = 2**20 bytes)."""
     return (
         f"graph pool | graphs: {num_graphs} "
@@ -180,7 +178,7 @@ class GraphPool:
         RuntimeError: CUDA is not available.
     """
 
-    def __init__(self, device: Union[None, int, str, torch.device] = None):
+    def __init__(self, device: None | int | str | torch.device = None):
         if not torch.cuda.is_available():
             raise RuntimeError(
                 "GraphPool needs a CUDA device, and none is available. CUDA graphs "
@@ -188,7 +186,7 @@ class GraphPool:
             )
         torch.cuda.init()  # the allocator's per-device state must exist
         self._device = _device_index(device)
-        self._handle: Tuple[int, int] = _pool_id(torch.cuda.graph_pool_handle())
+        self._handle: tuple[int, int] = _pool_id(torch.cuda.graph_pool_handle())
         self._closed = False
         self._holds_reference = False
         self.num_graphs: int = 0
@@ -209,7 +207,7 @@ class GraphPool:
     # ----------------------------------------------------------------- identity
 
     @property
-    def handle(self) -> Tuple[int, int]:
+    def handle(self) -> tuple[int, int]:
         """The pool id, a tuple of two ints, for ``torch.cuda.graph(pool=...)``."""
         self._check_open()
         return self._handle
@@ -264,7 +262,7 @@ class GraphPool:
 
     # --------------------------------------------------------------- accounting
 
-    def stats(self, device: Union[None, int, str, torch.device] = None) -> PoolStats:
+    def stats(self, device: None | int | str | torch.device = None) -> PoolStats:
         """Reserved and live bytes of this pool, from an allocator snapshot.
 
         Expensive (walks every segment of the allocator) and illegal during a
@@ -276,7 +274,7 @@ class GraphPool:
         index = self._device if device is None else _device_index(device)
         return pool_stats_from_segments(_snapshot_segments(), self._handle, index)
 
-    def as_dict(self, stats: Optional[PoolStats] = None) -> dict:
+    def as_dict(self, stats: PoolStats | None = None) -> dict:
         """Counters and pool stats as plain ints/floats, for JSON and metrics.
 
         Args:
@@ -293,7 +291,7 @@ class GraphPool:
             "largest_free_bytes": int(stats.largest_free_bytes),
         }
 
-    def summary_line(self, stats: Optional[PoolStats] = None) -> str:
+    def summary_line(self, stats: PoolStats | None = None) -> str:
         """One log line in Megatron's ``|``-separated style (MB = 2**20 bytes).
 
         Example: ``graph pool | graphs: 16 | reserved: 123.45 MB | live: 67.89 MB
@@ -303,9 +301,7 @@ class GraphPool:
             stats: A snapshot already taken; default: take one now.
         """
         stats = self.stats() if stats is None else stats
-        return format_pool_summary(
-            self.num_graphs, stats, self.strong_bytes, self.capture_seconds
-        )
+        return format_pool_summary(self.num_graphs, stats, self.strong_bytes, self.capture_seconds)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -347,9 +343,7 @@ def allocate_into_pool(pool: GraphPool) -> Iterator[None]:
         release(pool.device, handle)
 
 
-def device_memory_used(
-    empty_cache: bool = False, device: Union[None, int, str, torch.device] = None
-) -> int:
+def device_memory_used(empty_cache: bool = False, device: None | int | str | torch.device = None) -> int:
     """Bytes in use on the device as the driver sees them (total - free).
 
     Unlike allocator counters this includes NCCL buffers, library workspaces
@@ -395,6 +389,8 @@ def use_expandable_segments() -> bool:
             warnings.simplefilter("ignore", FutureWarning)
             setter("expandable_segments:True")
     except RuntimeError as err:  # e.g. a platform without virtual memory management
-        warnings.warn(f"expandable segments are not available here ({err}); the graph pool may fragment more.")
+        warnings.warn(
+            f"expandable segments are not available here ({err}); the graph pool may fragment more.", stacklevel=2
+        )
         return False
     return True

@@ -15,7 +15,8 @@ gradient-accumulation fusion the region's part goes into ``main_grad`` inside th
 
 import inspect
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ from megatron.core.transformer.cuda_graphs.replay import RecordBackward
 
 # Strides are not part of the signature: static buffers are contiguous and a copy into
 # them accepts any layout.
-TensorMeta = Tuple[torch.Size, torch.dtype, torch.device, bool]
+TensorMeta = tuple[torch.Size, torch.dtype, torch.device, bool]
 
 
 def _meta(t: torch.Tensor) -> TensorMeta:
@@ -53,7 +54,12 @@ class GraphedRegion:
     """
 
     def __init__(
-        self, manager, module: torch.nn.Module, method_name: str, name: str, index: int,
+        self,
+        manager,
+        module: torch.nn.Module,
+        method_name: str,
+        name: str,
+        index: int,
         shared_params: Sequence[torch.nn.Parameter] = (),
     ):
         self.manager = manager
@@ -64,37 +70,37 @@ class GraphedRegion:
         self.index = index
         self._signature = inspect.signature(self.fn)
         plain = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in self._signature.parameters.values())
-        self._names: Optional[List[str]] = list(self._signature.parameters) if plain else None
+        self._names: list[str] | None = list(self._signature.parameters) if plain else None
         # Filled by the recording iteration.
-        self.arg_meta: Optional[List[Any]] = None  # per positional arg: ("tensor", TensorMeta) | ("value", v)
-        self.sources: List[Source] = []
+        self.arg_meta: list[Any] | None = None  # per positional arg: ("tensor", TensorMeta) | ("value", v)
+        self.sources: list[Source] = []
         self.output_is_tuple = False
-        self.output_requires_grad: List[bool] = []
-        self.output_meta: List[TensorMeta] = []
+        self.output_requires_grad: list[bool] = []
+        self.output_meta: list[TensorMeta] = []
         self.num_outputs = 0
-        self.shared_params: List[torch.nn.Parameter] = list(shared_params)
+        self.shared_params: list[torch.nn.Parameter] = list(shared_params)
         # Filled by capture.
-        self.params: List[torch.nn.Parameter] = []  # main_grad written by the backward graph
-        self.shared_grads: List[torch.Tensor] = []  # static wgrad buffers of shared_params
+        self.params: list[torch.nn.Parameter] = []  # main_grad written by the backward graph
+        self.shared_grads: list[torch.Tensor] = []  # static wgrad buffers of shared_params
         # Shared parameters whose part the graph fuses into main_grad (gradient-accumulation
         # fusion): DDP waits for our event, but eager autograd says when they are complete.
-        self.fused_shared_params: List[torch.nn.Parameter] = []
-        self.fwd_graph: Optional[torch.cuda.CUDAGraph] = None
-        self.bwd_graph: Optional[torch.cuda.CUDAGraph] = None
-        self._capture_args: Optional[List[Any]] = None
-        self._fwd_outputs: Optional[Tuple[torch.Tensor, ...]] = None
-        self.replay_inputs: List[Tuple[int, torch.Tensor, bool]] = []  # (arg index, static, copy?)
-        self.replay_outputs: List[torch.Tensor] = []
-        self.replay_grad_outputs: List[Optional[Tuple[torch.Tensor, bool]]] = []
-        self.replay_grad_inputs: List[Tuple[torch.Tensor, bool]] = []  # (static dgrad, copy out?)
-        self.wgrad_event: Optional[torch.cuda.Event] = None
+        self.fused_shared_params: list[torch.nn.Parameter] = []
+        self.fwd_graph: torch.cuda.CUDAGraph | None = None
+        self.bwd_graph: torch.cuda.CUDAGraph | None = None
+        self._capture_args: list[Any] | None = None
+        self._fwd_outputs: tuple[torch.Tensor, ...] | None = None
+        self.replay_inputs: list[tuple[int, torch.Tensor, bool]] = []  # (arg index, static, copy?)
+        self.replay_outputs: list[torch.Tensor] = []
+        self.replay_grad_outputs: list[tuple[torch.Tensor, bool] | None] = []
+        self.replay_grad_inputs: list[tuple[torch.Tensor, bool]] = []  # (static dgrad, copy out?)
+        self.wgrad_event: torch.cuda.Event | None = None
         self.replays = 0
         self.capture_seconds = 0.0
-        self.pool_reserved_after: Dict[str, int] = {}
-        self.pool_live_after: Dict[str, int] = {}
+        self.pool_reserved_after: dict[str, int] = {}
+        self.pool_live_after: dict[str, int] = {}
 
     # ------------------------------------------------------------------ arguments
-    def bind(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
+    def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """Positional arguments with defaults filled, so every call looks the same."""
         names, n = self._names, len(args)
         if names is not None and len(kwargs) == len(names) - n and all(k in kwargs for k in names[n:]):
@@ -104,7 +110,7 @@ class GraphedRegion:
         return tuple(bound.arguments.values())
 
     @staticmethod
-    def arg_metadata(args: Sequence[Any]) -> List[Any]:
+    def arg_metadata(args: Sequence[Any]) -> list[Any]:
         return [("tensor", _meta(a)) if isinstance(a, torch.Tensor) else ("value", a) for a in args]
 
     def check_args(self, args: Sequence[Any]) -> None:
@@ -121,9 +127,11 @@ class GraphedRegion:
                     "shape (sequence length, micro batch) and dtype; keep them fixed, or run with --cuda-graph-impl none."
                 )
         if len(meta) != len(self.arg_meta):
-            raise ValueError(f"CUDA graph for {self.name}: called with {len(meta)} arguments, captured with {len(self.arg_meta)}")
+            raise ValueError(
+                f"CUDA graph for {self.name}: called with {len(meta)} arguments, captured with {len(self.arg_meta)}"
+            )
 
-    def _split_outputs(self, out) -> Tuple[torch.Tensor, ...]:
+    def _split_outputs(self, out) -> tuple[torch.Tensor, ...]:
         outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         for o in outs:
             if not isinstance(o, torch.Tensor):
@@ -134,13 +142,15 @@ class GraphedRegion:
         return tuple(outs) if self.output_is_tuple else outs[0]
 
     # ------------------------------------------------------------------ recording
-    def record_forward(self, args: Tuple[Any, ...]):
+    def record_forward(self, args: tuple[Any, ...]):
         """Eager forward that also records metadata, sources and the backward order."""
         meta = self.arg_metadata(args)
         if self.arg_meta is None:
             self.arg_meta = meta
-            self.sources = [self.manager.source_of(a, self.index, i) if isinstance(a, torch.Tensor) else OWN
-                            for i, a in enumerate(args)]
+            self.sources = [
+                self.manager.source_of(a, self.index, i) if isinstance(a, torch.Tensor) else OWN
+                for i, a in enumerate(args)
+            ]
         elif meta != self.arg_meta:
             self.check_args(args)
         out = self.fn(*args)
@@ -163,14 +173,14 @@ class GraphedRegion:
         return self._join_outputs(outs)
 
     @property
-    def input_requires_grad(self) -> List[bool]:
+    def input_requires_grad(self) -> list[bool]:
         return [m[0] == "tensor" and m[1][3] for m in self.arg_meta]
 
     # ------------------------------------------------------------------ capture
-    def sample_args(self, make_tensor: Callable[[int, TensorMeta], torch.Tensor]) -> List[Any]:
+    def sample_args(self, make_tensor: Callable[[int, TensorMeta], torch.Tensor]) -> list[Any]:
         return [make_tensor(i, m[1]) if m[0] == "tensor" else m[1] for i, m in enumerate(self.arg_meta)]
 
-    def discover_params(self, args: List[Any]) -> None:
+    def discover_params(self, args: list[Any]) -> None:
         """Finds the parameters this region uses, from one eager forward+backward."""
         candidates = [p for p in self.module.parameters() if p.requires_grad]
         if not any(self.output_requires_grad):
@@ -179,7 +189,7 @@ class GraphedRegion:
         outs = self._split_outputs(self.fn(*args))
         reached = _leaves_reached(outs)  # includes weights whose wgrad is fused (no autograd grad)
         grads = self._grad(outs, args, candidates)
-        has_grad = {id(p) for p, g in zip(candidates, grads[len(self._grad_inputs(args)):]) if g is not None}
+        has_grad = {id(p) for p, g in zip(candidates, grads[len(self._grad_inputs(args)) :]) if g is not None}
         used = [p for p in candidates if id(p) in reached or id(p) in has_grad]
         shared = {id(p) for p in self.shared_params}
         self.shared_params = [p for p in used if id(p) in shared and id(p) in has_grad]
@@ -192,12 +202,12 @@ class GraphedRegion:
                 "DistributedDataParallel before capturing (graphs add weight gradients to main_grad)."
             )
 
-    def _wgrad_params(self) -> List[torch.nn.Parameter]:
+    def _wgrad_params(self) -> list[torch.nn.Parameter]:
         # Fused weights return no gradient, but asking for them runs their backward (and
         # its main_grad accumulation) even when no input needs a gradient.
         return self.params + self.shared_params + self.fused_shared_params
 
-    def _grad_inputs(self, args: Sequence[Any]) -> List[torch.Tensor]:
+    def _grad_inputs(self, args: Sequence[Any]) -> list[torch.Tensor]:
         return [a for a, rg in zip(args, self.input_requires_grad) if rg]
 
     def _grad(self, outs, args, params, grad_outputs=None):
@@ -210,14 +220,14 @@ class GraphedRegion:
             grads_out = [grad_outputs[j] for j in picked]
         return torch.autograd.grad(outputs, self._grad_inputs(args) + list(params), grads_out, allow_unused=True)
 
-    def warmup(self, args: List[Any], steps: int) -> None:
+    def warmup(self, args: list[Any], steps: int) -> None:
         for _ in range(steps):
             outs = self._split_outputs(self.fn(*args))
             if any(self.output_requires_grad):
                 self._grad(outs, args, self._wgrad_params())
             del outs
 
-    def capture_forward(self, args: List[Any], pool, stream) -> Tuple[torch.Tensor, ...]:
+    def capture_forward(self, args: list[Any], pool, stream) -> tuple[torch.Tensor, ...]:
         """Captures the forward graph on ``args`` (static buffers or their leaf aliases)."""
         graph = torch.cuda.CUDAGraph()
         start = time.perf_counter()
@@ -235,7 +245,7 @@ class GraphedRegion:
             self._fwd_outputs = outs
         return outs
 
-    def capture_backward(self, grad_outputs: List[Optional[torch.Tensor]], pool, stream) -> List[Optional[torch.Tensor]]:
+    def capture_backward(self, grad_outputs: list[torch.Tensor | None], pool, stream) -> list[torch.Tensor | None]:
         """Captures dgrad + wgrad; wgrads are added to ``main_grad`` inside the graph."""
         graph = torch.cuda.CUDAGraph()
         args, outs = self._capture_args, self._fwd_outputs
@@ -253,7 +263,7 @@ class GraphedRegion:
         self.capture_seconds += time.perf_counter() - start
         self.bwd_graph = graph
         # Read by eager autograd after every replay, until DDP folds it: held for good.
-        self.shared_grads = list(grads[n_in + len(self.params):n_in + len(self.params) + len(self.shared_params)])
+        self.shared_grads = list(grads[n_in + len(self.params) : n_in + len(self.params) + len(self.shared_params)])
         dgrads = list(grads[:n_in])
         del grads
         # The autograd graph of the forward capture is freed now: its saved tensors go
@@ -273,7 +283,7 @@ class GraphedRegion:
         self.wgrad_event = torch.cuda.Event()
 
     # ------------------------------------------------------------------ replay
-    def replay_forward(self, args: Sequence[Any]) -> Tuple[torch.Tensor, ...]:
+    def replay_forward(self, args: Sequence[Any]) -> tuple[torch.Tensor, ...]:
         self.manager.check_order(Event(FWD, self.index), self)
         for i, static, copy in self.replay_inputs:
             a = args[i]
@@ -291,7 +301,7 @@ class GraphedRegion:
         self.replays += 1
         return tuple(o.detach() for o in self.replay_outputs)
 
-    def replay_backward(self, grads: Sequence[Optional[torch.Tensor]]) -> Tuple[Optional[torch.Tensor], ...]:
+    def replay_backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
         self.manager.check_order(Event(BWD, self.index), self)
         for g, slot in zip(grads, self.replay_grad_outputs):
             if slot is None:

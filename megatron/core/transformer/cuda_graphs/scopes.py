@@ -14,7 +14,7 @@ When that region is eager, the eager backward after the head reuses the head's
 memory anyway, and a graphed head would only take it away.
 """
 
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -23,14 +23,14 @@ from megatron.core.transformer.cuda_graphs.config import VALID_SCOPES
 WHOLE_LAYER = "layer"
 
 
-def graphable_layers(model: torch.nn.Module) -> List[torch.nn.Module]:
+def graphable_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Layers that declare regions, in module order."""
     return [m for m in model.modules() if callable(getattr(m, "graph_regions", None))]
 
 
-def regions_for_layer(layer: torch.nn.Module, scopes: Sequence[str]) -> List[Tuple[str, str]]:
+def regions_for_layer(layer: torch.nn.Module, scopes: Sequence[str]) -> list[tuple[str, str]]:
     """(region name, method name) pairs to graph in ``layer``, in execution order."""
-    offered: Dict[str, str] = layer.graph_regions()
+    offered: dict[str, str] = layer.graph_regions()
     if not scopes:
         return [(WHOLE_LAYER, "forward")]
     picked = [name for name in offered if name in scopes]
@@ -58,7 +58,7 @@ def validate_scopes(layers: Iterable[torch.nn.Module], scopes: Sequence[str]) ->
 
 def postprocess_region(
     model: torch.nn.Module, layers: Sequence[torch.nn.Module], scopes: Sequence[str]
-) -> Optional[Tuple[torch.nn.Module, str, List[torch.nn.Parameter]]]:
+) -> tuple[torch.nn.Module, str, list[torch.nn.Parameter]] | None:
     """``(module, method name, shared parameters)`` of the loss head to graph, or None.
 
     Only when the last layer's last region (the one that feeds the head) is graphed.

@@ -18,13 +18,12 @@ cannot be loaded or the call fails, it falls back to ``torch.cuda.Stream()``.
 
 import ctypes
 import warnings
-from typing import Dict
 
 import torch
 
 _CU_STREAM_NON_BLOCKING = 0x1  # like the pool's streams: no implicit sync with stream 0
 
-_streams: Dict[int, torch.cuda.Stream] = {}
+_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def _driver_stream(device: int) -> int:
@@ -48,8 +47,11 @@ def side_stream(device=None) -> torch.cuda.Stream:
         try:
             stream = torch.cuda.ExternalStream(_driver_stream(index), device=index)
         except (OSError, AttributeError) as err:
-            warnings.warn(f"could not create a CUDA stream through the driver ({err}); using torch's stream "
-                          "pool, which costs ~70 MiB of device memory more")
+            warnings.warn(
+                f"could not create a CUDA stream through the driver ({err}); using torch's stream "
+                "pool, which costs more device memory",
+                stacklevel=2,
+            )
             stream = torch.cuda.Stream(device=index)
         _streams[index] = stream
     return stream

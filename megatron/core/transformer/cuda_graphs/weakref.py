@@ -33,7 +33,6 @@ What is unusual here:
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 import torch
 
@@ -139,7 +138,7 @@ def is_weak_ref(t: object) -> bool:
     return isinstance(t, torch.Tensor) and getattr(t, _WEAK_MARKER, False) is True
 
 
-def _poison_value(dtype: torch.dtype) -> Optional[object]:
+def _poison_value(dtype: torch.dtype) -> object | None:
     """The fill value for ``dtype``, or None if only a byte pattern will do."""
     if dtype == torch.bool:
         return True

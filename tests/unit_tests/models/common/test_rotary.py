@@ -62,9 +62,11 @@ def test_relative_position_property():
     torch.manual_seed(0)
     freqs = RotaryEmbedding(8)(12, "cpu")
     q, k = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+
     def at(v, pos):
         t = v.expand(12, 1, 1, 8).clone()
         return apply_rotary_pos_emb(t, freqs)[pos, 0, 0]
+
     d1 = torch.dot(at(q, 5), at(k, 2))
     d2 = torch.dot(at(q, 9), at(k, 6))
     assert math.isclose(d1.item(), d2.item(), rel_tol=1e-5)

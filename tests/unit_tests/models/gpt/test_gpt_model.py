@@ -12,8 +12,9 @@ VOCAB = 50
 
 
 def config(**kw):
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, hidden_dropout=0.0,
-                attention_dropout=0.0)
+    base = dict(
+        num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, hidden_dropout=0.0, attention_dropout=0.0
+    )
     base.update(kw)
     cfg = TransformerConfig(**base).finalize()
     cfg.validate()
@@ -50,8 +51,14 @@ def expected_params(cfg, vocab):
         {"add_bias_linear": False},
         {"gated_linear_unit": True, "ffn_hidden_size": 48},
         {"group_query_attention": True, "num_query_groups": 2},
-        {"position_embedding_type": "rope", "normalization": "RMSNorm", "add_bias_linear": False,
-         "gated_linear_unit": True, "group_query_attention": True, "num_query_groups": 1},
+        {
+            "position_embedding_type": "rope",
+            "normalization": "RMSNorm",
+            "add_bias_linear": False,
+            "gated_linear_unit": True,
+            "group_query_attention": True,
+            "num_query_groups": 1,
+        },
         {"kv_channels": 12, "max_position_embeddings": 20},
     ],
 )

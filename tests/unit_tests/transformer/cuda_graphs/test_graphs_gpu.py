@@ -59,9 +59,13 @@ def assert_same(eager, graphed, what):
     e_losses, e_grads, _ = eager
     g_losses, g_grads, _ = graphed
     for i, (a, b) in enumerate(zip(e_losses, g_losses)):
-        assert torch.equal(a, b), f"{what}: lm loss differs at iteration {i + 1}: eager {a.item()!r} graphed {b.item()!r}"
+        assert torch.equal(a, b), (
+            f"{what}: lm loss differs at iteration {i + 1}: eager {a.item()!r} graphed {b.item()!r}"
+        )
     for k, (a, b) in enumerate(zip(e_grads, g_grads)):
-        assert torch.equal(a, b), f"{what}: main_grad of parameter {k} differs after iteration 3 (max diff {(a - b).abs().max().item()})"
+        assert torch.equal(a, b), (
+            f"{what}: main_grad of parameter {k} differs after iteration 3 (max diff {(a - b).abs().max().item()})"
+        )
 
 
 @pytest.mark.parametrize("precision", ["--bf16", ""], ids=["bf16", "fp32"])
@@ -113,8 +117,10 @@ def test_loss_head_graphed_equals_eager(untie, fusion):
 
 
 def test_rope_gqa_swiglu_graphed_equals_eager():
-    flags = (f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 --position-embedding-type rope --group-query-attention "
-             "--num-query-groups 2 --swiglu --disable-bias-linear --normalization RMSNorm")
+    flags = (
+        f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 --position-embedding-type rope --group-query-attention "
+        "--num-query-groups 2 --swiglu --disable-bias-linear --normalization RMSNorm"
+    )
     eager = train(flags, 8)
     for scope in ("layer", "attn", "mlp"):
         graphed = train(f"{flags} {graph_flags(scope)}", 8)
@@ -125,7 +131,9 @@ def test_rope_gqa_swiglu_graphed_equals_eager():
 
 
 def test_dropout_masks_change_between_replays():
-    flags = f"{SMALL} {COMMON} --bf16 --hidden-dropout 0.1 --attention-dropout 0.1 --lr 0 --min-lr 0 {graph_flags('layer')}"
+    flags = (
+        f"{SMALL} {COMMON} --bf16 --hidden-dropout 0.1 --attention-dropout 0.1 --lr 0 --min-lr 0 {graph_flags('layer')}"
+    )
     probe = build_trainer(f"{flags} --train-iters 1".split())
     batch = next(build_data_iterators(probe.cfg, probe.tokenizer, probe.pg, 0)[0])
     parallel_state.destroy(probe.pg)

@@ -20,8 +20,13 @@ LAYERS = 3
 
 def tiny_gpt(rope=False, untie=False):
     cfg = TransformerConfig(
-        num_layers=LAYERS, hidden_size=32, num_attention_heads=4, seq_length=16, hidden_dropout=0.0,
-        attention_dropout=0.0, position_embedding_type="rope" if rope else "learned_absolute",
+        num_layers=LAYERS,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        position_embedding_type="rope" if rope else "learned_absolute",
         untie_embeddings_and_output_weights=untie,
     ).finalize()
     torch.manual_seed(0)

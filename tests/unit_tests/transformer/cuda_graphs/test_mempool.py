@@ -47,9 +47,7 @@ def test_pool_stats_from_segments_filters_by_pool_and_device():
         _segment(1, ours, [(128 * MiB, "active_allocated")]),  # another device
     ]
     stats = pool_stats_from_segments(segments, ours, device=0)
-    assert stats == PoolStats(
-        reserved_bytes=23 * MiB, live_bytes=6 * MiB, num_segments=2, largest_free_bytes=16 * MiB
-    )
+    assert stats == PoolStats(reserved_bytes=23 * MiB, live_bytes=6 * MiB, num_segments=2, largest_free_bytes=16 * MiB)
     # The handle may come as any two-int sequence (lists survive a JSON round trip).
     segments[0]["segment_pool_id"] = [0, 7]
     assert pool_stats_from_segments(segments, [0, 7], device=0) == stats
@@ -69,8 +67,7 @@ def test_format_pool_summary():
     )  # fmt: skip
     line = format_pool_summary(16, stats, strong_bytes=12 * MiB, capture_seconds=0.312)
     assert line == (
-        "graph pool | graphs: 16 | reserved: 123.45 MB | live: 67.89 MB "
-        "| strongly held: 12.00 MB | capture: 0.31 s"
+        "graph pool | graphs: 16 | reserved: 123.45 MB | live: 67.89 MB | strongly held: 12.00 MB | capture: 0.31 s"
     )
 
 

@@ -201,7 +201,9 @@ def test_escaping_dgrad_released_without_copy_out_is_caught():
     assert replay(cycle, regions, plan, block, temps, saves_inputs=False) != []
 
 
-@pytest.mark.parametrize("case", ["layers with hand-offs", "sub-layer regions with eager between", "frozen regions (no backward)"])
+@pytest.mark.parametrize(
+    "case", ["layers with hand-offs", "sub-layer regions with eager between", "frozen regions (no backward)"]
+)
 def test_naive_release_after_producer_is_caught(case):
     cycle, regions = CASES[case]
     plan = build_plan(cycle, regions)
