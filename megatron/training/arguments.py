@@ -29,6 +29,7 @@ import functools
 import inspect
 import sys
 import textwrap
+import types
 import typing
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Union
@@ -176,8 +177,8 @@ def field_docstrings(cls: type) -> dict[str, str]:
 
 
 def _unwrap_optional(tp: Any) -> Any:
-    """Optional[X] -> X; other types unchanged."""
-    if typing.get_origin(tp) is Union:
+    """``X | None`` (or ``Optional[X]``) -> X; other types unchanged."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(args) == 1:
             return args[0]
@@ -225,7 +226,7 @@ def _field_flag(group: str, cls: type, field: dataclasses.Field, hint: Any) -> _
             kwargs["action"] = "store_true"
             help_text = doc
         return _FieldFlag(group, field.name, f"{group}.{field.name}", flags, kwargs, help_text, "off")
-    if typing.get_origin(tp) in (list, list):
+    if typing.get_origin(tp) is list:
         (item,) = typing.get_args(tp) or (str,)
         kwargs["type"] = item
         kwargs["nargs"] = meta.get("nargs") or "*"

@@ -2,8 +2,9 @@
 
 Layers get 1-based *global* layer numbers (``layer_offset + i + 1``) so a layer
 knows where it sits in the whole model (initialisation, logging, graph names), and
-are annotated with ``is_first_layer`` / ``is_last_layer`` *within this block*: the
-CUDA-graph code uses these to know where a chain of graph regions starts and ends.
+are annotated with ``is_first_layer`` / ``is_last_layer`` *within this block* (one
+pipeline chunk): the layers at a chunk's edges read from or feed communication.
+``graph_layers()`` tells the CUDA-graph session which layers are this block's own.
 """
 
 import torch
@@ -56,6 +57,10 @@ class TransformerBlock(torch.nn.Module):
             self.final_layernorm = build_norm(config, config.hidden_size, device=device)
         else:
             self.final_layernorm = None
+
+    def graph_layers(self) -> list[torch.nn.Module]:
+        """The layers the CUDA-graph session may route (this block's own, in order)."""
+        return list(self.layers)
 
     def forward(
         self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None, *, final_norm: bool = True

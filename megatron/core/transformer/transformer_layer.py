@@ -1,9 +1,9 @@
 """A pre-norm transformer layer split into graphable regions.
 
 ``forward`` is literally ``_forward_mlp(_forward_attention(x))``. Unusual here: the
-CUDA-graph machinery (``transformer/cuda_graphs``) wraps those two methods *on the
-instance*, by the names ``graph_regions()`` reports, so this file holds no capture
-code. For that to be correct each region method is a pure function of its tensor
+class declares those two methods as graph regions (``graph_regions``); the CUDA-graph
+session (``transformer/cuda_graphs``) routes them through itself once attached, so
+this file holds no capture code. For that to be correct each region method is a pure function of its tensor
 arguments and the parameters: no Python state that changes between calls, no host
 syncs, no data-dependent control flow (only ``self.training`` and the config choose
 branches).
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron.core.transformer.cuda_graphs.regions import GraphRegions, RegionSpec
 from megatron.core.transformer.spec_utils import build_module
 
 
@@ -31,6 +32,8 @@ class TransformerLayerSubmodules:
 class TransformerLayer(torch.nn.Module):
     """Pre-norm layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``, with dropout on each branch.
 
+    Graph regions: ``attn`` and ``mlp``; both together capture the whole layer.
+
     Args:
         config: Finalized ``TransformerConfig``.
         submodules: Specs of the norms, the attention and the MLP.
@@ -38,6 +41,12 @@ class TransformerLayer(torch.nn.Module):
         pg: ``ProcessGroups`` (or ``None`` for a world of one).
         device: Device for the parameters (default: torch's default device).
     """
+
+    graph_regions = GraphRegions(
+        RegionSpec("attn", "_forward_attention"),
+        RegionSpec("mlp", "_forward_mlp"),
+        whole=("attn", "mlp"),
+    )
 
     def __init__(self, config, submodules: TransformerLayerSubmodules, layer_number: int, pg=None, *, device=None):
         super().__init__()
@@ -55,10 +64,6 @@ class TransformerLayer(torch.nn.Module):
         )
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config=config, hidden_size=h, device=device)
         self.mlp = build_module(submodules.mlp, config=config, pg=pg, device=device)
-
-    def graph_regions(self) -> dict[str, str]:
-        """Graphable regions of this layer: region name -> name of the method that runs it."""
-        return {"attn": "_forward_attention", "mlp": "_forward_mlp"}
 
     def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``."""

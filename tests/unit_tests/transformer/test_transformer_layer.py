@@ -28,9 +28,11 @@ def test_forward_is_mlp_of_attention_and_regions_are_named():
     cfg = config()
     layer = build_layer(cfg)
     x = torch.randn(8, 2, 32)
-    assert layer.graph_regions() == {"attn": "_forward_attention", "mlp": "_forward_mlp"}
-    for method in layer.graph_regions().values():
-        assert callable(getattr(layer, method))
+    regions = type(layer).graph_regions
+    assert [(s.name, s.method) for s in regions.specs] == [("attn", "_forward_attention"), ("mlp", "_forward_mlp")]
+    assert regions.whole == ("attn", "mlp") and regions.ends == "mlp"
+    for spec in regions.specs:
+        assert callable(getattr(layer, spec.method))
     assert torch.equal(layer(x), layer._forward_mlp(layer._forward_attention(x)))
 
 

@@ -21,6 +21,7 @@ from megatron.core.tensor_parallel.layers import (
     init_method_normal,
     resolve_device,
 )
+from megatron.core.transformer.cuda_graphs.regions import HeadRegion
 from megatron.core.transformer.transformer_block import TransformerBlock
 
 
@@ -73,8 +74,18 @@ class LanguageModelEmbedding(torch.nn.Module):
         return embeddings
 
 
+def _tied_head_params(model: "GPTModel") -> list[torch.nn.Parameter]:
+    # The tied embedding weight gets gradient from the head and from the eager embedding
+    # lookup; autograd must sum both in the parameter's dtype, as in eager.
+    shared = model.shared_embedding_or_output_weight() if model.pre_process else None
+    return [shared] if shared is not None else []
+
+
 class GPTModel(torch.nn.Module):
     """Decoder-only transformer language model.
+
+    Graph head: ``_postprocess`` (final norm, output layer, cross entropy) on the stage
+    that has it.
 
     Args:
         config: Finalized ``TransformerConfig``.
@@ -88,6 +99,8 @@ class GPTModel(torch.nn.Module):
         position_embedding_type: ``learned_absolute``, ``rope`` or ``none``.
         device: Device for the parameters (default: torch's default device).
     """
+
+    graph_head = HeadRegion("_postprocess", shared_params=_tied_head_params, present=lambda model: model.post_process)
 
     def __init__(
         self,
@@ -194,8 +207,7 @@ class GPTModel(torch.nn.Module):
         """Loss head: final norm -> output layer -> per-token cross entropy.
 
         ``hidden_states [s, b, h]`` from the last layer; returns the fp32 loss ``[b, s]``,
-        or ``logits [b, s, v]`` when ``labels`` is None. One graphable region (see
-        ``graph_postprocess_region``).
+        or ``logits [b, s, v]`` when ``labels`` is None. One graphable region (``graph_head``).
         """
         if self.decoder.final_layernorm is not None:
             hidden_states = self.decoder.final_layernorm(hidden_states)
@@ -208,19 +220,6 @@ class GPTModel(torch.nn.Module):
             logits, labels.t(), pg=self.pg, fused=self.config.cross_entropy_loss_fusion
         )  # [s, b] fp32
         return loss.t().contiguous()  # [b, s]; the caller masks and reduces it
-
-    def graph_postprocess_region(self) -> tuple[str, list[torch.nn.Parameter]] | None:
-        """The loss head as a graphable region: ``(method name, shared parameters)``.
-
-        Shared parameters get gradient from the region and from eager code (the tied
-        embedding weight: output layer + embedding lookup); autograd must sum those in
-        the parameter's dtype before they reach ``main_grad``, as in eager. ``None`` on a
-        stage without the loss head.
-        """
-        if not self.post_process:
-            return None
-        shared = self.shared_embedding_or_output_weight() if self.pre_process else None
-        return "_postprocess", [shared] if shared is not None else []
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of unique parameters (a tied weight counts once).

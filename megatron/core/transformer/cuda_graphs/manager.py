@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from megatron.core.transformer.cuda_graphs import scopes as scope_lib
+from megatron.core.transformer.cuda_graphs import regions as regions_lib
 from megatron.core.transformer.cuda_graphs.buffers import (
     BWD,
     FWD,
@@ -89,20 +89,26 @@ class CudaGraphManager:
     # ------------------------------------------------------------------ setup
     def apply(self, model: torch.nn.Module) -> "CudaGraphManager":
         """Routes the selected regions of every graphable layer of ``model`` through us."""
-        layers = scope_lib.graphable_layers(model)
-        scope_lib.validate_scopes(layers, self.config.cuda_graph_scope)
+        layers = regions_lib.graphable_layers(model)
+        model_config = getattr(layers[0], "config", None) if layers else None
+        selected = regions_lib.resolve(self.config.cuda_graph_scope, [type(layer) for layer in layers], model_config)
         if not self.config.enabled:
             return self
         names = {m: n for n, m in model.named_modules()}
         picked = [
-            (layer, method, f"{names[layer]}.{region_name}", [])
+            (layer, spec.method, f"{names[layer]}.{spec.name}", [])
             for layer in layers
-            for region_name, method in scope_lib.regions_for_layer(layer, self.config.cuda_graph_scope)
+            for spec in selected[type(layer)]
         ]
-        head = scope_lib.postprocess_region(model, layers, self.config.cuda_graph_scope)
-        if head is not None and self.config.cuda_graph_postprocess:
-            module, method, shared = head
-            picked.append((module, method, f"{names[module]}.postprocess".lstrip("."), shared))
+        head = regions_lib.head_region(model)
+        if (
+            head is not None
+            and self.config.cuda_graph_postprocess
+            and layers
+            and regions_lib.head_follows(selected[type(layers[-1])], type(layers[-1]))
+        ):
+            module, spec = head
+            picked.append((module, spec.method, f"{names[module]}.postprocess".lstrip("."), spec.shared_params(module)))
         for module, method, name, shared in picked:
             region = GraphedRegion(self, module, method, name, len(self.regions), shared_params=shared)
             self.regions.append(region)
@@ -251,7 +257,7 @@ class CudaGraphManager:
                 for region in self._fwd_ordered_regions():
                     args = region.sample_args(self._sample)
                     region.discover_params(args)
-                    region.warmup(args, self.config.cuda_graph_warmup_steps - 1)
+                    region.warmup(args, max(self.config.cuda_graph_warmup_steps - 1, 0))
                     del args
             torch.cuda.synchronize()
             # Hand the eager cache (iteration 1's activations, warm-up temporaries) back to

@@ -15,6 +15,7 @@ import torch
 from megatron.core.transformer.cuda_graphs import buffers as buffers_lib
 from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
 from megatron.core.transformer.cuda_graphs.manager import CudaGraphManager
+from megatron.core.transformer.cuda_graphs.regions import GraphRegions, RegionSpec
 
 pytestmark = pytest.mark.gpu
 
@@ -29,8 +30,7 @@ class Region(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.ones(N, device="cuda"), requires_grad=False)
         self.c = c
 
-    def graph_regions(self):
-        return {"attn": "forward"}
+    graph_regions = GraphRegions(RegionSpec("attn", "forward"), whole=("attn",))
 
     def forward(self, x):
         tmp = torch.full_like(x, self.c)  # same size as the output: reuses a freed block
@@ -42,6 +42,9 @@ class TwoBranches(torch.nn.Module):
         super().__init__()
         self.a = Region(3.0)
         self.b = Region(5.0)
+
+    def graph_layers(self):
+        return [self.a, self.b]
 
     def forward(self, x):
         ya = self.a(x)
