@@ -4,6 +4,7 @@ Without torchrun it runs as a world of one. On a machine without CUDA it trains 
 CPU (gloo for several processes).
 """
 
+from megatron.core.models.gpt.loss import masked_mean_loss
 from megatron.training.training import default_model_provider, pretrain
 
 
@@ -12,5 +13,12 @@ def model_provider(cfg, vocab_size, pg, device):
     return default_model_provider(cfg, vocab_size, pg, device)
 
 
+def forward_step(batch, model):
+    """One micro-batch: ``(loss, metrics)``, the mean next-token loss over unmasked tokens."""
+    per_token = model(batch["tokens"], batch["position_ids"], batch["labels"])
+    loss, _num_tokens = masked_mean_loss(per_token, batch["loss_mask"])
+    return loss, {}
+
+
 if __name__ == "__main__":
-    pretrain(model_provider=model_provider)
+    pretrain(model_provider=model_provider, forward_step=forward_step)

@@ -189,7 +189,7 @@ def segment_map(pool=None, ours: bool = True) -> list:
     """
     import torch
 
-    from megatron.core.transformer.cuda_graphs.mempool import _pool_id
+    from megatron.core.transformer.cuda_graphs.pool import _pool_id
 
     want = _pool_id(pool.handle) if pool is not None else None
     out = []
@@ -287,10 +287,11 @@ def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_p
             times.append((time.perf_counter() - start) * 1000)
             losses.append(loss.item())
         pipe = pipelined_ms(lambda: trainer.train_step(it))
-        stats = trainer.graphs.stats() if trainer.graphs.state == "captured" else {}
+        stats = trainer.graphs.stats() if trainer.graphs.captured else {}
+        pool = trainer.graphs.pools.get(0)  # None for eager; one pool without pipelining
         if stats:
-            stats["pool_map"] = segment_map(trainer.graphs.pool)
-        regular_map = segment_map(trainer.graphs.pool, ours=False)
+            stats["pool_map"] = segment_map(pool)
+        regular_map = segment_map(pool, ours=False)
         free, total = torch.cuda.mem_get_info()
         outside = (total - free) - torch.cuda.memory_reserved()
     if profile_path:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.core.transformer.cuda_graphs.mempool import _pool_id  # noqa: E402
+from megatron.core.transformer.cuda_graphs.pool import _pool_id  # noqa: E402
 
 
 def pool_peak(snapshot: dict, pool_id, device: int) -> tuple[int, int, list[dict]]:
@@ -73,7 +73,7 @@ def main():
     import torch
 
     from megatron.core import parallel_state
-    from megatron.core.transformer.cuda_graphs import runner
+    from megatron.core.transformer.cuda_graphs import region as runner
     from megatron.training.data import build_data_iterators
     from megatron.training.training import build_trainer
     from tools.graph_bench import COMMON, CONFIGS, mode_flags
@@ -103,9 +103,9 @@ def main():
     trainer.train_step(it)  # iteration 1: records, then captures every graph
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    if trainer.graphs.state != "captured":
+    if not trainer.graphs.captured:
         raise SystemExit(f"--mode {args.mode} captured no graphs")
-    peak, at, blocks = pool_peak(snapshot, trainer.graphs.pool.handle, device)
+    peak, at, blocks = pool_peak(snapshot, trainer.graphs.pools[0].handle, device)
     during = [c for c in captures if c[0] <= at][-1:]
     reserved = trainer.graphs.stats()["pool_reserved_bytes"]
     print(

@@ -21,10 +21,11 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
-from megatron.core.models.gpt.loss import masked_mean_loss
+from megatron.core.models.gpt.loss import gpt_forward_step
 from megatron.core.optimizer.lr_scheduler import build_scheduler
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
-from megatron.core.transformer.cuda_graphs.manager import CudaGraphManager
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.transformer import cuda_graphs
 from megatron.core.transformer.cuda_graphs.streams import side_stream
 from megatron.training import checkpointing
 from megatron.training import logging_utils as logs
@@ -50,14 +51,23 @@ class Trainer:
     Args:
         cfg: The validated run configuration.
         pg: Process groups of this rank.
-        model_provider: ``(cfg, vocab_size, pg, device) -> torch.nn.Module`` returning a
-            model whose ``forward(tokens, position_ids, labels)`` gives per-token losses.
+        model_provider: ``(cfg, vocab_size, pg, device) -> torch.nn.Module``.
+        forward_step: ``(batch, model) -> (loss, metrics)``: the micro-batch's mean loss
+            and extra values to log (the model family's; see ``schedules.py``).
     """
 
-    def __init__(self, cfg: RunConfig, pg: parallel_state.ProcessGroups, model_provider: Callable):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        pg: parallel_state.ProcessGroups,
+        model_provider: Callable,
+        forward_step: schedules.ForwardStep = gpt_forward_step,
+    ):
         self.cfg = cfg
         self.pg = pg
         self.device = pg.device
+        self.forward_step = forward_step
+        self.schedule = schedules.get_forward_backward_func(pg.pp_size)
         t = cfg.training
         torch.manual_seed(t.seed)
         if self.device.type == "cuda":
@@ -65,13 +75,13 @@ class Trainer:
         self.tokenizer = setup_tokenizer(cfg, pg)
         model = model_provider(cfg, cfg.model.vocab_size, pg, self.device)
         self.model = DistributedDataParallel(model, config=cfg.ddp, pg=pg)
-        self.graphs = CudaGraphManager(cfg.cuda_graph, on_wgrad_ready=self._wgrads_ready).apply(model)
+        self.graphs = cuda_graphs.attach(model, cfg.cuda_graph, model_config=cfg.model, grad_sinks=[self.model])
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = MixedPrecisionOptimizer(
             params,
             config=cfg.optimizer,
             precision=cfg.precision,
-            preallocate_state=self.graphs.state != "off",
+            preallocate_state=self.graphs.active,
             grad_buffers=[self.model.grad_buffer.data],
         )
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, t.train_iters)
@@ -93,14 +103,9 @@ class Trainer:
         # and one allocator cache. It is a driver-made stream, not one from torch's pool
         # (which would cost 70 MiB: see cuda_graphs/streams.py). Eager runs stay on the
         # default stream.
-        use_stream = self.device.type == "cuda" and self.graphs.state != "off"
+        use_stream = self.device.type == "cuda" and self.graphs.active
         self.stream = side_stream(self.device) if use_stream else None
         self.history: list[dict] = []
-
-    def _wgrads_ready(self, params, event, event_only=()) -> None:
-        self.model.register_grads_ready(params, event)
-        for p in event_only:
-            self.model.add_grad_event(p, event)
 
     # ------------------------------------------------------------------ one step
     def _next_batch(self, data_iterator) -> dict[str, torch.Tensor]:
@@ -123,21 +128,18 @@ class Trainer:
             self._prefetched = None  # the next fetch raises it again
 
     def forward_backward(self, data_iterator) -> torch.Tensor:
-        """Runs every micro-batch of one global batch; returns their mean loss (device)."""
-        n = self.cfg.num_microbatches
-        loss_sum = None
-        for mb in range(n):
-            batch = self._next_batch(data_iterator)
-            sync = contextlib.nullcontext() if mb == n - 1 else self.model.no_sync()
-            with sync:
-                per_token = self.model(batch["tokens"], batch["position_ids"], batch["labels"])
-                loss, _ = masked_mean_loss(per_token, batch["loss_mask"])
-                scaled = loss / n if n > 1 else loss  # x / 1 is x: one launch fewer
-                if self.cfg.precision.fp16:
-                    scaled = self.optimizer.scale_loss(scaled)
-                scaled.backward()
-            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-        return loss_sum / n if n > 1 else loss_sum
+        """Runs every micro-batch of one global batch through the schedule; returns
+        their mean loss (on the device)."""
+        loss, _metrics = self.schedule(
+            forward_step=self.forward_step,
+            next_batch=lambda: self._next_batch(data_iterator),
+            model=self.model,
+            num_microbatches=self.cfg.num_microbatches,
+            scale_loss=self.optimizer.scale_loss if self.cfg.precision.fp16 else None,
+            no_sync=self.model.no_sync,
+            graphs=self.graphs,
+        )
+        return loss
 
     @contextlib.contextmanager
     def on_stream(self):
@@ -198,7 +200,7 @@ class Trainer:
             window_nan += is_nan.int()
             window_loss += torch.where(is_nan, torch.zeros_like(loss), loss)
             window_iters += 1
-            if self.iteration == first_iteration and self.graphs.state == "captured":
+            if self.iteration == first_iteration and self.graphs.captured:
                 self._log_capture()
             if self.iteration % lg.log_interval == 0 or self.iteration == t.train_iters:
                 now = self._sync_time()
@@ -235,17 +237,18 @@ class Trainer:
         around the graphs), so evaluation never disturbs the replay order.
         """
         t = self.cfg.training
-        steps = t.eval_iters * self.cfg.num_microbatches
         self.model.eval()
         with self.on_stream(), torch.no_grad():
-            total = torch.zeros((), device=self.device)
-            for _ in range(steps):
-                batch = self._next_batch(data_iterator)
-                per_token = self.model(batch["tokens"], batch["position_ids"], batch["labels"])
-                total += masked_mean_loss(per_token, batch["loss_mask"])[0]
+            total, _metrics = self.schedule(
+                forward_step=self.forward_step,
+                next_batch=lambda: self._next_batch(data_iterator),
+                model=self.model,
+                num_microbatches=t.eval_iters * self.cfg.num_microbatches,
+                forward_only=True,
+            )
             if self.pg.dp is not None:
                 dist.all_reduce(total, group=self.pg.dp)
-            loss = total.item() / steps / self.pg.dp_size
+            loss = total.item() / self.pg.dp_size
         self.model.train()
         ppl = math.exp(min(20.0, loss))
         line = f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
@@ -328,7 +331,7 @@ class Trainer:
 
     def _memory_record(self) -> dict[str, float]:
         record = logs.memory_metrics(logs.memory_stats_mb(self.device))
-        if self.graphs.state == "captured":
+        if self.graphs.captured:
             s = self.graphs.stats()
             record["graph-pool-reserved-bytes"] = s["pool_reserved_bytes"]
             record["graph-pool-live-bytes"] = s["pool_live_bytes"]
@@ -339,7 +342,7 @@ class Trainer:
             return
         mem = logs.memory_stats_mb(self.device)
         extra = {}
-        if self.graphs.state == "captured":
+        if self.graphs.captured:
             s = self.graphs.stats()
             extra = {
                 "graph pool reserved": s["pool_reserved_bytes"] / 2**20,
@@ -362,7 +365,7 @@ class Trainer:
     def _log_capture(self) -> None:
         if self.pg.dp_rank != 0:
             return
-        print(f"> {self.graphs.pool.summary_line()}", flush=True)
+        print(f"> {self.graphs.summary_line()}", flush=True)
 
 
 def default_model_provider(cfg: RunConfig, vocab_size: int, pg, device) -> torch.nn.Module:
@@ -371,7 +374,11 @@ def default_model_provider(cfg: RunConfig, vocab_size: int, pg, device) -> torch
     return build_gpt_model(cfg.model, vocab_size, pg=pg, device=device)
 
 
-def build_trainer(argv: Sequence[str] | None = None, model_provider: Callable = default_model_provider) -> Trainer:
+def build_trainer(
+    argv: Sequence[str] | None = None,
+    model_provider: Callable = default_model_provider,
+    forward_step: schedules.ForwardStep = gpt_forward_step,
+) -> Trainer:
     """Parses flags and builds a ``Trainer`` without training (tests, tools).
 
     The caller owns the process groups: ``parallel_state.destroy(trainer.pg)`` at the end.
@@ -384,18 +391,22 @@ def build_trainer(argv: Sequence[str] | None = None, model_provider: Callable = 
         cfg.validate()
         _set_determinism(cfg, use_cuda)
         if use_cuda and cfg.cuda_graph.enabled and cfg.cuda_graph.cuda_graph_expandable_segments:
-            from megatron.core.transformer.cuda_graphs.mempool import use_expandable_segments
+            from megatron.core.transformer.cuda_graphs.pool import use_expandable_segments
 
             use_expandable_segments()
-        return Trainer(cfg, pg, model_provider)
+        return Trainer(cfg, pg, model_provider, forward_step)
     except BaseException:
         parallel_state.destroy(pg, failed=True)
         raise
 
 
-def pretrain(argv: Sequence[str] | None = None, model_provider: Callable = default_model_provider) -> Trainer:
+def pretrain(
+    argv: Sequence[str] | None = None,
+    model_provider: Callable = default_model_provider,
+    forward_step: schedules.ForwardStep = gpt_forward_step,
+) -> Trainer:
     """Parses flags, builds everything and trains. Returns the finished ``Trainer``."""
-    trainer = build_trainer(argv, model_provider)
+    trainer = build_trainer(argv, model_provider, forward_step)
     try:
         trainer.history = trainer.train()
     except BaseException:

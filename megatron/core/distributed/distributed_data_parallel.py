@@ -16,8 +16,9 @@ Weights of linear layers with gradient-accumulation fusion: the wgrad GEMM adds 
 ``main_grad`` itself; autograd still runs the weight's AccumulateGrad (with no
 gradient), so the same hook marks it ready.
 Parameters inside a CUDA-graphed region: the backward graph adds wgrads into
-``main_grad`` itself and the replay calls ``register_grads_ready(params, event)`` with
-an event recorded after the replay; the bucket waits on that event before it is read.
+``main_grad`` itself, and the graph session, for which this class is a grad sink
+(``manages`` / ``mark_ready`` / ``add_event``), marks them ready with an event recorded
+after the replay; the bucket waits on that event before it is read.
 
 Unusual choices:
 - Buckets are launched strictly in index order (a bucket that becomes ready waits
@@ -206,6 +207,21 @@ class DistributedDataParallel(torch.nn.Module):
         if self._sync_enabled and self.config.overlap_grad_reduce:
             self._launch_in_order(only_ready=True)
 
+    # ------------------------------------------------------------------ GradSink (cuda_graphs)
+
+    def manages(self, param: torch.nn.Parameter) -> bool:
+        """Whether ``param``'s gradient lives in this DDP's buffer."""
+        return id(param) in self.grad_buffer.bucket_of_id
+
+    def mark_ready(self, params, event) -> None:
+        """A backward graph completed ``params``' main_grads; ``event`` follows its replay."""
+        self.register_grads_ready(params, event)
+
+    def add_event(self, params, event) -> None:
+        """A backward graph wrote part of ``params``' main_grads; read them after ``event``."""
+        for param in params:
+            self.add_grad_event(param, event)
+
     def add_grad_event(self, param: torch.nn.Parameter, event) -> None:
         """Makes ``param``'s bucket wait on ``event`` before it is read, without marking
         the parameter ready (part of its gradient is still to come, e.g. a tied weight)."""
@@ -264,12 +280,6 @@ class DistributedDataParallel(torch.nn.Module):
         src = dist.get_global_rank(self.dp_group, 0)
         for param in self.module.parameters():
             dist.broadcast(param.data, src=src, group=self.dp_group)
-
-    def remove_hooks(self) -> None:
-        """Detaches the grad-accumulation hooks (for tests that wrap a module twice)."""
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles = []
 
 
 # Low-precision gradients up to this many elements are upcast through scratch tensors

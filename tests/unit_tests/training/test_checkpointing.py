@@ -363,6 +363,6 @@ def test_resume_then_capture_cuda_graphs_gpu(tmp_path):
     full = run(*flags)
     run(*flags, "--exit-interval", 4, "--save", tmp_path / "c")
     resumed = run(*flags, "--load", tmp_path / "c")
-    assert resumed.graphs.state == "captured"
+    assert resumed.graphs.captured
     assert losses(resumed) == losses(full)[4:]
     assert_state_equal(resumed.model.state_dict(), full.model.state_dict())

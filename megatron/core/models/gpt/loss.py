@@ -25,3 +25,10 @@ def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> t
     loss = (per_token_loss.float() * mask).sum() / denominator.clamp(min=1.0)
     num_tokens = torch.count_nonzero(loss_mask)
     return loss, num_tokens
+
+
+def gpt_forward_step(batch: dict[str, torch.Tensor], model: torch.nn.Module) -> tuple[torch.Tensor, dict]:
+    """The GPT family's ``forward_step``: mean next-token loss over the unmasked tokens."""
+    per_token = model(batch["tokens"], batch["position_ids"], batch["labels"])
+    loss, _ = masked_mean_loss(per_token, batch["loss_mask"])
+    return loss, {}

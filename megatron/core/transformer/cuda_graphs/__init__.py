@@ -1,0 +1,68 @@
+"""Memory-lean partial CUDA graphs: the public entry point is :func:`attach`.
+
+``attach(model, config, model_config=..., grad_sinks=[ddp])`` routes the regions that
+``--cuda-graph-scope`` selects through a :class:`GraphSession`; the session records
+iteration 1, captures every graph into one pool per micro-batch slot in execution
+order, and replays from iteration 2 on. ``session.close()`` restores the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from megatron.core.transformer.cuda_graphs import regions as regions_lib
+from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
+from megatron.core.transformer.cuda_graphs.session import GradSink, GraphSession, GraphState
+
+__all__ = ["attach", "CudaGraphConfig", "GraphSession", "GraphState", "GradSink"]
+
+
+def attach(
+    model: torch.nn.Module,
+    config: CudaGraphConfig,
+    *,
+    model_config: Any = None,
+    grad_sinks: Sequence[GradSink] = (),
+    record_without_cuda: bool = False,
+) -> GraphSession:
+    """Resolves the scopes against ``model``'s layers and routes them through a new session.
+
+    Args:
+        model: The model (not the DDP wrapper); its blocks name their layers.
+        config: The ``--cuda-graph-*`` settings.
+        model_config: The model config that region conditions read (default: the first
+            layer's ``config``).
+        grad_sinks: Where backward graphs report finished weight gradients.
+        record_without_cuda: Record even without CUDA, to inspect the recorded order and
+            the plans on the CPU (tests); nothing is captured then.
+
+    Raises:
+        ValueError: a scope the model cannot graph (the resolver's message).
+        RuntimeError: the model is already attached.
+    """
+    session = GraphSession(config, grad_sinks=grad_sinks)
+    if config.cuda_graph_impl != "local":
+        return session
+    layers = regions_lib.graphable_layers(model)
+    if model_config is None and layers:
+        model_config = getattr(layers[0], "config", None)
+    selected = regions_lib.resolve(config.cuda_graph_scope, [type(layer) for layer in layers], model_config)
+    if record_without_cuda:
+        session.start_recording()
+    if not session.active:
+        return session
+    names = {m: n for n, m in model.named_modules()}
+    for layer in layers:
+        for spec in selected[type(layer)]:
+            session.route(layer, spec.method, f"{names[layer]}.{spec.name}")
+    head = regions_lib.head_region(model)
+    if head is not None and config.cuda_graph_postprocess and layers:
+        last = layers[-1]
+        if regions_lib.head_follows(selected[type(last)], type(last)):
+            module, spec = head
+            name = f"{names[module]}.postprocess".lstrip(".")
+            session.route(module, spec.method, name, shared_params=spec.shared_params(module))
+    return session

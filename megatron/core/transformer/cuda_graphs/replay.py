@@ -4,7 +4,9 @@
 iteration; its backward runs when the gradient for those outputs is complete, i.e.
 right before the region's own backward, which gives the backward order.
 
-``GraphReplay`` runs a region's forward graph and, in backward, its backward graph.
+``GraphReplay`` runs a region's forward graph of one micro-batch slot and, in
+backward, the backward graph of the same slot (through the session, which checks the
+order).
 It takes one extra ``anchor`` input that requires grad so that autograd always
 calls its backward, even when no tensor argument needs a gradient (parameters are
 not inputs: their gradients are added to ``main_grad`` inside the graph).
@@ -28,9 +30,9 @@ class RecordBackward(torch.autograd.Function):
 
 class GraphReplay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, region, anchor, *args):
-        ctx.region = region
-        outputs = region.replay_forward(args)
+    def forward(ctx, session, region, slot, anchor, *args):
+        ctx.session, ctx.region, ctx.slot = session, region, slot
+        outputs = session.replay_forward(region, slot, args)
         frozen = [o for o, rg in zip(outputs, region.output_requires_grad) if not rg]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
@@ -39,4 +41,4 @@ class GraphReplay(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        return (None, None) + ctx.region.replay_backward(grads)
+        return (None, None, None, None) + ctx.session.replay_backward(ctx.region, ctx.slot, grads)

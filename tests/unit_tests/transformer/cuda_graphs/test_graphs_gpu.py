@@ -6,12 +6,14 @@ Bitwise: the same kernels run eagerly and inside the graphs (deterministic mode,
 ``torch.equal``.
 """
 
+import functools
 import itertools
 
 import pytest
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import schedules
 from megatron.training.data import build_data_iterators
 from megatron.training.training import build_trainer
 
@@ -37,9 +39,11 @@ def graph_flags(scope):
     return f"--cuda-graph-impl local --cuda-graph-scope {SCOPES[scope]}".rstrip()
 
 
-def train(flags: str, iters: int, snapshot_at: int = 3, batches=None):
+def train(flags: str, iters: int, snapshot_at: int = 3, batches=None, schedule=None):
     """Trains ``iters`` iterations; returns (losses, main_grads after ``snapshot_at``, trainer)."""
     trainer = build_trainer(f"{flags} --train-iters {iters}".split())
+    if schedule is not None:
+        trainer.schedule = schedule
     try:
         it = batches if batches is not None else build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0)[0]
         trainer.model.train()
@@ -72,11 +76,11 @@ def assert_same(eager, graphed, what):
 def test_dense8_graphed_equals_eager_every_scope(precision):
     flags = f"{DENSE8} {COMMON} {NO_DROPOUT} {precision}"
     eager = train(flags, 50)
-    assert eager[2].graphs.state == "off"
+    assert eager[2].graphs.active is False
     for scope in SCOPES:
         graphed = train(f"{flags} {graph_flags(scope)}", 50)
         trainer = graphed[2]
-        assert trainer.graphs.state == "captured"
+        assert trainer.graphs.captured
         # + the loss head, graphed whenever the last layer's MLP is.
         n_regions = {"layer": 9, "attn": 8, "mlp": 9, "attn mlp": 9}[scope]
         assert len(trainer.graphs.regions) == n_regions
@@ -107,7 +111,7 @@ def test_loss_head_graphed_equals_eager(untie, fusion):
     eager = train(flags, 6)
     graphed = train(f"{flags} {graph_flags('layer')}", 6)
     head = graphed[2].graphs.regions[-1]
-    assert head.name == "postprocess" and head.bwd_graph is not None
+    assert head.name == "postprocess" and head.slots[0].bwd_graph is not None
     assert len(head.shared_params) == (1 if not untie and fusion else 0)
     assert len(head.fused_shared_params) == (1 if not untie and not fusion else 0)
     assert_same(eager, graphed, f"loss head, {'untied' if untie else 'tied'} {fusion}")
@@ -125,7 +129,7 @@ def test_rope_gqa_swiglu_graphed_equals_eager():
     for scope in ("layer", "attn", "mlp"):
         graphed = train(f"{flags} {graph_flags(scope)}", 8)
         # The rotary table is one buffer shared by every layer's graph (MLPs take none).
-        plan = graphed[2].graphs.plan
+        plan = graphed[2].graphs.plans[0]
         assert any(k[0] == "shared" for k in plan.buffers) == (scope != "mlp")
         assert_same(eager, graphed, f"rope/gqa/swiglu scope {scope}")
 
@@ -138,7 +142,7 @@ def test_dropout_masks_change_between_replays():
     batch = next(build_data_iterators(probe.cfg, probe.tokenizer, probe.pg, 0)[0])
     parallel_state.destroy(probe.pg)
     losses, _, trainer = train(flags, 4, batches=itertools.repeat(batch))
-    assert trainer.graphs.state == "captured"
+    assert trainer.graphs.captured
     values = [x.item() for x in losses]
     assert all(torch.isfinite(torch.tensor(values)))
     # Same batch, lr 0 (weights fixed): only fresh dropout masks can change the loss.
@@ -192,3 +196,32 @@ def test_eval_mode_runs_eagerly_between_replays():
         out = model(tokens, None, tokens)
     assert torch.isfinite(out).all()
     assert trainer.graphs.cursor == 0
+
+
+@pytest.mark.parametrize("in_flight", [2, 3])
+@pytest.mark.parametrize("scope", ["layer", "attn mlp", "attn"])
+def test_micro_batches_in_flight_equal_sequential(scope, in_flight):
+    """A 1F1B order on one GPU (the shape a pipeline stage sees): one graph pair per
+    region per micro-batch in flight, one pool per slot; bitwise equal to sequential."""
+    flags = f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 --global-batch-size 8"  # 4 micro-batches
+    sequential = train(flags, 6)
+    schedule = functools.partial(schedules.forward_backward_in_flight, num_warmup=in_flight - 1)
+    graphed = train(f"{flags} {graph_flags(scope)}", 6, schedule=schedule)
+    session = graphed[2].graphs
+    n_regions = len(session.regions)
+    assert session.captured and len(session.pools) == in_flight
+    assert session.num_graphs() == 2 * n_regions * in_flight
+    assert_same(sequential, graphed, f"{in_flight} in flight, scope {scope}")
+
+
+def test_changed_micro_batch_count_is_a_clear_error():
+    _, _, trainer = train(f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 --global-batch-size 4 {graph_flags('layer')}", 2)
+    it = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0)[0]
+    with pytest.raises(ValueError, match="captured for 2 micro-batches per iteration, this iteration has 3"):
+        schedules.forward_backward_no_pipelining(
+            forward_step=trainer.forward_step,
+            next_batch=lambda: trainer._next_batch(it),
+            model=trainer.model,
+            num_microbatches=3,
+            graphs=trainer.graphs,
+        )

@@ -12,9 +12,9 @@ grad), so nothing but the plan holds A's output.
 import pytest
 import torch
 
-from megatron.core.transformer.cuda_graphs import buffers as buffers_lib
+from megatron.core.transformer import cuda_graphs
+from megatron.core.transformer.cuda_graphs import plan as plan_lib
 from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
-from megatron.core.transformer.cuda_graphs.manager import CudaGraphManager
 from megatron.core.transformer.cuda_graphs.regions import GraphRegions, RegionSpec
 
 pytestmark = pytest.mark.gpu
@@ -55,17 +55,16 @@ class TwoBranches(torch.nn.Module):
 
 def run(naive: bool, monkeypatch):
     if naive:
-        real = buffers_lib.build_plan
+        real = plan_lib.build_plan
 
-        def naive_plan(cycle, regions):
-            plan = real(cycle, regions)
-            plan.buffers[("output", 0, 0)].release_after = cycle.index(buffers_lib.Event(buffers_lib.FWD, 0))
+        def naive_plan(cycle, regions, comm=()):
+            plan = real(cycle, regions, comm)
+            plan.buffers[("output", 0, 0)].release_after = plan.position(plan_lib.FWD, 0)
             return plan
 
-        monkeypatch.setattr("megatron.core.transformer.cuda_graphs.manager.build_plan", naive_plan)
+        monkeypatch.setattr("megatron.core.transformer.cuda_graphs.session.build_plan", naive_plan)
     model = TwoBranches()
-    manager = CudaGraphManager(CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=["attn"]))
-    manager.apply(model)
+    manager = cuda_graphs.attach(model, CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=["attn"]))
     seen_values = []
     for _ in range(3):
         x = torch.zeros(N, device="cuda")
@@ -78,7 +77,7 @@ def run(naive: bool, monkeypatch):
 
 def test_escaping_output_survives_later_graphs(monkeypatch):
     manager, seen = run(naive=False, monkeypatch=monkeypatch)
-    assert manager.state == "captured" and manager.num_graphs() == 2
+    assert manager.captured and manager.num_graphs() == 2
     for s in seen:
         assert torch.equal(s, torch.full_like(s, 3.0)), f"A's output read {s[0].item()} after B replayed"
 

@@ -17,14 +17,14 @@ import itertools
 
 import pytest
 
-from megatron.core.transformer.cuda_graphs.buffers import BWD, FWD, OWN, Event, RegionIO, Source, build_plan
+from megatron.core.transformer.cuda_graphs.plan import BWD, FWD, OWN, CommRead, Event, RegionIO, Source, build_plan
 
 TEMPS = 2  # temporaries each graph allocates and frees inside its own capture
 
 
 class Pool:
-    def __init__(self):
-        self.free, self.count = [], itertools.count()
+    def __init__(self, first_block=0):
+        self.free, self.count = [], itertools.count(first_block)
 
     def alloc(self):
         return self.free.pop() if self.free else next(self.count)
@@ -33,13 +33,15 @@ class Pool:
         self.free.append(block)
 
 
-def simulate_capture(cycle, regions, plan, saves_inputs, runner_holds=True):
+def simulate_capture(cycle, regions, plan, saves_inputs, runner_holds=True, pool=None):
     """Block of every buffer (and of every temporary) after capture in cycle order.
 
     ``runner_holds=False`` models a capture that keeps no references of its own (only
-    the plan's and autograd's), as upstream's weak-reference step did.
+    the plan's and autograd's), as upstream's weak-reference step did. ``pool``: capture
+    into this pool (shared with other cycles) instead of a new one.
     """
-    pool, block, holders = Pool(), {}, {}
+    pool = Pool() if pool is None else pool
+    block, holders = {}, {}
     temps = {}
 
     def hold(key, who):
@@ -95,66 +97,96 @@ def simulate_capture(cycle, regions, plan, saves_inputs, runner_holds=True):
     return block, temps
 
 
-def replay(cycle, regions, plan, block, temps, saves_inputs, cycles=2):
-    """Writes/reads block contents in replay order; returns the reads that saw wrong data."""
+def replay(cycle, regions, plan, block, temps, saves_inputs, cycles=2, comm=()):
+    """Writes/reads block contents in replay order; returns the reads that saw wrong data.
+
+    ``comm``: buffers a communication op reads (instead of eager code) until it is waited
+    on, right before the event ``until`` names.
+    """
+    return replay_iteration(list(cycle), regions, {0: (cycle, plan, block, temps)}, saves_inputs, cycles, comm)
+
+
+def replay_iteration(order, regions, slots, saves_inputs, iterations=2, comm=()):
+    """``replay`` over a recorded iteration that mixes micro-batch slots.
+
+    ``slots[s] = (cycle, plan, block, temps)`` of slot s. After every event, eager code
+    reads every live output of every slot (a micro-batch in flight keeps its outputs).
+    """
+    sent = {c.key for c in comm}
     content, bad = {}, []
-    bpos = {e.region: p for p, e in enumerate(cycle) if e.phase == BWD}
+    at = {s: None for s in slots}  # slot -> cycle position of its last replayed event
 
-    def write(key):
-        content[block[key]] = key
+    def write(s, key):
+        content[slots[s][2][key]] = (s, key)
 
-    def read(key, when):
+    def read(s, key, when):
+        _, plan, block, _ = slots[s]
         owner = plan.owner(key)
-        if content.get(block[owner]) != owner:
-            bad.append((when, key, content.get(block[owner])))
+        if content.get(block[owner]) != (s, owner):
+            bad.append((when, s, key, content.get(block[owner])))
 
-    for _ in range(cycles):
-        for pos, e in enumerate(cycle):
+    for _ in range(iterations):
+        for e in order:
+            s = e.slot
+            cycle, plan, block, temps = slots[s]
+            pos = plan.position(e.phase, e.region)
             io = regions[e.region]
+            for c in comm:
+                if c.until == (e.phase, e.region):
+                    read(s, c.key, f"send waited on before {e}")
             if e.phase == FWD:
                 for i, src in enumerate(io.inputs):
                     key = plan.owner(("input", e.region, i))
                     if src.kind == "own" or (src.kind == "shared" and plan.buffers[key].readers[0] == pos):
-                        write(key)  # the eager copy into the static input
+                        write(s, key)  # the eager copy into the static input
                 # A graph may write its temporaries before its last read of an input.
                 for b in temps[pos]:
-                    content[b] = ("temp", pos)
+                    content[b] = ("temp", s, pos)
                 for i in range(len(io.inputs)):
-                    read(("input", e.region, i), f"F{e.region}")
+                    read(s, ("input", e.region, i), f"{e}")
                 for j in range(len(io.output_requires_grad)):
-                    write(("output", e.region, j))
+                    write(s, ("output", e.region, j))
             else:
                 for j, rg in enumerate(io.output_requires_grad):
                     key = ("grad_output", e.region, j)
                     if rg and plan.buffers[key].alias_of is None:
-                        write(key)  # the eager copy of the incoming gradient
+                        write(s, key)  # the eager copy of the incoming gradient
                 for b in temps[pos]:
-                    content[b] = ("temp", pos)
+                    content[b] = ("temp", s, pos)
                 for j, rg in enumerate(io.output_requires_grad):
                     if rg:
-                        read(("grad_output", e.region, j), f"B{e.region}")
+                        read(s, ("grad_output", e.region, j), f"{e}")
                 if saves_inputs:
                     for i in range(len(io.inputs)):
-                        read(("input", e.region, i), f"B{e.region} (saved)")
+                        read(s, ("input", e.region, i), f"{e} (saved)")
                 for i, rg in enumerate(io.input_requires_grad):
                     if rg:
-                        write(("grad_input", e.region, i))
+                        write(s, ("grad_input", e.region, i))
                         if plan.buffers[("grad_input", e.region, i)].copy_out:
-                            read(("grad_input", e.region, i), f"copy-out after B{e.region}")
+                            read(s, ("grad_input", e.region, i), f"copy-out after {e}")
+            at[s] = pos
             # Eager code between graphs: every region output is read by eager consumers
             # (final norm, eager MLP, logging) until the producer's backward runs.
-            for r, rio in enumerate(regions):
-                f = cycle.index(Event(FWD, r))
-                end = bpos.get(r, len(cycle))
-                if f <= pos < end - 1 or (f <= pos and r not in bpos):
-                    for j in range(len(rio.output_requires_grad)):
-                        read(("output", r, j), f"eager after {cycle[pos]}")
-        # Eager readers of escaping dgrads (embedding backward) run after the cycle; they
-        # read the copy, unless the plan handed out the buffer itself.
-        handed_off = {spec.alias_of for spec in plan.buffers.values()}
-        for (kind, r, i), spec in plan.buffers.items():
-            if kind == "grad_input" and (kind, r, i) not in handed_off and not spec.copy_out:
-                read((kind, r, i), "eager after the cycle")
+            for t, p in at.items():
+                if p is None:
+                    continue
+                t_plan = slots[t][1]
+                for r, rio in enumerate(regions):
+                    if not any(ev.region == r for ev in slots[t][0]):
+                        continue
+                    f = t_plan.position(FWD, r)
+                    has_b = any(ev.region == r and ev.phase == BWD for ev in slots[t][0])
+                    end = t_plan.position(BWD, r) if has_b else len(slots[t][0])
+                    if f <= p < end - 1 or (f <= p and not has_b):
+                        for j in range(len(rio.output_requires_grad)):
+                            read(t, ("output", r, j), f"eager after {e}")
+            if pos == len(cycle) - 1:
+                # Eager readers of escaping dgrads (embedding backward) run after the cycle;
+                # they read the copy, unless the plan handed out the buffer itself.
+                handed_off = {spec.alias_of for spec in plan.buffers.values()}
+                for (kind, r, i), spec in plan.buffers.items():
+                    if kind == "grad_input" and (kind, r, i) not in handed_off | sent and not spec.copy_out:
+                        read(s, (kind, r, i), "eager after the cycle")
     return bad
 
 
@@ -213,3 +245,27 @@ def test_naive_release_after_producer_is_caught(case):
             spec.release_after = cycle.index(Event(phase, spec.key[1]))
     block, temps = simulate_capture(cycle, regions, plan, saves_inputs=False, runner_holds=False)
     assert replay(cycle, regions, plan, block, temps, saves_inputs=False) != []
+
+
+def comm_case():
+    """Sub-layer regions; the first region's dgrad goes to a pipeline send, waited on
+    only before the last backward of the cycle (the send reads the buffer itself)."""
+    cycle, regions = stack(4, handoff=False)
+    return cycle, regions, [CommRead(("grad_input", 2, 0), until=(BWD, 0))]
+
+
+def test_send_still_reading_keeps_its_buffer():
+    cycle, regions, comm = comm_case()
+    plan = build_plan(cycle, regions, comm)
+    spec = plan.buffers[("grad_input", 2, 0)]
+    assert not spec.copy_out and spec.release_after == plan.position(BWD, 0) - 1
+    block, temps = simulate_capture(cycle, regions, plan, saves_inputs=False, runner_holds=False)
+    assert replay(cycle, regions, plan, block, temps, saves_inputs=False, comm=comm) == []
+
+
+def test_send_ignored_by_the_plan_is_caught():
+    cycle, regions, comm = comm_case()
+    plan = build_plan(cycle, regions)  # the plan does not know of the send ...
+    plan.buffers[("grad_input", 2, 0)].copy_out = False  # ... which reads the buffer itself
+    block, temps = simulate_capture(cycle, regions, plan, saves_inputs=False, runner_holds=False)
+    assert replay(cycle, regions, plan, block, temps, saves_inputs=False, comm=comm) != []

@@ -10,8 +10,8 @@ import warnings
 import pytest
 import torch
 
-from megatron.core.transformer.cuda_graphs import weakref as cg_weakref
-from megatron.core.transformer.cuda_graphs.weakref import is_weak_ref, make_weak_ref, poison_
+from megatron.core.transformer.cuda_graphs import weak as cg_weakref
+from megatron.core.transformer.cuda_graphs.weak import is_weak_ref, make_weak_ref, poison_
 
 _DTYPE_NAMES = [
     "float64", "float32", "float16", "bfloat16",

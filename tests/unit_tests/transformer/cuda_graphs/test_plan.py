@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron.core.transformer.cuda_graphs.buffers import (
+from megatron.core.transformer.cuda_graphs.plan import (
     BWD,
     FWD,
     OWN,

@@ -152,12 +152,18 @@ def pool_stats_from_segments(segments: list[dict], pool_id, device: int) -> Pool
     )
 
 
-def format_pool_summary(num_graphs: int, stats: PoolStats, strong_bytes: int, capture_seconds: float) -> str:
-    """The pool's log line in Megatron's ``|``-separated style (MB = 2**20 bytes)."""
+def format_pool_summary(
+    num_graphs: int, reserved_bytes: int, live_bytes: int, strong_bytes: int, capture_seconds: float
+) -> str:
+    """The graph pools' log line in Megatron's ``|``-separated style (MB = 2**20 bytes).
+
+    Example: ``graph pool | graphs: 16 | reserved: 123.45 MB | live: 67.89 MB
+    | strongly held: 12.00 MB | capture: 0.31 s``.
+    """
     return (
         f"graph pool | graphs: {num_graphs} "
-        f"| reserved: {stats.reserved_bytes / _MB:.2f} MB "
-        f"| live: {stats.live_bytes / _MB:.2f} MB "
+        f"| reserved: {reserved_bytes / _MB:.2f} MB "
+        f"| live: {live_bytes / _MB:.2f} MB "
         f"| strongly held: {strong_bytes / _MB:.2f} MB "
         f"| capture: {capture_seconds:.2f} s"
     )
@@ -167,9 +173,8 @@ class GraphPool:
     """One CUDA graph memory pool shared by all training graphs of a run.
 
     Pass :attr:`handle` as ``pool=`` to ``torch.cuda.graph`` for every capture
-    and use :func:`allocate_into_pool` for static input buffers. The counters
-    (:attr:`num_graphs`, :attr:`capture_seconds`, :attr:`strong_bytes`) are
-    filled by the capture code and only reported here.
+    and use :func:`allocate_into_pool` for static input buffers. Counting graphs
+    and bytes held is the session's job; the pool reports what the allocator holds.
 
     Args:
         device: CUDA device of the pool; default: the current device.
@@ -189,13 +194,6 @@ class GraphPool:
         self._handle: tuple[int, int] = _pool_id(torch.cuda.graph_pool_handle())
         self._closed = False
         self._holds_reference = False
-        self.num_graphs: int = 0
-        """Graphs captured into the pool (forward and backward count separately)."""
-        self.capture_seconds: float = 0.0
-        """Wall-clock seconds spent capturing graphs into the pool."""
-        self.strong_bytes: int = 0
-        """Bytes of static buffers in the pool still strongly referenced (set by
-        the capture code after each release step)."""
         # Create the pool now and keep it alive for our lifetime (module
         # docstring): begin/end without a matching release adds one user.
         begin = _private_api("_cuda_beginAllocateCurrentThreadToPool")
@@ -250,16 +248,6 @@ class GraphPool:
         except Exception:  # noqa: BLE001 - interpreter shutdown: nothing to do
             pass
 
-    # ----------------------------------------------------------------- counters
-
-    def register_graph(self, count: int = 1) -> None:
-        """Counts ``count`` more graphs captured into the pool."""
-        self.num_graphs += count
-
-    def add_capture_time(self, seconds: float) -> None:
-        """Adds ``seconds`` of capture wall time."""
-        self.capture_seconds += float(seconds)
-
     # --------------------------------------------------------------- accounting
 
     def stats(self, device: None | int | str | torch.device = None) -> PoolStats:
@@ -273,35 +261,6 @@ class GraphPool:
         """
         index = self._device if device is None else _device_index(device)
         return pool_stats_from_segments(_snapshot_segments(), self._handle, index)
-
-    def as_dict(self, stats: PoolStats | None = None) -> dict:
-        """Counters and pool stats as plain ints/floats, for JSON and metrics.
-
-        Args:
-            stats: A snapshot already taken; default: take one now.
-        """
-        stats = self.stats() if stats is None else stats
-        return {
-            "num_graphs": int(self.num_graphs),
-            "capture_seconds": float(self.capture_seconds),
-            "strong_bytes": int(self.strong_bytes),
-            "reserved_bytes": int(stats.reserved_bytes),
-            "live_bytes": int(stats.live_bytes),
-            "num_segments": int(stats.num_segments),
-            "largest_free_bytes": int(stats.largest_free_bytes),
-        }
-
-    def summary_line(self, stats: PoolStats | None = None) -> str:
-        """One log line in Megatron's ``|``-separated style (MB = 2**20 bytes).
-
-        Example: ``graph pool | graphs: 16 | reserved: 123.45 MB | live: 67.89 MB
-        | strongly held: 12.00 MB | capture: 0.31 s``.
-
-        Args:
-            stats: A snapshot already taken; default: take one now.
-        """
-        stats = self.stats() if stats is None else stats
-        return format_pool_summary(self.num_graphs, stats, self.strong_bytes, self.capture_seconds)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

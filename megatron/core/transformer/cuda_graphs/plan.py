@@ -3,11 +3,20 @@
 Pure Python, no torch: computed from the order the first (eager) iteration recorded,
 unit-tested on the CPU.
 
-Vocabulary. A *cycle* is the sequence of graph events of one micro-batch, e.g.
-``F0 F1 .. Fn Bn .. B0`` for a stack of regions (F = forward graph, B = backward
-graph). Capture walks the cycle once, in order, into one shared pool; replay must walk
-it in the same order, once per micro-batch. Each region owns four kinds of static
-buffers:
+Vocabulary. An *event* is one graph execution: forward or backward of region r in
+micro-batch *slot* s (``F3@1``). A slot is a micro-batch in flight: the schedule gives
+each micro-batch the lowest slot free when its forward starts, and the slot is free
+again once its backward has run, so a region needs one graph pair per slot, never one
+per micro-batch. The recorded *iteration* is every event of one global batch in
+execution order (1F1B and interleaved schedules mix slots). Restricted to one slot it
+is a *cycle* repeated, one per micro-batch of that slot, e.g. ``F0 F1 .. Fn Bn .. B0``
+for a stack of regions. Each slot's graphs are captured in cycle order into one pool of
+that slot; with one slot in flight (no pipelining) that is the one shared pool of the
+run. Slots need pools of their own: a forward of slot 0 replays while slot 1's
+activations are live, yet slot 0 was captured before they existed, so in one pool its
+temporaries may sit where they now live (the hostile pool test shows it). Replay must
+walk the recorded iteration in order, every iteration. Each region owns four kinds of
+static buffers per slot:
 
 * ``input``       forward input i of region r (filled by a copy at replay), unless it is
                   handed off from a producer's output (same memory, no copy) or shared
@@ -32,7 +41,10 @@ keeps a strong reference for readers autograd cannot see:
   backward) is *copied out* right after its replay: eager autograd gets the copy and
   may keep it as long as it likes, and the buffer dies with its own backward graph;
 * an own input / shared input is read by its consumers' forward graphs;
-* an own grad_output is read by the region's backward graph only.
+* an own grad_output is read by the region's backward graph only;
+* a buffer a communication op reads (a pipeline send of an output or of a dgrad) is
+  kept until the event before which the op is waited on (``CommRead``); a dgrad that is
+  sent needs no copy.
 """
 
 import dataclasses
@@ -44,13 +56,14 @@ BWD = "bwd"
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """One graph execution in the cycle."""
+    """One graph execution: a phase of a region in a micro-batch slot."""
 
     phase: str  # FWD or BWD
     region: int
+    slot: int = 0
 
     def __str__(self) -> str:
-        return f"{'F' if self.phase == FWD else 'B'}{self.region}"
+        return f"{'F' if self.phase == FWD else 'B'}{self.region}" + (f"@{self.slot}" if self.slot else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +95,18 @@ class RegionIO:
     @property
     def has_backward(self) -> bool:
         return any(self.output_requires_grad)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommRead:
+    """A communication op (e.g. a pipeline send) reads buffer ``key`` after it is written.
+
+    ``until``: the (phase, region) before whose replay the op is waited on, or None when
+    the wait comes only after the whole cycle. The buffer stays strong until then.
+    """
+
+    key: tuple[str, int, int]
+    until: tuple[str, int] | None = None
 
 
 BufferKey = tuple[str, int, int]  # (kind, region, index)
@@ -119,21 +144,21 @@ class Plan:
 
     def owner(self, key: BufferKey) -> BufferKey:
         """The buffer that owns the memory behind ``key`` (itself unless aliased)."""
-        while self.buffers[key].alias_of is not None:
-            key = self.buffers[key].alias_of
-        return key
+        return _root(self.buffers, key)
 
-    def describe(self) -> str:
-        """Human-readable table, for debugging and error messages."""
-        lines = ["cycle: " + " ".join(str(e) for e in self.cycle)]
-        for key, b in sorted(self.buffers.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
-            what = (
-                f"alias of {b.alias_of}"
-                if b.alias_of
-                else ("kept" if b.release_after is None else f"released after {self.cycle[b.release_after]}")
-            )
-            lines.append(f"  {key}: {what}")
-        return "\n".join(lines)
+    def position(self, phase: str, region: int) -> int:
+        """Position of ``phase`` of ``region`` in the cycle."""
+        return next(i for i, e in enumerate(self.cycle) if e.phase == phase and e.region == region)
+
+
+def slot_cycles(order: Sequence[Event]) -> dict[int, list[Event]]:
+    """Each slot's cycle in a recorded iteration (``split_cycle`` of its events)."""
+    if not order:
+        raise ValueError("no graphed region ran during the recording iteration")
+    by_slot: dict[int, list[Event]] = {}
+    for e in order:
+        by_slot.setdefault(e.slot, []).append(e)
+    return {slot: split_cycle(events) for slot, events in sorted(by_slot.items())}
 
 
 def split_cycle(order: Sequence[Event]) -> list[Event]:
@@ -162,38 +187,49 @@ def split_cycle(order: Sequence[Event]) -> list[Event]:
     return cycle
 
 
-def build_plan(cycle: Sequence[Event], regions: Sequence[RegionIO]) -> Plan:
-    """Computes aliasing and release points for every static buffer of a cycle."""
+def build_plan(cycle: Sequence[Event], regions: Sequence[RegionIO], comm: Sequence[CommRead] = ()) -> Plan:
+    """Computes aliasing and release points for every static buffer of one slot's cycle.
+
+    Args:
+        cycle: The events of one micro-batch of one slot, in execution order.
+        regions: What recording learned of each region (index = ``Event.region``).
+        comm: Buffers that communication reads, and until when.
+    """
     cycle = list(cycle)
-    pos: dict[Event, int] = {}
+    if len({e.slot for e in cycle}) > 1:
+        raise ValueError(f"a cycle holds the events of one slot, got {' '.join(map(str, cycle))}")
+    pos: dict[tuple[str, int], int] = {}
     for i, e in enumerate(cycle):
-        if e in pos:
+        if (e.phase, e.region) in pos:
             raise ValueError(f"event {e} appears twice in one cycle")
-        pos[e] = i
-    for r, io in enumerate(regions):
-        if Event(FWD, r) not in pos:
-            raise ValueError(f"region {io.name} never ran forward in the recorded cycle")
+        pos[(e.phase, e.region)] = i
+    # The regions of this slot (a model chunk's own; other chunks have other slots).
+    present = sorted({e.region for e in cycle})
+    for r in present:
+        if (FWD, r) not in pos:
+            raise ValueError(f"region {regions[r].name} ran backward but never forward in the recorded cycle")
+    planned = [(r, regions[r]) for r in present]
 
     def fpos(r: int) -> int:
-        return pos[Event(FWD, r)]
+        return pos[(FWD, r)]
 
     def bpos(r: int) -> int | None:
-        return pos.get(Event(BWD, r))
+        return pos.get((BWD, r))
 
     buffers: dict[BufferKey, BufferSpec] = {}
     # Forward readers of every output and shared group.
     output_readers: dict[tuple[int, int], list[int]] = {}
     shared_readers: dict[int, list[int]] = {}
-    for r, io in enumerate(regions):
+    for r, io in planned:
         for i, src in enumerate(io.inputs):
             if src.kind == "handoff":
-                if not (0 <= src.region < len(regions)) or fpos(src.region) >= fpos(r):
+                if (FWD, src.region) not in pos or fpos(src.region) >= fpos(r):
                     raise ValueError(f"region {io.name} input {i} is handed off from a region that runs later")
                 output_readers.setdefault((src.region, src.index), []).append(fpos(r))
             elif src.kind == "shared":
                 shared_readers.setdefault(src.index, []).append(fpos(r))
 
-    for r, io in enumerate(regions):
+    for r, io in planned:
         b = bpos(r)
         for j in range(len(io.output_requires_grad)):
             readers = [fpos(r)] + output_readers.get((r, j), [])
@@ -234,9 +270,23 @@ def build_plan(cycle: Sequence[Event], regions: Sequence[RegionIO]) -> Plan:
                 )
             else:
                 buffers[key] = BufferSpec(key, release_after=b, readers=[b], copy_out=True)
+    for read in comm:
+        spec = buffers.get(read.key)
+        if spec is None or spec.alias_of is not None:
+            raise ValueError(f"communication reads {read.key}, which is not a buffer of its own in this cycle")
+        if read.until is None:
+            spec.release_after = None
+        else:
+            if read.until not in pos:
+                raise ValueError(f"communication on {read.key} is waited on before {read.until}, which never runs")
+            wait = pos[read.until] - 1  # the last event that may replay while the op reads
+            spec.readers.append(wait)
+            if spec.release_after is not None:
+                spec.release_after = max(spec.release_after, wait)
+        spec.copy_out = False  # the op reads the buffer itself
     # When is the memory dead for good? A forward reader may have saved the tensor for
     # its backward, so its backward counts as a reader too.
-    region_of_fwd = {pos[Event(FWD, r)]: r for r in range(len(regions))}
+    region_of_fwd = {pos[(FWD, r)]: r for r in present}
     for key, spec in buffers.items():
         if spec.alias_of is not None or spec.release_after is None:
             continue

@@ -1,53 +1,95 @@
-"""One graphable region: its recording, warm-up, capture and replay.
+"""One graphable region: its call signature, warm-up, and per-slot capture and replay.
 
-A region is a bound method of a layer (``forward`` for a whole layer, or e.g.
-``_forward_attention``) whose tensor arguments and outputs become static buffers. The
-manager decides the order and the buffers (``buffers.py``); this file does the torch
-work for one region. Parameters are not graph inputs: their addresses are stable, and
-the backward graph adds their gradients into ``param.main_grad`` itself. A *shared*
-parameter (one that eager code also differentiates, e.g. a tied embedding used by the
-loss head) is the exception: its gradient lands in a static buffer that becomes
-``param.grad``, so autograd adds the eager contribution to it in the parameter's dtype
-before DDP folds it into ``main_grad``, exactly as in an eager run. With
-gradient-accumulation fusion the region's part goes into ``main_grad`` inside the graph
-(as eager does) and DDP only waits on the graph's event for it.
+A region is a method of a layer (``forward`` for a whole layer, or e.g.
+``_forward_attention``) whose tensor arguments and outputs become static buffers. It
+holds one forward/backward graph pair per micro-batch slot in flight. The session
+decides order and buffers (``plan.py``, ``capture.py``); this file does the torch work
+for one region and never calls back into the session.
+
+Parameters are not graph inputs: their addresses are stable, and the backward graph
+adds their gradients into ``param.main_grad`` itself. A *shared* parameter (one that
+eager code also differentiates, e.g. a tied embedding used by the loss head) is the
+exception: its gradient lands in a static buffer that becomes ``param.grad``, so
+autograd adds the eager contribution to it in the parameter's dtype before DDP folds it
+into ``main_grad``, exactly as in an eager run. With gradient-accumulation fusion the
+region's part goes into ``main_grad`` inside the graph (as eager does) and DDP only
+waits on the graph's event for it.
 """
 
+from __future__ import annotations
+
+import dataclasses
 import inspect
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from megatron.core.transformer.cuda_graphs.buffers import BWD, FWD, OWN, Event, Source
-from megatron.core.transformer.cuda_graphs.replay import RecordBackward
-
-# Strides are not part of the signature: static buffers are contiguous and a copy into
-# them accepts any layout.
-TensorMeta = tuple[torch.Size, torch.dtype, torch.device, bool]
+from megatron.core.transformer.cuda_graphs.plan import Source
 
 
-def _meta(t: torch.Tensor) -> TensorMeta:
-    return (t.shape, t.dtype, t.device, t.requires_grad)
+class TensorMeta(NamedTuple):
+    """What a static buffer must match. Strides are not part of it: static buffers are
+    contiguous and a copy into them accepts any layout."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
 
 
-def _describe(meta) -> str:
-    if meta[0] == "value":
-        return repr(meta[1])
-    shape, dtype, device, rg = meta[1]
-    return f"tensor(shape={tuple(shape)}, dtype={dtype}, device={device}, requires_grad={rg})"
+class ValueArg(NamedTuple):
+    """A non-tensor argument, baked into the graph."""
+
+    value: Any
+
+
+ArgMeta = TensorMeta | ValueArg
+
+
+def arg_metadata(args: Sequence[Any]) -> list[ArgMeta]:
+    return [
+        TensorMeta(a.shape, a.dtype, a.device, a.requires_grad) if isinstance(a, torch.Tensor) else ValueArg(a)
+        for a in args
+    ]
+
+
+def _describe(meta: ArgMeta) -> str:
+    if isinstance(meta, ValueArg):
+        return repr(meta.value)
+    return f"tensor(shape={tuple(meta.shape)}, dtype={meta.dtype}, device={meta.device}, requires_grad={meta.requires_grad})"
+
+
+@dataclasses.dataclass
+class SlotGraphs:
+    """The graphs of one region in one micro-batch slot, and the buffers they replay on."""
+
+    fwd_graph: torch.cuda.CUDAGraph | None = None
+    bwd_graph: torch.cuda.CUDAGraph | None = None
+    capture_args: list[Any] | None = None  # roots and leaves of the backward capture
+    fwd_outputs: tuple[torch.Tensor, ...] | None = None
+    replay_inputs: list[tuple[int, torch.Tensor, bool]] = dataclasses.field(
+        default_factory=list
+    )  # (arg, static, copy?)
+    replay_outputs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    replay_grad_outputs: list[tuple[torch.Tensor, bool] | None] = dataclasses.field(default_factory=list)
+    replay_grad_inputs: list[tuple[torch.Tensor, bool]] = dataclasses.field(default_factory=list)  # (dgrad, copy out?)
+    shared_grads: list[torch.Tensor] = dataclasses.field(default_factory=list)  # static wgrads of shared params
+    wgrad_event: torch.cuda.Event | None = None
+    pool_reserved_after: dict[str, int] = dataclasses.field(default_factory=dict)
+    pool_live_after: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class GraphedRegion:
-    """A layer region routed through the graph manager.
+    """A layer region routed through the graph session.
 
     Args:
-        manager: The owning ``CudaGraphManager``.
-        module: The layer the region belongs to.
-        method_name: Name of the bound method to graph (``forward`` for the whole layer).
+        module: The layer (or model, for the loss head) the region belongs to.
+        method_name: Name of the method to graph (``forward`` for the whole layer).
+        fn: The method itself, bound to ``module`` (the class's, not a routed one).
         name: Display name, e.g. ``decoder.layers.3.attn``.
-        index: Position of the region in the manager's list (its id in events).
+        index: Position of the region in the session's list (its id in events).
         shared_params: Parameters that eager code differentiates too (see the module
             docstring). The graph never marks them complete: its part goes to
             ``param.grad``, or with gradient-accumulation fusion into ``main_grad``.
@@ -55,24 +97,23 @@ class GraphedRegion:
 
     def __init__(
         self,
-        manager,
         module: torch.nn.Module,
         method_name: str,
+        fn: Callable,
         name: str,
         index: int,
         shared_params: Sequence[torch.nn.Parameter] = (),
     ):
-        self.manager = manager
         self.module = module
         self.method_name = method_name
-        self.fn: Callable = getattr(module, method_name)
+        self.fn = fn
         self.name = name
         self.index = index
         self._signature = inspect.signature(self.fn)
         plain = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in self._signature.parameters.values())
         self._names: list[str] | None = list(self._signature.parameters) if plain else None
         # Filled by the recording iteration.
-        self.arg_meta: list[Any] | None = None  # per positional arg: ("tensor", TensorMeta) | ("value", v)
+        self.arg_meta: list[ArgMeta] | None = None
         self.sources: list[Source] = []
         self.output_is_tuple = False
         self.output_requires_grad: list[bool] = []
@@ -81,23 +122,12 @@ class GraphedRegion:
         self.shared_params: list[torch.nn.Parameter] = list(shared_params)
         # Filled by capture.
         self.params: list[torch.nn.Parameter] = []  # main_grad written by the backward graph
-        self.shared_grads: list[torch.Tensor] = []  # static wgrad buffers of shared_params
         # Shared parameters whose part the graph fuses into main_grad (gradient-accumulation
         # fusion): DDP waits for our event, but eager autograd says when they are complete.
         self.fused_shared_params: list[torch.nn.Parameter] = []
-        self.fwd_graph: torch.cuda.CUDAGraph | None = None
-        self.bwd_graph: torch.cuda.CUDAGraph | None = None
-        self._capture_args: list[Any] | None = None
-        self._fwd_outputs: tuple[torch.Tensor, ...] | None = None
-        self.replay_inputs: list[tuple[int, torch.Tensor, bool]] = []  # (arg index, static, copy?)
-        self.replay_outputs: list[torch.Tensor] = []
-        self.replay_grad_outputs: list[tuple[torch.Tensor, bool] | None] = []
-        self.replay_grad_inputs: list[tuple[torch.Tensor, bool]] = []  # (static dgrad, copy out?)
-        self.wgrad_event: torch.cuda.Event | None = None
+        self.slots: dict[int, SlotGraphs] = {}
         self.replays = 0
         self.capture_seconds = 0.0
-        self.pool_reserved_after: dict[str, int] = {}
-        self.pool_live_after: dict[str, int] = {}
 
     # ------------------------------------------------------------------ arguments
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -109,13 +139,9 @@ class GraphedRegion:
         bound.apply_defaults()
         return tuple(bound.arguments.values())
 
-    @staticmethod
-    def arg_metadata(args: Sequence[Any]) -> list[Any]:
-        return [("tensor", _meta(a)) if isinstance(a, torch.Tensor) else ("value", a) for a in args]
-
     def check_args(self, args: Sequence[Any]) -> None:
         """Raises ``ValueError`` naming what changed since capture (shape, dtype, value)."""
-        meta = self.arg_metadata(args)
+        meta = arg_metadata(args)
         if meta == self.arg_meta:
             return
         names = list(self._signature.parameters)
@@ -131,62 +157,45 @@ class GraphedRegion:
                 f"CUDA graph for {self.name}: called with {len(meta)} arguments, captured with {len(self.arg_meta)}"
             )
 
-    def _split_outputs(self, out) -> tuple[torch.Tensor, ...]:
+    def split_outputs(self, out) -> tuple[torch.Tensor, ...]:
         outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         for o in outs:
             if not isinstance(o, torch.Tensor):
                 raise TypeError(f"CUDA graph region {self.name} must return tensors, got {type(o).__name__}")
         return outs
 
-    def _join_outputs(self, outs: Sequence[torch.Tensor]):
+    def join_outputs(self, outs: Sequence[torch.Tensor]):
         return tuple(outs) if self.output_is_tuple else outs[0]
-
-    # ------------------------------------------------------------------ recording
-    def record_forward(self, args: tuple[Any, ...]):
-        """Eager forward that also records metadata, sources and the backward order."""
-        meta = self.arg_metadata(args)
-        if self.arg_meta is None:
-            self.arg_meta = meta
-            self.sources = [
-                self.manager.source_of(a, self.index, i) if isinstance(a, torch.Tensor) else OWN
-                for i, a in enumerate(args)
-            ]
-        elif meta != self.arg_meta:
-            self.check_args(args)
-        out = self.fn(*args)
-        outs = self._split_outputs(out)
-        self.output_is_tuple = isinstance(out, (tuple, list))
-        self.num_outputs = len(outs)
-        self.output_requires_grad = [o.requires_grad for o in outs]
-        self.output_meta = [(o.shape, o.dtype, o.device, False) for o in outs]
-        self.manager.record_event(Event(FWD, self.index))
-        if any(self.output_requires_grad):
-            idx = [j for j, rg in enumerate(self.output_requires_grad) if rg]
-            wrapped = RecordBackward.apply(
-                lambda: self.manager.record_event(Event(BWD, self.index)), *[outs[j] for j in idx]
-            )
-            outs = list(outs)
-            for j, w in zip(idx, wrapped):
-                outs[j] = w
-        for j, o in enumerate(outs):
-            self.manager.note_output(o, self.index, j)
-        return self._join_outputs(outs)
 
     @property
     def input_requires_grad(self) -> list[bool]:
-        return [m[0] == "tensor" and m[1][3] for m in self.arg_meta]
+        return [isinstance(m, TensorMeta) and m.requires_grad for m in self.arg_meta]
+
+    @property
+    def has_backward(self) -> bool:
+        return any(self.output_requires_grad)
+
+    # ------------------------------------------------------------------ recording
+    def note_call(self, args: tuple[Any, ...], out) -> tuple[torch.Tensor, ...]:
+        """Learns the output signature from an eager call (recording)."""
+        outs = self.split_outputs(out)
+        self.output_is_tuple = isinstance(out, (tuple, list))
+        self.num_outputs = len(outs)
+        self.output_requires_grad = [o.requires_grad for o in outs]
+        self.output_meta = [TensorMeta(o.shape, o.dtype, o.device, False) for o in outs]
+        return outs
 
     # ------------------------------------------------------------------ capture
-    def sample_args(self, make_tensor: Callable[[int, TensorMeta], torch.Tensor]) -> list[Any]:
-        return [make_tensor(i, m[1]) if m[0] == "tensor" else m[1] for i, m in enumerate(self.arg_meta)]
+    def sample_args(self, make_tensor: Callable[[TensorMeta], torch.Tensor]) -> list[Any]:
+        return [make_tensor(m) if isinstance(m, TensorMeta) else m.value for m in self.arg_meta]
 
     def discover_params(self, args: list[Any]) -> None:
         """Finds the parameters this region uses, from one eager forward+backward."""
         candidates = [p for p in self.module.parameters() if p.requires_grad]
-        if not any(self.output_requires_grad):
+        if not self.has_backward:
             self.params = []
             return
-        outs = self._split_outputs(self.fn(*args))
+        outs = self.split_outputs(self.fn(*args))
         reached = _leaves_reached(outs)  # includes weights whose wgrad is fused (no autograd grad)
         grads = self._grad(outs, args, candidates)
         has_grad = {id(p) for p, g in zip(candidates, grads[len(self._grad_inputs(args)) :]) if g is not None}
@@ -222,33 +231,35 @@ class GraphedRegion:
 
     def warmup(self, args: list[Any], steps: int) -> None:
         for _ in range(steps):
-            outs = self._split_outputs(self.fn(*args))
-            if any(self.output_requires_grad):
+            outs = self.split_outputs(self.fn(*args))
+            if self.has_backward:
                 self._grad(outs, args, self._wgrad_params())
             del outs
 
-    def capture_forward(self, args: list[Any], pool, stream) -> tuple[torch.Tensor, ...]:
-        """Captures the forward graph on ``args`` (static buffers or their leaf aliases)."""
+    def capture_forward(self, slot: int, args: list[Any], pool, stream) -> tuple[torch.Tensor, ...]:
+        """Captures the forward graph of ``slot`` on ``args`` (static buffers or their leaf aliases)."""
+        graphs = self.slots.setdefault(slot, SlotGraphs())
         graph = torch.cuda.CUDAGraph()
         start = time.perf_counter()
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=pool.handle, capture_error_mode="thread_local")
             try:
-                outs = self._split_outputs(self.fn(*args))
+                outs = self.split_outputs(self.fn(*args))
             finally:
                 graph.capture_end()
         self.capture_seconds += time.perf_counter() - start
-        self.fwd_graph = graph
-        if any(self.output_requires_grad):
+        graphs.fwd_graph = graph
+        if self.has_backward:
             # Roots and leaves of the backward capture; the plan decides everything else.
-            self._capture_args = list(args)
-            self._fwd_outputs = outs
+            graphs.capture_args = list(args)
+            graphs.fwd_outputs = outs
         return outs
 
-    def capture_backward(self, grad_outputs: list[torch.Tensor | None], pool, stream) -> list[torch.Tensor | None]:
-        """Captures dgrad + wgrad; wgrads are added to ``main_grad`` inside the graph."""
+    def capture_backward(self, slot: int, grad_outputs: list[torch.Tensor | None], pool, stream) -> list[torch.Tensor]:
+        """Captures dgrad + wgrad of ``slot``; wgrads are added to ``main_grad`` inside the graph."""
+        graphs = self.slots[slot]
         graph = torch.cuda.CUDAGraph()
-        args, outs = self._capture_args, self._fwd_outputs
+        args, outs = graphs.capture_args, graphs.fwd_outputs
         n_in = len(self._grad_inputs(args))
         start = time.perf_counter()
         with torch.cuda.stream(stream):
@@ -261,31 +272,36 @@ class GraphedRegion:
             finally:
                 graph.capture_end()
         self.capture_seconds += time.perf_counter() - start
-        self.bwd_graph = graph
+        graphs.bwd_graph = graph
         # Read by eager autograd after every replay, until DDP folds it: held for good.
-        self.shared_grads = list(grads[n_in + len(self.params) : n_in + len(self.params) + len(self.shared_params)])
+        n_params = len(self.params)
+        graphs.shared_grads = list(grads[n_in + n_params : n_in + n_params + len(self.shared_params)])
         dgrads = list(grads[:n_in])
         del grads
         # The autograd graph of the forward capture is freed now: its saved tensors go
         # back to the pool. Drop our own holds on the capture-time arguments too.
-        self._capture_args = None
-        self._fwd_outputs = None
+        graphs.capture_args = None
+        graphs.fwd_outputs = None
         return dgrads
 
-    def finish_capture(self, inputs, outputs, grad_outputs, grad_inputs) -> None:
-        """Bakes the final (weak or strong) buffer objects used at every replay."""
-        self._capture_args = None
-        self._fwd_outputs = None
-        self.replay_inputs = inputs
-        self.replay_outputs = outputs
-        self.replay_grad_outputs = grad_outputs
-        self.replay_grad_inputs = grad_inputs
-        self.wgrad_event = torch.cuda.Event()
+    def finish_capture(self, slot: int, inputs, outputs, grad_outputs, grad_inputs) -> None:
+        """Bakes the final (weak or strong) buffer objects used at every replay of ``slot``."""
+        graphs = self.slots[slot]
+        graphs.capture_args = None
+        graphs.fwd_outputs = None
+        graphs.replay_inputs = inputs
+        graphs.replay_outputs = outputs
+        graphs.replay_grad_outputs = grad_outputs
+        graphs.replay_grad_inputs = grad_inputs
+        graphs.wgrad_event = torch.cuda.Event()
+
+    def num_graphs(self) -> int:
+        return sum((g.fwd_graph is not None) + (g.bwd_graph is not None) for g in self.slots.values())
 
     # ------------------------------------------------------------------ replay
-    def replay_forward(self, args: Sequence[Any]) -> tuple[torch.Tensor, ...]:
-        self.manager.check_order(Event(FWD, self.index), self)
-        for i, static, copy in self.replay_inputs:
+    def replay_forward(self, slot: int, args: Sequence[Any]) -> tuple[torch.Tensor, ...]:
+        graphs = self.slots[slot]
+        for i, static, copy in graphs.replay_inputs:
             a = args[i]
             if a.data_ptr() == static.data_ptr():
                 continue
@@ -296,26 +312,28 @@ class GraphedRegion:
                     "changed since capture."
                 )
             static.copy_(a)
-        self.fwd_graph.replay()
-        self.manager.after_replay()
+        graphs.fwd_graph.replay()
         self.replays += 1
-        return tuple(o.detach() for o in self.replay_outputs)
+        return tuple(o.detach() for o in graphs.replay_outputs)
 
-    def replay_backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
-        self.manager.check_order(Event(BWD, self.index), self)
-        for g, slot in zip(grads, self.replay_grad_outputs):
-            if slot is None:
+    def replay_backward(self, slot: int, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
+        """Replays the backward graph of ``slot``; returns the dgrads for autograd.
+
+        Afterwards the caller marks ``self.params`` ready with ``slot``'s wgrad event.
+        """
+        graphs = self.slots[slot]
+        for g, static_copy in zip(grads, graphs.replay_grad_outputs):
+            if static_copy is None:
                 continue
-            static, _ = slot
+            static, _ = static_copy
             if g is None:
                 static.zero_()
             elif g.data_ptr() != static.data_ptr():
                 static.copy_(g)
-        self.bwd_graph.replay()
+        graphs.bwd_graph.replay()
         # Dgrads for eager code leave as copies (before debug mode poisons the buffers).
-        dgrads = iter([d if d is None else d.clone() if copy else d.detach() for d, copy in self.replay_grad_inputs])
-        self.manager.after_replay()
-        for p, g in zip(self.shared_params, self.shared_grads):
+        dgrads = iter([d if d is None else d.clone() if copy else d.detach() for d, copy in graphs.replay_grad_inputs])
+        for p, g in zip(self.shared_params, graphs.shared_grads):
             if p.grad is not None:
                 raise RuntimeError(
                     f"CUDA graph for {self.name}: the shared parameter {tuple(p.shape)} still has a .grad from "
@@ -323,9 +341,7 @@ class GraphedRegion:
                     "something else kept it (a graphed backward cannot reproduce eager's summation then)."
                 )
             p.grad = g  # eager autograd adds its own contribution in place, as AccumulateGrad does
-        if self.wgrad_event is not None:
-            self.wgrad_event.record()
-        self.manager.wgrads_ready(self.params, self.wgrad_event, self.fused_shared_params)
+        graphs.wgrad_event.record()
         return tuple(next(dgrads) if rg else None for rg in self.input_requires_grad)
 
 

@@ -1,5 +1,6 @@
-"""The manager's recording pass and scope routing on a real GPT, on the CPU."""
+"""The session's recording pass, routing and lifecycle on a real GPT, on the CPU."""
 
+import copy
 import warnings
 
 import pytest
@@ -9,9 +10,10 @@ from megatron.core.distributed.distributed_data_parallel import DistributedDataP
 from megatron.core.models.gpt.gpt_model import build_gpt_model
 from megatron.core.models.gpt.loss import masked_mean_loss
 from megatron.core.parallel_state import ProcessGroups
-from megatron.core.transformer.cuda_graphs.buffers import BWD, FWD, Event
+from megatron.core.transformer import cuda_graphs
 from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
-from megatron.core.transformer.cuda_graphs.manager import CudaGraphManager
+from megatron.core.transformer.cuda_graphs.plan import BWD, FWD, Event
+from megatron.core.transformer.cuda_graphs.region import GraphedRegion, _leaves_reached
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.config import DDPConfig
 
@@ -36,20 +38,17 @@ def tiny_gpt(rope=False, untie=False):
 def recorded(scopes, rope=False, microbatches=2, untie=False, postprocess=True):
     model, _ = tiny_gpt(rope, untie)
     ddp = DistributedDataParallel(model, config=DDPConfig(), pg=ProcessGroups.single())
-    manager = CudaGraphManager(
-        CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=scopes, cuda_graph_postprocess=postprocess)
-    )
+    config = CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=scopes, cuda_graph_postprocess=postprocess)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        manager.apply(model)
-    manager.start_recording()
+        manager = cuda_graphs.attach(model, config, grad_sinks=[ddp], record_without_cuda=True)
     tokens = torch.randint(0, 64, (2, 16))
     losses = []
     for _ in range(microbatches):
         loss, _ = masked_mean_loss(ddp(tokens, None, tokens), torch.ones(2, 16))
         loss.backward()
         losses.append(loss.detach())
-    return manager, manager.make_plan(), losses, ddp
+    return manager, manager.make_plans()[0], losses, ddp
 
 
 def test_whole_layer_record_order_and_handoffs():
@@ -58,7 +57,7 @@ def test_whole_layer_record_order_and_handoffs():
     n = LAYERS + 1  # the loss head follows the last layer
     assert plan.cycle == [Event(FWD, i) for i in range(n)] + [Event(BWD, i) for i in reversed(range(n))]
     # Two micro-batches were recorded; the cycle is one of them.
-    assert len(manager.order) == 2 * len(plan.cycle)
+    assert len(manager.order) == 2 * len(plan.cycle) and manager.cycles == {0: plan.cycle}
     # Region k+1 reads region k's output buffer; layer 0 reads the (eager) embedding output.
     assert manager.regions[0].sources[0].kind == "own"
     for k in range(1, n):
@@ -68,7 +67,7 @@ def test_whole_layer_record_order_and_handoffs():
     # The head's labels are its own input; its per-token loss escapes to eager code.
     head = manager.regions[-1]
     assert head.sources[1].kind == "own" and head.input_requires_grad == [True, False]
-    assert plan.buffers[("output", LAYERS, 0)].release_after == plan.cycle.index(Event(BWD, LAYERS))
+    assert plan.buffers[("output", LAYERS, 0)].release_after == plan.position(BWD, LAYERS)
 
 
 @pytest.mark.parametrize("untie", [False, True])
@@ -106,6 +105,7 @@ def test_sub_layer_scope_graphs_only_that_region(scope, method):
     layer = manager.regions[0].module
     other = "_forward_mlp" if scope == "attn" else "_forward_attention"
     assert other not in vars(layer), "the region left eager must not be routed"
+    assert method in vars(layer)
 
 
 def test_attn_and_mlp_together_is_one_layer_graph():
@@ -130,23 +130,21 @@ def test_recording_does_not_change_numerics():
 def test_cpu_flags_accepted_with_one_warning_and_eager_run():
     model, _ = tiny_gpt()
     with pytest.warns(UserWarning, match="CUDA is not available"):
-        manager = CudaGraphManager(CudaGraphConfig(cuda_graph_impl="local")).apply(model)
-    assert manager.state == "off"
+        manager = cuda_graphs.attach(model, CudaGraphConfig(cuda_graph_impl="local"))
+    assert not manager.active and not any(vars(layer).get("forward") for layer in model.decoder.layers)
     tokens = torch.randint(0, 64, (2, 16))
     model(tokens, None, tokens).mean().backward()
     manager.end_of_iteration()
-    assert manager.state == "off" and manager.order == []
+    assert not manager.active and manager.recorder.order == []
 
 
 def test_scope_without_region_in_model_is_rejected():
     model, _ = tiny_gpt()
     with pytest.raises(ValueError, match="no 'moe' region"):
-        CudaGraphManager(CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=["moe"])).apply(model)
+        cuda_graphs.attach(model, CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=["moe"]))
 
 
 def test_parameter_discovery_sees_fused_weights_that_get_no_autograd_grad():
-    from megatron.core.transformer.cuda_graphs.runner import _leaves_reached
-
     model, _ = tiny_gpt()
     DistributedDataParallel(model, config=DDPConfig(), pg=ProcessGroups.single())  # main_grad: fused wgrads
     tokens = torch.randint(0, 64, (2, 16))
@@ -161,17 +159,73 @@ def test_parameter_discovery_sees_fused_weights_that_get_no_autograd_grad():
 
 def test_region_call_binding_fills_defaults_and_keywords():
     """Every call of a region becomes the same positional tuple, however it was spelled."""
-    from megatron.core.transformer.cuda_graphs.runner import GraphedRegion
 
     class Layer(torch.nn.Module):
         def forward(self, hidden_states, rotary_pos_emb=None):
             return hidden_states
 
     x, r = torch.zeros(1), torch.ones(1)
-    region = GraphedRegion(None, Layer(), "forward", "layer", 0)
+    layer = Layer()
+    region = GraphedRegion(layer, "forward", layer.forward, "layer", 0)
     assert region.bind((x,), {}) == (x, None)  # default filled
     assert region.bind((x, r), {}) == (x, r)
     assert region.bind((x,), {"rotary_pos_emb": r}) == (x, r)
     assert region.bind((), {"rotary_pos_emb": r, "hidden_states": x}) == (x, r)
     with pytest.raises(TypeError):
         region.bind((x,), {"other": r})
+
+
+def test_attach_twice_raises_and_close_restores_the_model():
+    manager, _, _, ddp = recorded(["mlp"])
+    model = ddp.module
+    layer = model.decoder.layers[0]
+    assert "_forward_mlp" in vars(layer)
+    with pytest.raises(RuntimeError, match="already routed through a CUDA graph session"):
+        cuda_graphs.attach(model, manager.config, record_without_cuda=True)
+    manager.close()
+    assert manager.state is cuda_graphs.GraphState.CLOSED and not manager.active
+    assert all("_forward_mlp" not in vars(layer) for layer in model.decoder.layers)
+    assert "_postprocess" not in vars(model)
+    again = cuda_graphs.attach(model, manager.config, record_without_cuda=True)  # attachable again
+    assert len(again.regions) == len(manager.regions)
+
+
+def test_deep_copy_runs_its_own_weights_eagerly():
+    manager, _, _, ddp = recorded(["mlp"])
+    model = ddp.module
+    clone = copy.deepcopy(model)
+    for layer in clone.decoder.layers:
+        torch.nn.init.zeros_(layer.mlp.linear_fc2.weight)
+        layer.mlp.linear_fc2.bias.data.zero_()
+    x = torch.randn(16, 2, 32)
+    ours = clone.decoder.layers[0]
+    assert torch.equal(ours._forward_mlp(x), x), "the copy's zeroed MLP must add nothing to the residual"
+    with torch.no_grad():  # no-grad calls of the original run eagerly too
+        assert not torch.equal(model.decoder.layers[0]._forward_mlp(x), x)
+    before = len(manager.recorder.order)
+    tokens = torch.randint(0, 64, (2, 16))
+    clone(tokens, None, tokens).mean().backward()
+    assert len(manager.recorder.order) == before, "the copy must not record into the original's session"
+    with pytest.raises(RuntimeError, match="cannot be copied"):
+        copy.deepcopy(manager)
+
+
+def test_micro_batch_slots_are_recorded():
+    model, _ = tiny_gpt()
+    ddp = DistributedDataParallel(model, config=DDPConfig(), pg=ProcessGroups.single())
+    config = CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=["mlp"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        session = cuda_graphs.attach(model, config, grad_sinks=[ddp], record_without_cuda=True)
+    tokens = torch.randint(0, 64, (2, 16))
+    losses = {}
+    for slot in (0, 1):  # two micro-batches in flight: both forwards, then both backwards
+        with session.micro_batch(slot):
+            losses[slot], _ = masked_mean_loss(ddp(tokens, None, tokens), torch.ones(2, 16))
+    for slot in (0, 1):
+        losses[slot].backward()
+    plans = session.make_plans()
+    assert sorted(plans) == [0, 1]
+    n = len(session.regions)
+    assert [e.slot for e in session.order] == [0] * n + [1] * n + [0] * n + [1] * n
+    assert plans[0].cycle == [Event(e.phase, e.region) for e in plans[1].cycle]

@@ -1,0 +1,407 @@
+"""The graph session: one per attached model; lifecycle record -> capture -> replay -> close.
+
+``attach(model, ...)`` (``__init__.py``) resolves the scopes, wraps each selected region
+in a :class:`GraphedRegion` and routes the layer method through the session by putting
+a :class:`RoutedMethod` in the instance's ``__dict__`` (the class's method shows through
+again after :meth:`GraphSession.close`). Model classes carry no capture code.
+
+- Recording (iteration 1): regions run eagerly; the recorder keeps the order of events
+  ``(phase, region, slot)`` and where every argument came from.
+- ``end_of_iteration()`` after iteration 1 builds one plan per slot and captures
+  (``capture.py``). Later iterations replay; each replay must be the event the recorded
+  iteration has next (cheap check: an index and a tuple compare), and an iteration must
+  replay all of it. Anything else raises instead of silently reading freed memory.
+- Eval and no-grad calls always run eagerly.
+- Backward replays mark their parameters ready on the grad sinks (DDP buffers) with an
+  event recorded after the replay.
+
+Unusual here: deep-copying an attached model gives a copy whose region methods are the
+class's own, bound to the copy (eager, its own weights), never a route into this
+session; a second ``attach`` on the same model raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import time
+import types
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from megatron.core.transformer.cuda_graphs import capture as capture_lib
+from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
+from megatron.core.transformer.cuda_graphs.plan import (
+    BWD,
+    FWD,
+    CommRead,
+    Event,
+    Plan,
+    RegionIO,
+    build_plan,
+    slot_cycles,
+)
+from megatron.core.transformer.cuda_graphs.pool import format_pool_summary
+from megatron.core.transformer.cuda_graphs.recorder import Recorder
+from megatron.core.transformer.cuda_graphs.region import GraphedRegion, arg_metadata
+from megatron.core.transformer.cuda_graphs.replay import GraphReplay, RecordBackward
+from megatron.core.transformer.cuda_graphs.weak import is_weak_ref
+
+
+class GraphState(enum.Enum):
+    OFF = "off"  # graphs disabled (or no CUDA): every region runs eagerly
+    RECORD = "record"  # the recording iteration
+    CAPTURED = "captured"  # replaying
+    CLOSED = "closed"  # detached: the modules are restored
+
+
+class GradSink(Protocol):
+    """Where backward graphs report finished weight gradients (DDP implements it)."""
+
+    def manages(self, param: torch.nn.Parameter) -> bool: ...
+
+    def mark_ready(self, params: Sequence[torch.nn.Parameter], event: torch.cuda.Event) -> None:
+        """``params``' main_grads are complete once ``event`` has completed."""
+
+    def add_event(self, params: Sequence[torch.nn.Parameter], event: torch.cuda.Event) -> None:
+        """Wait on ``event`` before reading ``params``' buckets, without marking them ready."""
+
+
+class RoutedMethod:
+    """A region method routed through a session; stored on the layer instance."""
+
+    def __init__(self, session: GraphSession, region: GraphedRegion, func):
+        self.session = session
+        self.region = region
+        self.func = func  # the class's function (unbound)
+
+    def __call__(self, *args, **kwargs):
+        return self.session.dispatch(self.region, args, kwargs)
+
+    def __deepcopy__(self, memo):
+        copy = memo.get(id(self.region.module))
+        if copy is None:
+            raise RuntimeError(
+                f"cannot copy the routed region {self.region.name} on its own; copy the whole model, "
+                "or close the graph session first."
+            )
+        return types.MethodType(self.func, copy)  # the copy runs its own weights, eagerly
+
+
+class GraphSession:
+    """Owns the regions, the pools, the recorded order, the replay cursor and teardown.
+
+    Args:
+        config: The ``--cuda-graph-*`` settings.
+        grad_sinks: Where finished weight gradients are reported (DDP buffers).
+    """
+
+    def __init__(self, config: CudaGraphConfig, *, grad_sinks: Sequence[GradSink] = ()):
+        self.config = config
+        self.grad_sinks = list(grad_sinks)
+        self.regions: list[GraphedRegion] = []
+        self.state = GraphState.OFF
+        if config.enabled:
+            if torch.cuda.is_available():
+                self.state = GraphState.RECORD
+            else:
+                warnings.warn(
+                    "--cuda-graph-impl local: CUDA is not available, so CUDA graphs are off and the run is eager.",
+                    stacklevel=3,
+                )
+        self.recorder = Recorder()
+        self.order: list[Event] = []  # the recorded iteration, replayed in this order
+        self.cycles: dict[int, list[Event]] = {}
+        self.plans: dict[int, Plan] = {}
+        self.comm_reads: list[tuple[int, CommRead]] = []  # (slot, read)
+        self.pools: dict = {}
+        self.buffers: dict[int, dict] = {}
+        self.cursor = 0
+        self.slot = 0
+        self.capture_seconds = 0.0
+        self.recorded_microbatches: int | None = None
+        self._anchor: torch.Tensor | None = None
+        self._positions: list[tuple[int, int]] = []  # per order index: (slot, cycle position)
+        self._poison: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._debug_checked: dict[int, int] = {}
+        self._ready: dict[tuple[int, int], list[tuple[GradSink, list, list]]] = {}
+
+    # ------------------------------------------------------------------ state
+    @property
+    def active(self) -> bool:
+        """Recording or replaying (regions go through the session)."""
+        return self.state in (GraphState.RECORD, GraphState.CAPTURED)
+
+    @property
+    def captured(self) -> bool:
+        return self.state is GraphState.CAPTURED
+
+    def start_recording(self) -> None:
+        """Records even without CUDA, to inspect the order and plan (CPU tests)."""
+        self.state = GraphState.RECORD
+
+    def route(self, module: torch.nn.Module, method: str, name: str, shared_params=()) -> GraphedRegion:
+        """Routes ``module.<method>`` through the session (``attach`` calls this)."""
+        if isinstance(module.__dict__.get(method), RoutedMethod):
+            raise RuntimeError(
+                f"{name} is already routed through a CUDA graph session; attach once per model "
+                "(close() the old session first)."
+            )
+        func = getattr(type(module), method)
+        region = GraphedRegion(
+            module, method, types.MethodType(func, module), name, len(self.regions), shared_params=shared_params
+        )
+        self.regions.append(region)
+        module.__dict__[method] = RoutedMethod(self, region, func)
+        return region
+
+    def close(self) -> None:
+        """Restores every module, frees the graphs, the buffers and the pools. Idempotent."""
+        for region in self.regions:
+            routed = region.module.__dict__.get(region.method_name)
+            if isinstance(routed, RoutedMethod) and routed.session is self:
+                del region.module.__dict__[region.method_name]
+            region.slots.clear()
+        self.buffers.clear()
+        self._poison.clear()
+        self._ready.clear()
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
+        self._anchor = None
+        self.state = GraphState.CLOSED
+
+    def __deepcopy__(self, memo):
+        raise RuntimeError("a CUDA graph session cannot be copied; copy the model and attach a new session.")
+
+    # ------------------------------------------------------------------ schedule hooks
+    @contextlib.contextmanager
+    def micro_batch(self, slot: int) -> Iterator[None]:
+        """Forwards inside run in micro-batch ``slot`` (the schedule says which)."""
+        previous, self.slot = self.slot, slot
+        try:
+            yield
+        finally:
+            self.slot = previous
+
+    def expect_microbatches(self, n: int) -> None:
+        """Called by the schedule before each training iteration with its micro-batch count."""
+        if self.state is GraphState.RECORD:
+            self.recorded_microbatches = n
+        elif self.state is GraphState.CAPTURED and n != self.recorded_microbatches:
+            raise ValueError(
+                f"CUDA graphs were captured for {self.recorded_microbatches} micro-batches per iteration, "
+                f"this iteration has {n}. The replay order is the recorded schedule's; keep the global "
+                "batch size fixed (no --rampup-batch-size) while graphs are on, or run with --cuda-graph-impl none."
+            )
+
+    def add_comm_read(self, slot: int, read: CommRead) -> None:
+        """Declares that communication reads a buffer of ``slot`` (before capture)."""
+        self.comm_reads.append((slot, read))
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, region: GraphedRegion, args, kwargs):
+        if (
+            not self.active
+            or not region.module.training
+            or not torch.is_grad_enabled()
+            or (self.state is GraphState.CAPTURED and torch.cuda.is_current_stream_capturing())
+        ):
+            return region.fn(*args, **kwargs)
+        args = region.bind(args, kwargs)
+        slot = self.slot
+        if self.state is GraphState.RECORD:
+            return self._record(region, slot, args)
+        region.check_args(args)
+        outs = GraphReplay.apply(self, region, slot, self._anchor, *args)
+        if (
+            self.config.cuda_graph_debug
+            and self._debug_checked.get(region.index, 0) < self.config.cuda_graph_debug_replays
+        ):
+            self._debug_compare(region, args, outs)
+        return region.join_outputs(outs)
+
+    def _record(self, region: GraphedRegion, slot: int, args: tuple):
+        """Eager forward that also records metadata, sources and the backward order."""
+        if region.arg_meta is None:
+            region.arg_meta = arg_metadata(args)
+            region.sources = self.recorder.sources(region.index, args, slot)
+        else:
+            region.check_args(args)
+        outs = region.note_call(args, region.fn(*args))
+        self.recorder.event(Event(FWD, region.index, slot))
+        if region.has_backward:
+            idx = [j for j, rg in enumerate(region.output_requires_grad) if rg]
+            backward = Event(BWD, region.index, slot)
+            wrapped = RecordBackward.apply(lambda: self.recorder.event(backward), *[outs[j] for j in idx])
+            outs = list(outs)
+            for j, w in zip(idx, wrapped):
+                outs[j] = w
+        for j, o in enumerate(outs):
+            self.recorder.note_output(o, region.index, slot, j)
+        return region.join_outputs(outs)
+
+    # ------------------------------------------------------------------ replay (GraphReplay calls these)
+    def replay_forward(self, region: GraphedRegion, slot: int, args) -> tuple[torch.Tensor, ...]:
+        self._advance(Event(FWD, region.index, slot), region)
+        outs = region.replay_forward(slot, args)
+        self._after_replay()
+        return outs
+
+    def replay_backward(self, region: GraphedRegion, slot: int, grads) -> tuple[torch.Tensor | None, ...]:
+        self._advance(Event(BWD, region.index, slot), region)
+        dgrads = region.replay_backward(slot, grads)
+        self._after_replay()
+        event = region.slots[slot].wgrad_event
+        for sink, ready, waiting in self._ready.get((region.index, slot), ()):
+            if ready:
+                sink.mark_ready(ready, event)
+            if waiting:
+                sink.add_event(waiting, event)
+        return dgrads
+
+    def _advance(self, event: Event, region: GraphedRegion) -> None:
+        expected = self.order[self.cursor]
+        if event != expected:
+            want = self.regions[expected.region]
+            raise RuntimeError(
+                f"CUDA graph replay out of capture order: expected the {expected.phase} graph of {want.name} "
+                f"in slot {expected.slot} (event {self.cursor} of {len(self.order)} in the recorded iteration), "
+                f"got the {event.phase} graph of {region.name} in slot {event.slot}. Graphs are only correct "
+                "when replayed in the order the recording iteration ran; the schedule or the data flow changed."
+            )
+        self.cursor = (self.cursor + 1) % len(self.order)
+
+    def _after_replay(self) -> None:
+        """Debug mode: poison the buffers that died with the event that just replayed."""
+        if self._poison:
+            for t in self._poison.get(self._positions[self.cursor - 1], ()):
+                t.fill_(float("nan"))
+
+    def end_of_iteration(self) -> None:
+        """Called after every training iteration: captures after the first."""
+        if self.state is GraphState.RECORD and self.recorder.order:
+            self.capture()
+        elif self.state is GraphState.CAPTURED and self.cursor != 0:
+            raise RuntimeError(
+                f"CUDA graphs: the iteration ended after {self.cursor} of the {len(self.order)} recorded graph "
+                "events; a forward without its backward, or a schedule other than the recorded one, breaks "
+                "buffer reuse."
+            )
+
+    # ------------------------------------------------------------------ plan and capture
+    def make_plans(self) -> dict[int, Plan]:
+        """Each slot's cycle and hand-off plan, from what the recording iteration saw."""
+        self.order = list(self.recorder.order)
+        self.cycles = slot_cycles(self.order)
+        ios = [RegionIO(r.name, list(r.sources), r.input_requires_grad, r.output_requires_grad) for r in self.regions]
+        self.plans = {
+            slot: build_plan(cycle, ios, [read for s, read in self.comm_reads if s == slot])
+            for slot, cycle in self.cycles.items()
+        }
+        positions = {slot: {(e.phase, e.region): i for i, e in enumerate(c)} for slot, c in self.cycles.items()}
+        self._positions = [(e.slot, positions[e.slot][(e.phase, e.region)]) for e in self.order]
+        return self.plans
+
+    def capture(self) -> None:
+        start = time.perf_counter()
+        plans = self.make_plans()
+        self.recorder.clear_identities()
+        self.pools, self.buffers = capture_lib.capture_all(
+            self.regions, self.cycles, plans, self.config.cuda_graph_warmup_steps
+        )
+        if self.config.cuda_graph_debug:
+            for slot, plan in plans.items():
+                for position, tensors in capture_lib.poison_plan(plan, self.buffers[slot]).items():
+                    self._poison[(slot, position)] = tensors
+        self._ready = self._sink_lists()
+        self._anchor = torch.zeros((), device=torch.cuda.current_device(), requires_grad=True)
+        self.state = GraphState.CAPTURED
+        self.cursor = 0
+        self.capture_seconds = time.perf_counter() - start
+
+    def _sink_lists(self) -> dict[tuple[int, int], list[tuple[GradSink, list, list]]]:
+        """Per (region, slot): for each sink, the params its replay completes and those it
+        only writes part of (fused shared weights: eager autograd completes them)."""
+        lists = {}
+        for region in self.regions:
+            per_sink = []
+            for sink in self.grad_sinks:
+                ready = [p for p in region.params if sink.manages(p)]
+                waiting = [p for p in region.fused_shared_params if sink.manages(p)]
+                if ready or waiting:
+                    per_sink.append((sink, ready, waiting))
+            for slot in region.slots:
+                lists[(region.index, slot)] = per_sink
+        return lists
+
+    # ------------------------------------------------------------------ accounting
+    def strong_bytes(self) -> int:
+        """Bytes of static buffers we still hold strongly (each storage counted once)."""
+        seen = {}
+        held = [t for b in self.buffers.values() for t in b.values()]
+        held += [g for r in self.regions for s in r.slots.values() for g in s.shared_grads]
+        for t in held:
+            if t is not None and not is_weak_ref(t):
+                seen[t.data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    def num_graphs(self) -> int:
+        return sum(r.num_graphs() for r in self.regions)
+
+    def pool_stats(self) -> tuple[int, int]:
+        """(reserved, live) bytes of every pool of the session (allocator snapshots)."""
+        reserved = live = 0
+        for pool in self.pools.values():
+            s = pool.stats()
+            reserved += s.reserved_bytes
+            live += s.live_bytes
+        return reserved, live
+
+    def stats(self) -> dict[str, Any]:
+        """Plain-typed accounting for logs, metrics and tools (takes allocator snapshots)."""
+        if not self.pools:
+            return {"graphs": 0}
+        reserved, live = self.pool_stats()
+        return {
+            "graphs": self.num_graphs(),
+            "slots": len(self.pools),
+            "pool_reserved_bytes": int(reserved),
+            "pool_live_bytes": int(live),
+            "strong_bytes": int(self.strong_bytes()),
+            "capture_seconds": float(self.capture_seconds),
+            "regions": [
+                {
+                    "name": r.name,
+                    "slot": slot,
+                    "pool_reserved_after_fwd": g.pool_reserved_after.get(FWD),
+                    "pool_reserved_after_bwd": g.pool_reserved_after.get(BWD),
+                    "pool_live_after_fwd": g.pool_live_after.get(FWD),
+                    "pool_live_after_bwd": g.pool_live_after.get(BWD),
+                }
+                for r in self.regions
+                for slot, g in sorted(r.slots.items())
+            ],
+        }
+
+    def summary_line(self) -> str:
+        """The pools' log line in Megatron's ``|``-separated style."""
+        reserved, live = self.pool_stats()
+        line = format_pool_summary(self.num_graphs(), reserved, live, self.strong_bytes(), self.capture_seconds)
+        return line if len(self.pools) <= 1 else f"{line} | slots: {len(self.pools)}"
+
+    # ------------------------------------------------------------------ debug
+    def _debug_compare(self, region: GraphedRegion, args, outs) -> None:
+        self._debug_checked[region.index] = self._debug_checked.get(region.index, 0) + 1
+        with torch.no_grad():
+            ref = region.split_outputs(region.fn(*args))
+        for j, (got, want) in enumerate(zip(outs, ref)):
+            if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2, equal_nan=False):
+                diff = (got.float() - want.float()).abs().max().item()
+                raise RuntimeError(
+                    f"--cuda-graph-debug: replay of {region.name} output {j} differs from an eager run "
+                    f"(max abs diff {diff:.3e}); a static buffer was overwritten before it was read."
+                )
