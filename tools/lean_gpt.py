@@ -1,6 +1,6 @@
 """A lean plain-PyTorch GPT step: the yardstick for our eager step on the same machine.
 
-What a user might write instead of a framework (research/anchor_upstream.md, "Peer"):
+What a user might write instead of a framework:
 pre-norm layers (LayerNorm, fused QKV linear, causal SDPA, GeLU MLP, all with biases),
 learned positions, tied embedding and output layer, bf16 parameters trained directly by
 fused AdamW. No fp32 main params, no DDP buffer, no clipping, no loss scaling. Host

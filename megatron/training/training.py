@@ -99,10 +99,9 @@ class Trainer:
         self._prefetched = None  # (iterator, batch) fetched at the end of the previous step
         # With graphs, training and evaluation run on a stream of their own: graphs cannot
         # be captured on the default stream, and when the eager parts share the capture
-        # stream there is one set of per-stream cuBLAS workspaces (2 x 32 MiB on Hopper)
-        # and one allocator cache. It is a driver-made stream, not one from torch's pool
-        # (which would cost 70 MiB: see cuda_graphs/streams.py). Eager runs stay on the
-        # default stream.
+        # stream there is one set of per-stream cuBLAS workspaces and one allocator cache.
+        # It is a driver-made stream, not one from torch's pool (see cuda_graphs/streams.py).
+        # Eager runs stay on the default stream.
         use_stream = self.device.type == "cuda" and self.graphs.active
         self.stream = side_stream(self.device) if use_stream else None
         self.history: list[dict] = []

@@ -2,8 +2,7 @@
 
 The unfused path (``F.log_softmax(logits, dtype=float32)`` + ``nll_loss``) casts the
 bf16 logits to an fp32 copy, writes fp32 log-probabilities, and in backward a zero
-tensor, an fp32 gradient and its bf16 cast: about 1.7 GB of temporaries and 1.8 ms for
-4096 tokens x 32000 vocabulary on an H200. Here each row is read once in forward
+tensor, an fp32 gradient and its bf16 cast: several fp32 copies of the logits. Here each row is read once in forward
 (online max and sum of exponentials in fp32, giving the log-sum-exp and the loss) and
 once in backward, which writes ``(softmax - onehot) * grad`` in the logits' dtype
 *into the logits' own memory* (they are dead by then). Only the fp32 log-sum-exp per

@@ -22,7 +22,5 @@ def build_norm(config, hidden_size: int, device=None) -> torch.nn.Module:
     if config.normalization == "LayerNorm":
         return torch.nn.LayerNorm(hidden_size, **kwargs)
     if config.normalization == "RMSNorm":
-        if not hasattr(torch.nn, "RMSNorm"):
-            raise ValueError("--normalization RMSNorm needs torch >= 2.4; upgrade torch or use LayerNorm.")
         return torch.nn.RMSNorm(hidden_size, **kwargs)
     raise ValueError(f"--normalization {config.normalization!r} is unknown; use LayerNorm or RMSNorm.")

@@ -10,6 +10,7 @@ from megatron.core.models.gpt.loss import masked_mean_loss
 from megatron.core.pipeline_parallel import schedules
 from megatron.training.data import build_data_iterators
 from megatron.training.training import build_trainer
+from tests.conftest import TINY_GPT_FLAGS
 
 
 def test_one_f_one_b_order():
@@ -47,11 +48,7 @@ def test_slot_allocator_reuses_the_lowest_free_slot():
     assert [chunk1.acquire(m) for m in range(2)] == [1, 3] and chunk1.release(0) == 1
 
 
-TINY = (
-    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
-    "--micro-batch-size 2 --global-batch-size 8 --vocab-size 64 --tokenizer-type NullTokenizer --mock-data "
-    "--lr 1e-3 --attention-dropout 0 --hidden-dropout 0 --num-workers 0 --log-interval 1000 --seed 3"
-)
+TINY = TINY_GPT_FLAGS + " --global-batch-size 8"  # 4 micro-batches
 
 
 def run(iters, schedule=None, forward_step=None):

@@ -21,8 +21,8 @@ What is unusual here:
   :meth:`GraphPool.close`.
 * **Accounting comes from the allocator snapshot**, filtered by the segments'
   ``segment_pool_id``. ``memory_allocated``/``memory_reserved`` do not split by
-  pool and do not see what weak references released (research notes,
-  section 6). A snapshot walks every segment of the device: call
+  pool and do not see what weak references released (a weak view keeps the
+  block mapped while ``memory_allocated`` no longer counts it). A snapshot walks every segment of the device: call
   :meth:`GraphPool.stats` after capture and at log/checkpoint points, never in
   the per-step hot path and never during a capture.
 * **Blocks remember their stream.** The caching allocator hands a freed block
@@ -83,7 +83,8 @@ def _private_api(name: str):
     if fn is None:
         raise RuntimeError(
             f"CUDA graphs: this torch build lacks torch._C.{name}, needed to route "
-            "allocations into the graph pool; use torch >= 2.3 or --cuda-graph-impl none."
+            "allocations into the graph pool; use a supported torch (see requirements.txt) or "
+            "--cuda-graph-impl none."
         )
     return fn
 

@@ -2,11 +2,10 @@
 
 Graphs cannot be captured on the default stream, so a graphed run needs one other
 stream. ``torch.cuda.Stream()`` takes it from torch's stream pool, and the first such
-call on a device creates the whole pool (32 streams per priority level). On an H200
-with torch 2.11 that costs 70 MiB of device memory outside the caching allocator,
-the same with or without any kernel on the new stream, with eager module loading and
-with ``CUDA_DEVICE_MAX_CONNECTIONS=1``. Eager runs never pay it, so it showed up in
-full as graph overhead (~1.6% of the 8-layer benchmark's peak).
+call on a device creates the whole pool (32 streams per priority level), which costs
+tens of MiB of device memory outside the caching allocator, with or without any kernel
+on the new stream. Eager runs never pay it, so it would show up in full as graph
+overhead.
 
 :func:`side_stream` creates a single stream through the CUDA driver
 (``cuStreamCreate`` on the context torch made current) and wraps it in

@@ -25,8 +25,8 @@ What is unusual here:
   hands it out again, which is exactly what the release plan reasons about.
   CPU memory goes back to the system allocator at once, so a weak view of a
   CPU tensor dangles immediately (reads garbage, may segfault). More broadly:
-  never weak-ref memory the graph pool does not own (research notes, section
-  5, pitfall 2). ``allow_cpu=True`` exists for tests that keep the owner alive
+  never weak-ref memory the graph pool does not own: once its owner frees it, the
+  memory can go anywhere. ``allow_cpu=True`` exists for tests that keep the owner alive
   and check layout fidelity on machines without a GPU.
 """
 

@@ -1,6 +1,6 @@
 """The weak-reference + shared-pool hazard, through our API (``pytest -m gpu``).
 
-research/megatron_cg.md section 6: weak-referencing graph A's output lets graph B's
+Weak-referencing graph A's output lets graph B's
 capture take the same pool block, so replaying A then B leaves A's output holding B's
 numbers (5.0 instead of 3.0). Here A's output escapes to eager code that reads it after
 B has replayed. Our plan keeps it strong until A's backward capture, so the value stays

@@ -66,7 +66,7 @@ _PROBE = textwrap.dedent(
 
 @pytest.mark.gpu
 def test_side_stream_costs_no_stream_pool():
-    # torch.cuda.Stream() here would create torch's pool: +70 MiB on an H200 (torch 2.11).
+    # torch.cuda.Stream() here would create torch's stream pool (device memory outside the allocator).
     done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("OUTSIDE_MIB")]
