@@ -210,3 +210,28 @@ def test_workers_end_without_pdeathsig(tmp_path):
         kill_groups(parent.pid)
         if parent.poll() is None:
             parent.wait(timeout=30)
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_workers_started_without_fork_keep_working(method):
+    """Spawned workers (macOS's default) get the watcher by pickle; a forkserver's workers
+    have the forkserver as parent and must not take the trainer for dead."""
+    import multiprocessing
+
+    import torch
+
+    from megatron.core.datasets.data_samplers import EndWithTrainer, WorkerBatches
+
+    if method not in multiprocessing.get_all_start_methods():
+        pytest.skip(f"no {method} start method here")
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.arange(12)),
+        batch_size=3,
+        num_workers=1,
+        persistent_workers=True,
+        worker_init_fn=EndWithTrainer(),
+        multiprocessing_context=method,
+    )
+    batches = WorkerBatches(loader)
+    for _ in range(2):  # the second epoch reuses the same worker
+        assert [b[0].tolist() for b in batches] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
