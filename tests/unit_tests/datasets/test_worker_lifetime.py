@@ -160,7 +160,10 @@ def test_workers_of_both_ranks_end_when_one_dp_rank_is_killed(tmp_path):
         os.kill(ranks[1], signal.SIGKILL)
         everyone = [w for ws in workers.values() for w in ws]
         assert_all_end(everyone, f"rank pid {ranks[1]} killed with SIGKILL (workers by rank: {workers})")
-        run.wait(timeout=60)  # torchrun tears the other rank down and reports the failure
+        try:
+            run.wait(timeout=60)  # torchrun tears the other rank down and reports the failure
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"torchrun still running 60 s after its workers ended:\n{tail(log_path)}")
         assert run.returncode != 0, f"torchrun should report the killed rank:\n{tail(log_path)}"
     finally:
         kill_groups(run.pid, *ranks)  # each rank runs in a session of its own under torchrun
@@ -184,10 +187,11 @@ _FALLBACK_PROBE = textwrap.dedent(
         def __getitem__(self, i):
             return {"tokens": torch.full((1024,), i), "loss_mask": torch.ones(1024)}
 
-    it = iter(build_pretraining_data_loader(Batches(), 0, 4, 0, 1, num_workers=2))
-    next(it)
-    print("ready", flush=True)
-    time.sleep(600)
+    if __name__ == "__main__":  # spawned workers import this file too
+        it = iter(build_pretraining_data_loader(Batches(), 0, 4, 0, 1, num_workers=2))
+        next(it)
+        print("ready", flush=True)
+        time.sleep(600)
     """
 )
 
