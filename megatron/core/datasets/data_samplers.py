@@ -16,13 +16,15 @@ Unusual here, both for a host-bound GPU step (dense8 eager on an H200 host):
   process, which competes for the GIL. In alternating runs the step took 19.0-19.7
   ms with that thread against 13.4-15.6 ms with ``--num-workers 0``. The trainer
   pins each batch itself when it copies it to the device.
-* Workers end the moment the training process does, however it dies (``kill -9``
-  included). Left to torch, a worker whose parent died leaves its loop and exits
-  normally, and Python's exit joins the result queue's feeder thread; with batches
-  larger than the pipe's buffer that thread is blocked writing into a pipe nobody
-  reads, and never fails, since every worker holds the pipe's read end itself. So
-  each worker watches its parent (``end_with_parent``) and leaves with ``os._exit``:
-  through ``PR_SET_PDEATHSIG`` on Linux, and by polling ``os.getppid()`` everywhere.
+
+Workers end as soon as the training process does, however it dies (``kill -9``
+included). Left to torch, a worker whose parent died leaves its loop and exits
+normally, and Python's exit joins the result queue's feeder thread; with batches
+larger than the pipe's buffer that thread is blocked writing into a pipe nobody
+reads, and the write never fails, since every worker holds the pipe's read end
+itself. So each worker watches its parent (``end_with_parent``) and leaves with
+``os._exit``: through ``PR_SET_PDEATHSIG`` on Linux, and by polling ``os.getppid()``
+everywhere.
 """
 
 import ctypes
