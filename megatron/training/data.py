@@ -1,7 +1,6 @@
 """Tokenizer and data-iterator setup for the training loop."""
 
-import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from megatron.core.datasets.builder import build_train_valid_test_datasets
 from megatron.core.datasets.data_samplers import build_pretraining_data_loader
@@ -33,5 +32,19 @@ def build_data_iterators(cfg, tokenizer, pg, consumed_samples: int) -> tuple[Ite
     valid = None
     if valid_ds is not None and valid_samples:
         valid = build_pretraining_data_loader(valid_ds, 0, t.micro_batch_size, pg.dp_rank, pg.dp_size, workers)
-        valid = itertools.cycle(valid)
+        valid = repeat(valid)
     return iter(train), valid
+
+
+def repeat(loader: Iterable) -> Iterator:
+    """Iterates ``loader`` over and over (its workers persist), ending only if a pass is empty.
+
+    Unlike ``itertools.cycle``, keeps no copy of the batches it has yielded.
+    """
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            return
