@@ -29,6 +29,7 @@ import functools
 import inspect
 import sys
 import textwrap
+import types
 import typing
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Union
@@ -177,7 +178,7 @@ def field_docstrings(cls: type) -> dict[str, str]:
 
 def _unwrap_optional(tp: Any) -> Any:
     """Optional[X] -> X; other types unchanged."""
-    if typing.get_origin(tp) is Union:
+    if typing.get_origin(tp) in (Union, types.UnionType):  # Optional[X] and X | None
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(args) == 1:
             return args[0]
