@@ -75,13 +75,10 @@ class Trainer:
             grad_buffers=[self.model.grad_buffer.data],
         )
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, t.train_iters)
-        self.iteration = 0
-        self.consumed_samples = 0
-        self.skipped_iters = 0
-        self.nan_iters = 0
+        self.state = checkpointing.TrainState(include_cuda_rng=self.device.type == "cuda")
         self.last_checkpointed_iteration: int | None = None
         if cfg.checkpoint.load:
-            checkpointing.load_checkpoint(self)  # sets iteration/consumed_samples; copies in place
+            self.load_checkpoint()
         self.metrics = logs.MetricsWriter(
             cfg.logging.metrics_file, cfg.logging.tensorboard_dir, enabled_on_this_rank=pg.is_last_rank
         )
@@ -96,6 +93,44 @@ class Trainer:
         use_stream = self.device.type == "cuda" and self.graphs.state != "off"
         self.stream = side_stream(self.device) if use_stream else None
         self.history: list[dict] = []
+
+    # ------------------------------------------------------------------ state
+    iteration = property(lambda self: self.state.iteration, lambda self, v: setattr(self.state, "iteration", v))
+    consumed_samples = property(
+        lambda self: self.state.consumed_samples, lambda self, v: setattr(self.state, "consumed_samples", v)
+    )
+    skipped_iters = property(
+        lambda self: self.state.skipped_iters, lambda self, v: setattr(self.state, "skipped_iters", v)
+    )
+    nan_iters = property(lambda self: self.state.nan_iters, lambda self, v: setattr(self.state, "nan_iters", v))
+
+    def checkpoint_state(self) -> dict[str, checkpointing.Stateful]:
+        """What a checkpoint holds, by key (``checkpointing.save_checkpoint``'s mapping)."""
+        return {
+            checkpointing.MODEL: self.model,
+            checkpointing.OPTIMIZER: self.optimizer,
+            checkpointing.SCHEDULER: self.scheduler,
+            checkpointing.TRAIN_STATE: self.state,
+        }
+
+    def save_checkpoint(self) -> str:
+        """Saves the run at the current iteration into ``--save``."""
+        path = checkpointing.save_checkpoint(self.checkpoint_state(), self.cfg, self.pg)
+        self.last_checkpointed_iteration = self.iteration
+        return path
+
+    def load_checkpoint(self) -> int:
+        """Loads ``--load``; returns the iteration training continues from."""
+        loaded = checkpointing.load_checkpoint(self.checkpoint_state(), self.cfg, self.pg)
+        if loaded is None:
+            return 0
+        if checkpointing.OPTIMIZER not in loaded.loaded:
+            self.optimizer.reload_model_params()  # fp32 main params from the loaded weights
+        if checkpointing.SCHEDULER not in loaded.loaded:
+            self.scheduler.num_steps = self.iteration  # the LR schedule stays at the loaded iteration
+            self.scheduler.step(0)
+        self.last_checkpointed_iteration = None if loaded.weights_only else self.iteration
+        return self.iteration
 
     def _wgrads_ready(self, params, event, event_only=()) -> None:
         self.model.register_grads_ready(params, event)
@@ -218,13 +253,13 @@ class Trainer:
                 self.evaluate(valid_iter, f"iteration {self.iteration}")
             ck = cfg.checkpoint
             if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
-                checkpointing.save_checkpoint(self)
+                self.save_checkpoint()
             if t.exit_interval and self.iteration % t.exit_interval == 0:
                 break
         if valid_iter is not None and self.iteration % t.eval_interval != 0:
             self.evaluate(valid_iter, "the end of training for val data")
         if cfg.checkpoint.save and self.iteration > 0 and self.last_checkpointed_iteration != self.iteration:
-            checkpointing.save_checkpoint(self)  # Megatron also saves at the end of training
+            self.save_checkpoint()  # Megatron also saves at the end of training
         self.metrics.close()
         return history
 
