@@ -32,16 +32,25 @@ What is unusual:
   a mismatch names the file and every differing field.
 - Loading never replaces parameter or ``main_grad`` storage (``copy_`` into the
   existing tensors), so CUDA graphs captured afterwards read the loaded weights.
+- One run per ``--save`` folder: ``SaveLock`` holds ``DIR/save.lock`` (host and pid
+  of the holder) for the whole run; a second run refuses to start and names the
+  holder. A lock whose holder is provably gone (same host, pid not running) is
+  removed; so are temporary folders of killed saves, and only while holding the lock.
+- A save that fails (full disk, I/O error) removes its temporary folder at once and
+  says why ("no space left on DIR"); the tracker keeps pointing at the previous save.
 - ``--no-load-optim`` keeps the LR schedule at the loaded iteration (Megatron restarts
   it from step 0); ``--finetune`` starts from iteration 0 with fresh optimizer state.
 """
 
 import dataclasses
 import enum
+import errno
 import glob
+import json
 import os
 import random
 import shutil
+import socket
 import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -57,6 +66,7 @@ CHECKPOINT_VERSION = 1
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILENAME = "model_optim_rng.pt"
+LOCK_FILENAME = "save.lock"
 
 # Model fields that decide parameter shapes or how the weights are used. A checkpoint
 # saved with other values cannot be loaded (or would silently compute something else).
@@ -90,6 +100,10 @@ MODEL, OPTIMIZER, SCHEDULER, TRAIN_STATE = "model", "optimizer", "opt_param_sche
 
 # Entries of the file that belong to the train state (top level, as Megatron).
 _TRAIN_STATE_KEYS = ("iteration", "consumed_samples", "skipped_iterations", "nan_iterations")
+
+
+class NonFiniteCheckpointError(RuntimeError):
+    """A save refused because the state holds NaN or Inf values (nothing was written)."""
 
 
 @runtime_checkable
@@ -334,7 +348,13 @@ def _install(checkpoints_dir: str, tmp_dir: str, final_dir: str) -> None:
 
 
 def _remove_leftovers(checkpoints_dir: str) -> None:
-    """Deletes folders of saves that were killed midway (the tracker never points at them)."""
+    """Deletes folders of saves that were killed midway (the tracker never points at them).
+
+    Only while this process holds the folder's ``SaveLock``: then any other writer has
+    ended (it held the lock before us and released it, or was found dead).
+    """
+    if checkpoints_dir not in _HELD_LOCKS:
+        return
     mine = str(os.getpid())
     for path in glob.glob(os.path.join(checkpoints_dir, "iter_*.tmp-*")) + glob.glob(
         os.path.join(checkpoints_dir, "iter_*.old-*")
@@ -360,7 +380,234 @@ def _train_state(state: Mapping[str, Stateful]) -> TrainState:
     return train_state
 
 
+# ---------------------------------------------------------------------- the save lock
+
+_HELD_LOCKS: dict[str, "SaveLock"] = {}  # absolute --save folder -> the lock this process holds
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def _read_holder(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            holder = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # unreadable or half-written: held by someone unknown
+    return holder if isinstance(holder, dict) else {}
+
+
+def _describe(holder: dict[str, Any]) -> str:
+    if not holder:
+        return "an unknown run (the lock file cannot be read)"
+    since = holder.get("started")
+    when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else ""
+    return f"host {holder.get('host')!r}, pid {holder.get('pid')}{when}"
+
+
+def check_save_dir(save_dir: str) -> str:
+    """Makes sure ``--save`` is a folder this process can write to (created if missing).
+
+    Returns:
+        The absolute path.
+
+    Raises:
+        ValueError: It is a file, or it cannot be created or written.
+    """
+    path = os.path.abspath(save_dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--save {save_dir} is a file, not a folder; point --save at a folder (created if missing).")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--save {save_dir} cannot be created ({e.strerror}); pass a folder you can write to.") from e
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--save {save_dir} is not writable; pass a folder you can write to.")
+    return path
+
+
+class SaveLock:
+    """``DIR/save.lock``: one run at a time saves into a ``--save`` folder.
+
+    The file holds the holder's host and pid as JSON, created with ``O_EXCL`` so two
+    runs cannot both take it. A lock left by a process that no longer runs on this host
+    is removed; one from another host is trusted (its process cannot be checked from
+    here), and the error says which file to delete once that run is known to be gone.
+    Taking it again in the same process is allowed (tests build several trainers).
+    """
+
+    def __init__(self, save_dir: str):
+        self.save_dir = os.path.abspath(save_dir)
+        self.path = os.path.join(self.save_dir, LOCK_FILENAME)
+        self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        self.held = False
+
+    def _mine(self, holder: dict[str, Any] | None) -> bool:
+        return bool(holder) and holder.get("host") == self.holder["host"] and holder.get("pid") == self.holder["pid"]
+
+    def _create(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            raise ValueError(
+                f"--save {self.save_dir}: cannot create {self.path} ({_os_error_text(e, self.save_dir)})."
+            ) from e
+        try:
+            os.write(fd, json.dumps(self.holder).encode("utf-8"))
+            os.fsync(fd)
+        except OSError as e:
+            os.close(fd)
+            os.remove(self.path)
+            raise ValueError(
+                f"--save {self.save_dir}: cannot write {self.path} ({_os_error_text(e, self.save_dir)})."
+            ) from e
+        os.close(fd)
+        return True
+
+    def _remove_stale(self, holder: dict[str, Any]) -> None:
+        """Removes the lock of a dead process, unless another run replaced it meanwhile."""
+        aside = f"{self.path}.stale-{os.getpid()}"
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return  # someone else removed it first
+        if _read_holder(aside) != holder:  # a live run took the lock between our read and rename
+            try:
+                os.link(aside, self.path)  # put it back, unless yet another run holds it now
+            except FileExistsError:
+                pass
+        os.remove(aside)
+        print_rank_0(f"> removed the stale lock {self.path} of {_describe(holder)} (that process has ended)")
+
+    def acquire(self) -> "SaveLock":
+        """Takes the lock.
+
+        Raises:
+            ValueError: Another run holds it (the message names host and pid), or the
+                folder cannot be written.
+        """
+        check_save_dir(self.save_dir)
+        for _ in range(5):
+            if self._create():
+                break
+            holder = _read_holder(self.path)
+            if holder is None:
+                continue  # released in the meantime
+            if self._mine(holder):
+                break
+            stale = (
+                holder.get("host") == self.holder["host"]
+                and isinstance(holder.get("pid"), int)
+                and not _pid_running(holder["pid"])
+            )
+            if not stale:
+                raise ValueError(
+                    f"--save {self.save_dir} is in use by another run ({_describe(holder)}): two runs saving into "
+                    "one folder destroy each other's checkpoints. Stop that run or pick another --save folder; if "
+                    f"that run is gone (e.g. its machine crashed), delete {self.path}."
+                )
+            self._remove_stale(holder)
+        else:
+            raise ValueError(f"--save {self.save_dir}: could not take {self.path}; another run keeps replacing it.")
+        self.held = True
+        _HELD_LOCKS[self.save_dir] = self
+        return self
+
+    def release(self) -> None:
+        """Removes the lock file if this process holds it. Safe to call twice."""
+        if not self.held:
+            return
+        self.held = False
+        _HELD_LOCKS.pop(self.save_dir, None)
+        if self._mine(_read_holder(self.path)):
+            try:
+                os.remove(self.path)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> "SaveLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _os_error_text(e: BaseException, folder: str) -> str:
+    """'no space left on DIR' for a full disk, else the OS's own words."""
+    chain, seen = e, set()
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        if isinstance(chain, OSError) and chain.errno in (errno.ENOSPC, errno.EDQUOT):
+            return f"no space left on {folder}"
+        if isinstance(chain, OSError) and chain.strerror:
+            return f"{chain.strerror}: {chain.filename or folder}"
+        chain = chain.__cause__ or chain.__context__
+    try:
+        st = os.statvfs(folder)
+        if st.f_bavail == 0:
+            return f"no space left on {folder}"
+    except OSError:
+        pass
+    return f"{type(e).__name__}: {e}"
+
+
 # ---------------------------------------------------------------------- save
+
+
+def _float_tensors(value: Any, where: str):
+    """(name, tensor) for every floating-point tensor in a nested state dict."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            yield where, value
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _float_tensors(v, f"{where}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _float_tensors(v, f"{where}[{i}]")
+
+
+def _refuse_non_finite(states: Mapping[str, Any], pg, iteration: int, save_dir: str) -> None:
+    """Raises ``NonFiniteCheckpointError`` on every rank if any rank's state is not finite.
+
+    One host read of one flag per tensor (stacked on the device), plus an all-reduce
+    of the verdict when there are several ranks.
+    """
+    named = [item for key, value in states.items() for item in _float_tensors(value, key)]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, t) in enumerate(named):
+        by_device.setdefault(t.device, []).append(i)
+    bad_flags = [False] * len(named)
+    for indices in by_device.values():
+        flags = torch.stack([torch.isfinite(named[i][1]).all().logical_not() for i in indices]).tolist()
+        for i, flag in zip(indices, flags):
+            bad_flags[i] = bool(flag)
+    bad = [name for (name, _), flag in zip(named, bad_flags) if flag]
+    verdict = len(bad)
+    if _distributed(pg):
+        count = torch.tensor([verdict], dtype=torch.int64, device=pg.device)
+        dist.all_reduce(count, op=dist.ReduceOp.SUM)
+        verdict = int(count.item())
+    if verdict:
+        where = f"{len(bad)} of {len(named)} tensors on this rank, e.g. {', '.join(bad[:3])}" if bad else "other ranks"
+        tracker = tracker_path(save_dir)
+        current = read_tracker(save_dir)[0] if os.path.isfile(tracker) else None
+        kept = f"{tracker} still points at iteration {current}" if current is not None else "no checkpoint exists"
+        raise NonFiniteCheckpointError(
+            f"refusing to save iteration {iteration}: the state holds NaN or Inf values ({where}); "
+            f"nothing was written and {kept}"
+        )
 
 
 def save_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> str:
@@ -401,8 +648,9 @@ def save_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> str:
         dist.all_gather_object(rng_states, rng, group=pg.dp)
 
     path = os.path.join(tmp_dir, os.path.relpath(_rank_file(pg, save_dir, iteration), final_dir))
+    others = {key: obj.state_dict() for key, obj in state.items() if key != TRAIN_STATE}
+    _refuse_non_finite(others, pg, iteration, save_dir)
     if pg.dp_rank == 0:
-        others = {key: obj.state_dict() for key, obj in state.items() if key != TRAIN_STATE}
         # Megatron's order: version, counters, model, optimizer, scheduler, RNG, args.
         contents = {"checkpoint_version": CHECKPOINT_VERSION}
         contents.update({k: train[k] for k in ("iteration", "consumed_samples")})
@@ -410,7 +658,20 @@ def save_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> str:
         contents["rng_state"] = rng_states
         contents["config"] = config_to_dict(cfg)
         contents.update({k: v for k, v in train.items() if k not in contents})
-        _write_file(contents, path)
+        try:
+            _write_file(contents, path)
+        except (OSError, RuntimeError) as e:
+            shutil.rmtree(tmp_dir, ignore_errors=True)  # at once: a full disk must not fill up further
+            tracker = tracker_path(save_dir)
+            kept = (
+                f"{tracker} still points at iteration {read_tracker(save_dir)[0]}"
+                if os.path.isfile(tracker)
+                else "no earlier checkpoint exists"
+            )
+            raise RuntimeError(
+                f"saving iteration {iteration} failed: {_os_error_text(e, save_dir)}. The partial save was "
+                f"removed and {kept}. Free space or point --save at another folder."
+            ) from e
     _barrier(pg)  # every rank's file is on disk
 
     if pg.rank == 0:
@@ -470,6 +731,12 @@ def find_checkpoint(cfg, pg, checkpoints_dir: str) -> tuple[str, int, bool] | No
         ValueError: No checkpoint (folder missing or empty), corrupt tracker, or the
             tracker points at a folder or file that does not exist.
     """
+    if os.path.isfile(checkpoints_dir):
+        parent = os.path.dirname(os.path.dirname(os.path.dirname(checkpoints_dir)))
+        raise ValueError(
+            f"--load {checkpoints_dir} is a file; --load takes the folder that --save wrote (the one holding "
+            f"{TRACKER_FILENAME}), e.g. --load {parent}."
+        )
     save = cfg.checkpoint.save
     resume_idiom = save is not None and os.path.abspath(save) == os.path.abspath(checkpoints_dir)
     has_tracker = os.path.isfile(tracker_path(checkpoints_dir))

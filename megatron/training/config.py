@@ -37,6 +37,12 @@ class TrainingConfig:
     exit_interval: int | None = None
     """Exit after the iteration that is a multiple of this value."""
 
+    exit_duration_in_mins: float | None = None
+    """Save and exit once the run has trained this many minutes (checked after every iteration)."""
+
+    exit_signal_handler: bool = False
+    """On SIGTERM, save a checkpoint at the end of the current iteration and exit with status 0."""
+
     eval_interval: int = 1000
     """Iterations between evaluations on the validation split."""
 
