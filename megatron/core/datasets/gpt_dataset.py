@@ -188,9 +188,17 @@ class GPTDataset(torch.utils.data.Dataset):
             "num_samples": None if num_samples is None else int(num_samples),
             "add_extra_token": True,
         }
+        fingerprint = getattr(low_level_dataset, "fingerprint", None)
+        if fingerprint is not None:
+            description["files"] = fingerprint()  # re-preprocessed data never reuses stale indices
         default_dir = default_cache_dir(path_prefix, type(self).__name__) if path_prefix else None
         self.cache = CachedIndices(
-            description, f"{type(self).__name__}-{split_name}", _INDEX_NAMES, cache_dir, default_dir
+            description,
+            f"{type(self).__name__}-{split_name}",
+            _INDEX_NAMES,
+            cache_dir,
+            default_dir,
+            identity=("class", "path_prefix", "split"),
         )
         arrays = self.cache.get(lambda: build_gpt_indices(lengths, self.documents, num_samples, seq_length, seed))
         self.document_index = arrays["document_index"]
