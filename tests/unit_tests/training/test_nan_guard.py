@@ -93,3 +93,11 @@ def test_without_the_guard_training_goes_on_and_logs_nan(tmp_path, capsys):
     assert not os.path.exists(checkpointing.tracker_path(str(save)))
     recorded = [json.loads(line)["lm loss"] for line in metrics.read_text().splitlines()]
     assert recorded[0] == first and math.isnan(recorded[1])
+
+
+def test_static_fp16_loss_scale_that_skips_every_step_warns(capsys):
+    trainer = trainer_for("--fp16", "--loss-scale", "1e30", "--train-iters", 10, "--log-interval", 10)
+    trainer.train()
+    assert trainer.skipped_iters == 10
+    out = capsys.readouterr().out
+    assert "WARNING: the last 10 iterations all overflowed with the static loss scale --loss-scale 1e+30" in out
