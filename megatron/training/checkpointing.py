@@ -584,13 +584,15 @@ def _refuse_non_finite(states: Mapping[str, Any], pg, iteration: int, save_dir: 
     One host read of one flag per tensor (stacked on the device), plus an all-reduce
     of the verdict when there are several ranks.
     """
-    named = [item for key, value in states.items() for item in _float_tensors(value, key)]
+    named = [(n, t) for key, value in states.items() for n, t in _float_tensors(value, key) if t.numel()]
     by_device: dict[torch.device, list[int]] = {}
     for i, (_, t) in enumerate(named):
         by_device.setdefault(t.device, []).append(i)
     bad_flags = [False] * len(named)
     for indices in by_device.values():
-        flags = torch.stack([torch.isfinite(named[i][1]).all().logical_not() for i in indices]).tolist()
+        # max and min propagate NaN and Inf, and reduce without a tensor-sized temporary.
+        extremes = [torch.stack([named[i][1].detach().amax(), named[i][1].detach().amin()]) for i in indices]
+        flags = torch.stack([torch.isfinite(e).all().logical_not() for e in extremes]).tolist()
         for i, flag in zip(indices, flags):
             bad_flags[i] = bool(flag)
     bad = [name for (name, _), flag in zip(named, bad_flags) if flag]

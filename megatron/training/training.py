@@ -7,6 +7,14 @@ metrics). The only host synchronisations in a step are the ones logging asks for
 (fp16 loss scaling adds one for the overflow check). With CUDA graphs the step runs
 on a stream of its own (``Trainer.on_stream``); the next step's first micro-batch is
 fetched while the device runs the optimizer.
+
+The NaN guard (on unless ``--no-check-for-nan-in-loss-and-grad``) keeps to that: a
+non-finite loss or grad norm skips the update on the device and is counted there;
+the host learns of it at the next log line or save (one read) and stops the run,
+naming the iteration where it began. Saves refuse non-finite state, so the tracker
+only ever points at finite weights. ``--save`` is locked for the run
+(``checkpointing.SaveLock``); ``ExitConditions`` turns SIGTERM
+(``--exit-signal-handler``) or ``--exit-duration-in-mins`` into save-and-exit-0.
 """
 
 import atexit
@@ -511,7 +519,9 @@ class _LossWindow:
         finite = torch.isfinite(loss)
         bad = non_finite.to(torch.float64)
         self._acc += torch.stack([torch.where(finite, loss, 0.0).double(), finite.double(), bad])
-        torch.minimum(self._first_nan, torch.where(bad > 0, float(iteration), math.inf), out=self._first_nan)
+        # Scalars reach the kernels as arguments: no host-to-device copy, no sync.
+        candidate = torch.minimum(self._first_nan, torch.full_like(self._first_nan, float(iteration)))
+        torch.where(bad > 0, candidate, self._first_nan, out=self._first_nan)
         self.iterations += 1
 
     def _read(self) -> tuple[float, int, int, int]:

@@ -88,6 +88,8 @@ def test_save_and_load_paths_that_are_files(tmp_path):
     not_a_dir.write_text("x")
     with pytest.raises(ValueError, match=r"--save .*file is a file, not a folder"):
         build("--train-iters", 2, "--save", not_a_dir)
+    with pytest.raises(ValueError, match=r"--save .*file/sub cannot be created \(Not a directory\)"):
+        build("--train-iters", 2, "--save", not_a_dir / "sub")
     c = tmp_path / "c"
     run("--train-iters", 2, "--save", c)
     pt = checkpointing.get_checkpoint_name(str(c), 2)
