@@ -282,7 +282,7 @@ def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_p
                 poller.mark_steady()
             torch.cuda.synchronize()
             start = time.perf_counter()
-            loss, grad_norm, _ = trainer.train_step(it)
+            loss, grad_norm = trainer.train_step(it)[:2]
             torch.cuda.synchronize()
             times.append((time.perf_counter() - start) * 1000)
             losses.append(loss.item())

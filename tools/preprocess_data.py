@@ -179,6 +179,11 @@ def main(argv=None) -> None:
                         f"processed {docs} documents ({docs / elapsed:.1f} docs/s, {read / elapsed / 2**20:.2f} MB/s)",
                         flush=True,
                     )
+        if tokens == 0:
+            what = (
+                "no documents (it is empty or every line is blank)" if docs == 0 else f"{docs} documents but no tokens"
+            )
+            raise ValueError(f"--input {args.input} holds {what}; no dataset was written. Pass a JSONL file with text.")
         for key, path in paths.items():
             builders[key].finalize(path + ".idx")
     except BaseException as e:

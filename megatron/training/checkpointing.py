@@ -13,6 +13,12 @@ state, RNG states (one entry per data-parallel rank, as Megatron), iteration,
 consumed samples, the run config as a plain dict (dtypes as strings, no dataclasses)
 and a format version.
 
+The caller hands over a mapping of ``Stateful`` objects (``state_dict`` /
+``load_state_dict``): ``model``, ``optimizer``, ``opt_param_scheduler`` and a
+``TrainState`` under ``train_state``. Each object's state dict is stored under its
+key, except the train state's, whose entries (iteration, consumed samples, counters,
+RNG) sit at the top level of the file, where Megatron keeps them.
+
 What is unusual:
 - Atomic saves. Files go to ``DIR/iter_X.tmp-<pid>/`` and are fsynced; the folder is
   then renamed to ``DIR/iter_X`` and only after that the tracker is replaced (temp file
@@ -26,18 +32,28 @@ What is unusual:
   a mismatch names the file and every differing field.
 - Loading never replaces parameter or ``main_grad`` storage (``copy_`` into the
   existing tensors), so CUDA graphs captured afterwards read the loaded weights.
+- One run per ``--save`` folder: ``SaveLock`` holds ``DIR/save.lock`` (host and pid
+  of the holder) for the whole run; a second run refuses to start and names the
+  holder. A lock whose holder is provably gone (same host, pid not running) is
+  removed; so are temporary folders of killed saves, and only while holding the lock.
+- A save that fails (full disk, I/O error) removes its temporary folder at once and
+  says why ("no space left on DIR"); the tracker keeps pointing at the previous save.
 - ``--no-load-optim`` keeps the LR schedule at the loaded iteration (Megatron restarts
   it from step 0); ``--finetune`` starts from iteration 0 with fresh optimizer state.
 """
 
 import dataclasses
 import enum
+import errno
 import glob
+import json
 import os
 import random
 import shutil
+import socket
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -50,6 +66,7 @@ CHECKPOINT_VERSION = 1
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILENAME = "model_optim_rng.pt"
+LOCK_FILENAME = "save.lock"
 
 # Model fields that decide parameter shapes or how the weights are used. A checkpoint
 # saved with other values cannot be loaded (or would silently compute something else).
@@ -76,6 +93,76 @@ _FLAG_NAMES = {
     "vocab_size": "the tokenizer / --vocab-size / --make-vocab-size-divisible-by",
     "num_query_groups": "--num-query-groups / --group-query-attention",
 }
+
+
+MODEL, OPTIMIZER, SCHEDULER, TRAIN_STATE = "model", "optimizer", "opt_param_scheduler", "train_state"
+"""Keys of the mapping given to ``save_checkpoint`` / ``load_checkpoint`` (and of the file)."""
+
+# Entries of the file that belong to the train state (top level, as Megatron).
+_TRAIN_STATE_KEYS = ("iteration", "consumed_samples", "skipped_iterations", "nan_iterations")
+
+
+class NonFiniteCheckpointError(RuntimeError):
+    """A save refused because the state holds NaN or Inf values (nothing was written)."""
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """What checkpointing saves and loads: torch's ``state_dict`` protocol."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Counters of the loop and this rank's RNG streams, as one ``Stateful``.
+
+    ``state_dict`` reads the RNG generators at the time of the call and
+    ``load_state_dict`` restores them (when the state holds them: ``--no-load-rng``
+    drops the entry).
+    """
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iters: int = 0
+    nan_iters: int = 0
+    include_cuda_rng: bool = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "iteration": self.iteration,
+            "consumed_samples": self.consumed_samples,
+            "skipped_iterations": self.skipped_iters,
+            "nan_iterations": self.nan_iters,
+            "rng_state": get_rng_state(self.include_cuda_rng),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.iteration = int(state["iteration"])
+        self.consumed_samples = int(state["consumed_samples"])
+        # Files written before the counters were saved lack them.
+        self.skipped_iters = int(state.get("skipped_iterations", 0))
+        self.nan_iters = int(state.get("nan_iterations", 0))
+        if state.get("rng_state") is not None:
+            set_rng_state(state["rng_state"], include_cuda=self.include_cuda_rng)
+
+
+class LoadedCheckpoint(NamedTuple):
+    """What ``load_checkpoint`` did.
+
+    Attributes:
+        path: The file read.
+        iteration: The iteration training continues from (0 for weights only).
+        loaded: Keys of the mapping whose state was loaded (``model`` always).
+        weights_only: True for ``--finetune`` and Megatron's ``release`` checkpoints.
+    """
+
+    path: str
+    iteration: int
+    loaded: frozenset
+    weights_only: bool
 
 
 # ---------------------------------------------------------------------- paths
@@ -110,8 +197,7 @@ def get_checkpoint_name(
     return os.path.join(checkpoints_dir, iteration_dir_name(iteration, release), rank_dir, CHECKPOINT_FILENAME)
 
 
-def _rank_file(trainer, checkpoints_dir: str, iteration: int, release: bool = False) -> str:
-    pg = trainer.pg
+def _rank_file(pg, checkpoints_dir: str, iteration: int, release: bool = False) -> str:
     tp_rank = getattr(pg, "tp_rank", 0)
     pp_rank = getattr(pg, "pp_rank", 0)
     return get_checkpoint_name(
@@ -262,7 +348,13 @@ def _install(checkpoints_dir: str, tmp_dir: str, final_dir: str) -> None:
 
 
 def _remove_leftovers(checkpoints_dir: str) -> None:
-    """Deletes folders of saves that were killed midway (the tracker never points at them)."""
+    """Deletes folders of saves that were killed midway (the tracker never points at them).
+
+    Only while this process holds the folder's ``SaveLock``: then any other writer has
+    ended (it held the lock before us and released it, or was found dead).
+    """
+    if checkpoints_dir not in _HELD_LOCKS:
+        return
     mine = str(os.getpid())
     for path in glob.glob(os.path.join(checkpoints_dir, "iter_*.tmp-*")) + glob.glob(
         os.path.join(checkpoints_dir, "iter_*.old-*")
@@ -271,20 +363,263 @@ def _remove_leftovers(checkpoints_dir: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _distributed(trainer) -> bool:
-    return trainer.pg.world_size > 1 and dist.is_available() and dist.is_initialized()
+def _distributed(pg) -> bool:
+    return pg.world_size > 1 and dist.is_available() and dist.is_initialized()
 
 
-def _barrier(trainer) -> None:
-    if _distributed(trainer):
+def _barrier(pg) -> None:
+    if _distributed(pg):
         dist.barrier()
+
+
+def _train_state(state: Mapping[str, Stateful]) -> TrainState:
+    train_state = state.get(TRAIN_STATE)
+    assert isinstance(train_state, TrainState), f"the checkpoint mapping needs a TrainState under {TRAIN_STATE!r}"
+    for key, obj in state.items():
+        assert isinstance(obj, Stateful), f"{key!r} has no state_dict/load_state_dict"
+    return train_state
+
+
+# ---------------------------------------------------------------------- the save lock
+
+_HELD_LOCKS: dict[str, "SaveLock"] = {}  # absolute --save folder -> the lock this process holds
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def _read_holder(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            holder = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # unreadable or half-written: held by someone unknown
+    return holder if isinstance(holder, dict) else {}
+
+
+def _describe(holder: dict[str, Any]) -> str:
+    if not holder:
+        return "an unknown run (the lock file cannot be read)"
+    since = holder.get("started")
+    when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else ""
+    return f"host {holder.get('host')!r}, pid {holder.get('pid')}{when}"
+
+
+def check_save_dir(save_dir: str) -> str:
+    """Makes sure ``--save`` is a folder this process can write to (created if missing).
+
+    Returns:
+        The absolute path.
+
+    Raises:
+        ValueError: It is a file, or it cannot be created or written.
+    """
+    path = os.path.abspath(save_dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--save {save_dir} is a file, not a folder; point --save at a folder (created if missing).")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--save {save_dir} cannot be created ({e.strerror}); pass a folder you can write to.") from e
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--save {save_dir} is not writable; pass a folder you can write to.")
+    return path
+
+
+class SaveLock:
+    """``DIR/save.lock``: one run at a time saves into a ``--save`` folder.
+
+    The file holds the holder's host and pid as JSON, created with ``O_EXCL`` so two
+    runs cannot both take it. A lock left by a process that no longer runs on this host
+    is removed; one from another host is trusted (its process cannot be checked from
+    here), and the error says which file to delete once that run is known to be gone.
+    Taking it again in the same process is allowed (tests build several trainers).
+    """
+
+    def __init__(self, save_dir: str):
+        self.save_dir = os.path.abspath(save_dir)
+        self.path = os.path.join(self.save_dir, LOCK_FILENAME)
+        self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        self.held = False
+
+    def _mine(self, holder: dict[str, Any] | None) -> bool:
+        return bool(holder) and holder.get("host") == self.holder["host"] and holder.get("pid") == self.holder["pid"]
+
+    def _create(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            raise ValueError(
+                f"--save {self.save_dir}: cannot create {self.path} ({_os_error_text(e, self.save_dir)})."
+            ) from e
+        try:
+            os.write(fd, json.dumps(self.holder).encode("utf-8"))
+            os.fsync(fd)
+        except OSError as e:
+            os.close(fd)
+            os.remove(self.path)
+            raise ValueError(
+                f"--save {self.save_dir}: cannot write {self.path} ({_os_error_text(e, self.save_dir)})."
+            ) from e
+        os.close(fd)
+        return True
+
+    def _remove_stale(self, holder: dict[str, Any]) -> None:
+        """Removes the lock of a dead process, unless another run replaced it meanwhile."""
+        aside = f"{self.path}.stale-{os.getpid()}"
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return  # someone else removed it first
+        if _read_holder(aside) != holder:  # a live run took the lock between our read and rename
+            try:
+                os.link(aside, self.path)  # put it back, unless yet another run holds it now
+            except FileExistsError:
+                pass
+        os.remove(aside)
+        print_rank_0(f"> removed the stale lock {self.path} of {_describe(holder)} (that process has ended)")
+
+    def acquire(self) -> "SaveLock":
+        """Takes the lock.
+
+        Raises:
+            ValueError: Another run holds it (the message names host and pid), or the
+                folder cannot be written.
+        """
+        check_save_dir(self.save_dir)
+        for _ in range(5):
+            if self._create():
+                break
+            holder = _read_holder(self.path)
+            if holder is None:
+                continue  # released in the meantime
+            if self._mine(holder):
+                break
+            stale = (
+                holder.get("host") == self.holder["host"]
+                and isinstance(holder.get("pid"), int)
+                and not _pid_running(holder["pid"])
+            )
+            if not stale:
+                raise ValueError(
+                    f"--save {self.save_dir} is in use by another run ({_describe(holder)}): two runs saving into "
+                    "one folder destroy each other's checkpoints. Stop that run or pick another --save folder; if "
+                    f"that run is gone (e.g. its machine crashed), delete {self.path}."
+                )
+            self._remove_stale(holder)
+        else:
+            raise ValueError(f"--save {self.save_dir}: could not take {self.path}; another run keeps replacing it.")
+        self.held = True
+        _HELD_LOCKS[self.save_dir] = self
+        return self
+
+    def release(self) -> None:
+        """Removes the lock file if this process holds it. Safe to call twice."""
+        if not self.held:
+            return
+        self.held = False
+        _HELD_LOCKS.pop(self.save_dir, None)
+        if self._mine(_read_holder(self.path)):
+            try:
+                os.remove(self.path)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> "SaveLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _os_error_text(e: BaseException, folder: str) -> str:
+    """'no space left on DIR' for a full disk, else the OS's own words."""
+    chain, seen = e, set()
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        if isinstance(chain, OSError) and chain.errno in (errno.ENOSPC, errno.EDQUOT):
+            return f"no space left on {folder}"
+        if isinstance(chain, OSError) and chain.strerror:
+            return f"{chain.strerror}: {chain.filename or folder}"
+        chain = chain.__cause__ or chain.__context__
+    try:
+        st = os.statvfs(folder)
+        if st.f_bavail == 0:
+            return f"no space left on {folder}"
+    except OSError:
+        pass
+    return f"{type(e).__name__}: {e}"
 
 
 # ---------------------------------------------------------------------- save
 
 
-def save_checkpoint(trainer) -> str:
-    """Saves the trainer's state at ``trainer.iteration`` into ``--save``. Call on every rank.
+def _float_tensors(value: Any, where: str):
+    """(name, tensor) for every floating-point tensor in a nested state dict."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            yield where, value
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _float_tensors(v, f"{where}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _float_tensors(v, f"{where}[{i}]")
+
+
+def _refuse_non_finite(states: Mapping[str, Any], pg, iteration: int, save_dir: str) -> None:
+    """Raises ``NonFiniteCheckpointError`` on every rank if any rank's state is not finite.
+
+    One host read of one flag per tensor (stacked on the device), plus an all-reduce
+    of the verdict when there are several ranks.
+    """
+    named = [(n, t) for key, value in states.items() for n, t in _float_tensors(value, key) if t.numel()]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, t) in enumerate(named):
+        by_device.setdefault(t.device, []).append(i)
+    bad_flags = [False] * len(named)
+    for indices in by_device.values():
+        # max and min propagate NaN and Inf, and reduce without a tensor-sized temporary.
+        extremes = [torch.stack([named[i][1].detach().amax(), named[i][1].detach().amin()]) for i in indices]
+        flags = torch.stack([torch.isfinite(e).all().logical_not() for e in extremes]).tolist()
+        for i, flag in zip(indices, flags):
+            bad_flags[i] = bool(flag)
+    bad = [name for (name, _), flag in zip(named, bad_flags) if flag]
+    verdict = len(bad)
+    if _distributed(pg):
+        count = torch.tensor([verdict], dtype=torch.int64, device=pg.device)
+        dist.all_reduce(count, op=dist.ReduceOp.SUM)
+        verdict = int(count.item())
+    if verdict:
+        where = f"{len(bad)} of {len(named)} tensors on this rank, e.g. {', '.join(bad[:3])}" if bad else "other ranks"
+        tracker = tracker_path(save_dir)
+        current = read_tracker(save_dir)[0] if os.path.isfile(tracker) else None
+        kept = f"{tracker} still points at iteration {current}" if current is not None else "no checkpoint exists"
+        raise NonFiniteCheckpointError(
+            f"refusing to save iteration {iteration}: the state holds NaN or Inf values ({where}); "
+            f"nothing was written and {kept}"
+        )
+
+
+def save_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> str:
+    """Saves ``state`` at its train state's iteration into ``--save``. Call on every rank.
+
+    Args:
+        state: ``Stateful`` objects by key (``model``, ``optimizer``,
+            ``opt_param_scheduler``, ``train_state``; see the module docstring).
+        cfg: The run's ``RunConfig`` (``--save``; written into the file as plain values).
+        pg: This rank's process groups.
 
     Data-parallel rank 0 of each model-parallel slice writes its file into a temporary
     folder named by global rank 0; rank 0 then renames the folder into place and
@@ -293,53 +628,64 @@ def save_checkpoint(trainer) -> str:
     Returns:
         The path of this rank's checkpoint file (written by its DP rank 0).
     """
-    cfg = trainer.cfg
+    train_state = _train_state(state)
     save_dir = os.path.abspath(cfg.checkpoint.save)
-    iteration = trainer.iteration
+    iteration = train_state.iteration
     start = time.perf_counter()
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in torch format")
 
     final_dir = os.path.join(save_dir, iteration_dir_name(iteration))
     tmp_name = [f"{iteration_dir_name(iteration)}.tmp-{os.getpid()}"]
-    if trainer.pg.rank == 0:
+    if pg.rank == 0:
         os.makedirs(save_dir, exist_ok=True)
-    if _distributed(trainer):
+    if _distributed(pg):
         dist.broadcast_object_list(tmp_name, src=0)  # every writer uses rank 0's folder
     tmp_dir = os.path.join(save_dir, tmp_name[0])
 
-    include_cuda = trainer.device.type == "cuda"
-    rng = get_rng_state(include_cuda)
+    train = train_state.state_dict()
+    rng = train.pop("rng_state")
     rng_states = [rng]
-    if trainer.pg.dp is not None:
-        rng_states = [None] * trainer.pg.dp_size
-        dist.all_gather_object(rng_states, rng, group=trainer.pg.dp)
+    if pg.dp is not None:
+        rng_states = [None] * pg.dp_size
+        dist.all_gather_object(rng_states, rng, group=pg.dp)
 
-    path = os.path.join(tmp_dir, os.path.relpath(_rank_file(trainer, save_dir, iteration), final_dir))
-    if trainer.pg.dp_rank == 0:
-        state = {
-            "checkpoint_version": CHECKPOINT_VERSION,
-            "iteration": iteration,
-            "consumed_samples": trainer.consumed_samples,
-            "model": trainer.model.state_dict(),
-            "optimizer": trainer.optimizer.state_dict(),
-            "opt_param_scheduler": trainer.scheduler.state_dict(),
-            "rng_state": rng_states,
-            "config": config_to_dict(cfg),
-        }
-        _write_file(state, path)
-    _barrier(trainer)  # every rank's file is on disk
+    path = os.path.join(tmp_dir, os.path.relpath(_rank_file(pg, save_dir, iteration), final_dir))
+    others = {key: obj.state_dict() for key, obj in state.items() if key != TRAIN_STATE}
+    _refuse_non_finite(others, pg, iteration, save_dir)
+    if pg.dp_rank == 0:
+        # Megatron's order: version, counters, model, optimizer, scheduler, RNG, args.
+        contents = {"checkpoint_version": CHECKPOINT_VERSION}
+        contents.update({k: train[k] for k in ("iteration", "consumed_samples")})
+        contents.update(others)
+        contents["rng_state"] = rng_states
+        contents["config"] = config_to_dict(cfg)
+        contents.update({k: v for k, v in train.items() if k not in contents})
+        try:
+            _write_file(contents, path)
+        except (OSError, RuntimeError) as e:
+            shutil.rmtree(tmp_dir, ignore_errors=True)  # at once: a full disk must not fill up further
+            tracker = tracker_path(save_dir)
+            kept = (
+                f"{tracker} still points at iteration {read_tracker(save_dir)[0]}"
+                if os.path.isfile(tracker)
+                else "no earlier checkpoint exists"
+            )
+            raise RuntimeError(
+                f"saving iteration {iteration} failed: {_os_error_text(e, save_dir)}. The partial save was "
+                f"removed and {kept}. Free space or point --save at another folder."
+            ) from e
+    _barrier(pg)  # every rank's file is on disk
 
-    if trainer.pg.rank == 0:
+    if pg.rank == 0:
         _install(save_dir, tmp_dir, final_dir)
         _write_tracker(save_dir, iteration)
         _remove_leftovers(save_dir)
-    _barrier(trainer)  # nobody goes on (or exits) before the tracker points at this save
-    trainer.last_checkpointed_iteration = iteration
+    _barrier(pg)  # nobody goes on (or exits) before the tracker points at this save
     print_rank_0(
         f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir} "
         f"({time.perf_counter() - start:.2f} s)"
     )
-    return _rank_file(trainer, save_dir, iteration)
+    return _rank_file(pg, save_dir, iteration)
 
 
 # ---------------------------------------------------------------------- load
@@ -376,7 +722,7 @@ def read_tracker(checkpoints_dir: str) -> tuple[int, bool]:
     return iteration, False
 
 
-def find_checkpoint(trainer, checkpoints_dir: str) -> tuple[str, int, bool] | None:
+def find_checkpoint(cfg, pg, checkpoints_dir: str) -> tuple[str, int, bool] | None:
     """This rank's checkpoint file under ``checkpoints_dir``.
 
     Returns:
@@ -387,7 +733,13 @@ def find_checkpoint(trainer, checkpoints_dir: str) -> tuple[str, int, bool] | No
         ValueError: No checkpoint (folder missing or empty), corrupt tracker, or the
             tracker points at a folder or file that does not exist.
     """
-    save = trainer.cfg.checkpoint.save
+    if os.path.isfile(checkpoints_dir):
+        parent = os.path.dirname(os.path.dirname(os.path.dirname(checkpoints_dir)))
+        raise ValueError(
+            f"--load {checkpoints_dir} is a file; --load takes the folder that --save wrote (the one holding "
+            f"{TRACKER_FILENAME}), e.g. --load {parent}."
+        )
+    save = cfg.checkpoint.save
     resume_idiom = save is not None and os.path.abspath(save) == os.path.abspath(checkpoints_dir)
     has_tracker = os.path.isfile(tracker_path(checkpoints_dir))
     has_iters = bool(glob.glob(os.path.join(checkpoints_dir, "iter_???????")))
@@ -400,7 +752,7 @@ def find_checkpoint(trainer, checkpoints_dir: str) -> tuple[str, int, bool] | No
             "folder written by --save, or drop --load to train from scratch."
         )
     iteration, release = read_tracker(checkpoints_dir)
-    path = _rank_file(trainer, checkpoints_dir, iteration, release)
+    path = _rank_file(pg, checkpoints_dir, iteration, release)
     if not os.path.isfile(path):
         # A save that re-wrote this iteration may have been killed between its two renames.
         rel = os.path.relpath(path, os.path.join(checkpoints_dir, iteration_dir_name(iteration, release)))
@@ -433,59 +785,59 @@ def _load_file(path: str) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def load_checkpoint(trainer) -> int:
-    """Loads ``--load`` into the trainer (model, optimizer, scheduler, RNG, counters).
+def load_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> LoadedCheckpoint | None:
+    """Loads ``--load`` into the ``Stateful`` objects of ``state`` (keys as for saving).
 
-    Honours ``--no-load-optim``, ``--no-load-rng`` and ``--finetune``. Parameters and
-    their ``main_grad`` keep their storage.
+    Honours ``--no-load-optim`` (only ``model`` and ``train_state`` are loaded),
+    ``--no-load-rng`` and ``--finetune`` (``model`` alone; the train state is reset to
+    iteration 0). The caller does what a skipped optimizer needs (fp32 main params from
+    the loaded weights, the LR schedule at the loaded iteration). The model's
+    ``load_state_dict`` must copy into the existing tensors (``nn.Module``'s does), so
+    parameters and their ``main_grad`` keep their storage.
 
     Returns:
-        The iteration training continues from (0 for --finetune or a fresh start).
+        What was loaded, or None when there is nothing to load (auto-resume, first run).
 
     Raises:
         ValueError: No or unreadable checkpoint, or one saved for another model shape.
     """
-    ckpt = trainer.cfg.checkpoint
+    train_state = _train_state(state)
+    ckpt = cfg.checkpoint
     load_dir = os.path.abspath(ckpt.load)
-    found = find_checkpoint(trainer, load_dir)
+    found = find_checkpoint(cfg, pg, load_dir)
     if found is None:
         print_rank_0(f"> no checkpoint in {load_dir} (also the --save folder): training from scratch")
-        return 0
+        return None
     path, iteration, release = found
     print_rank_0(f"loading checkpoint from {load_dir} at iteration {iteration}")
-    state = _load_file(path)
-    check_config(state.get("config", {}), trainer.cfg, path)
+    contents = _load_file(path)
+    check_config(contents.get("config", {}), cfg, path)
 
     try:
-        trainer.model.load_state_dict(state["model"], strict=True)  # copies into the existing tensors
+        state[MODEL].load_state_dict(contents[MODEL], strict=True)  # copies into the existing tensors
     except RuntimeError as e:
         raise ValueError(f"checkpoint {path}: model weights do not fit this model: {e}") from e
+    loaded = {MODEL}
 
     weights_only = ckpt.finetune or release
     if weights_only:
-        trainer.iteration, trainer.consumed_samples = 0, 0
+        train_state.iteration, train_state.consumed_samples = 0, 0
     else:
-        trainer.iteration = int(state["iteration"])
-        trainer.consumed_samples = int(state["consumed_samples"])
+        train = {k: contents[k] for k in _TRAIN_STATE_KEYS if k in contents}
+        if not ckpt.no_load_rng:
+            states: list[dict[str, Any]] = contents["rng_state"]
+            # Same DP size: each rank its own state; otherwise rank 0's, as Megatron does.
+            train["rng_state"] = states[pg.dp_rank] if len(states) == pg.dp_size else states[0]
+        train_state.load_state_dict(train)
+        loaded.add(TRAIN_STATE)
+        if not ckpt.no_load_optim:
+            for key, obj in state.items():
+                if key not in (MODEL, TRAIN_STATE):
+                    obj.load_state_dict(contents[key])
+                    loaded.add(key)
 
-    if not weights_only and not ckpt.no_load_optim:
-        trainer.optimizer.load_state_dict(state["optimizer"])
-        trainer.scheduler.load_state_dict(state["opt_param_scheduler"])
-    else:
-        trainer.optimizer.reload_model_params()  # fp32 main params from the loaded weights
-        trainer.scheduler.num_steps = trainer.iteration
-        trainer.scheduler.step(0)
-
-    if not weights_only and not ckpt.no_load_rng:
-        states: list[dict[str, Any]] = state["rng_state"]
-        dp_rank = trainer.pg.dp_rank
-        # Same DP size: each rank its own state; otherwise rank 0's, as Megatron does.
-        chosen = states[dp_rank] if len(states) == trainer.pg.dp_size else states[0]
-        set_rng_state(chosen, include_cuda=trainer.device.type == "cuda")
-
-    trainer.last_checkpointed_iteration = None if weights_only else trainer.iteration
     print_rank_0(
         f"  successfully loaded checkpoint from {load_dir} at iteration {iteration}"
         + (" (weights only: starting at iteration 0)" if weights_only else "")
     )
-    return trainer.iteration
+    return LoadedCheckpoint(path, train_state.iteration, frozenset(loaded), bool(weights_only))

@@ -6,10 +6,13 @@ the core code they configure) and runs the cross-concern checks.
 """
 
 import dataclasses
+import math
+import warnings
 
 import torch
 
 from megatron.core.config_utils import flag_field, require
+from megatron.core.datasets.builder import parse_split
 from megatron.core.parallel_state import ParallelConfig
 from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -36,6 +39,12 @@ class TrainingConfig:
 
     exit_interval: int | None = None
     """Exit after the iteration that is a multiple of this value."""
+
+    exit_duration_in_mins: float | None = None
+    """Save and exit once the run has trained this many minutes (checked after every iteration)."""
+
+    exit_signal_handler: bool = False
+    """On SIGTERM, save a checkpoint at the end of the current iteration and exit with status 0."""
 
     eval_interval: int = 1000
     """Iterations between evaluations on the validation split."""
@@ -258,6 +267,7 @@ class RunConfig:
 
         Needs ``parallel.world_size`` set (``finalize_world``) for the batch checks.
         """
+        self._warn_ignored_flags()
         self.model.finalize()
         self.model.validate()
         self.parallel.validate()
@@ -269,6 +279,11 @@ class RunConfig:
         dp = self.parallel.data_parallel_size
         if t.global_batch_size is None:
             t.global_batch_size = t.micro_batch_size * dp
+        require(
+            t.global_batch_size >= 1,
+            f"--global-batch-size must be >= 1, got {t.global_batch_size}; drop it for --micro-batch-size x "
+            "data-parallel size.",
+        )
         require(
             t.global_batch_size % (t.micro_batch_size * dp) == 0,
             f"--global-batch-size ({t.global_batch_size}) must be divisible by --micro-batch-size "
@@ -282,6 +297,31 @@ class RunConfig:
             "--lr-warmup-fraction and --lr-warmup-iters cannot both be set; pick one.",
         )
         require(o.clip_grad >= 0, f"--clip-grad must be >= 0, got {o.clip_grad}.")
+        for name in ("adam_beta1", "adam_beta2"):
+            beta = getattr(o, name)
+            require(0.0 <= beta < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {beta} (e.g. 0.9).")
+        require(o.adam_eps > 0, f"--adam-eps must be positive, got {o.adam_eps} (e.g. 1e-8).")
+        require(
+            o.weight_decay >= 0 and math.isfinite(o.weight_decay),
+            f"--weight-decay must be >= 0, got {o.weight_decay} (0 turns it off).",
+        )
+        require(o.sgd_momentum >= 0, f"--sgd-momentum must be >= 0, got {o.sgd_momentum}.")
+        require(
+            math.isfinite(o.lr) and math.isfinite(o.min_lr), f"--lr ({o.lr}) and --min-lr ({o.min_lr}) must be finite."
+        )
+        require(
+            t.exit_interval is None or t.exit_interval >= 1,
+            f"--exit-interval must be >= 1, got {t.exit_interval}; drop it to train all --train-iters.",
+        )
+        require(
+            t.exit_duration_in_mins is None or t.exit_duration_in_mins > 0,
+            f"--exit-duration-in-mins must be positive, got {t.exit_duration_in_mins}.",
+        )
+        require(
+            t.eval_interval >= 1,
+            f"--eval-interval must be >= 1, got {t.eval_interval}; turn evaluation off with --eval-iters 0.",
+        )
+        require(t.eval_iters >= 0, f"--eval-iters must be >= 0, got {t.eval_iters} (0 turns evaluation off).")
         require(
             self.ddp.use_distributed_optimizer is False,
             "--use-distributed-optimizer is not supported yet; drop the flag (optimizer state is replicated).",
@@ -295,6 +335,16 @@ class RunConfig:
             d.mock_data or d.data_path,
             "no training data: pass --mock-data for synthetic documents, or --data-path PREFIX.",
         )
+        split = self._split_weights()
+        require(
+            split[0] > 0,
+            f"--split {d.split} gives the train split no data; give it a weight, e.g. --split 969,30,1.",
+        )
+        require(
+            t.eval_iters == 0 or split[1] > 0,
+            f"--eval-iters {t.eval_iters} needs validation data, but --split {d.split} gives the valid split none; "
+            "give it a weight (e.g. --split 969,30,1) or pass --eval-iters 0.",
+        )
         if d.tokenizer_type == "NullTokenizer":
             require(
                 d.vocab_size is not None and d.vocab_size >= 2,
@@ -306,6 +356,25 @@ class RunConfig:
             c.save_interval is None or c.save_interval >= 1,
             f"--save-interval must be >= 1, got {c.save_interval}; drop it to save only at the end of training.",
         )
+
+    def _split_weights(self) -> list[float]:
+        return parse_split(self.data.split)  # the data code owns the format
+
+    def _warn_ignored_flags(self) -> None:
+        """Warns about flags that are accepted but change nothing in this combination."""
+        m, g = self.model, self.cuda_graph
+        if not m.group_query_attention and m.num_query_groups not in (None, m.num_attention_heads):
+            warnings.warn(
+                f"--num-query-groups {m.num_query_groups} is ignored without --group-query-attention "
+                "(every head has its own keys and values); add --group-query-attention to use it.",
+                stacklevel=3,
+            )
+        if g.cuda_graph_impl == "none" and g.cuda_graph_scope:
+            scope = " ".join(g.cuda_graph_scope) if isinstance(g.cuda_graph_scope, list) else g.cuda_graph_scope
+            warnings.warn(
+                f"--cuda-graph-scope {scope} has no effect without --cuda-graph-impl local (the run is eager).",
+                stacklevel=3,
+            )
 
     @property
     def num_microbatches(self) -> int:

@@ -1,6 +1,15 @@
-"""Tokenizer and data-iterator setup for the training loop."""
+"""Tokenizer and data-iterator setup for the training loop.
+
+Each DataLoader gets a torch generator of its own, seeded from ``--seed``: a
+DataLoader draws its workers' base seed whenever an iteration over it starts (lazily,
+at the first batch), and from torch's global generator that draw would shift the
+dropout stream of the run. With a generator of its own the global stream does not
+depend on ``--num-workers``, on when evaluation starts a pass, or on a resume.
+"""
 
 from collections.abc import Iterable, Iterator
+
+import torch
 
 from megatron.core.datasets.builder import build_train_valid_test_datasets
 from megatron.core.datasets.data_samplers import build_pretraining_data_loader
@@ -16,6 +25,25 @@ def setup_tokenizer(cfg, pg):
     return tokenizer
 
 
+def _own_generator(loader: Iterable, seed: int) -> Iterable:
+    """Gives the DataLoader behind ``loader`` a generator of its own (module docstring)."""
+    data_loader = getattr(loader, "loader", loader)  # WorkerBatches wraps the DataLoader
+    assert isinstance(data_loader, torch.utils.data.DataLoader), type(loader)
+    data_loader.generator = torch.Generator().manual_seed(seed)
+    return loader
+
+
+def repeat(loader: Iterable) -> Iterator:
+    """Iterates ``loader`` again and again. Unlike ``itertools.cycle`` it keeps no batch."""
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            return
+
+
 def build_data_iterators(cfg, tokenizer, pg, consumed_samples: int) -> tuple[Iterator, Iterator | None]:
     """Train (and valid, when evaluation is on) iterators of micro-batches for this rank."""
     t = cfg.training
@@ -29,22 +57,9 @@ def build_data_iterators(cfg, tokenizer, pg, consumed_samples: int) -> tuple[Ite
     train = build_pretraining_data_loader(
         train_ds, consumed_samples, t.micro_batch_size, pg.dp_rank, pg.dp_size, workers
     )
+    train = _own_generator(train, t.seed)
     valid = None
     if valid_ds is not None and valid_samples:
         valid = build_pretraining_data_loader(valid_ds, 0, t.micro_batch_size, pg.dp_rank, pg.dp_size, workers)
-        valid = repeat(valid)
+        valid = repeat(_own_generator(valid, t.seed + 1))
     return iter(train), valid
-
-
-def repeat(loader: Iterable) -> Iterator:
-    """Iterates ``loader`` over and over (its workers persist), ending only if a pass is empty.
-
-    Unlike ``itertools.cycle``, keeps no copy of the batches it has yielded.
-    """
-    while True:
-        empty = True
-        for batch in loader:
-            empty = False
-            yield batch
-        if empty:
-            return

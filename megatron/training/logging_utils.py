@@ -239,7 +239,9 @@ class MetricsWriter:
     Keys are Megatron's TensorBoard names (``METRIC_NAMES``) or any other name; the
     JSONL object holds them as given plus ``"iteration"`` (and ``"samples"`` when
     passed). Non-finite floats are written as JSON ``NaN``/``Infinity``, which Python's
-    ``json`` reads back; a NaN loss is worth seeing.
+    ``json`` reads back; a NaN loss is worth seeing. An existing file whose last line was
+    torn (a crash or a full disk mid-write) is repaired on open: the partial line is
+    dropped, with a message, so the resumed run's first record starts a line of its own.
 
     Args:
         path: JSONL file to append to, or None.
@@ -249,12 +251,20 @@ class MetricsWriter:
             fails the whole run at start, not one rank mid-run.
 
     Raises:
-        ValueError: ``tensorboard_dir`` is set but the tensorboard package is missing.
+        ValueError: ``tensorboard_dir`` is set but the tensorboard package is missing, or
+            a path names a file where a folder belongs (or the reverse).
     """
 
     def __init__(self, path: str | None, tensorboard_dir: str | None, *, enabled_on_this_rank: bool):
         if tensorboard_dir is not None:
+            if os.path.exists(tensorboard_dir) and not os.path.isdir(tensorboard_dir):
+                raise ValueError(
+                    f"--tensorboard-dir {tensorboard_dir} is a file, not a folder; point it at a folder "
+                    "(created if missing)."
+                )
             _check_tensorboard_installed()
+        if path is not None and os.path.isdir(path):
+            raise ValueError(f"--metrics-file {path} is a folder; give a file path, e.g. {path}/metrics.jsonl.")
         self.enabled = enabled_on_this_rank
         self._file = None
         self._tb = None
@@ -263,6 +273,7 @@ class MetricsWriter:
         if path is not None:
             folder = os.path.dirname(os.path.abspath(path))
             os.makedirs(folder, exist_ok=True)
+            repair_jsonl_tail(path)
             self._file = open(path, "a", encoding="utf-8")
         if tensorboard_dir is not None:
             self._tb = _make_summary_writer(tensorboard_dir)
@@ -309,6 +320,54 @@ class MetricsWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def repair_jsonl_tail(path: str) -> int:
+    """Drops a torn last line of a JSONL file (one not ended by a newline).
+
+    A last line that is complete JSON only lacking its newline gets the newline instead.
+
+    Returns:
+        The number of bytes dropped (0 when the file was whole or missing).
+    """
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return 0
+    if size == 0:
+        return 0
+    with open(path, "r+b") as f:
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return 0
+        # Find the start of the last line, reading backwards in blocks.
+        end, start = size, 0
+        block = 1 << 16
+        pos = size
+        while pos > 0:
+            step = min(block, pos)
+            pos -= step
+            f.seek(pos)
+            chunk = f.read(step)
+            i = chunk.rfind(b"\n")
+            if i >= 0:
+                start = pos + i + 1
+                break
+        f.seek(start)
+        tail = f.read(end - start)
+        try:
+            json.loads(tail.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            f.truncate(start)
+            print(
+                f"WARNING: {path} ended in a torn line ({end - start} bytes, from a crash or a full disk); "
+                "dropped it before appending.",
+                flush=True,
+            )
+            return end - start
+        f.seek(end)
+        f.write(b"\n")
+        return 0
 
 
 def _rank_and_world() -> tuple:

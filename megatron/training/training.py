@@ -7,12 +7,22 @@ metrics). The only host synchronisations in a step are the ones logging asks for
 (fp16 loss scaling adds one for the overflow check). With CUDA graphs the step runs
 on a stream of its own (``Trainer.on_stream``); the next step's first micro-batch is
 fetched while the device runs the optimizer.
+
+The NaN guard (on unless ``--no-check-for-nan-in-loss-and-grad``) keeps to that: a
+non-finite loss or grad norm skips the update on the device and is counted there;
+the host learns of it at the next log line or save (one read) and stops the run,
+naming the iteration where it began. Saves refuse non-finite state, so the tracker
+only ever points at finite weights. ``--save`` is locked for the run
+(``checkpointing.SaveLock``); ``ExitConditions`` turns SIGTERM
+(``--exit-signal-handler``) or ``--exit-duration-in-mins`` into save-and-exit-0.
 """
 
+import atexit
 import contextlib
 import datetime
 import math
 import os
+import signal
 import time
 from collections.abc import Callable, Sequence
 
@@ -83,18 +93,21 @@ class Trainer:
             precision=cfg.precision,
             preallocate_state=self.graphs.active,
             grad_buffers=[self.model.grad_buffer.data],
+            skip_non_finite=cfg.ddp.check_for_nan_in_loss_and_grad,
         )
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, t.train_iters)
-        self.iteration = 0
-        self.consumed_samples = 0
-        self.skipped_iters = 0
-        self.nan_iters = 0
+        self.state = checkpointing.TrainState(include_cuda_rng=self.device.type == "cuda")
         self.last_checkpointed_iteration: int | None = None
-        if cfg.checkpoint.load:
-            checkpointing.load_checkpoint(self)  # sets iteration/consumed_samples; copies in place
-        self.metrics = logs.MetricsWriter(
-            cfg.logging.metrics_file, cfg.logging.tensorboard_dir, enabled_on_this_rank=pg.is_last_rank
-        )
+        self.save_lock = self._lock_save_dir()
+        try:
+            if cfg.checkpoint.load:
+                self.load_checkpoint()
+            self.metrics = logs.MetricsWriter(
+                cfg.logging.metrics_file, cfg.logging.tensorboard_dir, enabled_on_this_rank=pg.is_last_rank
+            )
+        except BaseException:
+            self.close()
+            raise
         self.num_params = sum(p.numel() for p in model.parameters())
         self._prefetched = None  # (iterator, batch) fetched at the end of the previous step
         # With graphs, training and evaluation run on a stream of their own: graphs cannot
@@ -105,6 +118,71 @@ class Trainer:
         use_stream = self.device.type == "cuda" and self.graphs.active
         self.stream = side_stream(self.device) if use_stream else None
         self.history: list[dict] = []
+        self._consecutive_skips = 0  # fp16 overflows in a row
+        self._save_attempted = self.last_checkpointed_iteration  # last iteration a save was tried at
+
+    # ------------------------------------------------------------------ state
+    def _lock_save_dir(self) -> checkpointing.SaveLock | None:
+        """Rank 0 takes ``--save``'s lock; every rank raises if it could not."""
+        if not self.cfg.checkpoint.save:
+            return None
+        lock, error = None, [None]
+        if self.pg.rank == 0:
+            try:
+                lock = checkpointing.SaveLock(self.cfg.checkpoint.save).acquire()
+                atexit.register(lock.release)  # an exception that escapes pretrain()
+            except ValueError as e:
+                error = [str(e)]
+        if self.pg.world_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.broadcast_object_list(error, src=0)
+        if error[0] is not None:
+            raise ValueError(error[0])
+        return lock
+
+    def close(self) -> None:
+        """Closes the metrics sinks and releases the ``--save`` lock. Safe to call twice."""
+        metrics = getattr(self, "metrics", None)
+        if metrics is not None:
+            metrics.close()
+        if self.save_lock is not None:
+            self.save_lock.release()
+
+    iteration = property(lambda self: self.state.iteration, lambda self, v: setattr(self.state, "iteration", v))
+    consumed_samples = property(
+        lambda self: self.state.consumed_samples, lambda self, v: setattr(self.state, "consumed_samples", v)
+    )
+    skipped_iters = property(
+        lambda self: self.state.skipped_iters, lambda self, v: setattr(self.state, "skipped_iters", v)
+    )
+    nan_iters = property(lambda self: self.state.nan_iters, lambda self, v: setattr(self.state, "nan_iters", v))
+
+    def checkpoint_state(self) -> dict[str, checkpointing.Stateful]:
+        """What a checkpoint holds, by key (``checkpointing.save_checkpoint``'s mapping)."""
+        return {
+            checkpointing.MODEL: self.model,
+            checkpointing.OPTIMIZER: self.optimizer,
+            checkpointing.SCHEDULER: self.scheduler,
+            checkpointing.TRAIN_STATE: self.state,
+        }
+
+    def save_checkpoint(self) -> str:
+        """Saves the run at the current iteration into ``--save``."""
+        path = checkpointing.save_checkpoint(self.checkpoint_state(), self.cfg, self.pg)
+        self.last_checkpointed_iteration = self.iteration
+        return path
+
+    def load_checkpoint(self) -> int:
+        """Loads ``--load``; returns the iteration training continues from."""
+        loaded = checkpointing.load_checkpoint(self.checkpoint_state(), self.cfg, self.pg)
+        if loaded is None:
+            return 0
+        if checkpointing.OPTIMIZER not in loaded.loaded:
+            self.optimizer.reload_model_params()  # fp32 main params from the loaded weights
+        if checkpointing.SCHEDULER not in loaded.loaded:
+            self.scheduler.num_steps = self.iteration  # the LR schedule stays at the loaded iteration
+            self.scheduler.step(0)
+        self.last_checkpointed_iteration = None if loaded.weights_only else self.iteration
+        return self.iteration
 
     # ------------------------------------------------------------------ one step
     def _next_batch(self, data_iterator) -> dict[str, torch.Tensor]:
@@ -159,75 +237,132 @@ class Trainer:
         return t
 
     def train_step(self, data_iterator):
+        """One global batch: forward/backward, gradient reduction, optimizer step.
+
+        Returns:
+            ``(loss, grad_norm, success, non_finite)``: the data-parallel mean loss and
+            the grad norm (device tensors), whether the step was applied as far as the
+            host knows (False: an fp16 overflow), and a device flag that is 1 when the
+            loss or the grad norm is not finite (the NaN guard skipped that update).
+        """
         with self.on_stream():
             self.model.zero_grad_buffer()
             loss = self.forward_backward(data_iterator)
             self.model.finish_grad_sync()
-            success, grad_norm, num_zeros = self.optimizer.step()
+            # The mean loss before the step, so every rank's NaN guard sees the same value.
+            if self.pg.dp is not None:
+                dist.all_reduce(loss, group=self.pg.dp)
+                loss = loss / self.pg.dp_size
+            bad_loss = torch.logical_not(torch.isfinite(loss))
+            success, grad_norm, num_zeros = self.optimizer.step(skip=bad_loss)
             self._prefetch(data_iterator)
             if success:
                 self.scheduler.step(1)
             self.graphs.end_of_iteration()
-            if self.pg.dp is not None:
-                dist.all_reduce(loss, group=self.pg.dp)
-                loss = loss / self.pg.dp_size
-        return self._hand_over(loss), self._hand_over(grad_norm), bool(success)
+            non_finite = self.optimizer.non_finite
+            if non_finite is None:  # no guard: count what the log would show as nan
+                non_finite = bad_loss if grad_norm is None else bad_loss | torch.logical_not(torch.isfinite(grad_norm))
+        return self._hand_over(loss), self._hand_over(grad_norm), bool(success), self._hand_over(non_finite)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> list[dict]:
         cfg = self.cfg
         t, lg = cfg.training, cfg.logging
-        # The DataLoader draws its base seed from torch's CPU generator; fork it so a run
-        # resumed from a checkpoint (RNG restored) continues the same random stream.
+        # Building the data touches no global RNG stream (data.py gives each DataLoader a
+        # generator of its own); the fork keeps it so for anything dataset code may draw.
         with torch.random.fork_rng(devices=[]):
             train_iter, valid_iter = build_data_iterators(cfg, self.tokenizer, self.pg, self.consumed_samples)
         self.model.train()
         history = []
-        window_loss = torch.zeros((), device=self.device)
-        window_nan = torch.zeros((), device=self.device, dtype=torch.int32)
-        window_iters = 0
+        self._window = _LossWindow(self.device)
+        exits = ExitConditions(t, self.pg)
         last_time = self._sync_time()
         logs.print_rank_0(f"> training {self.num_params:,} parameters for {t.train_iters} iterations")
         first_iteration = self.iteration + 1  # 1, or the one after a loaded checkpoint
-        while self.iteration < t.train_iters:
-            loss, grad_norm, success = self.train_step(train_iter)
-            self.iteration += 1
-            self.consumed_samples += t.global_batch_size
-            if not success:
-                self.skipped_iters += 1
-            is_nan = torch.isnan(loss) | torch.isinf(loss)
-            window_nan += is_nan.int()
-            window_loss += torch.where(is_nan, torch.zeros_like(loss), loss)
-            window_iters += 1
-            if self.iteration == first_iteration and self.graphs.captured:
-                self._log_capture()
-            if self.iteration % lg.log_interval == 0 or self.iteration == t.train_iters:
-                now = self._sync_time()
-                elapsed_ms = (now - last_time) * 1000.0 / window_iters
-                last_time = now
-                record = self._log_iteration(window_loss / window_iters, grad_norm, window_nan, elapsed_ms)
-                history.append(record)
-                window_loss.zero_()
-                window_nan.zero_()
-                window_iters = 0
-                last_time = self._sync_time()
-            if self.iteration == first_iteration or (
-                lg.log_memory_interval and self.iteration % lg.log_memory_interval == 0
-            ):
-                self._log_memory()
-            if valid_iter is not None and self.iteration % t.eval_interval == 0:
-                self.evaluate(valid_iter, f"iteration {self.iteration}")
-            ck = cfg.checkpoint
-            if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
-                checkpointing.save_checkpoint(self)
-            if t.exit_interval and self.iteration % t.exit_interval == 0:
-                break
-        if valid_iter is not None and self.iteration % t.eval_interval != 0:
+        with exits:
+            while self.iteration < t.train_iters:
+                loss, grad_norm, success, non_finite = self.train_step(train_iter)
+                self.iteration += 1
+                self.consumed_samples += t.global_batch_size
+                if not success:
+                    self.skipped_iters += 1
+                    self._count_overflow()
+                else:
+                    self._consecutive_skips = 0
+                self._window.add(loss, non_finite, self.iteration)
+                if self.iteration == first_iteration and self.graphs.captured:
+                    self._log_capture()
+                if self.iteration % lg.log_interval == 0 or self.iteration == t.train_iters:
+                    now = self._sync_time()
+                    elapsed_ms = (now - last_time) * 1000.0 / self._window.iterations
+                    record = self._log_iteration(grad_norm, elapsed_ms)
+                    history.append(record)
+                    last_time = self._sync_time()
+                if self.iteration == first_iteration or (
+                    lg.log_memory_interval and self.iteration % lg.log_memory_interval == 0
+                ):
+                    self._log_memory()
+                if valid_iter is not None and self.iteration % t.eval_interval == 0:
+                    self.evaluate(valid_iter, f"iteration {self.iteration}")
+                ck = cfg.checkpoint
+                if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
+                    self._save_checked()
+                if t.exit_interval and self.iteration % t.exit_interval == 0:
+                    break
+                reason = exits.reason()
+                if reason is not None:
+                    logs.print_rank_0(f"> exiting after iteration {self.iteration}: {reason}")
+                    break
+        self._check_nan_window()  # iterations since the last log line
+        if valid_iter is not None and self.iteration % t.eval_interval != 0 and exits.reason() is None:
             self.evaluate(valid_iter, "the end of training for val data")
-        if cfg.checkpoint.save and self.iteration > 0 and self.last_checkpointed_iteration != self.iteration:
-            checkpointing.save_checkpoint(self)  # Megatron also saves at the end of training
-        self.metrics.close()
+        if cfg.checkpoint.save and self.iteration > 0 and self._save_attempted != self.iteration:
+            self._save_checked()  # Megatron also saves at the end of training
+        self.close()
         return history
+
+    def _count_overflow(self) -> None:
+        """Warns when a static fp16 loss scale overflows step after step (nothing trains)."""
+        self._consecutive_skips += 1
+        p = self.cfg.precision
+        if p.fp16 and p.loss_scale is not None and self._consecutive_skips == _STATIC_SCALE_WARN_AFTER:
+            logs.print_rank_0(
+                f"WARNING: the last {self._consecutive_skips} iterations all overflowed with the static loss "
+                f"scale --loss-scale {p.loss_scale:g}, so no update was applied; lower --loss-scale or drop it "
+                "for dynamic loss scaling."
+            )
+
+    def _check_nan_window(self) -> None:
+        """Stops the run (NaN guard on) if an iteration since the last check was not finite.
+
+        Reads the window's device flag: one host sync.
+        """
+        if not self.cfg.ddp.check_for_nan_in_loss_and_grad or not hasattr(self, "_window"):
+            return
+        count, first = self._window.read_nan()
+        if count:
+            raise self._nan_error(count, first)
+
+    def _nan_error(self, count: int, first: int) -> RuntimeError:
+        last = self.last_checkpointed_iteration
+        saved = f"the last checkpoint is iteration {last}" if last is not None else "no checkpoint was saved"
+        return RuntimeError(
+            f"non-finite lm loss or grad norm at iteration {first} on rank {self.pg.rank} ({count} such "
+            f"iteration(s) up to iteration {self.iteration}); their updates were skipped, so the weights are "
+            f"those before iteration {first}, and {saved}. Lower --lr or check the data; pass "
+            "--no-check-for-nan-in-loss-and-grad to keep training through it."
+        )
+
+    def _save_checked(self) -> None:
+        """Saves unless the NaN guard has something to report; never saves non-finite weights."""
+        self._check_nan_window()
+        self._save_attempted = self.iteration
+        try:
+            self.save_checkpoint()
+        except checkpointing.NonFiniteCheckpointError as e:
+            if self.cfg.ddp.check_for_nan_in_loss_and_grad:
+                raise
+            logs.print_rank_0(f"WARNING: {e}; training goes on (--no-check-for-nan-in-loss-and-grad).")
 
     def evaluate(self, data_iterator, where: str) -> float:
         """Mean lm loss over --eval-iters global batches of validation data (no grad).
@@ -263,22 +398,17 @@ class Trainer:
         return time.perf_counter()
 
     # ------------------------------------------------------------------ logging
-    def _log_iteration(self, loss, grad_norm, nan_count, elapsed_ms) -> dict:
+    def _log_iteration(self, grad_norm, elapsed_ms) -> dict:
+        """Prints the iteration line for the window since the last one and records it.
+
+        The loss is the mean over the window's finite iterations (nan when none was);
+        with the NaN guard on, a window with a non-finite iteration ends the run after
+        its line is printed.
+        """
         cfg, t = self.cfg, self.cfg.training
-        nan_now = int(nan_count.item())
+        loss_value, nan_now, first_nan = self._window.read_and_reset()
         self.nan_iters += nan_now
-        if nan_now and cfg.ddp.check_for_nan_in_loss_and_grad:
-            raise RuntimeError(
-                f"NaN or Inf lm loss at iteration {self.iteration} on rank {self.pg.rank}. "
-                "Pass --no-check-for-nan-in-loss-and-grad to keep training through it."
-            )
-        loss_value = loss.item()
         grad_value = None if grad_norm is None else float(grad_norm)
-        if grad_value is not None and not math.isfinite(grad_value) and cfg.ddp.check_for_nan_in_loss_and_grad:
-            raise RuntimeError(
-                f"grad norm is {grad_value} at iteration {self.iteration} on rank {self.pg.rank}. "
-                "Pass --no-check-for-nan-in-loss-and-grad to keep training through it."
-            )
         lr = self.scheduler.get_lr(self.iteration)
         throughput = None
         if cfg.logging.log_throughput:
@@ -326,6 +456,8 @@ class Trainer:
         if cfg.logging.log_memory_to_tensorboard:
             record.update(self._memory_record())
         self.metrics.write(self.iteration, record, samples=self.consumed_samples)
+        if nan_now and cfg.ddp.check_for_nan_in_loss_and_grad:
+            raise self._nan_error(nan_now, first_nan)
         return dict(record, iteration=self.iteration)
 
     def _memory_record(self) -> dict[str, float]:
@@ -365,6 +497,104 @@ class Trainer:
         if self.pg.dp_rank != 0:
             return
         print(f"> {self.graphs.summary_line()}", flush=True)
+
+
+_STATIC_SCALE_WARN_AFTER = 10
+"""Consecutive fp16 overflows with a static --loss-scale before the run warns."""
+
+
+class _LossWindow:
+    """Device-side sums of the iterations since the last log line (no host sync to add).
+
+    Holds the sum and count of finite losses and the count of non-finite iterations of
+    the window, and the first non-finite iteration since the run started; one host read
+    fetches them.
+    """
+
+    def __init__(self, device: torch.device):
+        # float64: counts and iteration numbers stay exact.
+        self._acc = torch.zeros(3, dtype=torch.float64, device=device)  # [finite sum, finite count, nan count]
+        self._first_nan = torch.full((), math.inf, dtype=torch.float64, device=device)
+        self.iterations = 0
+
+    def add(self, loss: torch.Tensor, non_finite: torch.Tensor, iteration: int) -> None:
+        finite = torch.isfinite(loss)
+        bad = non_finite.to(torch.float64)
+        self._acc += torch.stack([torch.where(finite, loss, 0.0).double(), finite.double(), bad])
+        # Scalars reach the kernels as arguments: no host-to-device copy, no sync.
+        candidate = torch.minimum(self._first_nan, torch.full_like(self._first_nan, float(iteration)))
+        torch.where(bad > 0, candidate, self._first_nan, out=self._first_nan)
+        self.iterations += 1
+
+    def _read(self) -> tuple[float, int, int, int]:
+        loss_sum, finite, nan, first = torch.cat([self._acc, self._first_nan.reshape(1)]).tolist()
+        return loss_sum, int(finite), int(nan), int(first) if math.isfinite(first) else 0
+
+    def read_nan(self) -> tuple[int, int]:
+        """(non-finite iterations of this window, first non-finite iteration or 0)."""
+        _, _, nan, first = self._read()
+        return nan, first
+
+    def read_and_reset(self) -> tuple[float, int, int]:
+        """(mean finite loss, nan if none; non-finite iterations; first non-finite iteration or 0)."""
+        loss_sum, finite, nan, first = self._read()
+        self._acc.zero_()
+        self.iterations = 0
+        return (loss_sum / finite if finite else float("nan")), nan, first
+
+
+class ExitConditions:
+    """``--exit-signal-handler`` and ``--exit-duration-in-mins``: when the loop should stop.
+
+    Inside the context, SIGTERM (Megatron's default ``--exit-signal``) only sets a flag;
+    the loop asks ``reason()`` after each iteration, saves and returns, so the process
+    exits 0. With several ranks the decision is taken together (one all-reduce per
+    iteration, only when one of the flags is set), so every rank stops at the same
+    iteration.
+    """
+
+    def __init__(self, training_config, pg: parallel_state.ProcessGroups):
+        self.handle_signal = training_config.exit_signal_handler
+        self.duration_s = (
+            None if training_config.exit_duration_in_mins is None else training_config.exit_duration_in_mins * 60.0
+        )
+        self.pg = pg
+        self._start = _PROCESS_START
+        self._received = False
+        self._previous = None
+        self._decided: str | None = None
+
+    def __enter__(self) -> "ExitConditions":
+        if self.handle_signal:
+            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.handle_signal and self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def _on_signal(self, signum, frame) -> None:
+        self._received = True
+
+    def reason(self) -> str | None:
+        """Why the run should stop now (None: go on); the same answer on every rank."""
+        if self._decided is not None or (not self.handle_signal and self.duration_s is None):
+            return self._decided
+        signalled = self._received
+        timed_out = self.duration_s is not None and time.monotonic() - self._start > self.duration_s
+        if self.pg.world_size > 1 and dist.is_available() and dist.is_initialized():
+            flags = torch.tensor([int(signalled), int(timed_out)], dtype=torch.int32, device=self.pg.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            signalled, timed_out = (bool(v) for v in flags.tolist())
+        if signalled:
+            self._decided = "SIGTERM received (--exit-signal-handler)"
+        elif timed_out:
+            self._decided = f"--exit-duration-in-mins {self.duration_s / 60.0:g} reached"
+        return self._decided
+
+
+_PROCESS_START = time.monotonic()
 
 
 def default_model_provider(cfg: RunConfig, vocab_size: int, pg, device) -> torch.nn.Module:
@@ -409,6 +639,7 @@ def pretrain(
     try:
         trainer.history = trainer.train()
     except BaseException:
+        trainer.close()
         parallel_state.destroy(trainer.pg, failed=True)
         raise
     parallel_state.destroy(trainer.pg)

@@ -136,7 +136,14 @@ def build_train_valid_test_datasets(
     split = parse_split(data_config.split)
     cache_dir = data_config.data_cache_path
     eod_mask_loss = bool(getattr(data_config, "eod_mask_loss", False))
-    common = dict(seq_length=seq_length, seed=seed, eod=tokenizer.eod, cache_dir=cache_dir, eod_mask_loss=eod_mask_loss)
+    common = dict(
+        seq_length=seq_length,
+        seed=seed,
+        eod=tokenizer.eod,
+        cache_dir=cache_dir,
+        eod_mask_loss=eod_mask_loss,
+        vocab_size=tokenizer.vocab_size,
+    )
     wanted = [n if n else 0 for n in num_samples]
 
     if data_config.mock_data:

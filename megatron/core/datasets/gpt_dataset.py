@@ -138,6 +138,8 @@ class GPTDataset(torch.utils.data.Dataset):
         cache_dir: ``--data-cache-path`` (None: next to the data; no cache for mock data).
         eod_mask_loss: Zero the loss where the input token is end-of-document (Megatron's
             ``--eod-mask-loss``; it masks predicting a new document's first token).
+        vocab_size: The tokenizer's vocabulary size: a sample holding a larger id raises
+            ``ValueError`` naming the data (instead of an index error in the embedding).
 
     Each item is a dict of tensors: ``tokens`` int64 [s], ``labels`` int64 [s] (tokens
     shifted by one), ``loss_mask`` float32 [s], ``position_ids`` int64 [s].
@@ -156,6 +158,7 @@ class GPTDataset(torch.utils.data.Dataset):
         path_prefix: str | None = None,
         cache_dir: str | None = None,
         eod_mask_loss: bool = False,
+        vocab_size: int | None = None,
     ):
         if seq_length < 1:
             raise ValueError(f"--seq-length must be >= 1, got {seq_length}.")
@@ -168,6 +171,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.split_name = split_name
         self.path_prefix = path_prefix
         self.eod_mask_loss = eod_mask_loss
+        self.vocab_size = vocab_size
         if len(self.documents) == 0:
             raise ValueError(
                 f"the {split_name} split of {path_prefix or 'the mock data'} has no documents; "
@@ -188,9 +192,17 @@ class GPTDataset(torch.utils.data.Dataset):
             "num_samples": None if num_samples is None else int(num_samples),
             "add_extra_token": True,
         }
+        fingerprint = getattr(low_level_dataset, "fingerprint", None)
+        if fingerprint is not None:
+            description["files"] = fingerprint()  # re-preprocessed data never reuses stale indices
         default_dir = default_cache_dir(path_prefix, type(self).__name__) if path_prefix else None
         self.cache = CachedIndices(
-            description, f"{type(self).__name__}-{split_name}", _INDEX_NAMES, cache_dir, default_dir
+            description,
+            f"{type(self).__name__}-{split_name}",
+            _INDEX_NAMES,
+            cache_dir,
+            default_dir,
+            identity=("class", "path_prefix", "split"),
         )
         arrays = self.cache.get(lambda: build_gpt_indices(lengths, self.documents, num_samples, seq_length, seed))
         self.document_index = arrays["document_index"]
@@ -215,6 +227,14 @@ class GPTDataset(torch.utils.data.Dataset):
             parts.append(self.dataset.get(int(self.document_index[doc_end]), 0, offset_end + 1))
         text = np.concatenate(parts).astype(np.int64)
         assert len(text) == self.seq_length + 1, (len(text), self.seq_length)
+        if self.vocab_size is not None and (text.max() >= self.vocab_size or text.min() < 0):
+            bad = int(text.max()) if text.max() >= self.vocab_size else int(text.min())
+            raise ValueError(
+                f"{self.path_prefix or 'the mock data'}: sample {idx} holds token id {bad}, outside the tokenizer's "
+                f"{self.vocab_size} ids: the data was preprocessed with another tokenizer. Pass the tokenizer flags "
+                "that tools/preprocess_data.py used (--tokenizer-type, --vocab-file, --tokenizer-model, "
+                "--vocab-size) or re-preprocess the data."
+            )
         return text
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:

@@ -9,11 +9,15 @@ Unusual here:
 - Every file is written to a temporary name and renamed into place, the description
   last, so a crash or a second rank writing at the same time can never leave a partial
   file that a later run would load: ranks may build concurrently without a barrier.
+- A miss that finds cached indices of the same dataset (``identity`` fields equal)
+  built from other data files (the ``files`` field) warns that they are rebuilt and
+  names what changed, so re-preprocessed data is never silently paired with old indices.
 - Where the cache lives: ``--data-cache-path`` when given (an unwritable one is a user
   error); otherwise ``<data folder>/cache/<Class>_indices``, falling back to a folder
   under the system temp dir when the data folder is read-only.
 """
 
+import glob
 import hashlib
 import json
 import logging
@@ -55,6 +59,8 @@ class CachedIndices:
         names: Array names, e.g. ``("document_index", "sample_index", "shuffle_index")``.
         explicit_dir: ``--data-cache-path`` (None: use default_dir).
         default_dir: Folder next to the data, or None for no default (mock data).
+        identity: Description fields that name the dataset itself; a cached description
+            that agrees on them but differs elsewhere is reported as outdated on a miss.
 
     Attributes:
         cache_hit: True when the arrays were loaded from disk.
@@ -68,7 +74,10 @@ class CachedIndices:
         names: Sequence[str],
         explicit_dir: str | None,
         default_dir: str | None,
+        identity: Sequence[str] = (),
     ):
+        self.description = description
+        self.identity = tuple(identity)
         self.description_text, self.key = description_hash(description)
         self.prefix = prefix
         self.names = tuple(names)
@@ -103,6 +112,35 @@ class CachedIndices:
         text = self.description_text.encode("utf-8")
         _atomic_write(self.path(directory, "description"), lambda f: f.write(text))
 
+    def _report_outdated(self) -> None:
+        """Warns when the only cached indices of this dataset were built from other data files."""
+        if not self.identity:
+            return
+        new_files = self.description.get("files") or {}
+        stale = None
+        for directory in self.candidates:
+            for path in sorted(glob.glob(os.path.join(glob.escape(directory), f"*-{self.prefix}-description.txt"))):
+                try:
+                    with open(path, encoding="utf-8") as f:
+                        old = json.load(f)
+                except (OSError, ValueError):
+                    continue
+                if not isinstance(old, dict) or any(old.get(k) != self.description.get(k) for k in self.identity):
+                    continue
+                old_files = old.get("files") or {}
+                changed = sorted(k for k in set(old_files) | set(new_files) if old_files.get(k) != new_files.get(k))
+                if not changed:
+                    return  # indices of these files for other settings (sample count, seed, ...): not a rebuild
+                stale = stale or (path, changed)
+        if stale is not None:
+            logger.warning(
+                "rebuilding %s indices for %s: its data files changed since %s was cached (%s differ)",
+                self.prefix,
+                self.description.get("path_prefix"),
+                stale[0],
+                ", ".join(stale[1]),
+            )
+
     def get(self, build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """Returns the arrays, from the first cache folder holding them or from ``build()``."""
         for directory in self.candidates:
@@ -111,6 +149,7 @@ class CachedIndices:
                 self.cache_hit, self.directory = True, directory
                 logger.info("loaded %s indices from %s", self.prefix, directory)
                 return arrays
+        self._report_outdated()
         arrays = build()
         for directory in self.candidates:
             try:

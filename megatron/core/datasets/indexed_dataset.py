@@ -17,9 +17,14 @@ Byte layout of ``.idx`` (all little-endian), compatible with upstream Megatron-L
 Unusual here: the builder writes both files under temporary names and renames them into
 place (.bin first, then .idx) only when ``finalize`` succeeds, so an interrupted
 preprocessing run never leaves a half-written file at the final path. The reader checks
-the header and every size before trusting a byte, and names the file in each error.
+the header and every size before trusting a byte, and names the file in each error: at
+open it validates, vectorised and in chunks, that lengths are non-negative, that the
+sequences tile the ``.bin`` back to back in the header's dtype (which catches a dtype
+code that does not match the ``.bin``) and that document indices are ordered.
+``fingerprint()`` (sizes, mtimes, a digest of the lengths) keys the index caches.
 """
 
+import hashlib
 import os
 import struct
 from collections.abc import Sequence
@@ -29,6 +34,7 @@ import numpy as np
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count
+_CHECK_CHUNK = 1 << 22  # sequences per vectorised validation step (bounds temporary memory)
 
 DTYPE_CODES = {
     1: np.dtype("<u1"),
@@ -184,7 +190,7 @@ class IndexedDataset:
         self.path_prefix = path_prefix
         self._open()
 
-    def _open(self) -> None:
+    def _open(self, validate: bool = True) -> None:
         idx_path, bin_path = index_file_path(self.path_prefix), data_file_path(self.path_prefix)
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
@@ -220,15 +226,72 @@ class IndexedDataset:
             )
 
         bin_size = os.path.getsize(bin_path)
-        needed = 0
-        if num_sequences:
-            needed = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
-        if bin_size < needed:
-            raise ValueError(
-                f"{bin_path} is {bin_size} bytes but {idx_path} points to {needed}: the .bin is truncated; regenerate it."
-            )
+        if validate:
+            self._validate(idx_path, bin_path, bin_size)
         # numpy cannot memory-map an empty file.
         self._bin_map = np.memmap(bin_path, dtype=np.uint8, mode="r") if bin_size else np.empty(0, dtype=np.uint8)
+
+    def _validate(self, idx_path: str, bin_path: str, bin_size: int) -> None:
+        """Checks lengths, pointers and document indices against each other and the .bin."""
+        lengths, pointers, docs = self.sequence_lengths, self.sequence_pointers, self.document_indices
+        itemsize = self.dtype.itemsize
+        n = len(lengths)
+        tokens = int(lengths.sum(dtype=np.int64))
+        # Written with another dtype: the .bin size and the last pointer agree on another token size.
+        other = [
+            k
+            for k in (1, 2, 4, 8)
+            if k != itemsize and n and bin_size == tokens * k == int(pointers[-1]) + int(lengths[-1]) * k
+        ]
+        if other:
+            raise ValueError(
+                f"{bin_path} is {bin_size} bytes but {idx_path} describes {tokens} tokens of {self.dtype} "
+                f"({itemsize} bytes each): the .bin holds {other[0]} bytes per token, so the two files were "
+                "written with different dtypes. Regenerate the dataset (tools/preprocess_data.py)."
+            )
+        expected_start = 0  # byte offset where the next sequence must start
+        for lo in range(0, n, _CHECK_CHUNK):
+            hi = min(n, lo + _CHECK_CHUNK)
+            chunk_len = lengths[lo:hi].astype(np.int64)
+            if (chunk_len < 0).any():
+                bad = lo + int(np.argmax(chunk_len < 0))
+                raise ValueError(f"{idx_path} is corrupt: sequence {bad} has negative length {int(lengths[bad])}.")
+            ends = expected_start + np.cumsum(chunk_len * itemsize)
+            starts = np.empty_like(ends)
+            starts[0] = expected_start
+            starts[1:] = ends[:-1]
+            wrong = starts != pointers[lo:hi]
+            if wrong.any():
+                bad = lo + int(np.argmax(wrong))
+                raise ValueError(
+                    f"{idx_path} is corrupt: sequence {bad} starts at byte {int(pointers[bad])} of {bin_path}, but "
+                    f"the lengths before it place it at byte {int(starts[bad - lo])}; regenerate the dataset."
+                )
+            expected_start = int(ends[-1])
+        if bin_size != expected_start:
+            what = "truncated" if bin_size < expected_start else "longer than its index"
+            raise ValueError(
+                f"{bin_path} is {bin_size} bytes but {idx_path} describes {tokens} tokens of {self.dtype} = "
+                f"{expected_start} bytes: the .bin is {what}. Regenerate the dataset (tools/preprocess_data.py)."
+            )
+        if len(docs) > 1:
+            steps = np.diff(docs)
+            if (steps < 0).any() or docs[-1] > n:
+                raise ValueError(f"{idx_path} is corrupt: its document indices are not ordered within [0, {n}].")
+
+    def fingerprint(self) -> dict:
+        """What the dataset's index caches depend on: file sizes, mtimes, a digest of the lengths."""
+        idx_path, bin_path = index_file_path(self.path_prefix), data_file_path(self.path_prefix)
+        idx_stat, bin_stat = os.stat(idx_path), os.stat(bin_path)
+        digest = hashlib.md5(np.ascontiguousarray(self.sequence_lengths).data).hexdigest()
+        digest = hashlib.md5((digest + hashlib.md5(self.document_indices.data).hexdigest()).encode()).hexdigest()
+        return {
+            "idx_size": idx_stat.st_size,
+            "idx_mtime_ns": idx_stat.st_mtime_ns,
+            "bin_size": bin_stat.st_size,
+            "bin_mtime_ns": bin_stat.st_mtime_ns,
+            "index_md5": digest,
+        }
 
     def __getstate__(self):
         # Memory maps are reopened by path in DataLoader workers instead of being pickled.
@@ -236,7 +299,7 @@ class IndexedDataset:
 
     def __setstate__(self, state):
         self.path_prefix = state["path_prefix"]
-        self._open()
+        self._open(validate=False)  # the process that pickled it validated the files
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)

@@ -11,6 +11,12 @@ Unusual choices:
 - No host synchronisation for bf16/fp32: the gradient norm stays a device tensor
   and the clip coefficient is computed and applied on the device. Only fp16 syncs
   once per step, to learn whether the gradients overflowed.
+- With ``skip_non_finite`` a step whose gradient norm (or a caller's flag, e.g. a
+  non-finite loss) is not finite changes nothing: fused kernels (AdamW/SGD, CUDA)
+  take the flag as their ``found_inf`` input and skip on the device, as fp16's
+  overflow path does in torch's ``GradScaler``, so the step still has no host sync.
+  Unfused optimizers read the flag on the host, which on the CPU costs nothing.
+  ``non_finite`` holds the flag of the last step for the caller to count.
 - Zeroing gradients is the DDP's job (``zero_grad_buffer``); this class never zeroes
   ``main_grad``, it only unscales and clips it in place (it is the main grad).
 - Model params keep their storage (in-place copy), so CUDA graphs that read the
@@ -97,8 +103,11 @@ class MixedPrecisionOptimizer:
         precision,
         preallocate_state: bool = False,
         grad_buffers: Sequence[torch.Tensor] = (),
+        skip_non_finite: bool = False,
     ):
         self.config = config
+        self.skip_non_finite = skip_non_finite
+        self.non_finite: torch.Tensor | None = None
         self.precision = precision
         self.model_params: list[torch.nn.Parameter] = []
         seen = set()
@@ -143,7 +152,8 @@ class MixedPrecisionOptimizer:
             groups.append({"params": no_decay, "weight_decay": 0.0})
         self.device = self.main_params[0].device
         self.optimizer = _build_inner(groups, config, self.device)
-        self._fused_adam = config.optimizer == "adam" and bool(self.optimizer.param_groups[0].get("fused"))
+        self._fused = bool(self.optimizer.param_groups[0].get("fused"))  # takes found_inf on the device
+        self._fused_adam = config.optimizer == "adam" and self._fused
         self._fused_lists: tuple | None = None  # see _build_fused_lists
         self.grad_buffers = self._check_grad_buffers(grad_buffers)
         if preallocate_state and config.optimizer == "adam":
@@ -265,15 +275,22 @@ class MixedPrecisionOptimizer:
         return total
 
     @torch.no_grad()
-    def step(self) -> tuple[bool, torch.Tensor | None, int | None]:
+    def step(self, skip: torch.Tensor | None = None) -> tuple[bool, torch.Tensor | None, int | None]:
         """Unscales (fp16), clips, steps the inner optimizer and updates the model params.
+
+        Args:
+            skip: Optional 0-d device flag (bool or number); with ``skip_non_finite``, a
+                true value skips this update like a non-finite gradient norm does.
 
         Returns:
             ``(success, grad_norm, num_zeros)``. ``success`` is False only for an fp16
             step skipped on overflow; then ``grad_norm`` is None (as Megatron). Otherwise
             ``grad_norm`` is the pre-clip global norm as a 0-d device tensor: call
-            ``.item()`` only when logging. ``num_zeros`` is None (not counted).
+            ``.item()`` only when logging. ``num_zeros`` is None (not counted). A step
+            skipped for a non-finite value still reports success (the host does not
+            know yet); ``non_finite`` is its flag (float 0-d, 1.0 when skipped).
         """
+        self.non_finite = None
         grads = self._attach_grads()
         if self.grad_scaler is not None:
             found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
@@ -286,7 +303,16 @@ class MixedPrecisionOptimizer:
                 return False, None, None
 
         grad_norm = self.clip_grad_norm(grads)
-        self._inner_step()
+        found = None
+        if self.skip_non_finite:
+            bad = torch.logical_not(torch.isfinite(grad_norm))
+            if skip is not None:
+                bad = torch.logical_or(bad, skip.to(device=bad.device, dtype=torch.bool).reshape(()))
+            found = self.non_finite = bad.to(torch.float32)
+            if not self._fused and bool(found):  # the host reads it: free on the CPU
+                self._release_fp32_grads()
+                return True, grad_norm, None
+        self._inner_step(found if self._fused else None)
         if self._lowp_model:
             # In place: model params keep their storage (graphs read them by address).
             try:
@@ -297,20 +323,22 @@ class MixedPrecisionOptimizer:
         self._release_fp32_grads()
         return True, grad_norm, None
 
-    def _inner_step(self) -> None:
-        """The inner optimizer's step.
+    def _inner_step(self, found_inf: torch.Tensor | None = None) -> None:
+        """The inner optimizer's step; a fused kernel skips it when ``found_inf`` is 1.
 
         Fused AdamW with all its state in place: the two launches torch's ``AdamW.step``
         makes per group (step += 1, then ``torch._fused_adamw_``), called directly on
         lists built once. Same kernels, same arguments, bitwise the same update; it saves
         torch's per-step Python (state lookups, grouping by device and dtype), about 1 ms
-        a step on the H200 host. The found-inf input is left out: it is zero here (fp16
-        overflow skips the step before this), and the kernel then skips nothing either.
-        Any other setting goes through ``self.optimizer.step()``.
+        a step on the H200 host. With ``found_inf`` the steps are counted back down
+        afterwards, as torch does. Any other setting goes through
+        ``self.optimizer.step()``, which reads ``found_inf`` from the optimizer.
         """
         if self._fused_lists is None and self._fused_adam:
             self._fused_lists = self._build_fused_lists()
         if not self._fused_lists:
+            if found_inf is not None:
+                self.optimizer.found_inf = found_inf
             self.optimizer.step()
             return
         groups, all_steps = self._fused_lists
@@ -333,8 +361,10 @@ class MixedPrecisionOptimizer:
                 eps=group["eps"],
                 maximize=False,
                 grad_scale=grad_scale,
-                found_inf=None,
+                found_inf=found_inf,
             )
+        if found_inf is not None:
+            torch._foreach_sub_(all_steps, [found_inf] * len(all_steps))
 
     def _build_fused_lists(self):
         """``(per group: (group, params, grads, exp_avgs, exp_avg_sqs, steps), all steps)``,

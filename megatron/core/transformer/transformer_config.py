@@ -119,6 +119,15 @@ class TransformerConfig:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}.")
         require(
+            self.ffn_hidden_size is None or self.ffn_hidden_size > 0,
+            f"--ffn-hidden-size must be positive, got {self.ffn_hidden_size}; drop it for 4 x --hidden-size.",
+        )
+        require(
+            self.kv_channels is None or self.kv_channels > 0,
+            f"--kv-channels must be positive, got {self.kv_channels}; drop it for --hidden-size / "
+            "--num-attention-heads.",
+        )
+        require(
             self.kv_channels is not None,
             f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
             f"({self.num_attention_heads}); pick sizes that divide, or set --kv-channels explicitly.",

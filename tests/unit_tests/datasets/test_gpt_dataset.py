@@ -226,3 +226,30 @@ def test_mock_dataset_uses_gpt_sampling():
         j = int(ds.shuffle_index[i])
         if (j + 1) * 32 < len(stream):
             assert ds[i]["tokens"].tolist() == stream[j * 32 : j * 32 + 32].tolist()
+
+
+def test_re_preprocessed_data_rebuilds_the_cache_and_says_so(corpus, tmp_path, caplog):
+    prefix, docs, low = corpus
+    cache = str(tmp_path / "cache")
+    kwargs = dict(seq_length=8, seed=7, eod=EOD, path_prefix=prefix, cache_dir=cache)
+    GPTDataset(low, np.arange(50), 200, **kwargs)
+    # Same prefix, same number of documents and tokens, documents cut at other places.
+    total = sum(len(d) for d in docs)
+    lengths = [total // len(docs)] * len(docs)
+    lengths[-1] += total - sum(lengths)
+    new_docs = make_docs(lengths)
+    new_low = write(prefix, new_docs)
+    assert new_low.num_tokens == low.num_tokens and len(new_low) == len(low)
+    with caplog.at_level("WARNING", logger=index_cache.__name__):
+        fresh = GPTDataset(new_low, np.arange(50), 200, **kwargs)
+    assert not fresh.cache.cache_hit
+    assert f"rebuilding GPTDataset-train indices for {os.path.abspath(prefix)}: its data files changed" in caplog.text
+    expected = build_gpt_indices(new_low.sequence_lengths, np.arange(50), 200, 8, 7)
+    np.testing.assert_array_equal(fresh.sample_index, expected["sample_index"])
+    for i in range(len(fresh)):
+        fresh[i]  # every sample is cut where the new files say
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=index_cache.__name__):
+        assert GPTDataset(new_low, np.arange(50), 200, **kwargs).cache.cache_hit
+        GPTDataset(new_low, np.arange(50), 100, **kwargs)  # other settings: a new cache, not a rebuild
+    assert "rebuilding" not in caplog.text

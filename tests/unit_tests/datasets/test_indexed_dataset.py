@@ -166,3 +166,65 @@ def test_pickle_reopens_by_path(good):
 
     ds = pickle.loads(pickle.dumps(IndexedDataset(good)))
     assert ds[1].tolist() == [4, 5]
+
+
+def _header(prefix):
+    with open(prefix + ".idx", "rb") as f:
+        return struct.unpack("<9sQBQQ", f.read(34))
+
+
+def test_dtype_code_that_does_not_match_the_bin_is_named(good):
+    # uint16 data (2 bytes per token) with an index that claims int32 (code 4).
+    with open(good + ".idx", "r+b") as f:
+        f.seek(17)
+        f.write(bytes([4]))
+    with pytest.raises(ValueError, match=r"good\.bin is 10 bytes .*5 tokens of int32 .*holds 2 bytes per token"):
+        IndexedDataset(good)
+
+
+def test_corrupt_pointers_and_lengths_are_found_at_open(good):
+    _, _, _, n, _ = _header(good)
+    lengths_at, pointers_at = 34, 34 + 4 * n
+    original = open(good + ".idx", "rb").read()
+    with open(good + ".idx", "r+b") as f:
+        f.seek(pointers_at + 8)  # sequence 1's pointer
+        f.write(struct.pack("<q", 2))
+    with pytest.raises(ValueError, match=r"good\.idx is corrupt: sequence 1 starts at byte 2 .*at byte 6"):
+        IndexedDataset(good)
+    open(good + ".idx", "wb").write(original)
+    with open(good + ".idx", "r+b") as f:
+        f.seek(lengths_at)
+        f.write(struct.pack("<i", -3))
+    with pytest.raises(ValueError, match=r"good\.idx is corrupt: sequence 0 has negative length -3"):
+        IndexedDataset(good)
+    open(good + ".idx", "wb").write(original)
+    with open(good + ".idx", "r+b") as f:
+        f.seek(lengths_at + 4)
+        f.write(struct.pack("<i", 7))  # longer than the .bin holds
+    with pytest.raises(ValueError, match=r"good\.bin is 10 bytes .* truncated"):
+        IndexedDataset(good)
+    with open(good + ".bin", "ab") as f:
+        f.write(b"\0" * 10)  # now the .bin matches the lengths again
+    assert IndexedDataset(good)[1].shape == (7,)
+
+
+def test_validation_is_vectorised_over_chunks(tmp_path, monkeypatch):
+    import megatron.core.datasets.indexed_dataset as module
+
+    monkeypatch.setattr(module, "_CHECK_CHUNK", 3)  # several chunks for 8 sequences
+    prefix = write_dataset(str(tmp_path / "d"), [[i] * (i + 1) for i in range(8)], np.int32)
+    assert IndexedDataset(prefix)[7].tolist() == [7] * 8
+    _, _, _, n, _ = _header(prefix)
+    with open(prefix + ".idx", "r+b") as f:
+        f.seek(34 + 4 * n + 8 * 6)  # sequence 6's pointer, in the third chunk
+        f.write(struct.pack("<q", 0))
+    with pytest.raises(ValueError, match="sequence 6 starts at byte 0"):
+        IndexedDataset(prefix)
+
+
+def test_fingerprint_follows_the_files(good):
+    before = IndexedDataset(good).fingerprint()
+    write_dataset(good, [[1, 2], [3, 4, 5]], np.uint16)  # same sizes, other lengths
+    after = IndexedDataset(good).fingerprint()
+    assert before["idx_size"] == after["idx_size"] and before["bin_size"] == after["bin_size"]
+    assert before["index_md5"] != after["index_md5"]

@@ -131,3 +131,12 @@ def test_worker_errors_reach_the_user(tmp_path, capsys):
     error = tool_error(capsys, "--input", path, "--output-prefix", str(tmp_path / "o"), "--workers", "2", *BPE_FLAGS)
     assert "line 301 is not valid JSON" in error
     assert os.listdir(tmp_path) == ["in.jsonl"]
+
+
+@pytest.mark.parametrize("lines, message", [([], "holds no documents"), (["", "  "], "holds no documents")])
+def test_empty_input_is_an_error_and_writes_nothing(tmp_path, capsys, lines, message):
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(lines))
+    error = tool_error(capsys, "--input", str(path), "--output-prefix", str(tmp_path / "o"), *BPE_FLAGS)
+    assert f"--input {path} {message}" in error and "no dataset was written" in error
+    assert os.listdir(tmp_path) == ["in.jsonl"]

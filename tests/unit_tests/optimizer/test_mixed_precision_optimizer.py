@@ -376,3 +376,93 @@ def test_direct_fused_adamw_equals_torch_fused_step(monkeypatch, preallocate):
         assert torch.equal(a, b)
     for s0, s1 in zip(opts[0].optimizer.state.values(), opts[1].optimizer.state.values()):
         assert all(torch.equal(s0[k], s1[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
+def _states(opt):
+    return [{k: v.clone() for k, v in opt.optimizer.state[m].items()} for m in opt.main_params]
+
+
+def _snapshot(ddp, opt):
+    return [p.detach().clone() for p in ddp.parameters()], _states(opt)
+
+
+def _assert_unchanged(ddp, opt, snapshot):
+    params, states = snapshot
+    for p, q in zip(ddp.parameters(), params):
+        assert torch.equal(p, q)
+    for now, before in zip(_states(opt), states):
+        assert now.keys() == before.keys()
+        for k in now:
+            assert torch.equal(now[k], before[k]), k
+
+
+def _x(ddp):
+    return torch.randn(4, 6, dtype=next(iter(ddp.parameters())).dtype)
+
+
+def _poison_step(ddp, opt, skip=None):
+    """A step whose first gradient holds a NaN (or a finite one with ``skip`` set)."""
+    ddp.zero_grad_buffer()
+    ddp(_x(ddp)).float().square().mean().backward()
+    ddp.finish_grad_sync()
+    if skip is None:
+        next(iter(ddp.parameters())).main_grad.view(-1)[0] = float("nan")
+    return opt.step(skip=skip)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_non_finite_step_is_skipped(monkeypatch, fused, bf16):
+    # fused=True takes the device path (the kernel's found_inf input); on the CPU that
+    # is torch's fused AdamW, forced here, and the host must not read the flag.
+    import megatron.core.optimizer.optimizer as optimizer_module
+
+    if fused:
+        monkeypatch.setattr(
+            optimizer_module,
+            "_build_inner",
+            lambda groups, config, device: torch.optim.AdamW(groups, lr=config.lr, fused=True),
+        )
+    torch.manual_seed(0)
+    net = _Net().to(torch.bfloat16) if bf16 else _Net()
+    ddp = _wrap(net)
+    config = OptimizerConfig(lr=1e-2, clip_grad=1.0)
+    opt = MixedPrecisionOptimizer(
+        ddp.parameters(),
+        config=config,
+        precision=PrecisionConfig(bf16=bf16),
+        skip_non_finite=True,
+        preallocate_state=True,
+        grad_buffers=[ddp.grad_buffer.data],
+    )
+    assert opt._fused == fused
+    _train_step(ddp, opt, _x(ddp))  # a good step first: moments are non-zero
+    assert opt.non_finite is not None and float(opt.non_finite) == 0.0
+    before = _snapshot(ddp, opt)
+
+    def no_host_read(*args, **kwargs):
+        raise AssertionError("the host read a device value during the step")
+
+    for skip in (None, torch.tensor(True)):
+        with monkeypatch.context() as m:
+            if fused:
+                m.setattr(torch.Tensor, "item", no_host_read)
+                m.setattr(torch.Tensor, "__bool__", no_host_read)
+            success, grad_norm, _ = _poison_step(ddp, opt, skip)
+        assert success is True and float(opt.non_finite) == 1.0
+        assert torch.isfinite(grad_norm) == (skip is not None)
+        _assert_unchanged(ddp, opt, before)
+    # The next good step goes on from the state before the skipped ones.
+    _train_step(ddp, opt, _x(ddp))
+    assert float(opt.non_finite) == 0.0
+    assert not torch.equal(next(iter(ddp.parameters())), before[0][0])
+    assert {int(float(s["step"])) for s in _states(opt)} == {2}
+
+
+def test_non_finite_step_is_applied_without_the_guard():
+    torch.manual_seed(0)
+    ddp = _wrap(_Net())
+    opt = MixedPrecisionOptimizer(ddp.parameters(), config=OptimizerConfig(lr=1e-2), precision=PrecisionConfig())
+    _poison_step(ddp, opt)
+    assert opt.non_finite is None
+    assert not torch.isfinite(next(iter(ddp.parameters()))).all()  # Megatron's behaviour

@@ -159,7 +159,7 @@ def test_loading_keeps_parameter_and_main_grad_storage(tmp_path):
         (p.data_ptr(), p.main_grad.data_ptr(), m.data_ptr()) for p, m in zip(params, trainer.optimizer.main_params)
     ]
     trainer.cfg.checkpoint.load = str(tmp_path / "c")
-    assert checkpointing.load_checkpoint(trainer) == 2
+    assert trainer.load_checkpoint() == 2
     after = [
         (p.data_ptr(), p.main_grad.data_ptr(), m.data_ptr()) for p, m in zip(params, trainer.optimizer.main_params)
     ]
@@ -366,3 +366,56 @@ def test_resume_then_capture_cuda_graphs_gpu(tmp_path):
     assert resumed.graphs.captured
     assert losses(resumed) == losses(full)[4:]
     assert_state_equal(resumed.model.state_dict(), full.model.state_dict())
+
+
+class _Counter:
+    """A minimal Stateful (not a module, not an optimizer)."""
+
+    def __init__(self, value=0):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+def test_save_and_load_any_stateful_objects(tmp_path):
+    from megatron.training.arguments import parse_args
+
+    cfg = parse_args(["--mock-data", "--save", str(tmp_path), "--load", str(tmp_path)])
+    pg = parallel_state.ProcessGroups.single(torch.device("cpu"))
+    model = torch.nn.Linear(3, 2)
+    train = checkpointing.TrainState(iteration=7, consumed_samples=56, skipped_iters=1, nan_iters=2)
+    state = {"model": model, "optimizer": _Counter(3), "opt_param_scheduler": _Counter(4), "train_state": train}
+    torch.manual_seed(5)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(5)
+    path = checkpointing.save_checkpoint(state, cfg, pg)
+    assert path == get_checkpoint_name(str(tmp_path), 7) and read_tracker(str(tmp_path)) == (7, False)
+    contents = torch.load(path, weights_only=True)
+    # Megatron's top-level keys, in Megatron's order; the counters follow.
+    assert list(contents) == [
+        "checkpoint_version", "iteration", "consumed_samples", "model", "optimizer", "opt_param_scheduler",
+        "rng_state", "config", "skipped_iterations", "nan_iterations",
+    ]  # fmt: skip
+    assert contents["optimizer"] == {"value": 3} and contents["opt_param_scheduler"] == {"value": 4}
+
+    fresh_model = torch.nn.Linear(3, 2)
+    weight_ptr = fresh_model.weight.data_ptr()
+    fresh = {"model": fresh_model, "optimizer": _Counter(), "opt_param_scheduler": _Counter(), "train_state": None}
+    fresh["train_state"] = checkpointing.TrainState()
+    torch.manual_seed(99)
+    loaded = checkpointing.load_checkpoint(fresh, cfg, pg)
+    assert loaded.iteration == 7 and loaded.loaded == {"model", "optimizer", "opt_param_scheduler", "train_state"}
+    assert fresh_model.weight.data_ptr() == weight_ptr and torch.equal(fresh_model.weight, model.weight)
+    assert (fresh["optimizer"].value, fresh["opt_param_scheduler"].value) == (3, 4)
+    t = fresh["train_state"]
+    assert (t.iteration, t.consumed_samples, t.skipped_iters, t.nan_iters) == (7, 56, 1, 2)
+    assert torch.equal(torch.rand(3), expected_draw)  # the RNG continues where the save left it
+
+    cfg.checkpoint.no_load_optim = True
+    skipped = {"model": fresh_model, "optimizer": _Counter(), "opt_param_scheduler": _Counter(), "train_state": t}
+    loaded = checkpointing.load_checkpoint(skipped, cfg, pg)
+    assert loaded.loaded == {"model", "train_state"} and skipped["optimizer"].value == 0

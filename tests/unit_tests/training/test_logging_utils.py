@@ -253,3 +253,29 @@ def test_print_helpers(capsys):
     print_last_rank("hello from last")
     out = capsys.readouterr().out
     assert out == "hello from 0\nhello from last\n"
+
+
+def test_metrics_file_with_a_torn_last_line_is_repaired(tmp_path, capsys):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"iteration": 1, "lm loss": 5.0}\n{"iteration": 2, "lm lo')
+    with logging_utils.MetricsWriter(str(path), None, enabled_on_this_rank=True) as w:
+        w.write(3, {"lm loss": 4.0})
+    assert [json.loads(line)["iteration"] for line in path.read_text().splitlines()] == [1, 3]
+    assert "ended in a torn line (23 bytes" in capsys.readouterr().out
+    # A whole record that only lacks its newline is kept.
+    path.write_text('{"iteration": 1}')
+    with logging_utils.MetricsWriter(str(path), None, enabled_on_this_rank=True) as w:
+        w.write(2, {})
+    assert [json.loads(line)["iteration"] for line in path.read_text().splitlines()] == [1, 2]
+    # Nothing but a torn line, longer than one read block.
+    path.write_text('{"x": "' + "y" * 70000)
+    assert logging_utils.repair_jsonl_tail(str(path)) == 70007 and path.read_text() == ""
+
+
+def test_metrics_and_tensorboard_paths_of_the_wrong_kind(tmp_path):
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    with pytest.raises(ValueError, match=r"--tensorboard-dir .*f is a file, not a folder"):
+        logging_utils.MetricsWriter(None, str(a_file), enabled_on_this_rank=True)
+    with pytest.raises(ValueError, match=r"--metrics-file .* is a folder"):
+        logging_utils.MetricsWriter(str(tmp_path), None, enabled_on_this_rank=True)
