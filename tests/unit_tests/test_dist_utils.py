@@ -45,12 +45,14 @@ def test_results_are_indexed_by_rank_and_env_is_set():
 def test_raising_rank_fails_with_its_traceback():
     start = time.monotonic()
     with pytest.raises(pytest.fail.Exception) as info:
-        run_distributed(_raise_on_rank1, 2, timeout=60)
+        run_distributed(_raise_on_rank1, 2, timeout=600)
     message = str(info.value)
     assert "rank 1 raised" in message
     assert "ValueError: boom from rank one" in message
     assert "_raise_on_rank1" in message  # the traceback text, not just the message
-    assert time.monotonic() - start < 30  # the waiting rank is killed, not waited for
+    # The waiting rank is killed, not waited for: far less than the 600 s timeout, even
+    # when a loaded machine takes a minute to spawn two ranks.
+    assert time.monotonic() - start < 300
 
 
 def test_hanging_rank_times_out():
