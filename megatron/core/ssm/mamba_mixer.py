@@ -48,6 +48,11 @@ except ImportError:  # pragma: no cover - depends on the environment
     HAVE_MAMBA_SSM = False
 
 
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 -> float32; float32 and float64 unchanged."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 class GroupedRMSNorm(torch.nn.Module):
     """RMSNorm over each group's channels, optionally gated first: ``norm(x * silu(z)) * weight``.
 
@@ -67,12 +72,12 @@ class GroupedRMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
+        x = _at_least_fp32(x)
         if z is not None:
-            x = x * F.silu(z.float())
+            x = x * F.silu(_at_least_fp32(z))
         grouped = rearrange(x, "... (g c) -> ... g c", c=self.group_size)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (rearrange(grouped, "... g c -> ... (g c)") * self.weight.float()).to(dtype)
+        return (rearrange(grouped, "... g c -> ... (g c)") * _at_least_fp32(self.weight)).to(dtype)
 
 
 class MambaMixer(torch.nn.Module):
@@ -231,7 +236,7 @@ class MambaMixer(torch.nn.Module):
         """``[s, b, h] -> (out [s, b, h], None)`` (the out-projection has no bias)."""
         zxbcdt, _ = self.in_proj(hidden_states)  # [s, b, 2 d_inner + 2 g n + heads] (this rank's part)
         zxbcdt = rearrange(zxbcdt, "s b d -> b s d")
-        A = -torch.exp(self.A_log.float())  # [heads]
+        A = -torch.exp(_at_least_fp32(self.A_log))  # [heads]
         if self._fused(hidden_states):
             y = self._fused_ssm(zxbcdt, A)
         else:
@@ -248,8 +253,8 @@ class MambaMixer(torch.nn.Module):
             rearrange(xbc, "b s d -> b d s"), self.conv1d.weight, self.conv1d.bias, activation="silu", use_fused=False
         )
         x, B, C = torch.split(rearrange(xbc, "b d s -> b s d"), self._split_sizes()[1:4], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float())  # [b, s, heads]
-        D = self.D.float()
+        dt = F.softplus(_at_least_fp32(dt) + _at_least_fp32(self.dt_bias))  # [b, s, heads]
+        D = _at_least_fp32(self.D)
         if self.D_has_hdim:
             D = rearrange(D, "(h p) -> h p", p=self.headdim)
         y = ssd_chunked_scan(
