@@ -11,6 +11,7 @@ import torch
 
 from megatron.core.config_utils import flag_field, require
 from megatron.core.parallel_state import ParallelConfig
+from megatron.core.ssm.mamba_config import MambaConfig
 from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -252,12 +253,14 @@ class RunConfig:
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     cuda_graph: CudaGraphConfig = dataclasses.field(default_factory=CudaGraphConfig)
+    mamba: MambaConfig = dataclasses.field(default_factory=MambaConfig)
 
     def validate(self) -> None:
         """Checks each concern, then the rules that span several of them.
 
         Needs ``parallel.world_size`` set (``finalize_world``) for the batch checks.
         """
+        self.mamba.validate(self.model, self.parallel)  # first: the hybrid pattern sets --num-layers
         self.model.finalize()
         self.model.validate()
         self.parallel.validate()

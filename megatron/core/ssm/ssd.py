@@ -81,7 +81,7 @@ def ssd_chunked_scan(
         A: ``[h]`` negative decay rates.
         B: ``[b, l, g, n]`` input projections per group (``h`` divisible by ``g``).
         C: ``[b, l, g, n]`` output projections per group.
-        chunk_size: Time steps per chunk; ``l`` need not be a multiple.
+        chunk_size: Time steps per chunk; ``l`` need not be a multiple (a shorter sequence is one chunk).
         D: ``[h]`` or ``[h, p]`` skip weights, or None.
         initial_states: ``[b, h, p, n]`` state before the first step, or None (zeros).
         return_final_states: Also return the state after the last step.
@@ -96,8 +96,8 @@ def ssd_chunked_scan(
     out_dtype = x.dtype
     cdt = _compute_dtype(x.dtype)
     state_dtype = out_dtype if state_dtype is None else state_dtype
-    q = int(chunk_size)
-    assert q > 0, "chunk_size must be positive"
+    assert chunk_size > 0, "chunk_size must be positive"
+    q = min(int(chunk_size), length)  # a sequence shorter than a chunk is one chunk, unpadded
     pad = (-length) % q
     x_, dt_, B_, C_ = (t.to(cdt) for t in (x, dt, B, C))
     if pad:
