@@ -5,7 +5,7 @@ Mamba, MLP, ...), which also sets the layer count. Without torchrun it runs as a
 of one; on a machine without CUDA it trains on the CPU.
 """
 
-from megatron.core.models.hybrid.hybrid_model import build_hybrid_model
+from megatron.core.models.hybrid.hybrid_model import build_hybrid_model, check_graph_scopes
 from megatron.training.training import pretrain
 
 
@@ -15,6 +15,7 @@ def model_provider(cfg, vocab_size, pg, device):
         raise ValueError(
             "pretrain_hybrid.py needs --hybrid-layer-pattern (e.g. M*M-M*M-); for GPT use pretrain_gpt.py."
         )
+    check_graph_scopes(cfg.cuda_graph.cuda_graph_scope, cfg.mamba, cfg.model)  # before anything is built
     return build_hybrid_model(cfg.model, cfg.mamba, vocab_size, pg=pg, device=device)
 
 

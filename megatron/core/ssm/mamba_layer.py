@@ -1,7 +1,7 @@
 """A Mamba layer of a hybrid model: ``x + dropout(mixer(norm(x)))``, one graphable region.
 
-Like ``TransformerLayer`` it holds no capture code: the CUDA-graph machinery wraps
-``_forward_mamba`` (the ``mamba`` scope) on the instance. ``_forward_mamba`` is a pure
+Like ``TransformerLayer`` it holds no capture code: the class declares
+``_forward_mamba`` as its graph region (the ``mamba`` scope). ``_forward_mamba`` is a pure
 function of its tensor argument and the parameters (no host syncs, static shapes,
 nothing stored on ``self``), and it is all of ``forward``, so the layer may be captured
 whole as well.
@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.ssm.mamba_mixer import MambaMixer
+from megatron.core.transformer.cuda_graphs.regions import GraphRegions, RegionSpec
 from megatron.core.transformer.norm import build_norm
 from megatron.core.transformer.spec_utils import build_module
 
@@ -38,6 +39,8 @@ class MambaLayer(torch.nn.Module):
         device: Device for the parameters (default: torch's default device).
     """
 
+    graph_regions = GraphRegions(RegionSpec("mamba", "_forward_mamba"), whole=("mamba",))
+
     def __init__(
         self,
         config,
@@ -60,10 +63,6 @@ class MambaLayer(torch.nn.Module):
         self.mixer = build_module(
             submodules.mixer, config=config, mamba_config=mamba_config, layer_number=layer_number, pg=pg, device=device
         )
-
-    def graph_regions(self) -> dict[str, str]:
-        """Graphable regions of this layer: region name -> name of the method that runs it."""
-        return {"mamba": "_forward_mamba"}
 
     def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``; ``rotary_pos_emb`` is accepted for a uniform layer call and unused."""

@@ -4,7 +4,8 @@
 layers of one pipeline chunk from that chunk's symbols of ``--hybrid-layer-pattern``
 (``hybrid_layer_allocation.select_pipeline_segment`` picks them), numbers them
 globally (``layer_offset + i + 1``), marks ``is_first_layer`` / ``is_last_layer``
-within the chunk for the CUDA-graph code, runs them in order and applies the final
+within the chunk (the layers at a chunk's edges read from or feed communication),
+names them to the CUDA-graph session (``graph_layers``), runs them in order and applies the final
 norm on the last stage. Every layer takes and returns ``[s, b, h]``; attention
 layers also read the rotary table, the others ignore it.
 """
@@ -99,6 +100,10 @@ class HybridStack(torch.nn.Module):
             self.final_norm = build_norm(config, config.hidden_size, device=device)
         else:
             self.final_norm = None
+
+    def graph_layers(self) -> list[torch.nn.Module]:
+        """The layers the CUDA-graph session may route (this chunk's own, in order)."""
+        return list(self.layers)
 
     def forward(
         self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None, *, final_norm: bool = True

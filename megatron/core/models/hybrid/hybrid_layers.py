@@ -9,6 +9,7 @@ names are the transformer layer's (``input_layernorm``, ``self_attention`` /
 
 import torch
 
+from megatron.core.transformer.cuda_graphs.regions import GraphRegions, RegionSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
@@ -20,9 +21,7 @@ def absent(*args, **kwargs) -> None:
 class AttentionLayer(TransformerLayer):
     """``x + attn(norm(x))``: a transformer layer without its MLP (pattern symbol ``*``)."""
 
-    def graph_regions(self) -> dict[str, str]:
-        """Graphable regions of this layer: region name -> name of the method that runs it."""
-        return {"attn": "_forward_attention"}
+    graph_regions = GraphRegions(RegionSpec("attn", "_forward_attention"), whole=("attn",))
 
     def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``."""
@@ -32,9 +31,7 @@ class AttentionLayer(TransformerLayer):
 class MLPLayer(TransformerLayer):
     """``x + mlp(norm(x))``: a transformer layer without attention (pattern symbol ``-``)."""
 
-    def graph_regions(self) -> dict[str, str]:
-        """Graphable regions of this layer: region name -> name of the method that runs it."""
-        return {"mlp": "_forward_mlp"}
+    graph_regions = GraphRegions(RegionSpec("mlp", "_forward_mlp"), whole=("mlp",))
 
     def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``; ``rotary_pos_emb`` is accepted for a uniform layer call and unused."""

@@ -17,10 +17,22 @@ from megatron.core.models.hybrid.hybrid_block import HybridStack
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern, select_pipeline_segment
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, init_method_normal, resolve_device
+from megatron.core.transformer.cuda_graphs import regions
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+
+def _tied_head_params(model: "HybridModel") -> list[torch.nn.Parameter]:
+    # The tied embedding weight gets gradient from the head and from the eager embedding
+    # lookup; autograd must sum both in the parameter's dtype, as in eager.
+    shared = model.shared_embedding_or_output_weight() if model.pre_process else None
+    return [shared] if shared is not None else []
 
 
 class HybridModel(torch.nn.Module):
     """Decoder-only hybrid Mamba/attention language model (one pipeline chunk of it).
+
+    Graph head: ``_postprocess`` (final norm, output layer, cross entropy) on the stage
+    that has it.
 
     Args:
         config: Finalized ``TransformerConfig``.
@@ -36,6 +48,10 @@ class HybridModel(torch.nn.Module):
         vp_stage: Virtual pipeline stage of this chunk (None without a virtual pipeline).
         device: Device for the parameters (default: torch's default device).
     """
+
+    graph_head = regions.HeadRegion(
+        "_postprocess", shared_params=_tied_head_params, present=lambda model: model.post_process
+    )
 
     def __init__(
         self,
@@ -115,10 +131,6 @@ class HybridModel(torch.nn.Module):
         else:
             self.output_layer = None
 
-    def layer_classes(self) -> list[type]:
-        """The classes of this chunk's layers, in order (for the CUDA-graph scope checks)."""
-        return [type(layer) for layer in self.decoder.layers]
-
     def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
         """The weight shared by the embedding and the output layer on this stage, if any."""
         if not self.share_embeddings_and_output_weights:
@@ -143,7 +155,7 @@ class HybridModel(torch.nn.Module):
         return self._postprocess(hidden_states, labels)
 
     def _postprocess(self, hidden_states: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Loss head: final norm -> output layer -> per-token cross entropy (one graphable region)."""
+        """Loss head: final norm -> output layer -> per-token cross entropy (one graphable region, ``graph_head``)."""
         if self.decoder.final_norm is not None:
             hidden_states = self.decoder.final_norm(hidden_states)
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
@@ -152,13 +164,6 @@ class HybridModel(torch.nn.Module):
             return logits.transpose(0, 1).contiguous()
         loss = vocab_parallel_cross_entropy(logits, labels.t(), pg=self.pg, fused=self.config.cross_entropy_loss_fusion)
         return loss.t().contiguous()  # [b, s]
-
-    def graph_postprocess_region(self) -> tuple[str, list[torch.nn.Parameter]] | None:
-        """The loss head as a graphable region: ``(method name, shared parameters)`` (see GPTModel)."""
-        if not self.post_process:
-            return None
-        shared = self.shared_embedding_or_output_weight() if self.pre_process else None
-        return "_postprocess", [shared] if shared is not None else []
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of unique parameters (a tied weight counts once)."""
@@ -169,6 +174,40 @@ class HybridModel(torch.nn.Module):
             if self.output_layer is not None and self.output_layer.weight is not None:
                 excluded.add(id(self.output_layer.weight))
         return sum(p.numel() for p in self.parameters() if id(p) not in excluded)
+
+
+def pattern_layer_classes(mamba_config, stack_submodules=None) -> list[type]:
+    """The layer classes the whole ``--hybrid-layer-pattern`` builds (every pipeline chunk), in order."""
+    if stack_submodules is None:
+        from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_stack_local_spec
+
+        stack_submodules = get_hybrid_stack_local_spec()
+    spec_names = {Symbols.MAMBA: "mamba_layer", Symbols.ATTENTION: "attention_layer", Symbols.MLP: "mlp_layer"}
+    classes = []
+    for symbol in parse_hybrid_pattern(mamba_config.hybrid_layer_pattern).layers:
+        spec = getattr(stack_submodules, spec_names[symbol], None) if symbol in spec_names else None
+        if spec is not None:  # MoE (E) has no layer yet; building the stack says so
+            classes.append(spec.module if isinstance(spec, ModuleSpec) else spec)
+    return classes
+
+
+def check_graph_scopes(scopes, mamba_config, model_config=None, stack_submodules=None) -> None:
+    """Checks ``--cuda-graph-scope`` against the pattern's layers, before anything is built.
+
+    The rules are the resolver's (``cuda_graphs/regions.py``); a violation names both
+    flags, e.g. ``mamba`` on a pattern without ``M`` layers.
+    """
+    pattern = mamba_config.hybrid_layer_pattern
+    try:
+        regions.resolve(scopes, pattern_layer_classes(mamba_config, stack_submodules), model_config)
+    except ValueError as error:
+        missing = [
+            f"no {symbol} ({Symbols.NAMES[symbol]}) layers"
+            for scope, symbol in (("mamba", Symbols.MAMBA), ("attn", Symbols.ATTENTION), ("mlp", Symbols.MLP))
+            if scope in scopes and symbol not in pattern
+        ]
+        hint = f": it has {', '.join(missing)}" if missing else ""
+        raise ValueError(f"{error} The layers come from --hybrid-layer-pattern {pattern!r}{hint}.") from None
 
 
 def build_hybrid_model(config, mamba_config, vocab_size: int, pg=None, device=None, vp_stage=None) -> HybridModel:

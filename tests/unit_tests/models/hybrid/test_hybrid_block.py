@@ -43,9 +43,12 @@ def test_each_layer_kind_is_a_residual_branch_with_one_region():
     x = torch.randn(6, 2, H)
     expected = {MambaLayer: "_forward_mamba", AttentionLayer: "_forward_attention", MLPLayer: "_forward_mlp"}
     for layer in stack.layers:
-        (method,) = layer.graph_regions().values()
-        assert method == expected[type(layer)]
-        assert torch.equal(layer(x), getattr(layer, method)(x))  # the region is the whole forward
+        regions = type(layer).graph_regions
+        (spec,) = regions.specs
+        assert spec.method == expected[type(layer)] and regions.whole == (spec.name,)
+        assert getattr(layer, spec.method)
+        assert torch.equal(layer(x), getattr(layer, spec.method)(x))  # the region is the whole forward
+    assert stack.graph_layers() == list(stack.layers)
     mamba, attn, mlp = stack.layers
     torch.testing.assert_close(mamba(x), x + mamba.mixer(mamba.norm(x))[0])
     torch.testing.assert_close(mlp(x), x + mlp.mlp(mlp.pre_mlp_layernorm(x))[0])
