@@ -80,6 +80,19 @@ class GroupedRMSNorm(torch.nn.Module):
         return (rearrange(grouped, "... g c -> ... (g c)") * _at_least_fp32(self.weight)).to(dtype)
 
 
+class ConvWeights(torch.nn.Module):
+    """The depthwise conv's parameters (``weight [channels, 1, d_conv]``, ``bias [channels]``), as ``nn.Conv1d``
+    names them; ``causal_conv1d`` applies them."""
+
+    def __init__(self, channels: int, d_conv: int, device=None, dtype=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(channels, 1, d_conv, device=device, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.empty(channels, device=device, dtype=dtype))
+
+    def extra_repr(self) -> str:
+        return f"channels={self.weight.shape[0]}, d_conv={self.weight.shape[-1]}"
+
+
 class MambaMixer(torch.nn.Module):
     """Mamba-2 mixer.
 
@@ -173,9 +186,7 @@ class MambaMixer(torch.nn.Module):
         self.in_proj.weight.partition_sizes = self._split_sizes()  # rank-local [z, x, B, C, dt] rows
 
         conv_dim = self.d_inner_local + 2 * self.ngroups_local * self.d_state  # x, B, C
-        self.conv1d = torch.nn.Module()
-        self.conv1d.weight = torch.nn.Parameter(torch.empty(conv_dim, 1, d_conv, device=device, dtype=dtype))
-        self.conv1d.bias = torch.nn.Parameter(torch.empty(conv_dim, device=device, dtype=dtype))
+        self.conv1d = ConvWeights(conv_dim, d_conv, device=device, dtype=dtype)
         with torch.no_grad():
             if conv_init is not None:
                 self.conv1d.weight.uniform_(-conv_init, conv_init)

@@ -16,8 +16,10 @@ product, and only one state per chunk is passed along the sequence. What is unus
   the end (``dt = 0`` there, so the padding neither decays nor feeds the state) and
   trimmed afterwards. No host syncs, no data-dependent shapes: capturable.
 - Low-precision inputs (bf16/fp16) are computed in float32; float64 stays float64.
-  ``state_dtype`` rounds the states passed between chunks to that dtype, as
-  Megatron's ``--mamba-training-ssm-states-dtype`` does in the fused kernels.
+  ``state_dtype`` (default: the input dtype) rounds the states that enter each chunk
+  to that dtype, as the fused kernels materialize them (Megatron's
+  ``--mamba-training-ssm-states-dtype``); the passing itself and the final state stay
+  in the compute dtype.
 
 ``ssd_sequential_scan`` is the recurrence above, one time step at a time: the reference
 the tests and ``tools/bench_mamba.py`` compare against.
@@ -128,13 +130,11 @@ def ssd_chunked_scan(
     else:
         first = rearrange(initial_states.to(cdt), "b (g r) p n -> b 1 g r p n", g=g)
     states = torch.cat([first, states], dim=1)  # [b, c + 1, g, r, p, n]
-    if state_dtype != cdt:
-        states = states.to(state_dtype).to(cdt)
     chunk_a = F.pad(a.sum(dim=-1), (1, 0))  # [b, g, r, c + 1]
     chunk_decay = torch.exp(_segsum(chunk_a))  # [b, g, r, c + 1, c + 1]
     passed = torch.einsum("bgrzc,bcgrpn->bzgrpn", chunk_decay, states)
     entering, final = passed[:, :-1], passed[:, -1]  # state entering each chunk; after the last
-    if state_dtype != cdt:
+    if state_dtype != cdt:  # the materialized inter-chunk states (the passing itself runs in cdt)
         entering = entering.to(state_dtype).to(cdt)
 
     # 4. What the entering state contributes inside each chunk: C_i . (exp(a_0 + ... + a_i) S).
