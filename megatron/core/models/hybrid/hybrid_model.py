@@ -5,8 +5,10 @@ gives the unreduced per-token loss; ``[s, b, h]`` inside; the loss head is one
 graphable region), with the decoder built from ``--hybrid-layer-pattern``. Parameter
 names follow Megatron's hybrid model (``embedding.word_embeddings``,
 ``decoder.layers.N.mixer.in_proj``, ``decoder.final_norm``, ``output_layer``).
-Position embeddings default to none, as Megatron's hybrid model (the Mamba layers
-carry position); ``learned_absolute`` and ``rope`` work as in GPT.
+The class defaults to no position embeddings, as Megatron's ``HybridModel`` (the Mamba
+layers carry position); the flags default to ``learned_absolute``, as Megatron's command
+line does (its hybrid examples pass ``--position-embedding-type none``); ``rope`` works
+as in GPT.
 """
 
 import torch
