@@ -5,6 +5,7 @@ Mamba, MLP, ...), which also sets the layer count. Without torchrun it runs as a
 of one; on a machine without CUDA it trains on the CPU.
 """
 
+from megatron.core.models.gpt.loss import masked_mean_loss
 from megatron.core.models.hybrid.hybrid_model import build_hybrid_model, check_graph_scopes
 from megatron.training.training import pretrain
 
@@ -19,5 +20,12 @@ def model_provider(cfg, vocab_size, pg, device):
     return build_hybrid_model(cfg.model, cfg.mamba, vocab_size, pg=pg, device=device)
 
 
+def forward_step(batch, model):
+    """One micro-batch: ``(loss, metrics)``, the mean next-token loss over unmasked tokens."""
+    per_token = model(batch["tokens"], batch["position_ids"], batch["labels"])
+    loss, _num_tokens = masked_mean_loss(per_token, batch["loss_mask"])
+    return loss, {}
+
+
 if __name__ == "__main__":
-    pretrain(model_provider=model_provider)
+    pretrain(model_provider=model_provider, forward_step=forward_step)

@@ -58,3 +58,44 @@ def test_the_model_exposes_its_layers_and_loss_head_to_the_session():
     assert not head_follows(resolve(["mamba"], [MambaLayer, MLPLayer])[MLPLayer], MLPLayer)
     assert resolve([], [MambaLayer])[MambaLayer] == (WHOLE,)
     assert torch.isfinite(model(torch.randint(0, 64, (1, 8)), labels=torch.zeros(1, 8, dtype=torch.long))).all()
+
+
+@pytest.mark.parametrize(
+    "scopes,regions",
+    [
+        (["mamba"], ["0.layer", "2.layer", "4.layer", "6.layer"]),
+        (["mamba", "attn", "mlp"], [f"{i}.layer" for i in range(8)] + ["postprocess"]),
+        ([], [f"{i}.layer" for i in range(8)] + ["postprocess"]),
+        (["attn"], ["1.layer", "5.layer"]),
+    ],
+)
+def test_session_records_the_selected_regions_of_a_hybrid_model(scopes, regions):
+    """The graph session attached to a hybrid model records its regions in order (CPU: record only)."""
+    import warnings
+
+    from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+    from megatron.core.models.gpt.loss import masked_mean_loss
+    from megatron.core.parallel_state import ProcessGroups
+    from megatron.core.transformer import cuda_graphs
+    from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
+    from megatron.core.transformer.cuda_graphs.plan import BWD, FWD, Event
+    from megatron.training.config import DDPConfig
+
+    cfg = TransformerConfig(hidden_size=32, num_attention_heads=4, seq_length=8, hidden_dropout=0.0)
+    PATTERN.validate(cfg)
+    torch.manual_seed(0)
+    model = build_hybrid_model(cfg.finalize(), PATTERN, 64, device="cpu")
+    ddp = DistributedDataParallel(model, config=DDPConfig(), pg=ProcessGroups.single())
+    check_graph_scopes(scopes, PATTERN, cfg)
+    config = CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=scopes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        session = cuda_graphs.attach(model, config, grad_sinks=[ddp], record_without_cuda=True)
+    assert [r.name.removeprefix("decoder.layers.") for r in session.regions] == regions
+    tokens = torch.randint(0, 64, (2, 8))
+    loss, _ = masked_mean_loss(ddp(tokens, None, tokens), torch.ones(2, 8))
+    loss.backward()
+    n = len(regions)
+    plan = session.make_plans()[0]  # slot 0: one micro-batch in flight
+    assert plan.cycle == [Event(FWD, i) for i in range(n)] + [Event(BWD, i) for i in reversed(range(n))]
+    session.close()

@@ -33,18 +33,19 @@ SCOPES = {"mamba": "mamba", "mamba attn mlp": "mamba attn mlp", "layer": ""}
 N_REGIONS = {"mamba": 4, "mamba attn mlp": 9, "layer": 9}
 
 
-def model_provider():
+def pretrain_hybrid():
     spec = importlib.util.spec_from_file_location("pretrain_hybrid", os.path.join(REPO, "pretrain_hybrid.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.model_provider
+    return module
 
 
 def train(flags: str, iters: int, snapshot_at: int = 3):
     """Trains ``iters`` iterations; returns (losses, main_grads after ``snapshot_at``, trainer, peak bytes)."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    trainer = build_trainer(f"{flags} --train-iters {iters}".split(), model_provider())
+    entry = pretrain_hybrid()
+    trainer = build_trainer(f"{flags} --train-iters {iters}".split(), entry.model_provider, entry.forward_step)
     try:
         it = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0)[0]
         trainer.model.train()
@@ -72,11 +73,11 @@ def assert_same(eager, graphed, what):
 def run_scopes(size: str, iters: int, memory_margin: float | None):
     flags = f"{size} {COMMON}"
     eager = train(flags, iters)
-    assert eager[2].graphs.state == "off"
+    assert eager[2].graphs.active is False
     for scope, value in SCOPES.items():
         graphed = train(f"{flags} --cuda-graph-impl local --cuda-graph-scope {value}".rstrip(), iters)
         trainer = graphed[2]
-        assert trainer.graphs.state == "captured"
+        assert trainer.graphs.captured
         assert len(trainer.graphs.regions) == N_REGIONS[scope], [r.name for r in trainer.graphs.regions]
         assert_same(eager, graphed, f"scope {scope!r}")
         if memory_margin is not None:

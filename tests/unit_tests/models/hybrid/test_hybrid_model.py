@@ -90,7 +90,7 @@ def test_pretrain_hybrid_trains_on_the_cpu_and_the_loss_decreases(tmp_path):
         "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--log-interval", "3", "--eval-iters", "0",
         "--data-cache-path", str(tmp_path), "--use-cpu",
     ]  # fmt: skip
-    trainer = pretrain(flags, model_provider=pretrain_hybrid.model_provider)
+    trainer = pretrain(flags, model_provider=pretrain_hybrid.model_provider, forward_step=pretrain_hybrid.forward_step)
     assert trainer.cfg.model.num_layers == 8
     assert [type(m).__name__ for m in trainer.model.module.decoder.layers][:4] == [
         "MambaLayer", "AttentionLayer", "MambaLayer", "MLPLayer"
