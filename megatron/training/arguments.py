@@ -48,6 +48,7 @@ _GROUP_TITLES = {
     "logging": "logging",
     "checkpoint": "checkpoint",
     "cuda_graph": "cuda graphs",
+    "mamba": "mamba and hybrid",
 }
 
 _KNOWN_GROUP_TITLE = "Megatron flags not supported here"
@@ -108,8 +109,12 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
     "--moe-token-dispatcher-type": KnownFlag(None, _not_yet("--moe-token-dispatcher-type (MoE)", "drop the MoE flags")),
     "--moe-aux-loss-coeff": KnownFlag(None, _not_yet("--moe-aux-loss-coeff (MoE)", "drop the MoE flags")),
     "--expert-tensor-parallel-size": KnownFlag(None, _not_yet("--expert-tensor-parallel-size")),
-    "--hybrid-layer-pattern": KnownFlag(None, _not_yet("--hybrid-layer-pattern (hybrid Mamba models)")),
-    "--spec": KnownFlag("*", "--spec is not supported: layers are chosen from the model flags; drop the flag."),
+    "--spec": KnownFlag(
+        "*",
+        "--spec is not supported: layers are chosen from the model flags; drop the flag.",
+        accepted_values=("megatron.core.models.hybrid.hybrid_layer_specs hybrid_stack_spec",),
+        note="the hybrid stack spec of Megatron's hybrid command lines is the one pretrain_hybrid.py builds",
+    ),
     "--fp8-format": KnownFlag(None, _not_yet("--fp8-format (FP8 training)", "use --bf16")),
     "--recompute-granularity": KnownFlag(None, _not_yet("--recompute-granularity (activation recompute)")),
     "--recompute-method": KnownFlag(None, _not_yet("--recompute-method (activation recompute)")),

@@ -14,6 +14,7 @@ import torch
 from megatron.core.config_utils import flag_field, require
 from megatron.core.datasets.builder import parse_split
 from megatron.core.parallel_state import ParallelConfig
+from megatron.core.ssm.mamba_config import MambaConfig
 from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -261,6 +262,7 @@ class RunConfig:
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     cuda_graph: CudaGraphConfig = dataclasses.field(default_factory=CudaGraphConfig)
+    mamba: MambaConfig = dataclasses.field(default_factory=MambaConfig)
 
     def validate(self) -> None:
         """Checks each concern, then the rules that span several of them.
@@ -268,6 +270,7 @@ class RunConfig:
         Needs ``parallel.world_size`` set (``finalize_world``) for the batch checks.
         """
         self._warn_ignored_flags()
+        self.mamba.validate(self.model, self.parallel)  # first: the hybrid pattern sets --num-layers
         self.model.finalize()
         self.model.validate()
         self.parallel.validate()

@@ -44,8 +44,8 @@ class TransformerConfig:
     max_position_embeddings: int | None = None
     """Size of the learned position table. Defaults to --seq-length."""
 
-    position_embedding_type: str = flag_field("learned_absolute", choices=("learned_absolute", "rope"))
-    """Position embedding: learned absolute table or rotary (RoPE)."""
+    position_embedding_type: str = flag_field("learned_absolute", choices=("learned_absolute", "rope", "none"))
+    """Position embedding: learned absolute table, rotary (RoPE) or none (hybrid Mamba models)."""
 
     rotary_base: int = 10000
     """Base of the rotary embedding frequencies."""

@@ -222,7 +222,7 @@ def test_fusion_flags_turn_fusions_off():
 
 def test_known_table_covers_brief_and_has_no_clash():
     for flag in ("--num-experts", "--moe-ffn-hidden-size", "--moe-token-dispatcher-type", "--moe-aux-loss-coeff",
-                 "--hybrid-layer-pattern", "--fp8-format", "--recompute-method", "--recompute-num-layers",
+                 "--fp8-format", "--recompute-method", "--recompute-num-layers",
                  "--async-save", "--ckpt-format", "--spec", "--split-sentences"):  # fmt: skip
         assert KNOWN_MEGATRON_FLAGS[flag].message, flag
     for flag in ("--use-flash-attn", "--use-mcore-models", "--no-bias-gelu-fusion"):

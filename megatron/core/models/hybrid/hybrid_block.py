@@ -1,0 +1,120 @@
+"""The hybrid stack: one model chunk of Mamba, attention, MLP (and later MoE) layers from the pattern.
+
+``HybridStack`` is to a hybrid model what ``TransformerBlock`` is to GPT: it builds the
+layers of one pipeline chunk from that chunk's symbols of ``--hybrid-layer-pattern``
+(``hybrid_layer_allocation.select_pipeline_segment`` picks them), numbers them
+globally (``layer_offset + i + 1``), marks ``is_first_layer`` / ``is_last_layer``
+within the chunk (the layers at a chunk's edges read from or feed communication),
+names them to the CUDA-graph session (``graph_layers``), runs them in order and applies the final
+norm on the last stage. Every layer takes and returns ``[s, b, h]``; attention
+layers also read the rotary table, the others ignore it.
+"""
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from megatron.core.models.hybrid.hybrid_layer_allocation import PATTERN_FLAG, Symbols
+from megatron.core.transformer.norm import build_norm
+from megatron.core.transformer.spec_utils import build_module
+
+
+@dataclasses.dataclass
+class HybridStackSubmodules:
+    """Specs of the layer kinds, one per pattern symbol (None: not available)."""
+
+    mamba_layer: Any = None
+    attention_layer: Any = None
+    mlp_layer: Any = None
+    moe_layer: Any = None
+
+
+_SPEC_OF = {
+    Symbols.MAMBA: "mamba_layer",
+    Symbols.ATTENTION: "attention_layer",
+    Symbols.MLP: "mlp_layer",
+    Symbols.MOE: "moe_layer",
+}
+
+
+class HybridStack(torch.nn.Module):
+    """Runs the layers of one chunk in order, then ``final_norm`` when present.
+
+    Args:
+        config: Finalized ``TransformerConfig``.
+        mamba_config: ``MambaConfig`` (for the Mamba layers).
+        layer_types: This chunk's pattern symbols, e.g. ``"M*M-"``.
+        pg: ``ProcessGroups`` (or ``None`` for a world of one).
+        submodules: Layer specs per symbol (default: the local hybrid spec).
+        layer_offset: Global index of this chunk's first layer.
+        post_layer_norm: Add the final norm (only on the last pipeline stage).
+        pre_process: This chunk is on the first pipeline stage.
+        post_process: This chunk is on the last pipeline stage.
+        device: Device for the parameters (default: torch's default device).
+    """
+
+    def __init__(
+        self,
+        config,
+        mamba_config,
+        layer_types: str,
+        pg=None,
+        *,
+        submodules: HybridStackSubmodules | None = None,
+        layer_offset: int = 0,
+        post_layer_norm: bool = True,
+        pre_process: bool = True,
+        post_process: bool = True,
+        device=None,
+    ):
+        super().__init__()
+        if submodules is None:
+            from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_stack_local_spec
+
+            submodules = get_hybrid_stack_local_spec()
+        self.config = config
+        self.layer_types = layer_types
+        self.pre_process = pre_process
+        self.post_process = post_process
+        layers = []
+        for i, symbol in enumerate(layer_types):
+            if symbol not in _SPEC_OF:
+                raise ValueError(f"{PATTERN_FLAG}: {symbol!r} is not a layer symbol of a model chunk.")
+            spec = getattr(submodules, _SPEC_OF[symbol])
+            if spec is None:
+                name = Symbols.NAMES[symbol]
+                raise ValueError(
+                    f"{PATTERN_FLAG}: symbol {symbol!r} ({name}) - {name} layers are not available yet; "
+                    "use M, * and - layers."
+                )
+            kwargs = dict(config=config, layer_number=layer_offset + i + 1, pg=pg, device=device)
+            if symbol == Symbols.MAMBA:
+                kwargs["mamba_config"] = mamba_config
+            layers.append(build_module(spec, **kwargs))
+        self.layers = torch.nn.ModuleList(layers)
+        for i, layer in enumerate(self.layers):
+            layer.is_first_layer = i == 0
+            layer.is_last_layer = i == len(self.layers) - 1
+        if post_layer_norm and post_process:
+            self.final_norm = build_norm(config, config.hidden_size, device=device)
+        else:
+            self.final_norm = None
+
+    def graph_layers(self) -> list[torch.nn.Module]:
+        """The layers the CUDA-graph session may route (this chunk's own, in order)."""
+        return list(self.layers)
+
+    def forward(
+        self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None, *, final_norm: bool = True
+    ) -> torch.Tensor:
+        """``[s, b, h] -> [s, b, h]``.
+
+        ``final_norm=False`` leaves ``final_norm`` to the caller (the hybrid model applies
+        it inside its loss head, so the head is one graphable region).
+        """
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, rotary_pos_emb=rotary_pos_emb)
+        if final_norm and self.final_norm is not None:
+            hidden_states = self.final_norm(hidden_states)
+        return hidden_states

@@ -1,0 +1,158 @@
+"""Mamba and hybrid-model configuration (``--hybrid-layer-pattern``, ``--mamba-state-dim`` ...).
+
+Field names, flags and defaults are Megatron's (upstream keeps them in
+``TransformerConfig``; here they are their own concern, so a GPT run carries none of
+them). ``validate()`` resolves the deprecated ``--hybrid-override-pattern``, sets
+``--num-layers`` from the pattern (the pattern wins, with a warning when the two
+differ, as in Megatron), derives the virtual pipeline size from the ``|`` segments,
+and checks the Mamba sizes only when the pattern has Mamba layers.
+"""
+
+import dataclasses
+import warnings
+
+import torch
+
+from megatron.core.config_utils import flag_field, require
+from megatron.core.models.hybrid.hybrid_layer_allocation import (
+    HybridPattern,
+    Symbols,
+    parse_hybrid_pattern,
+    virtual_pipeline_size,
+)
+
+MAMBA_EXPAND = 2  # Megatron's fixed expansion: d_inner = 2 * hidden size (unless --mamba-num-heads)
+
+
+@dataclasses.dataclass
+class MambaConfig:
+    """Hybrid Mamba/attention models: the layer pattern and the Mamba mixer's sizes."""
+
+    hybrid_layer_pattern: str | None = None
+    """One symbol per layer: M (Mamba), * (attention), - (MLP), E (MoE); | separates pipeline
+    segments (their count / PP gives the virtual pipeline size). Sets the number of layers."""
+
+    hybrid_override_pattern: str | None = None
+    """Deprecated alias of --hybrid-layer-pattern."""
+
+    mamba_state_dim: int = 128
+    """The dimensionality of the state representation in Mamba layers."""
+
+    mamba_head_dim: int = 64
+    """The dimensionality of the heads in the Mamba layers."""
+
+    mamba_num_groups: int = 8
+    """The number of groups (of B and C projections) used in Mamba layers."""
+
+    mamba_num_heads: int | None = None
+    """The number of heads used in Mamba layers. Defaults to 2 * hidden size / --mamba-head-dim."""
+
+    mamba_training_ssm_states_dtype: str | None = flag_field(None, choices=("fp32", "bf16"))
+    """Dtype of the materialized inter-chunk SSM states in Mamba training. Defaults to the activation dtype."""
+
+    use_mamba_mem_eff_path: bool = flag_field(True, flag="--disable-mamba-mem-eff-path")
+    """With the mamba-ssm kernels installed, run conv, scan and gating as one fused kernel
+    (mamba_split_conv1d_scan_combined) instead of the separate conv and scan kernels."""
+
+    @property
+    def parsed_pattern(self) -> HybridPattern | None:
+        """The parsed ``--hybrid-layer-pattern`` (None when unset)."""
+        if self.hybrid_layer_pattern is None:
+            return None
+        return parse_hybrid_pattern(self.hybrid_layer_pattern)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.hybrid_layer_pattern is not None or self.hybrid_override_pattern is not None
+
+    def num_heads(self, hidden_size: int) -> int:
+        """Mamba heads of the whole layer (all TP ranks)."""
+        if self.mamba_num_heads is not None:
+            return self.mamba_num_heads
+        return MAMBA_EXPAND * hidden_size // self.mamba_head_dim
+
+    def d_inner(self, hidden_size: int) -> int:
+        """Width of the mixer's inner (x, z) activations: heads * head dim."""
+        return self.num_heads(hidden_size) * self.mamba_head_dim
+
+    @property
+    def ssm_states_dtype(self) -> torch.dtype | None:
+        return {None: None, "fp32": torch.float32, "bf16": torch.bfloat16}[self.mamba_training_ssm_states_dtype]
+
+    def validate(self, model=None, parallel=None) -> None:
+        """Resolves the pattern flags and checks the Mamba sizes; raises ``ValueError`` naming the flag.
+
+        Args:
+            model: The run's ``TransformerConfig``: ``num_layers`` is set from the pattern;
+                ``hidden_size`` gives the default head count.
+            parallel: The run's ``ParallelConfig``: the TP size must divide heads and groups,
+                and the virtual pipeline size is derived from the segments.
+        """
+        if self.hybrid_override_pattern is not None:
+            require(
+                self.hybrid_layer_pattern is None or self.hybrid_layer_pattern == self.hybrid_override_pattern,
+                "--hybrid-override-pattern and --hybrid-layer-pattern cannot both be given; "
+                "--hybrid-override-pattern is deprecated: keep only --hybrid-layer-pattern.",
+            )
+            warnings.warn("--hybrid-override-pattern is deprecated; use --hybrid-layer-pattern.", stacklevel=2)
+            self.hybrid_layer_pattern = self.hybrid_override_pattern
+            self.hybrid_override_pattern = None
+        parsed = self.parsed_pattern
+        if parsed is None:
+            return
+        require(
+            parsed.count(Symbols.MOE) == 0,
+            f"--hybrid-layer-pattern {parsed.pattern!r}: symbol 'E' (MoE) - MoE layers are not available yet; "
+            "use M, * and - layers.",
+        )
+        if model is not None:
+            default_layers = next(f.default for f in dataclasses.fields(model) if f.name == "num_layers")
+            if model.num_layers not in (default_layers, parsed.num_layers):
+                warnings.warn(
+                    f"--hybrid-layer-pattern is set; ignoring --num-layers ({model.num_layers}) and using the "
+                    f"layer count of the pattern ({parsed.num_layers}).",
+                    stacklevel=2,
+                )
+            model.num_layers = parsed.num_layers
+        if parallel is not None:
+            vpp = virtual_pipeline_size(parsed, parallel.pipeline_model_parallel_size)
+            given = parallel.virtual_pipeline_model_parallel_size
+            require(
+                given is None or given == vpp,
+                f"--virtual-pipeline-model-parallel-size {given} disagrees with --hybrid-layer-pattern, whose "
+                f"{parsed.num_segments} segments on --pipeline-model-parallel-size "
+                f"{parallel.pipeline_model_parallel_size} give {vpp}; drop the flag (the '|' segments decide).",
+            )
+            parallel.virtual_pipeline_model_parallel_size = vpp
+        if parsed.count(Symbols.MAMBA):
+            self._validate_mamba_sizes(model, parallel)
+
+    def _validate_mamba_sizes(self, model, parallel) -> None:
+        for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups"):
+            value = getattr(self, name)
+            require(value > 0, f"--{name.replace('_', '-')} must be positive, got {value}.")
+        require(
+            self.mamba_num_heads is None or self.mamba_num_heads > 0,
+            f"--mamba-num-heads must be positive, got {self.mamba_num_heads}.",
+        )
+        if model is None:
+            return
+        h = model.hidden_size
+        if self.mamba_num_heads is None:
+            require(
+                MAMBA_EXPAND * h % self.mamba_head_dim == 0,
+                f"2 * --hidden-size ({MAMBA_EXPAND * h}) must be divisible by --mamba-head-dim "
+                f"({self.mamba_head_dim}); change one, or set --mamba-num-heads.",
+            )
+        heads = self.num_heads(h)
+        require(
+            heads % self.mamba_num_groups == 0,
+            f"Mamba heads ({heads}, from --mamba-num-heads or 2 * --hidden-size / --mamba-head-dim) must be "
+            f"divisible by --mamba-num-groups ({self.mamba_num_groups}).",
+        )
+        tp = 1 if parallel is None else parallel.tensor_model_parallel_size
+        require(
+            heads % tp == 0 and self.mamba_num_groups % tp == 0,
+            f"Mamba heads ({heads}) and --mamba-num-groups ({self.mamba_num_groups}) must be divisible by "
+            f"--tensor-model-parallel-size ({tp}).",
+        )

@@ -1,0 +1,334 @@
+"""The Mamba-2 mixer: in-projection, causal conv, SSD scan, gated grouped RMSNorm, out-projection.
+
+``[s, b, h] -> [s, b, h]``. One column-parallel in-projection produces, per position,
+``z`` (gate), ``x`` (inputs), ``B``, ``C`` (per group) and ``dt`` (per head), in that
+order; ``x, B, C`` go through a causal depthwise conv + SiLU, then the SSD scan
+(``ssd.py``) with ``A = -exp(A_log)``, ``dt = softplus(dt + dt_bias)`` and the ``D``
+skip; the result is gated by ``silu(z)``, normalised per group (RMSNorm over each
+group's channels, Megatron's ``norm_before_gate=False``) and projected back by a
+row-parallel out-projection.
+
+Parameter names and initialisation are Megatron's: ``in_proj``, ``conv1d`` (weight
+``[channels, 1, d_conv]`` + bias), ``dt_bias``, ``A_log``, ``D``, ``norm``,
+``out_proj``; ``A_log`` and ``D`` stay float32 in a bf16 model, as upstream.
+
+Tensor parallelism is laid out like Megatron's: heads and groups are split across the
+TP ranks (each rank's in-projection rows are its own ``[z, x, B, C, dt]`` slices; the
+``partition_sizes`` attribute records them), and the scan, the conv and the norm are
+rank-local, so only the two linear layers communicate.
+
+The fused ``mamba-ssm`` / ``causal-conv1d`` kernels are used when installed and the
+input is on CUDA (never required). The PyTorch path has no host syncs and static
+shapes, so it can be captured in a CUDA graph.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from megatron.core.ssm.causal_conv1d import causal_conv1d
+from megatron.core.ssm.ssd import ssd_chunked_scan
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    get_tensor_model_parallel_size,
+    init_method_normal,
+    resolve_device,
+    scaled_init_method_normal,
+)
+
+try:  # optional fused kernels; never required
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined, mamba_split_conv1d_scan_combined
+
+    HAVE_MAMBA_SSM = True
+except ImportError:  # pragma: no cover - depends on the environment
+    mamba_chunk_scan_combined = mamba_split_conv1d_scan_combined = None
+    HAVE_MAMBA_SSM = False
+
+
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 -> float32; float32 and float64 unchanged."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+class GroupedRMSNorm(torch.nn.Module):
+    """RMSNorm over each group's channels, optionally gated first: ``norm(x * silu(z)) * weight``.
+
+    Args:
+        hidden_size: Channels (all groups of this rank).
+        group_size: Channels per group.
+        eps: Added to the mean square.
+        device, dtype: Of the weight (ones).
+    """
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-5, device=None, dtype=None):
+        super().__init__()
+        assert hidden_size % group_size == 0, (hidden_size, group_size)
+        self.group_size = group_size
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        dtype = x.dtype
+        x = _at_least_fp32(x)
+        if z is not None:
+            x = x * F.silu(_at_least_fp32(z))
+        grouped = rearrange(x, "... (g c) -> ... g c", c=self.group_size)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (rearrange(grouped, "... g c -> ... (g c)") * _at_least_fp32(self.weight)).to(dtype)
+
+
+class ConvWeights(torch.nn.Module):
+    """The depthwise conv's parameters (``weight [channels, 1, d_conv]``, ``bias [channels]``), as ``nn.Conv1d``
+    names them; ``causal_conv1d`` applies them."""
+
+    def __init__(self, channels: int, d_conv: int, device=None, dtype=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(channels, 1, d_conv, device=device, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.empty(channels, device=device, dtype=dtype))
+
+    def extra_repr(self) -> str:
+        return f"channels={self.weight.shape[0]}, d_conv={self.weight.shape[-1]}"
+
+
+class MambaMixer(torch.nn.Module):
+    """Mamba-2 mixer.
+
+    Args:
+        config: Finalized ``TransformerConfig`` (hidden size, init std, layer count, params dtype).
+        mamba_config: ``MambaConfig`` (state dim, head dim, groups, heads, states dtype).
+        layer_number: 1-based global layer number.
+        pg: ``ProcessGroups`` (or ``None`` for a world of one); heads are split over its TP size.
+        device: Device for the parameters (default: torch's default device).
+        d_conv: Taps of the causal convolution.
+        conv_init: Uniform init range of the conv weight (None: kaiming-uniform, as ``nn.Conv1d``).
+        expand: ``d_inner / hidden size`` when ``--mamba-num-heads`` is unset.
+        A_init_range: ``A`` is drawn uniformly from this range (``A_log = log A``).
+        D_has_hdim: ``D`` per channel instead of per head.
+        rmsnorm: Gated grouped RMSNorm before the out-projection.
+        dt_min, dt_max, dt_init_floor: ``softplus(dt_bias)`` starts log-uniform in ``[dt_min, dt_max]``.
+        chunk_size: Chunk length of the SSD scan.
+        use_fused_kernels: Use mamba-ssm / causal-conv1d (None: when installed and on CUDA).
+    """
+
+    def __init__(
+        self,
+        config,
+        mamba_config,
+        layer_number: int = 1,
+        pg=None,
+        *,
+        device=None,
+        d_conv: int = 4,
+        conv_init: float | None = None,
+        expand: int = 2,
+        A_init_range: tuple[float, float] = (1.0, 16.0),
+        D_has_hdim: bool = False,
+        rmsnorm: bool = True,
+        dt_min: float = 0.001,
+        dt_max: float = 0.1,
+        dt_init_floor: float = 1e-4,
+        chunk_size: int = 128,
+        use_fused_kernels: bool | None = None,
+    ):
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        self.d_model = config.hidden_size
+        self.d_conv = d_conv
+        self.d_state = mamba_config.mamba_state_dim
+        self.headdim = mamba_config.mamba_head_dim
+        self.ngroups = mamba_config.mamba_num_groups
+        if mamba_config.mamba_num_heads is not None:
+            self.nheads = mamba_config.mamba_num_heads
+        else:
+            if expand * self.d_model % self.headdim:
+                raise ValueError(
+                    f"{expand} * --hidden-size ({expand * self.d_model}) must be divisible by --mamba-head-dim "
+                    f"({self.headdim}); or set --mamba-num-heads."
+                )
+            self.nheads = expand * self.d_model // self.headdim
+        self.d_inner = self.nheads * self.headdim
+        self.D_has_hdim = D_has_hdim
+        self.rmsnorm = rmsnorm
+        self.chunk_size = chunk_size
+        self.states_dtype = mamba_config.ssm_states_dtype
+        self.use_mem_eff_path = mamba_config.use_mamba_mem_eff_path
+        self.use_fused_kernels = use_fused_kernels
+        if self.nheads % self.ngroups:
+            raise ValueError(f"Mamba heads ({self.nheads}) must be divisible by --mamba-num-groups ({self.ngroups}).")
+        tp = get_tensor_model_parallel_size(pg)
+        if self.nheads % tp or self.ngroups % tp:
+            raise ValueError(
+                f"Mamba heads ({self.nheads}) and --mamba-num-groups ({self.ngroups}) must be divisible by "
+                f"--tensor-model-parallel-size ({tp})."
+            )
+        # This rank's share: whole heads and whole groups.
+        self.nheads_local = self.nheads // tp
+        self.ngroups_local = self.ngroups // tp
+        self.d_inner_local = self.d_inner // tp
+        device = resolve_device(device)
+        dtype = config.params_dtype
+
+        n_bc = self.ngroups * self.d_state
+        self.in_proj = ColumnParallelLinear(
+            self.d_model,
+            2 * self.d_inner + 2 * n_bc + self.nheads,  # z, x, B, C, dt
+            config=config,
+            init_method=init_method_normal(config.init_method_std),
+            bias=False,
+            gather_output=False,
+            pg=pg,
+            device=device,
+        )
+        self.in_proj.weight.partition_sizes = self._split_sizes()  # rank-local [z, x, B, C, dt] rows
+
+        conv_dim = self.d_inner_local + 2 * self.ngroups_local * self.d_state  # x, B, C
+        self.conv1d = ConvWeights(conv_dim, d_conv, device=device, dtype=dtype)
+        with torch.no_grad():
+            if conv_init is not None:
+                self.conv1d.weight.uniform_(-conv_init, conv_init)
+            else:
+                torch.nn.init.kaiming_uniform_(self.conv1d.weight, a=math.sqrt(5))
+            bound = 1.0 / math.sqrt(d_conv)  # fan-in of a depthwise filter: 1 channel x d_conv taps
+            self.conv1d.bias.uniform_(-bound, bound)
+
+        with torch.no_grad():
+            # softplus(dt_bias) log-uniform in [dt_min, dt_max]; dt_bias is its inverse softplus.
+            dt = torch.exp(
+                torch.rand(self.nheads_local, device=device, dtype=dtype) * (math.log(dt_max) - math.log(dt_min))
+                + math.log(dt_min)
+            ).clamp(min=dt_init_floor)
+            inv_dt = dt + torch.log(-torch.expm1(-dt))
+            assert 0 < A_init_range[0] <= A_init_range[1], A_init_range
+            A = torch.empty(self.nheads_local, device=device, dtype=torch.float32).uniform_(*A_init_range)
+        self.dt_bias = torch.nn.Parameter(inv_dt)
+        self.A_log = torch.nn.Parameter(torch.log(A))  # float32
+        self.D = torch.nn.Parameter(
+            torch.ones(self.d_inner_local if D_has_hdim else self.nheads_local, device=device, dtype=torch.float32)
+        )
+        if rmsnorm:
+            self.norm = GroupedRMSNorm(
+                self.d_inner_local, self.d_inner_local // self.ngroups_local, eps=1e-5, device=device, dtype=dtype
+            )
+        else:
+            self.norm = None
+        self.out_proj = RowParallelLinear(
+            self.d_inner,
+            self.d_model,
+            config=config,
+            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+            bias=False,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            pg=pg,
+            device=device,
+        )
+        for p in (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D):
+            p.tensor_model_parallel = True
+            p.partition_dim = 0
+        if self.norm is not None:
+            self.norm.weight.tensor_model_parallel = True
+            self.norm.weight.partition_dim = 0
+
+    def _split_sizes(self) -> list[int]:
+        """Rank-local widths of ``z, x, B, C, dt`` in the in-projection output."""
+        n_bc = self.ngroups_local * self.d_state
+        return [self.d_inner_local, self.d_inner_local, n_bc, n_bc, self.nheads_local]
+
+    def _fused(self, hidden_states: torch.Tensor) -> bool:
+        if self.use_fused_kernels is not None:
+            return self.use_fused_kernels
+        return HAVE_MAMBA_SSM and hidden_states.is_cuda
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """``[s, b, h] -> (out [s, b, h], None)`` (the out-projection has no bias)."""
+        zxbcdt, _ = self.in_proj(hidden_states)  # [s, b, 2 d_inner + 2 g n + heads] (this rank's part)
+        zxbcdt = rearrange(zxbcdt, "s b d -> b s d")
+        A = -torch.exp(_at_least_fp32(self.A_log))  # [heads]
+        if self._fused(hidden_states):
+            y = self._fused_ssm(zxbcdt, A)
+        else:
+            y = self._ssm(zxbcdt, A)
+        y = rearrange(y, "b s d -> s b d")
+        out, _ = self.out_proj(y)
+        return out, None
+
+    def _ssm(self, zxbcdt: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+        """PyTorch path: ``[b, s, in_proj width] -> [b, s, d_inner]`` (gated and normalised)."""
+        z, x, B, C, dt = torch.split(zxbcdt, self._split_sizes(), dim=-1)
+        xbc = torch.cat([x, B, C], dim=-1)
+        xbc = causal_conv1d(
+            rearrange(xbc, "b s d -> b d s"), self.conv1d.weight, self.conv1d.bias, activation="silu", use_fused=False
+        )
+        x, B, C = torch.split(rearrange(xbc, "b d s -> b s d"), self._split_sizes()[1:4], dim=-1)
+        dt = F.softplus(_at_least_fp32(dt) + _at_least_fp32(self.dt_bias))  # [b, s, heads]
+        D = _at_least_fp32(self.D)
+        if self.D_has_hdim:
+            D = rearrange(D, "(h p) -> h p", p=self.headdim)
+        y = ssd_chunked_scan(
+            rearrange(x, "b s (h p) -> b s h p", p=self.headdim),
+            dt,
+            A,
+            rearrange(B, "b s (g n) -> b s g n", n=self.d_state),
+            rearrange(C, "b s (g n) -> b s g n", n=self.d_state),
+            self.chunk_size,
+            D=D,
+            state_dtype=self.states_dtype,
+        )
+        y = rearrange(y, "b s h p -> b s (h p)")
+        if self.norm is not None:
+            return self.norm(y, z)
+        return y * F.silu(z)
+
+    def _fused_ssm(self, zxbcdt: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+        """mamba-ssm path (same math, Triton kernels)."""
+        if not HAVE_MAMBA_SSM:
+            raise RuntimeError("use_fused_kernels=True needs the mamba-ssm package (pip install mamba-ssm)")
+        D = self.D.float()
+        if self.D_has_hdim:
+            D = rearrange(D, "(h p) -> h p", p=self.headdim)
+        kwargs = {} if self.states_dtype is None else {"state_dtype": self.states_dtype}
+        if self.use_mem_eff_path:
+            # Conv, scan and gating by z in one kernel; returns y * silu(z).
+            y = mamba_split_conv1d_scan_combined(
+                zxbcdt,
+                rearrange(self.conv1d.weight, "d 1 w -> d w"),
+                self.conv1d.bias,
+                self.dt_bias.float(),
+                A,
+                D=D,
+                chunk_size=self.chunk_size,
+                activation="silu",
+                headdim=None if self.D_has_hdim else self.headdim,
+                ngroups=self.ngroups_local,
+                norm_before_gate=False,
+                **kwargs,
+            )
+            return self.norm(y) if self.norm is not None else y
+        z, x, B, C, dt = torch.split(zxbcdt, self._split_sizes(), dim=-1)
+        xbc = causal_conv1d(rearrange(torch.cat([x, B, C], -1), "b s d -> b d s"), self.conv1d.weight, self.conv1d.bias)
+        x, B, C = torch.split(rearrange(xbc, "b d s -> b s d"), self._split_sizes()[1:4], dim=-1)
+        y = mamba_chunk_scan_combined(
+            rearrange(x, "b s (h p) -> b s h p", p=self.headdim),
+            dt,
+            A,
+            rearrange(B, "b s (g n) -> b s g n", n=self.d_state),
+            rearrange(C, "b s (g n) -> b s g n", n=self.d_state),
+            self.chunk_size,
+            D=D,
+            z=None,
+            dt_bias=self.dt_bias.float(),
+            dt_softplus=True,
+            **kwargs,
+        )
+        y = rearrange(y, "b s h p -> b s (h p)")
+        return self.norm(y, z) if self.norm is not None else y * F.silu(z)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.nheads} (local {self.nheads_local}), head_dim={self.headdim}, groups={self.ngroups}, "
+            f"state={self.d_state}, d_conv={self.d_conv}, chunk={self.chunk_size}"
+        )

@@ -1,0 +1,188 @@
+"""The Mamba-2 state-space scan (SSD) in plain PyTorch: the chunked algorithm and a naive reference.
+
+The recurrence, per head ``h`` (state ``S [p, n]``, ``B_t``/``C_t`` from the head's group)::
+
+    S_t = exp(dt_t * A_h) * S_{t-1} + dt_t * outer(x_t, B_t)
+    y_t = S_t @ C_t + D_h * x_t
+
+``ssd_chunked_scan`` computes it the SSD way: the sequence is cut into chunks of
+``chunk_size``; inside a chunk the outputs are a masked (decaying) attention-like matrix
+product, and only one state per chunk is passed along the sequence. What is unusual:
+
+- The within-chunk decays ``exp(sum_{k=j+1..i} dt_k A)`` come from a cumulative sum
+  of the masked increments (``_segsum``), not from differences of one running sum, so
+  long chunks keep float32 accuracy (no cancellation between two large sums).
+- Shapes are static: a sequence that is not a multiple of the chunk is zero-padded at
+  the end (``dt = 0`` there, so the padding neither decays nor feeds the state) and
+  trimmed afterwards. No host syncs, no data-dependent shapes: capturable.
+- Low-precision inputs (bf16/fp16) are computed in float32; float64 stays float64.
+  ``state_dtype`` (default: the input dtype) rounds the states that enter each chunk
+  to that dtype, as the fused kernels materialize them (Megatron's
+  ``--mamba-training-ssm-states-dtype``); the passing itself and the final state stay
+  in the compute dtype.
+
+``ssd_sequential_scan`` is the recurrence above, one time step at a time: the reference
+the tests and ``tools/bench_mamba.py`` compare against.
+"""
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _segsum(a: torch.Tensor) -> torch.Tensor:
+    """``[..., T] -> [..., T, T]``: ``out[..., i, j] = sum_{k=j+1..i} a[k]`` for ``i >= j``, ``-inf`` above.
+
+    Built as a cumulative sum of the strictly-lower-triangular repetition of ``a``, so
+    every entry is a sum of the increments it spans (no difference of two prefix sums).
+    """
+    t = a.shape[-1]
+    rows = a.unsqueeze(-1).expand(*a.shape, t)  # rows[..., i, j] = a[i]
+    strictly_lower = torch.ones(t, t, dtype=torch.bool, device=a.device).tril(-1)
+    sums = rows.masked_fill(~strictly_lower, 0.0).cumsum(dim=-2)
+    lower = torch.ones(t, t, dtype=torch.bool, device=a.device).tril(0)
+    return sums.masked_fill(~lower, float("-inf"))
+
+
+def _check_shapes(x, dt, A, B, C):
+    b, length, h, _ = x.shape
+    g = B.shape[2]
+    assert dt.shape == (b, length, h), f"dt {tuple(dt.shape)} does not match x {tuple(x.shape)}"
+    assert A.shape == (h,), f"A {tuple(A.shape)} needs one value per head ({h})"
+    assert B.shape == C.shape and B.shape[:2] == (b, length), f"B {tuple(B.shape)} / C {tuple(C.shape)}"
+    assert h % g == 0, f"{h} heads are not divisible into {g} groups"
+    return g
+
+
+def _skip(x: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """``D * x`` with ``D [h]`` or ``[h, p]`` and ``x [b, l, h, p]``."""
+    return x * (D.unsqueeze(-1) if D.dim() == 1 else D)
+
+
+def ssd_chunked_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    initial_states: torch.Tensor | None = None,
+    return_final_states: bool = False,
+    state_dtype: torch.dtype | None = None,
+):
+    """The SSD chunked scan.
+
+    Args:
+        x: ``[b, l, h, p]`` inputs per head.
+        dt: ``[b, l, h]`` positive step sizes (softplus and bias already applied).
+        A: ``[h]`` negative decay rates.
+        B: ``[b, l, g, n]`` input projections per group (``h`` divisible by ``g``).
+        C: ``[b, l, g, n]`` output projections per group.
+        chunk_size: Time steps per chunk; ``l`` need not be a multiple (a shorter sequence is one chunk).
+        D: ``[h]`` or ``[h, p]`` skip weights, or None.
+        initial_states: ``[b, h, p, n]`` state before the first step, or None (zeros).
+        return_final_states: Also return the state after the last step.
+        state_dtype: Dtype the inter-chunk states are rounded to (default: ``x.dtype``).
+
+    Returns:
+        ``y [b, l, h, p]`` in ``x.dtype``; with ``return_final_states`` the tuple
+        ``(y, final_states [b, h, p, n])`` (final states in the compute dtype).
+    """
+    g = _check_shapes(x, dt, A, B, C)
+    length = x.shape[1]
+    out_dtype = x.dtype
+    cdt = _compute_dtype(x.dtype)
+    state_dtype = out_dtype if state_dtype is None else state_dtype
+    assert chunk_size > 0, "chunk_size must be positive"
+    q = min(int(chunk_size), length)  # a sequence shorter than a chunk is one chunk, unpadded
+    pad = (-length) % q
+    x_, dt_, B_, C_ = (t.to(cdt) for t in (x, dt, B, C))
+    if pad:
+        x_ = F.pad(x_, (0, 0, 0, 0, 0, pad))
+        dt_ = F.pad(dt_, (0, 0, 0, pad))
+        B_ = F.pad(B_, (0, 0, 0, 0, 0, pad))
+        C_ = F.pad(C_, (0, 0, 0, 0, 0, pad))
+    # Chunked, heads split into g groups of r = h / g heads: x [b, c, q, g, r, p], B/C [b, c, q, g, n].
+    x_ = rearrange(x_, "b (c q) (g r) p -> b c q g r p", q=q, g=g)
+    dt_ = rearrange(dt_, "b (c q) (g r) -> b g r c q", q=q, g=g)
+    B_ = rearrange(B_, "b (c q) g n -> b c q g n", q=q)
+    C_ = rearrange(C_, "b (c q) g n -> b c q g n", q=q)
+    a = dt_ * rearrange(A.to(cdt), "(g r) -> g r 1 1", g=g)  # [b, g, r, c, q] (<= 0)
+    xdt = x_ * rearrange(dt_, "b g r c q -> b c q g r 1")
+
+    # 1. Within each chunk: y_i += sum_{j <= i} (C_i . B_j) exp(a_{j+1} + ... + a_i) dt_j x_j.
+    decay = torch.exp(_segsum(a))  # [b, g, r, c, q(i), q(j)]
+    cb = torch.einsum("bcign,bcjgn->bgcij", C_, B_)  # shared by the heads of a group
+    y = torch.einsum("bgcij,bgrcij,bcjgrp->bcigrp", cb, decay, xdt)
+
+    # 2. The state each chunk produces on its own: sum_j exp(a_{j+1} + ... + a_last) dt_j x_j B_j^T.
+    to_end = decay[..., -1, :]  # [b, g, r, c, q]: the last row of the decay matrix
+    states = torch.einsum("bcjgn,bgrcj,bcjgrp->bcgrpn", B_, to_end, xdt)
+
+    # 3. Pass states along the chunks: S_c = exp(sum of chunk c's a) S_{c-1} + states_c.
+    if initial_states is None:
+        first = torch.zeros_like(states[:, :1])
+    else:
+        first = rearrange(initial_states.to(cdt), "b (g r) p n -> b 1 g r p n", g=g)
+    states = torch.cat([first, states], dim=1)  # [b, c + 1, g, r, p, n]
+    chunk_a = F.pad(a.sum(dim=-1), (1, 0))  # [b, g, r, c + 1]
+    chunk_decay = torch.exp(_segsum(chunk_a))  # [b, g, r, c + 1, c + 1]
+    passed = torch.einsum("bgrzc,bcgrpn->bzgrpn", chunk_decay, states)
+    entering, final = passed[:, :-1], passed[:, -1]  # state entering each chunk; after the last
+    if state_dtype != cdt:  # the materialized inter-chunk states (the passing itself runs in cdt)
+        entering = entering.to(state_dtype).to(cdt)
+
+    # 4. What the entering state contributes inside each chunk: C_i . (exp(a_0 + ... + a_i) S).
+    from_start = torch.exp(a.cumsum(dim=-1))  # [b, g, r, c, q]
+    y = y + torch.einsum("bcign,bcgrpn,bgrci->bcigrp", C_, entering, from_start)
+
+    y = rearrange(y, "b c q g r p -> b (c q) (g r) p")[:, :length]
+    if D is not None:
+        y = y + _skip(x.to(cdt), D.to(cdt))
+    y = y.to(out_dtype)
+    if return_final_states:
+        return y, rearrange(final, "b g r p n -> b (g r) p n")
+    return y
+
+
+def ssd_sequential_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    initial_states: torch.Tensor | None = None,
+    return_final_states: bool = False,
+):
+    """The recurrence one step at a time (reference; same arguments as ``ssd_chunked_scan``)."""
+    g = _check_shapes(x, dt, A, B, C)
+    b, length, h, p = x.shape
+    n = B.shape[-1]
+    cdt = _compute_dtype(x.dtype)
+    x_, dt_, A_ = x.to(cdt), dt.to(cdt), A.to(cdt)
+    # Each head reads its group's B and C.
+    B_ = B.to(cdt).repeat_interleave(h // g, dim=2)  # [b, l, h, n]
+    C_ = C.to(cdt).repeat_interleave(h // g, dim=2)
+    if initial_states is None:
+        state = torch.zeros(b, h, p, n, dtype=cdt, device=x.device)
+    else:
+        state = initial_states.to(cdt)
+    ys = []
+    for t in range(length):
+        step_decay = torch.exp(dt_[:, t] * A_)  # [b, h]
+        update = (dt_[:, t, :, None] * x_[:, t]).unsqueeze(-1) * B_[:, t].unsqueeze(-2)  # [b, h, p, n]
+        state = state * step_decay[:, :, None, None] + update
+        ys.append(torch.einsum("bhpn,bhn->bhp", state, C_[:, t]))
+    y = torch.stack(ys, dim=1)
+    if D is not None:
+        y = y + _skip(x_, D.to(cdt))
+    y = y.to(x.dtype)
+    if return_final_states:
+        return y, state
+    return y

@@ -1,0 +1,31 @@
+"""Pretrain a hybrid Mamba/attention model: ``torchrun --nproc-per-node N pretrain_hybrid.py <Megatron flags>``.
+
+The layers come from ``--hybrid-layer-pattern`` (e.g. ``M*M-M*M-``: Mamba, attention,
+Mamba, MLP, ...), which also sets the layer count. Without torchrun it runs as a world
+of one; on a machine without CUDA it trains on the CPU.
+"""
+
+from megatron.core.models.gpt.loss import masked_mean_loss
+from megatron.core.models.hybrid.hybrid_model import build_hybrid_model, check_graph_scopes
+from megatron.training.training import pretrain
+
+
+def model_provider(cfg, vocab_size, pg, device):
+    """Builds the hybrid model (local layer specs) of this rank."""
+    if cfg.mamba.hybrid_layer_pattern is None:
+        raise ValueError(
+            "pretrain_hybrid.py needs --hybrid-layer-pattern (e.g. M*M-M*M-); for GPT use pretrain_gpt.py."
+        )
+    check_graph_scopes(cfg.cuda_graph.cuda_graph_scope, cfg.mamba, cfg.model)  # before anything is built
+    return build_hybrid_model(cfg.model, cfg.mamba, vocab_size, pg=pg, device=device)
+
+
+def forward_step(batch, model):
+    """One micro-batch: ``(loss, metrics)``, the mean next-token loss over unmasked tokens."""
+    per_token = model(batch["tokens"], batch["position_ids"], batch["labels"])
+    loss, _num_tokens = masked_mean_loss(per_token, batch["loss_mask"])
+    return loss, {}
+
+
+if __name__ == "__main__":
+    pretrain(model_provider=model_provider, forward_step=forward_step)

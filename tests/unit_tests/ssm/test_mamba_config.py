@@ -1,0 +1,72 @@
+"""MambaConfig: Megatron's defaults, the pattern flags, and errors that name the flag."""
+
+import pytest
+
+from megatron.core.parallel_state import ParallelConfig
+from megatron.core.ssm.mamba_config import MambaConfig
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def test_megatron_defaults():
+    mc = MambaConfig()
+    assert (mc.mamba_state_dim, mc.mamba_head_dim, mc.mamba_num_groups, mc.mamba_num_heads) == (128, 64, 8, None)
+    assert mc.hybrid_layer_pattern is None and mc.use_mamba_mem_eff_path and mc.ssm_states_dtype is None
+    assert mc.num_heads(1024) == 32 and mc.d_inner(1024) == 2048
+
+
+def test_pattern_sets_the_layer_count_and_the_alias_is_deprecated():
+    model = TransformerConfig(hidden_size=1024, num_attention_heads=16)
+    mc = MambaConfig(hybrid_layer_pattern="M*M-M*M-")
+    mc.validate(model, ParallelConfig())
+    assert model.num_layers == 8
+    model = TransformerConfig(hidden_size=1024, num_attention_heads=16, num_layers=5)
+    mc = MambaConfig(hybrid_override_pattern="M*M-")
+    with pytest.warns(UserWarning) as record:
+        mc.validate(model, ParallelConfig())
+    messages = " ".join(str(w.message) for w in record)
+    assert "--hybrid-override-pattern is deprecated" in messages and "ignoring --num-layers (5)" in messages
+    assert mc.hybrid_layer_pattern == "M*M-" and model.num_layers == 4
+    with pytest.raises(ValueError, match="--hybrid-override-pattern and --hybrid-layer-pattern"):
+        MambaConfig(hybrid_layer_pattern="M*", hybrid_override_pattern="MM").validate()
+
+
+def test_segments_give_the_virtual_pipeline_size():
+    parallel = ParallelConfig(pipeline_model_parallel_size=2)
+    MambaConfig(hybrid_layer_pattern="M*|M-|M*|M-").validate(TransformerConfig(hidden_size=1024), parallel)
+    assert parallel.virtual_pipeline_model_parallel_size == 2
+    parallel = ParallelConfig(pipeline_model_parallel_size=2)
+    MambaConfig(hybrid_layer_pattern="M*|M-").validate(TransformerConfig(hidden_size=1024), parallel)
+    assert parallel.virtual_pipeline_model_parallel_size is None
+    with pytest.raises(ValueError, match="3 pipeline segments.*--pipeline-model-parallel-size"):
+        MambaConfig(hybrid_layer_pattern="M|M|M").validate(TransformerConfig(hidden_size=1024), parallel)
+    parallel = ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=3)
+    with pytest.raises(ValueError, match="--virtual-pipeline-model-parallel-size 3"):
+        MambaConfig(hybrid_layer_pattern="M*|M-|M*|M-").validate(TransformerConfig(hidden_size=1024), parallel)
+
+
+@pytest.mark.parametrize(
+    "kw,hidden,tp,needle",
+    [
+        ({"mamba_state_dim": 0}, 64, 1, "--mamba-state-dim must be positive"),
+        ({"mamba_head_dim": -1}, 64, 1, "--mamba-head-dim must be positive"),
+        ({"mamba_num_groups": 0}, 64, 1, "--mamba-num-groups must be positive"),
+        ({"mamba_num_heads": 0}, 64, 1, "--mamba-num-heads must be positive"),
+        ({"mamba_head_dim": 48}, 64, 1, r"2 \* --hidden-size \(128\) must be divisible by --mamba-head-dim \(48\)"),
+        ({"mamba_head_dim": 16, "mamba_num_groups": 3}, 64, 1, "must be divisible by --mamba-num-groups"),
+        ({"mamba_head_dim": 16, "mamba_num_groups": 4, "mamba_num_heads": 6}, 64, 1, "--mamba-num-groups \\(4\\)"),
+        ({"mamba_head_dim": 16, "mamba_num_groups": 2}, 64, 4, "--tensor-model-parallel-size \\(4\\)"),
+    ],
+)
+def test_mamba_size_errors_name_the_flag(kw, hidden, tp, needle):
+    mc = MambaConfig(hybrid_layer_pattern="M*", **kw)
+    with pytest.raises(ValueError, match=needle):
+        mc.validate(TransformerConfig(hidden_size=hidden), ParallelConfig(tensor_model_parallel_size=tp))
+
+
+def test_mamba_sizes_are_not_checked_without_mamba_layers():
+    MambaConfig(hybrid_layer_pattern="*-*-", mamba_num_groups=3).validate(TransformerConfig(hidden_size=64))
+
+
+def test_moe_symbol_is_not_available_yet():
+    with pytest.raises(ValueError, match="--hybrid-layer-pattern 'M\\*E-'.*'E' \\(MoE\\).*not available yet"):
+        MambaConfig(hybrid_layer_pattern="M*E-").validate(TransformerConfig(hidden_size=1024))

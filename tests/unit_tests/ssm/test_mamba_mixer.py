@@ -1,0 +1,113 @@
+"""MambaMixer: Megatron's parameter names, shapes and init; the whole mixer against a step-by-step reference."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.ssm.mamba_config import MambaConfig
+from megatron.core.ssm.mamba_mixer import MambaMixer
+from megatron.core.ssm.ssd import ssd_sequential_scan
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+HIDDEN = 32
+
+
+def make_mixer(seed=0, dtype=torch.float32, chunk_size=8, **mamba):
+    cfg = TransformerConfig(hidden_size=HIDDEN, num_attention_heads=4, num_layers=2).finalize()
+    cfg.params_dtype = dtype
+    mc = MambaConfig(**{"mamba_state_dim": 8, "mamba_head_dim": 8, "mamba_num_groups": 2, **mamba})
+    torch.manual_seed(seed)
+    return MambaMixer(cfg, mc, chunk_size=chunk_size, device="cpu")
+
+
+def test_parameter_names_shapes_and_dtypes():
+    m = make_mixer(dtype=torch.bfloat16)
+    heads, p, g, n = 8, 8, 2, 8  # 2 * 32 / 8 heads
+    d_inner = heads * p
+    shapes = {name: (tuple(t.shape), t.dtype) for name, t in m.named_parameters()}
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert shapes == {
+        "in_proj.weight": ((2 * d_inner + 2 * g * n + heads, HIDDEN), bf16),
+        "conv1d.weight": ((d_inner + 2 * g * n, 1, 4), bf16),
+        "conv1d.bias": ((d_inner + 2 * g * n,), bf16),
+        "dt_bias": ((heads,), bf16),
+        "A_log": ((heads,), fp32),  # kept in fp32, as Megatron
+        "D": ((heads,), fp32),
+        "norm.weight": ((d_inner,), bf16),
+        "out_proj.weight": ((HIDDEN, d_inner), bf16),
+    }
+    assert m.in_proj.weight.partition_sizes == [d_inner, d_inner, g * n, g * n, heads]
+    assert make_mixer(mamba_num_heads=4).in_proj.weight.shape[0] == 2 * 32 + 2 * g * n + 4
+
+
+def test_initialisation_follows_megatron():
+    m = make_mixer()
+    dt = F.softplus(m.dt_bias)
+    assert dt.min() >= 1e-3 * (1 - 1e-5) and dt.max() <= 0.1 * (1 + 1e-5)
+    A = torch.exp(m.A_log)
+    assert A.min() >= 1.0 and A.max() <= 16.0
+    assert torch.equal(m.D, torch.ones_like(m.D)) and torch.equal(m.norm.weight, torch.ones_like(m.norm.weight))
+    bound = 1 / math.sqrt(4)  # kaiming-uniform(a=sqrt(5)) of a [c, 1, 4] filter and its bias
+    assert m.conv1d.weight.abs().max() <= bound and m.conv1d.bias.abs().max() <= bound
+    assert abs(m.in_proj.weight.std().item() - 0.02) < 0.002
+    assert abs(m.out_proj.weight.std().item() - 0.02 / math.sqrt(2 * 2)) < 0.002
+
+
+def reference_mixer(m, hidden):
+    """The mixer written out: in_proj, conv, sequential recurrence, gate, grouped RMSNorm, out_proj."""
+    s, b, _ = hidden.shape
+    heads, p, g, n = m.nheads, m.headdim, m.ngroups, m.d_state
+    d_inner = heads * p
+    zxbcdt = (hidden @ m.in_proj.weight.t()).transpose(0, 1)  # [b, s, .]
+    z, xbc, dt = zxbcdt.split([d_inner, d_inner + 2 * g * n, heads], dim=-1)
+    conv = F.conv1d(xbc.transpose(1, 2), m.conv1d.weight, m.conv1d.bias, padding=3, groups=xbc.shape[-1])
+    xbc = F.silu(conv[..., :s]).transpose(1, 2)
+    x, B, C = xbc.split([d_inner, g * n, g * n], dim=-1)
+    dt = F.softplus(dt + m.dt_bias)
+    y = ssd_sequential_scan(
+        x.reshape(b, s, heads, p), dt, -torch.exp(m.A_log), B.reshape(b, s, g, n), C.reshape(b, s, g, n), D=m.D
+    ).reshape(b, s, d_inner)
+    y = (y * F.silu(z)).reshape(b, s, g, d_inner // g)
+    y = (y / torch.sqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5)).reshape(b, s, d_inner) * m.norm.weight
+    return y.transpose(0, 1) @ m.out_proj.weight.t()
+
+
+@pytest.mark.parametrize("chunk_size", [4, 7, 64])
+def test_mixer_equals_the_step_by_step_reference(chunk_size):
+    m = make_mixer(chunk_size=chunk_size).double()
+    with torch.no_grad():  # non-trivial D and norm weight
+        m.D.uniform_(0.5, 1.5)
+        m.norm.weight.uniform_(0.5, 1.5)
+    hidden = torch.randn(19, 2, HIDDEN, dtype=torch.float64)
+    out, bias = m(hidden)
+    assert bias is None and out.shape == hidden.shape
+    ref = reference_mixer(m, hidden)
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-10
+
+
+def test_mixer_is_causal_and_backward_reaches_every_parameter():
+    m = make_mixer().double()
+    hidden = torch.randn(12, 2, HIDDEN, dtype=torch.float64, requires_grad=True)
+    out, _ = m(hidden)
+    changed = hidden.detach().clone()
+    changed[7:] += 1.0
+    out2, _ = m(changed)
+    assert torch.equal(out[:7], out2[:7]) and not torch.equal(out[7:], out2[7:])
+    out.pow(2).sum().backward()
+    for name, param in m.named_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
+
+
+def test_bf16_mixer_runs_and_keeps_fp32_parameters():
+    m = make_mixer(dtype=torch.bfloat16)
+    out, _ = m(torch.randn(10, 2, HIDDEN, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+
+
+def test_mixer_rejects_sizes_that_do_not_divide():
+    with pytest.raises(ValueError, match="--mamba-num-groups"):
+        make_mixer(mamba_num_groups=3)
+    with pytest.raises(ValueError, match="--mamba-head-dim"):
+        make_mixer(mamba_head_dim=7)

@@ -1,0 +1,108 @@
+"""The SSD chunked scan against the naive sequential recurrence: values, states, gradients.
+
+Errors are norm-wise relative: ``||y - y_ref|| / ||y_ref||`` with the reference in float64.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.ssm.ssd import ssd_chunked_scan, ssd_sequential_scan
+
+# (batch, length, heads, head dim, groups, state dim, chunk): lengths mostly not multiples of the chunk.
+CASES = [
+    (2, 37, 4, 8, 2, 16, 8),
+    (1, 100, 6, 4, 3, 8, 32),
+    (2, 64, 4, 4, 4, 4, 16),  # a multiple of the chunk, one head per group
+    (1, 5, 2, 3, 1, 4, 8),  # shorter than one chunk
+    (1, 130, 8, 4, 2, 8, 128),  # one full chunk and a 2-step tail
+    (2, 50, 8, 2, 1, 6, 7),  # odd chunk, all heads in one group
+]
+
+
+def inputs(b, length, h, p, g, n, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    x = rnd(b, length, h, p)
+    dt = F.softplus(rnd(b, length, h) - 1.0)  # ~0.3 on average; some steps near 2
+    A = -torch.empty(h, dtype=torch.float64).uniform_(1.0, 16.0, generator=gen)  # Megatron's A init range
+    B, C = rnd(b, length, g, n), rnd(b, length, g, n)
+    D = rnd(h)
+    return [t.to(dtype) for t in (x, dt, A, B, C, D)]
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}l{}h{}p{}g{}n{}q{}".format(*c))
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)], ids=["fp64", "fp32"])
+def test_chunked_equals_sequential(case, dtype, tol):
+    *shape, chunk = case
+    args = inputs(*shape, dtype=dtype)
+    x, dt, A, B, C, D = args
+    y, state = ssd_chunked_scan(x, dt, A, B, C, chunk, D=D, return_final_states=True)
+    assert y.shape == x.shape and y.dtype == dtype
+    assert state.shape == (x.shape[0], x.shape[2], x.shape[3], B.shape[3])
+    ref_y, ref_state = ssd_sequential_scan(*[t.double() for t in args[:5]], D=D.double(), return_final_states=True)
+    assert rel(y, ref_y) < tol
+    assert rel(state, ref_state) < tol
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16, 64])
+def test_chunk_size_does_not_change_the_result(chunk):
+    x, dt, A, B, C, D = inputs(2, 45, 4, 4, 2, 8)
+    base = ssd_chunked_scan(x, dt, A, B, C, 45, D=D)
+    assert rel(ssd_chunked_scan(x, dt, A, B, C, chunk, D=D), base) < 1e-12
+
+
+def test_initial_state_continues_a_split_sequence():
+    x, dt, A, B, C, D = inputs(2, 41, 4, 4, 2, 8)
+    whole, whole_state = ssd_chunked_scan(x, dt, A, B, C, 8, D=D, return_final_states=True)
+    cut = 19
+    first, state = ssd_chunked_scan(
+        x[:, :cut], dt[:, :cut], A, B[:, :cut], C[:, :cut], 8, D=D, return_final_states=True
+    )
+    second, end_state = ssd_chunked_scan(
+        x[:, cut:], dt[:, cut:], A, B[:, cut:], C[:, cut:], 8, D=D, initial_states=state, return_final_states=True
+    )
+    assert rel(torch.cat([first, second], 1), whole) < 1e-12
+    assert rel(end_state, whole_state) < 1e-12
+    ref = ssd_sequential_scan(x[:, cut:], dt[:, cut:], A, B[:, cut:], C[:, cut:], D=D, initial_states=state)
+    assert rel(second, ref) < 1e-12
+
+
+def test_per_channel_D_and_no_D():
+    x, dt, A, B, C, _ = inputs(1, 20, 4, 3, 2, 4)
+    D = torch.randn(4, 3, dtype=torch.float64)
+    assert rel(ssd_chunked_scan(x, dt, A, B, C, 8, D=D), ssd_sequential_scan(x, dt, A, B, C, D=D)) < 1e-10
+    assert rel(ssd_chunked_scan(x, dt, A, B, C, 8), ssd_sequential_scan(x, dt, A, B, C)) < 1e-10
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[5]], ids=["l37q8", "l100q32", "l50q7"])
+def test_gradients_match_the_sequential_recurrence(case):
+    *shape, chunk = case
+    leaves = [t.requires_grad_() for t in inputs(*shape)]
+    x, dt, A, B, C, D = leaves
+    cotangent = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y, state = ssd_chunked_scan(x, dt, A, B, C, chunk, D=D, return_final_states=True)
+    grads = torch.autograd.grad((y * cotangent).sum() + state.sum(), leaves)
+    ref_y, ref_state = ssd_sequential_scan(x, dt, A, B, C, D=D, return_final_states=True)
+    ref_grads = torch.autograd.grad((ref_y * cotangent).sum() + ref_state.sum(), leaves)
+    for name, g, ref in zip("x dt A B C D".split(), grads, ref_grads):
+        assert rel(g, ref) < 1e-10, name
+
+
+def test_low_precision_inputs_compute_in_fp32_and_states_dtype_rounds():
+    x, dt, A, B, C, D = inputs(1, 40, 4, 8, 2, 16)
+    ref = ssd_sequential_scan(x, dt, A, B, C, D=D)
+    y = ssd_chunked_scan(x.bfloat16(), dt.float(), A.float(), B.bfloat16(), C.bfloat16(), 16, D=D.float())
+    assert y.dtype == torch.bfloat16
+    assert rel(y, ref) < 2e-2  # bf16 inputs and output; the scan itself runs in fp32
+    x32, B32, C32 = x.float(), B.float(), C.float()
+    exact = ssd_chunked_scan(x32, dt.float(), A.float(), B32, C32, 16, D=D.float())
+    rounded = ssd_chunked_scan(x32, dt.float(), A.float(), B32, C32, 16, D=D.float(), state_dtype=torch.bfloat16)
+    assert 0 < rel(rounded, exact) < 2e-2
