@@ -57,11 +57,16 @@ def _topk(scores, topk, num_groups, group_topk):
     return scores.topk(topk, dim=-1)
 
 
+def _score_dtype(logits: torch.Tensor) -> torch.dtype:
+    """Scores in fp32 at least (fp64 stays fp64 with --moe-router-dtype fp64)."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
 def _normalised_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
     if score_function == "sigmoid":
-        return torch.sigmoid(logits.float())
+        return torch.sigmoid(logits.to(_score_dtype(logits)))
     if score_function == "sqrtsoftplus":
-        return torch.nn.functional.softplus(logits.float()).sqrt()
+        return torch.nn.functional.softplus(logits.to(_score_dtype(logits))).sqrt()
     raise ValueError(f"unknown --moe-router-score-function {score_function!r}")
 
 
@@ -81,8 +86,8 @@ def topk_routing(
     softmax: the softmax runs over the k selected logits (or over all experts before the
     selection with ``pre_softmax``). sigmoid / sqrtsoftplus: per-expert scores, the
     selection optionally shifted by ``expert_bias`` (the probabilities are not), and the k
-    selected scores renormalised to sum to 1 when k > 1. Scores are computed in fp32;
-    the probabilities come back in the logits' dtype.
+    selected scores renormalised to sum to 1 when k > 1. Scores are computed in fp32
+    (fp64 for fp64 logits); the probabilities come back in the logits' dtype.
 
     Args:
         logits: ``[T, E]`` router logits.
@@ -94,15 +99,15 @@ def topk_routing(
     """
     if score_function == "softmax":
         if pre_softmax:
-            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            scores = torch.softmax(logits, dim=-1, dtype=_score_dtype(logits))
             probs, indices = _topk(scores, topk, num_groups, group_topk)
         else:
             top_logits, indices = _topk(logits, topk, num_groups, group_topk)
-            probs = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
+            probs = torch.softmax(top_logits, dim=-1, dtype=_score_dtype(logits))
     else:
         scores = _normalised_scores(logits, score_function)
         if expert_bias is not None:
-            _, indices = _topk(scores + expert_bias.float(), topk, num_groups, group_topk)
+            _, indices = _topk(scores + expert_bias.to(scores.dtype), topk, num_groups, group_topk)
             probs = scores.gather(1, indices)
         else:
             probs, indices = _topk(scores, topk, num_groups, group_topk)
@@ -117,10 +122,10 @@ def topk_routing(
 
 
 def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(routing_map [T, E], scores [T, E] fp32)`` the load-balancing losses are computed on:
+    """``(routing_map [T, E], scores [T, E] fp32 or fp64)`` the load-balancing losses are computed on:
     plain top-k over the normalised scores (no groups, no expert bias, no dropping)."""
     if score_function == "softmax":
-        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        scores = torch.softmax(logits, dim=-1, dtype=_score_dtype(logits))
     else:
         scores = _normalised_scores(logits, score_function)
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
@@ -130,7 +135,12 @@ def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str) ->
 
 
 def switch_load_balancing_loss(
-    scores: torch.Tensor, tokens_per_expert: torch.Tensor, total_num_tokens: int, topk: int, coeff: float
+    scores: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    total_num_tokens: int,
+    topk: int,
+    coeff: float,
+    num_experts: int | None = None,
 ) -> torch.Tensor:
     """Switch-Transformer load-balancing loss, ``coeff * E * sum_i f_i * P_i``.
 
@@ -141,8 +151,9 @@ def switch_load_balancing_loss(
         scores: ``[T, E]`` scores of the local tokens.
         tokens_per_expert: ``[E]`` routed counts at the level the loss balances over.
         total_num_tokens: Token count at that same level.
+        num_experts: E (default: the scores' last dim; the per-sequence loss folds the batch into it).
     """
-    num_experts = scores.shape[-1]
+    num_experts = scores.shape[-1] if num_experts is None else num_experts
     scale = num_experts * coeff / (topk * total_num_tokens * total_num_tokens)
     return torch.sum(scores.sum(dim=0) * tokens_per_expert) * scale
 
@@ -174,7 +185,11 @@ def apply_token_dropping(
     if capacity >= num_tokens:
         keep = torch.ones_like(routing_map)
     else:
-        key = probs if drop_policy == "probs" else routing_map.to(probs.dtype)
+        if drop_policy == "probs":
+            key = probs
+        else:  # routed tokens first, earlier ones first: a key without ties
+            position = torch.arange(num_tokens, 0, -1, device=probs.device).unsqueeze(1)
+            key = routing_map.long() * (2 * num_tokens) + position
         idx = key.topk(capacity, dim=0, sorted=False).indices  # [C, E]
         keep = torch.zeros_like(routing_map).scatter(0, idx, True)
     new_map = keep if pad_to_capacity else routing_map & keep
@@ -192,12 +207,14 @@ class AuxLossAutoScaler(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, activation: torch.Tensor, aux_loss: torch.Tensor, scale: torch.Tensor):
-        ctx.save_for_backward(aux_loss, scale)
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale  # not saved: its value may be set between forward and backward
         return activation.view_as(activation)
 
     @staticmethod
     def backward(ctx, grad_output):
-        aux_loss, scale = ctx.saved_tensors
+        (aux_loss,) = ctx.saved_tensors
+        scale = ctx.scale
         return grad_output, torch.ones_like(aux_loss) * scale.to(aux_loss.dtype), None
 
 

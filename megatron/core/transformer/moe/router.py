@@ -158,7 +158,12 @@ class TopKRouter(torch.nn.Module):
                 batch = num_tokens // seq_len
                 s_scores = scores.reshape(seq_len, batch * self.num_experts)
                 s_counts = aux_map.reshape(seq_len, batch * self.num_experts).sum(dim=0).to(scores.dtype)
-                loss = moe_utils.switch_load_balancing_loss(s_scores, s_counts, seq_len, self.topk, coeff) / batch
+                loss = (
+                    moe_utils.switch_load_balancing_loss(
+                        s_scores, s_counts, seq_len, self.topk, coeff, self.num_experts
+                    )
+                    / batch
+                )
             else:
                 counts = aux_map.sum(dim=0).to(torch.float32)
                 dp = 1
