@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.tensor_parallel.layers import resolve_device
+from megatron.core.transformer.cuda_graphs.regions import GraphRegions, RegionSpec
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, SharedExpertMLP
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import build_token_dispatcher
@@ -183,6 +184,26 @@ def reset_moe_state(model: torch.nn.Module) -> None:
             buf.zero_()
 
 
+def _router_graphable(config) -> str | None:
+    """Why no region may contain the router under ``config`` (None: it may)."""
+    if "global_aux_loss" in config.moe.aux_loss_coeffs():
+        return (
+            "--moe-router-load-balancing-type global_aux_loss keeps the step's token counts in a buffer "
+            "across micro-batches; use aux_loss or seq_aux_loss to graph the router"
+        )
+    return None
+
+
+def _block_graphable(config) -> str | None:
+    """Why the whole MoE block cannot be one graph under ``config`` (None: it can)."""
+    if not config.moe.drop_and_pad:
+        return (
+            "it needs drop-and-pad (--moe-expert-capacity-factor X and --moe-pad-expert-input-to-capacity): "
+            "without it the experts' token counts are data-dependent and read on the host"
+        )
+    return _router_graphable(config)
+
+
 class MoETransformerLayer(TransformerLayer):
     """A transformer layer whose MLP is an ``MoELayer``, split into graphable regions.
 
@@ -196,7 +217,26 @@ class MoETransformerLayer(TransformerLayer):
     later phases need is returned. ``forward`` adds the router statistics into
     ``mlp.metrics`` / ``mlp.tokens_per_expert`` (eager, outside every region but the
     whole-layer graph; see ``MoELayer.side_effect_buffers``).
+
+    Graph regions: ``attn``; ``moe_router``, ``moe_preprocess`` (needs ``moe_router``),
+    with dispatch, experts, combine and postprocess eager; or ``moe``, the whole block,
+    with drop-and-pad only. ``attn moe`` captures the whole layer (drop-and-pad only).
     """
+
+    graph_regions = GraphRegions(
+        RegionSpec("attn", "_forward_attention"),
+        RegionSpec("moe_router", "_forward_moe_router", excludes=("moe",), when=_router_graphable),
+        RegionSpec(
+            "moe_preprocess",
+            "_forward_moe_preprocess",
+            requires=("moe_router",),
+            excludes=("moe",),
+            when=_router_graphable,
+        ),
+        RegionSpec("moe", "_forward_moe", when=_block_graphable),
+        whole=("attn", "moe"),
+        whole_when=_block_graphable,
+    )
 
     def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``."""

@@ -199,3 +199,48 @@ def test_decoder_specs_follow_moe_layer_freq():
         TransformerLayer,
         MoETransformerLayer,
     ]
+
+
+def _plan(scopes, classes, **moe):
+    from megatron.core.transformer.cuda_graphs.regions import resolve
+
+    cfg = make_config(**moe)
+    return {c.__name__: [s.name for s in specs] for c, specs in resolve(scopes, classes, cfg).items()}
+
+
+PAD = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+
+
+def test_region_declarations_resolve():
+    both = [TransformerLayer, MoETransformerLayer]
+    assert _plan(["attn", "moe_router", "moe_preprocess"], [MoETransformerLayer]) == {
+        "MoETransformerLayer": ["attn", "moe_router", "moe_preprocess"]
+    }
+    assert _plan(["moe_router"], both) == {"TransformerLayer": [], "MoETransformerLayer": ["moe_router"]}
+    assert _plan(["moe"], [MoETransformerLayer], **PAD) == {"MoETransformerLayer": ["moe"]}
+    assert _plan(["attn", "moe"], [MoETransformerLayer], **PAD) == {"MoETransformerLayer": ["layer"]}
+    assert _plan([], both, **PAD) == {"TransformerLayer": ["layer"], "MoETransformerLayer": ["layer"]}
+    assert _plan(["mlp"], both) == {"TransformerLayer": ["mlp"], "MoETransformerLayer": []}
+
+
+@pytest.mark.parametrize(
+    "scopes, classes, moe, message",
+    [
+        (["moe", "moe_router"], [MoETransformerLayer], PAD, "moe_router cannot be combined with moe"),
+        (["moe_preprocess"], [MoETransformerLayer], {}, "moe_preprocess needs moe_router"),
+        (["moe"], [MoETransformerLayer], {}, "moe: not available with this model: it needs drop-and-pad"),
+        ([], [MoETransformerLayer], {}, "cannot be captured whole: it needs drop-and-pad"),
+        (["mlp"], [MoETransformerLayer], {}, "has no 'mlp' region"),
+        (["moe_router"], [TransformerLayer], {}, "has no 'moe_router' region"),  # a model without experts
+        (["moe"], [TransformerLayer], {}, "has no 'moe' region"),
+        (
+            ["moe_router"],
+            [MoETransformerLayer],
+            dict(moe_router_load_balancing_type=["global_aux_loss"], moe_aux_loss_coeff=[0.1]),
+            "global_aux_loss",
+        ),
+    ],
+)
+def test_region_validation_errors(scopes, classes, moe, message):
+    with pytest.raises(ValueError, match=message):
+        _plan(scopes, classes, **moe)

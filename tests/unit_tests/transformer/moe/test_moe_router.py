@@ -24,15 +24,15 @@ def _reference_route(logits, k, score, pre_softmax=False, scale=None, bias=None)
         if score == "softmax":
             if pre_softmax:
                 s = torch.softmax(row, -1)
-                idx = sorted(range(len(row)), key=lambda e: -float(s[e]))[:k]
+                idx = sorted(range(len(row)), key=lambda e: -float(s[e].detach()))[:k]
                 vals = s[idx]
             else:
-                idx = sorted(range(len(row)), key=lambda e: -float(row[e]))[:k]
+                idx = sorted(range(len(row)), key=lambda e: -float(row[e].detach()))[:k]
                 vals = torch.softmax(row[idx], -1)
         else:
             s = torch.sigmoid(row) if score == "sigmoid" else torch.nn.functional.softplus(row).sqrt()
             key = s if bias is None else s + bias
-            idx = sorted(range(len(row)), key=lambda e: -float(key[e]))[:k]
+            idx = sorted(range(len(row)), key=lambda e: -float(key[e].detach()))[:k]
             vals = s[idx]
             if k > 1:
                 vals = vals / vals.sum()
