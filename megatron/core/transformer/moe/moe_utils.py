@@ -254,6 +254,15 @@ def unpermute(expert_output: torch.Tensor, token_idx: torch.Tensor, num_tokens: 
 
 # ---------------------------------------------------------------------------- collectives
 
+# torch 2.13 renamed the tensor collectives (the old names warn).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_tensor(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """Non-differentiable all-gather along dim 0 into ``out``."""
+    _all_gather_single(out, x.contiguous(), group=group)
+
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
@@ -280,7 +289,7 @@ class _AllGather(torch.autograd.Function):
         ctx.group = group
         size = dist.get_world_size(group)
         out = x.new_empty((x.shape[0] * size,) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        _all_gather_single(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
@@ -294,7 +303,7 @@ class _ReduceScatter(torch.autograd.Function):
         ctx.group = group
         size = dist.get_world_size(group)
         out = x.new_empty((x.shape[0] // size,) + tuple(x.shape[1:]))
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+        _reduce_scatter_single(out, x.contiguous(), group=group)
         return out
 
     @staticmethod

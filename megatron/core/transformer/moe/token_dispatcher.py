@@ -196,7 +196,7 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
             probs = moe_utils.all_gather(probs, self.ep_group)
             gathered = routing_map.new_empty((routing_map.shape[0] * self.ep_size, routing_map.shape[1]))
             gathered = gathered.to(torch.uint8)
-            dist.all_gather_into_tensor(gathered, routing_map.to(torch.uint8), group=self.ep_group)
+            moe_utils.all_gather_tensor(gathered, routing_map.to(torch.uint8), self.ep_group)
             routing_map = gathered.bool()
         lo, hi = self.local_expert_indices.start, self.local_expert_indices.stop
         m = self.num_slots(num_tokens)

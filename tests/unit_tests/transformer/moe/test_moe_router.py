@@ -139,7 +139,7 @@ def test_capacity_dropping(policy, pad):
     for e in range(4):
         routed = (full[:, e] != 0).nonzero().flatten().tolist()
         if policy == "probs":
-            keep = sorted(routed, key=lambda t: -float(full[t, e]))[:cap]
+            keep = sorted(routed, key=lambda t: -float(full[t, e].detach()))[:cap]
         else:
             keep = routed[:cap]
         assert set(keep) <= set(routing_map[:, e].nonzero().flatten().tolist())
