@@ -242,7 +242,8 @@ class MoETransformerLayer(TransformerLayer):
         """``[s, b, h] -> [s, b, h]``."""
         hidden_states = self._forward_attention(hidden_states, rotary_pos_emb)
         hidden_states, stats = self._forward_moe(hidden_states)
-        self.mlp.accumulate_stats(stats)
+        if self.training and torch.is_grad_enabled():  # evaluation does not count
+            self.mlp.accumulate_stats(stats)
         return hidden_states
 
     def _forward_moe(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
