@@ -149,16 +149,23 @@ class GroupedMLP(torch.nn.Module):
         return self._loop(tokens, tokens_per_expert, probs)
 
     def _grouped(self, tokens, tokens_per_expert, probs):
-        if not isinstance(tokens_per_expert, torch.Tensor):
-            tokens_per_expert = torch.tensor(tokens_per_expert, device=tokens.device)
-        counts = tokens_per_expert.to(device=tokens.device)
-        offs = torch.cumsum(counts, dim=0).to(torch.int32)
+        n = self.num_local_experts
+        experts = torch.arange(n, device=tokens.device)
+        if isinstance(tokens_per_expert, torch.Tensor):
+            counts = tokens_per_expert.to(device=tokens.device)
+            offs = torch.cumsum(counts, dim=0).to(torch.int32)
+        elif len(set(tokens_per_expert)) == 1:
+            # Static counts (drop-and-pad): offsets from a device arange, no host-to-device copy,
+            # so this runs inside a captured graph.
+            counts = int(tokens_per_expert[0])
+            offs = ((experts + 1) * counts).to(torch.int32)
+        else:
+            counts = torch.tensor(tokens_per_expert, device=tokens.device)  # eager: read on the host already
+            offs = torch.cumsum(counts, dim=0).to(torch.int32)
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         intermediate = F.grouped_mm(tokens, fc1.weight.transpose(-2, -1), offs=offs)
         if fc1.bias is not None or fc2.bias is not None:
-            row_expert = torch.repeat_interleave(
-                torch.arange(self.num_local_experts, device=tokens.device), counts, output_size=tokens.shape[0]
-            )
+            row_expert = torch.repeat_interleave(experts, counts, output_size=tokens.shape[0])
         if fc1.bias is not None:
             intermediate = intermediate + fc1.bias.index_select(0, row_expert)
         act = _activate(intermediate, self.gated) * probs.unsqueeze(-1).to(intermediate.dtype)

@@ -244,3 +244,82 @@ def test_region_declarations_resolve():
 def test_region_validation_errors(scopes, classes, moe, message):
     with pytest.raises(ValueError, match=message):
         _plan(scopes, classes, **moe)
+
+
+def _grouped_pair(dtype, device, counts_kind):
+    torch.manual_seed(3)
+    cfg = make_config(dtype=dtype, moe_grouped_gemm=True, gated_linear_unit=True, add_bias_linear=True)
+    experts = GroupedMLP(cfg, 4, device=device)
+    with torch.no_grad():
+        experts.linear_fc1.bias.normal_()
+        experts.linear_fc2.bias.normal_()
+    counts = [3, 0, 5, 2] if counts_kind == "ragged" else [4, 4, 4, 4]
+    tokens = torch.randn(sum(counts), 8, dtype=dtype, device=device)
+    probs = torch.rand(sum(counts), dtype=dtype, device=device)
+    return experts, tokens, counts, probs
+
+
+@pytest.mark.parametrize("counts_kind", ["ragged", "static"])
+def test_grouped_mm_path_matches_the_loop_on_cpu_forward(counts_kind):
+    experts, tokens, counts, probs = _grouped_pair(torch.float32, "cpu", counts_kind)
+    try:
+        with torch.no_grad():
+            grouped = experts._grouped(tokens, counts, probs)
+    except (RuntimeError, AttributeError) as exc:  # grouped_mm is a CUDA kernel; some builds have a CPU one
+        pytest.skip(f"no CPU grouped_mm here: {exc}")
+    with torch.no_grad():
+        loop = experts._loop(tokens, counts, probs)
+        tensor_counts = experts._grouped(tokens, torch.tensor(counts), probs)
+    torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tensor_counts, loop, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts_kind", ["ragged", "static"])
+def test_grouped_mm_path_matches_the_loop_on_cuda_bf16(counts_kind):
+    experts, tokens, counts, probs = _grouped_pair(torch.bfloat16, "cuda", counts_kind)
+    tokens.requires_grad_()
+    out = experts(tokens, torch.tensor(counts, device="cuda") if counts_kind == "ragged" else counts, probs)
+    ref = experts._loop(tokens, counts, probs)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)  # bf16 GEMMs, different kernels
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, [tokens, experts.linear_fc1.weight, experts.linear_fc2.bias], g)
+    want = torch.autograd.grad(ref, [tokens, experts.linear_fc1.weight, experts.linear_fc2.bias], g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_drop_and_pad_moe_block_captures_and_replays_on_cuda(dispatcher):
+    """The ``moe`` region of a drop-and-pad layer is capturable: replay == eager, bitwise."""
+    torch.manual_seed(4)
+    cfg = make_config(
+        dtype=torch.bfloat16,
+        moe_token_dispatcher_type=dispatcher,
+        moe_grouped_gemm=True,
+        moe_expert_capacity_factor=1.0,
+        moe_pad_expert_input_to_capacity=True,
+        moe_aux_loss_coeff=[0.01],
+        hidden=64,
+        ffn=128,
+        heads=4,
+    )
+    layer = build_module(get_gpt_moe_layer_local_spec(), config=cfg, layer_number=1, device="cuda")
+    static_in = torch.randn(32, 2, 64, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        for _ in range(2):
+            layer._forward_moe(static_in)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            static_out, static_stats = layer._forward_moe(static_in)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(2):
+        x = torch.randn_like(static_in)
+        static_in.copy_(x)
+        graph.replay()
+        with torch.no_grad():
+            eager_out, eager_stats = layer._forward_moe(x)
+        assert torch.equal(static_out, eager_out) and torch.equal(static_stats, eager_stats)
