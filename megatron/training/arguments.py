@@ -39,6 +39,7 @@ from megatron.training.config import RunConfig
 # Attribute of RunConfig -> argument-group title shown in --help and the user guide.
 _GROUP_TITLES = {
     "model": "model",
+    "moe": "mixture of experts",
     "parallel": "parallel",
     "training": "training",
     "optimizer": "optimizer",
@@ -102,13 +103,6 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
     "--no-rope-fusion": KnownFlag(0, None, note=_NO_FUSION),
     "--no-persist-layer-norm": KnownFlag(0, None, note=_NO_FUSION),
     # Rejected: they would change the run, and we cannot do what they ask yet.
-    "--num-experts": KnownFlag(None, _not_yet("--num-experts (MoE)", "drop the MoE flags to train a dense model")),
-    "--moe-router-topk": KnownFlag(None, _not_yet("--moe-router-topk (MoE)", "drop the MoE flags")),
-    "--moe-ffn-hidden-size": KnownFlag(None, _not_yet("--moe-ffn-hidden-size (MoE)", "drop the MoE flags")),
-    "--moe-grouped-gemm": KnownFlag(0, _not_yet("--moe-grouped-gemm (MoE)", "drop the MoE flags")),
-    "--moe-token-dispatcher-type": KnownFlag(None, _not_yet("--moe-token-dispatcher-type (MoE)", "drop the MoE flags")),
-    "--moe-aux-loss-coeff": KnownFlag(None, _not_yet("--moe-aux-loss-coeff (MoE)", "drop the MoE flags")),
-    "--expert-tensor-parallel-size": KnownFlag(None, _not_yet("--expert-tensor-parallel-size")),
     "--spec": KnownFlag(
         "*",
         "--spec is not supported: layers are chosen from the model flags; drop the flag.",

@@ -16,6 +16,7 @@ from megatron.core.datasets.builder import parse_split
 from megatron.core.parallel_state import ParallelConfig
 from megatron.core.ssm.mamba_config import MambaConfig
 from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -253,6 +254,7 @@ class RunConfig:
     """Every concern of one run, as parsed from the command line."""
 
     model: TransformerConfig = dataclasses.field(default_factory=TransformerConfig)
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
@@ -271,8 +273,10 @@ class RunConfig:
         """
         self._warn_ignored_flags()
         self.mamba.validate(self.model, self.parallel)  # first: the hybrid pattern sets --num-layers
+        self.model.moe = self.moe  # the model reads its MoE flags as config.moe
         self.model.finalize()
         self.model.validate()
+        self.moe.validate(self.model, self.parallel.expert_model_parallel_size)
         self.parallel.validate()
         self.cuda_graph.validate()
         p, t, o = self.precision, self.training, self.optimizer

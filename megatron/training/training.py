@@ -37,6 +37,7 @@ from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.transformer import cuda_graphs
 from megatron.core.transformer.cuda_graphs.streams import side_stream
+from megatron.core.transformer.moe import moe_layer as moe_hooks
 from megatron.training import checkpointing
 from megatron.training import logging_utils as logs
 from megatron.training.arguments import parse_args
@@ -85,6 +86,7 @@ class Trainer:
         self.tokenizer = setup_tokenizer(cfg, pg)
         model = model_provider(cfg, cfg.model.vocab_size, pg, self.device)
         self.model = DistributedDataParallel(model, config=cfg.ddp, pg=pg)
+        self.has_moe = bool(moe_hooks.moe_layers(model))
         self.graphs = cuda_graphs.attach(model, cfg.cuda_graph, model_config=cfg.model, grad_sinks=[self.model])
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = MixedPrecisionOptimizer(
@@ -247,6 +249,8 @@ class Trainer:
         """
         with self.on_stream():
             self.model.zero_grad_buffer()
+            if self.has_moe:  # d(objective)/d(aux loss), as the schedule scales the lm loss
+                moe_hooks.set_aux_loss_scale(self.model, self.optimizer.get_loss_scale() / self.cfg.num_microbatches)
             loss = self.forward_backward(data_iterator)
             self.model.finish_grad_sync()
             # The mean loss before the step, so every rank's NaN guard sees the same value.
@@ -255,6 +259,8 @@ class Trainer:
                 loss = loss / self.pg.dp_size
             bad_loss = torch.logical_not(torch.isfinite(loss))
             success, grad_norm, num_zeros = self.optimizer.step(skip=bad_loss)
+            if self.has_moe:  # expert-bias update from this step's token counts
+                moe_hooks.moe_after_optimizer_step(self.model, self.pg.dp)
             self._prefetch(data_iterator)
             if success:
                 self.scheduler.step(1)
@@ -406,6 +412,12 @@ class Trainer:
         its line is printed.
         """
         cfg, t = self.cfg, self.cfg.training
+        moe_losses = {}
+        if self.has_moe:  # Megatron's names (load_balancing_loss, z_loss, ...), mean per micro-batch
+            micro_batches = cfg.num_microbatches * self._window.iterations
+            moe_losses = {
+                k: v.item() for k, v in moe_hooks.collect_moe_metrics(self.model, micro_batches, self.pg.dp).items()
+            }
         loss_value, nan_now, first_nan = self._window.read_and_reset()
         self.nan_iters += nan_now
         grad_value = None if grad_norm is None else float(grad_norm)
@@ -431,7 +443,7 @@ class Trainer:
             elapsed_ms=elapsed_ms,
             lr=lr,
             global_batch_size=t.global_batch_size,
-            losses={"lm loss": loss_value},
+            losses={"lm loss": loss_value, **moe_losses},
             loss_scale=loss_scale,
             grad_norm=grad_value,
             skipped_iters=self.skipped_iters,
@@ -448,6 +460,7 @@ class Trainer:
             "loss-scale": loss_scale,
             "iteration-time": elapsed_ms / 1000.0,
             "batch-size": t.global_batch_size,
+            **moe_losses,
         }
         if throughput is not None:
             record["throughput"] = throughput

@@ -18,7 +18,8 @@ class TransformerBlock(torch.nn.Module):
 
     Args:
         config: Finalized ``TransformerConfig``.
-        layer_spec: Spec of one layer (``ModuleSpec``), built once per layer.
+        layer_spec: Spec of one layer (``ModuleSpec``), built once per layer, or a list with
+            one spec per layer of this block (MoE models mix dense and MoE layers).
         pg: ``ProcessGroups`` (or ``None`` for a world of one).
         num_layers: Layers in this block (default: ``config.num_layers``).
         layer_offset: Global index of this block's first layer (pipeline chunks).
@@ -46,8 +47,12 @@ class TransformerBlock(torch.nn.Module):
         self.pre_process = pre_process
         self.post_process = post_process
         num_layers = config.num_layers if num_layers is None else num_layers
+        specs = list(layer_spec) if isinstance(layer_spec, list | tuple) else [layer_spec] * num_layers
+        if len(specs) == config.num_layers != num_layers:  # the whole model's list: take this chunk's part
+            specs = specs[layer_offset : layer_offset + num_layers]
+        assert len(specs) == num_layers, f"{len(specs)} layer specs for {num_layers} layers"
         self.layers = torch.nn.ModuleList(
-            build_module(layer_spec, config=config, layer_number=layer_offset + i + 1, pg=pg, device=device)
+            build_module(specs[i], config=config, layer_number=layer_offset + i + 1, pg=pg, device=device)
             for i in range(num_layers)
         )
         for i, layer in enumerate(self.layers):

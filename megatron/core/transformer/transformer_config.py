@@ -11,6 +11,7 @@ import dataclasses
 import torch
 
 from megatron.core.config_utils import flag_field, require
+from megatron.core.transformer.moe.moe_config import MoEConfig
 
 
 @dataclasses.dataclass
@@ -98,6 +99,9 @@ class TransformerConfig:
     params_dtype: torch.dtype = flag_field(torch.float32, no_flag=True)
     """Parameter dtype, derived from --bf16/--fp16."""
 
+    moe: MoEConfig = flag_field(default_factory=MoEConfig, no_flag=True)
+    """The MoE flags (their own group, ``RunConfig.moe``; the model reads them here)."""
+
     def finalize(self) -> "TransformerConfig":
         """Fills derived fields. Idempotent; returns self."""
         if self.ffn_hidden_size is None:
@@ -112,6 +116,7 @@ class TransformerConfig:
             self.num_query_groups = self.num_attention_heads
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+        self.moe.finalize(self)
         return self
 
     def validate(self) -> None:

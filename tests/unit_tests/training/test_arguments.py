@@ -181,9 +181,6 @@ def test_bad_value_exits(capsys):
 @pytest.mark.parametrize(
     "argv, flag",
     [
-        (["--num-experts", "8"], "--num-experts"),
-        (["--moe-router-topk", "2"], "--moe-router-topk"),
-        (["--moe-grouped-gemm"], "--moe-grouped-gemm"),
         (["--recompute-granularity", "full"], "--recompute-granularity"),
         (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine"),
         (["--spec", "moe_spec", "moe_block_spec"], "--spec"),
@@ -201,8 +198,8 @@ def test_known_unsupported_flags_raise(argv, flag):
 
 def test_all_rejections_are_reported_together():
     with pytest.raises(ValueError) as info:
-        parse_args(BASE + ["--num-experts", "8", "--fp8-format", "hybrid"])
-    assert "--num-experts" in str(info.value) and "--fp8-format" in str(info.value)
+        parse_args(BASE + ["--hybrid-layer-pattern", "M*", "--fp8-format", "hybrid"])
+    assert "--hybrid-layer-pattern" in str(info.value) and "--fp8-format" in str(info.value)
 
 
 def test_known_accepted_flags_are_no_ops():
@@ -221,8 +218,7 @@ def test_fusion_flags_turn_fusions_off():
 
 
 def test_known_table_covers_brief_and_has_no_clash():
-    for flag in ("--num-experts", "--moe-ffn-hidden-size", "--moe-token-dispatcher-type", "--moe-aux-loss-coeff",
-                 "--fp8-format", "--recompute-method", "--recompute-num-layers",
+    for flag in ("--fp8-format", "--recompute-method", "--recompute-num-layers",
                  "--async-save", "--ckpt-format", "--spec", "--split-sentences"):  # fmt: skip
         assert KNOWN_MEGATRON_FLAGS[flag].message, flag
     for flag in ("--use-flash-attn", "--use-mcore-models", "--no-bias-gelu-fusion"):
@@ -237,7 +233,8 @@ def test_flags_markdown():
     assert "### cuda graphs" in text and "### model" in text
     assert "| `--num-layers N` | 2 | Number of transformer layers. |" in text
     assert "`--cuda-graph-scope STR ...`, `--cuda-graph-modules STR ...`" in text
-    assert "| `--num-experts` | rejected |" in text
+    assert "| `--hybrid-layer-pattern` | rejected |" in text
+    assert "### mixture of experts" in text and "`--num-experts N`" in text
     assert "| `--use-flash-attn` | accepted |" in text
     for flag in MEGATRON_SPELLINGS:
         assert f"`{flag}" in text, flag

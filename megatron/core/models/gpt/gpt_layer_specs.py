@@ -18,3 +18,28 @@ def get_gpt_layer_local_spec() -> ModuleSpec:
             mlp=MLP,
         ),
     )
+
+
+def get_gpt_moe_layer_local_spec() -> ModuleSpec:
+    """Spec of an MoE GPT layer: as the dense one with an ``MoELayer`` in place of the MLP."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoETransformerLayer
+
+    return ModuleSpec(
+        module=MoETransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=build_norm,
+            self_attention=SelfAttention,
+            pre_mlp_layernorm=build_norm,
+            mlp=MoELayer,
+        ),
+    )
+
+
+def get_gpt_decoder_layer_specs(config) -> list[ModuleSpec]:
+    """One spec per layer: MoE where ``--moe-layer-freq`` says so (with ``--num-experts``), dense elsewhere."""
+    moe = config.moe
+    if not moe.enabled:
+        return [get_gpt_layer_local_spec()] * config.num_layers
+    moe.finalize(config)
+    dense, sparse = get_gpt_layer_local_spec(), get_gpt_moe_layer_local_spec()
+    return [sparse if flag else dense for flag in moe.moe_layer_pattern]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.models.common.rotary import RotaryEmbedding
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -237,7 +237,8 @@ class GPTModel(torch.nn.Module):
 
 
 def build_gpt_model(config, vocab_size: int, pg=None, device=None) -> GPTModel:
-    """Builds the GPT model a (finalized) config describes, with the local layer spec.
+    """Builds the GPT model a (finalized) config describes, with the local layer specs
+    (dense, or dense and MoE layers as ``config.moe`` says).
 
     Args:
         config: Finalized ``TransformerConfig``.
@@ -249,7 +250,7 @@ def build_gpt_model(config, vocab_size: int, pg=None, device=None) -> GPTModel:
         config.finalize()
     return GPTModel(
         config,
-        get_gpt_layer_local_spec(),
+        get_gpt_decoder_layer_specs(config),
         vocab_size,
         config.max_position_embeddings,
         pg,

@@ -1,0 +1,289 @@
+"""Mixture-of-Experts flags: experts, router, load balancing, dispatcher, capacity.
+
+Field names and defaults are Megatron's (``--num-experts`` fills ``num_moe_experts``).
+The model reads them as ``TransformerConfig.moe``. Unusual here: ``--moe-layer-freq``
+takes an int or a Python list expression such as ``([0]*1+[1]*3)``; the expression is
+parsed with ``ast`` and only list literals, integers, ``+`` and ``*`` are evaluated
+(no ``eval``). ``finalize()`` turns it into ``moe_layer_pattern`` (one 0/1 per layer).
+"""
+
+import ast
+import dataclasses
+
+from megatron.core.config_utils import flag_field, require
+
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+
+# Name of each load-balancing loss in the log line and TensorBoard (Megatron's names).
+AUX_LOSS_NAMES = {
+    "aux_loss": "load_balancing_loss",
+    "seq_aux_loss": "seq_load_balancing_loss",
+    "global_aux_loss": "global_load_balancing_loss",
+}
+
+
+def parse_moe_layer_freq(value, num_layers: int) -> list[int]:
+    """``--moe-layer-freq`` -> one 0 (dense) or 1 (MoE) per layer.
+
+    Args:
+        value: An int N (every N-th layer, starting with the first, is MoE), its string,
+            a list of 0/1, or a list expression string such as ``"([0]*1+[1]*3)*2"``.
+        num_layers: Number of transformer layers; a pattern must have this length.
+
+    Raises:
+        ValueError: For anything else, naming the flag.
+    """
+    if isinstance(value, str):
+        text = value.strip()
+        if "[" not in text:
+            try:
+                value = int(text)
+            except ValueError:
+                raise ValueError(
+                    f"--moe-layer-freq {value!r}: expected an int or a list expression such as ([0]*1+[1]*3)."
+                ) from None
+        else:
+            value = _eval_list_expression(text)
+    if isinstance(value, bool) or not isinstance(value, int | list):
+        raise ValueError(f"--moe-layer-freq {value!r}: expected an int or a list of 0/1.")
+    if isinstance(value, int):
+        require(value >= 1, f"--moe-layer-freq must be >= 1, got {value}.")
+        return [1 if i % value == 0 else 0 for i in range(num_layers)]
+    require(
+        all(isinstance(v, int) and not isinstance(v, bool) and v in (0, 1) for v in value),
+        f"--moe-layer-freq pattern {value} may only hold 0 (dense layer) and 1 (MoE layer).",
+    )
+    require(
+        len(value) == num_layers,
+        f"--moe-layer-freq pattern has {len(value)} entries but --num-layers is {num_layers}; give one 0/1 per layer.",
+    )
+    return list(value)
+
+
+def _eval_list_expression(text: str) -> list:
+    """Evaluates list literals of ints combined with ``+`` and ``*``; nothing else."""
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError as exc:
+        raise ValueError(f"--moe-layer-freq {text!r} is not a valid expression: {exc.msg}.") from None
+
+    def ev(node):
+        if isinstance(node, ast.List):
+            return [ev(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Mult):
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Add):
+                if isinstance(left, list) and isinstance(right, list):
+                    return left + right
+                if isinstance(left, int) and isinstance(right, int):
+                    return left + right
+            elif isinstance(left, int) and isinstance(right, int):
+                return left * right
+            elif isinstance(left, list) != isinstance(right, list):
+                seq, count = (left, right) if isinstance(left, list) else (right, left)
+                if count <= 100_000:
+                    return seq * count
+        raise ValueError(
+            f"--moe-layer-freq {text!r}: only list literals, integers, + and * are allowed "
+            f"(found {type(node).__name__})."
+        )
+
+    result = ev(tree.body)
+    if not isinstance(result, list):
+        raise ValueError(f"--moe-layer-freq {text!r} must evaluate to a list, got {result!r}.")
+    return result
+
+
+@dataclasses.dataclass
+class MoEConfig:
+    """Mixture of Experts: experts, router, load balancing, token dispatcher."""
+
+    num_moe_experts: int | None = flag_field(None, flag="--num-experts")
+    """Number of experts in each MoE layer. Unset: a dense model."""
+
+    moe_layer_freq: str = "1"
+    """Which layers are MoE: an int N (every N-th layer, starting with the first) or a list
+    expression with one 0/1 per layer, e.g. ([0]*1+[1]*3)."""
+
+    moe_ffn_hidden_size: int | None = None
+    """Hidden size of each expert's MLP. Defaults to --ffn-hidden-size."""
+
+    moe_shared_expert_intermediate_size: int | None = None
+    """Hidden size of the shared experts (num shared experts x size of each). Unset: none."""
+
+    moe_shared_expert_gate: bool = False
+    """Scale the shared experts' output by a learned sigmoid gate per token."""
+
+    moe_router_topk: int = 2
+    """Number of experts each token is routed to."""
+
+    moe_router_score_function: str = flag_field("softmax", choices=("softmax", "sigmoid", "sqrtsoftplus"))
+    """Score function of the router."""
+
+    moe_router_pre_softmax: bool = False
+    """Apply the score function before the top-k selection (by default softmax runs after it)."""
+
+    moe_router_topk_scaling_factor: float | None = None
+    """Scale the selected routing probabilities by this factor. Defaults to no scaling."""
+
+    moe_router_num_groups: int | None = None
+    """Group-limited routing: number of expert groups (e.g. the EP size for device-limited routing)."""
+
+    moe_router_group_topk: int | None = None
+    """Group-limited routing: number of groups each token may pick experts from."""
+
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free load balancing: a per-expert bias, updated from the token counts after each
+    step, shifts the top-k selection (sigmoid or sqrtsoftplus scores)."""
+
+    moe_router_bias_update_rate: float = 1e-3
+    """Step size of the expert-bias update."""
+
+    moe_router_load_balancing_type: list[str] = flag_field(
+        default_factory=lambda: ["aux_loss"], nargs="+", choices=LOAD_BALANCING_TYPES
+    )
+    """Load-balancing loss(es): aux_loss (per micro-batch), seq_aux_loss (per sequence),
+    global_aux_loss (over the global batch) or none; several may be combined."""
+
+    moe_aux_loss_coeff: list[float] = flag_field(default_factory=lambda: [0.0], nargs="+")
+    """Coefficient of each load-balancing loss (one per --moe-router-load-balancing-type)."""
+
+    moe_z_loss_coeff: float | None = None
+    """Coefficient of the router z-loss. Unset: no z-loss."""
+
+    moe_router_dtype: str | None = flag_field(None, choices=("fp32", "fp64"))
+    """Precision of the router logits, routing and probabilities. Defaults to the model dtype."""
+
+    moe_grouped_gemm: bool = False
+    """Run the local experts as grouped GEMMs (torch grouped_mm on CUDA; a loop elsewhere)."""
+
+    moe_token_dispatcher_type: str = flag_field("allgather", choices=("allgather", "alltoall"))
+    """Token dispatcher across expert-parallel ranks."""
+
+    moe_expert_capacity_factor: float | None = None
+    """Capacity of each expert as a multiple of its even share of tokens; tokens beyond it are
+    dropped. Unset: dropless."""
+
+    moe_pad_expert_input_to_capacity: bool = False
+    """Pad every expert's input to its capacity (static shapes; needs --moe-expert-capacity-factor)."""
+
+    moe_token_drop_policy: str = flag_field("probs", choices=("probs", "position"))
+    """Which tokens are dropped over capacity: those with the lowest probabilities, or the last ones."""
+
+    expert_tensor_parallel_size: int | None = None
+    """Tensor parallel size of the experts (only 1 is supported yet). Defaults to 1 here."""
+
+    moe_layer_pattern: list[int] | None = flag_field(None, no_flag=True)
+    """Derived from --moe-layer-freq: 1 for an MoE layer, 0 for a dense one."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_moe_experts is not None
+
+    def aux_loss_coeffs(self) -> dict[str, float]:
+        """Load-balancing type -> coefficient, for the types with a positive coefficient."""
+        types = list(self.moe_router_load_balancing_type)
+        coeffs = list(self.moe_aux_loss_coeff)
+        if len(coeffs) == 1 and len(types) > 1:
+            coeffs = coeffs * len(types)
+        return {t: c for t, c in zip(types, coeffs) if t != "none" and c > 0}
+
+    @property
+    def drop_and_pad(self) -> bool:
+        """Static expert inputs: capacity factor set and inputs padded to capacity."""
+        return self.moe_expert_capacity_factor is not None and self.moe_pad_expert_input_to_capacity
+
+    def finalize(self, model) -> "MoEConfig":
+        """Fills derived fields from the model config. Idempotent; returns self."""
+        if not self.enabled:
+            return self
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = model.ffn_hidden_size
+        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor < 0:
+            self.moe_expert_capacity_factor = None  # Megatron: a negative factor means dropless
+        self.moe_layer_pattern = parse_moe_layer_freq(self.moe_layer_freq, model.num_layers)
+        return self
+
+    def validate(self, model, expert_model_parallel_size: int = 1) -> None:
+        """Raises ``ValueError`` for inconsistent MoE flags (call after ``finalize``)."""
+        if not self.enabled:
+            require(
+                self.moe_ffn_hidden_size is None and self.moe_shared_expert_intermediate_size is None,
+                "--moe-ffn-hidden-size / --moe-shared-expert-intermediate-size need --num-experts N.",
+            )
+            require(
+                expert_model_parallel_size == 1,
+                "--expert-model-parallel-size > 1 needs --num-experts N (an MoE model).",
+            )
+            return
+        e, k = self.num_moe_experts, self.moe_router_topk
+        require(e >= 1, f"--num-experts must be >= 1, got {e}.")
+        require(1 <= k <= e, f"--moe-router-topk ({k}) must be between 1 and --num-experts ({e}).")
+        require(
+            e % expert_model_parallel_size == 0,
+            f"--num-experts ({e}) must be divisible by --expert-model-parallel-size "
+            f"({expert_model_parallel_size}); every expert-parallel rank holds the same number of experts.",
+        )
+        require(
+            self.expert_tensor_parallel_size in (None, 1),
+            f"--expert-tensor-parallel-size {self.expert_tensor_parallel_size} is not supported yet; use 1.",
+        )
+        require(self.moe_ffn_hidden_size > 0, "--moe-ffn-hidden-size must be positive.")
+        if self.moe_shared_expert_intermediate_size is not None:
+            require(
+                self.moe_shared_expert_intermediate_size > 0,
+                "--moe-shared-expert-intermediate-size must be positive.",
+            )
+        types = list(self.moe_router_load_balancing_type)
+        for t in types:
+            require(
+                t in LOAD_BALANCING_TYPES,
+                f"--moe-router-load-balancing-type {t} is not supported; use one of {' '.join(LOAD_BALANCING_TYPES)}.",
+            )
+        require(
+            len(self.moe_aux_loss_coeff) in (1, len(types)),
+            f"--moe-aux-loss-coeff needs one value per --moe-router-load-balancing-type "
+            f"({len(types)}), got {len(self.moe_aux_loss_coeff)}.",
+        )
+        require(all(c >= 0 for c in self.moe_aux_loss_coeff), "--moe-aux-loss-coeff must be >= 0.")
+        require(self.moe_z_loss_coeff is None or self.moe_z_loss_coeff >= 0, "--moe-z-loss-coeff must be >= 0.")
+        if k == 1 and self.moe_router_score_function == "softmax":
+            require(
+                self.moe_router_pre_softmax,
+                "--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax "
+                "(a softmax over one selected logit has zero gradient).",
+            )
+        if self.moe_router_group_topk is not None or self.moe_router_num_groups is not None:
+            g, gk = self.moe_router_num_groups, self.moe_router_group_topk
+            require(
+                g is not None and gk is not None,
+                "group-limited routing needs both --moe-router-num-groups and --moe-router-group-topk.",
+            )
+            require(g >= 1 and e % g == 0, f"--num-experts ({e}) must be divisible by --moe-router-num-groups ({g}).")
+            require(
+                1 <= gk <= g,
+                f"--moe-router-group-topk ({gk}) must be between 1 and --moe-router-num-groups ({g}).",
+            )
+            require(
+                k % gk == 0 and k // gk <= e // g,
+                f"--moe-router-topk ({k}) must be a multiple of --moe-router-group-topk ({gk}) "
+                f"and at most {gk} x the group size ({e // g}).",
+            )
+        if self.moe_router_enable_expert_bias:
+            require(
+                self.moe_router_score_function in ("sigmoid", "sqrtsoftplus"),
+                "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (or sqrtsoftplus).",
+            )
+        if self.moe_pad_expert_input_to_capacity:
+            require(
+                self.moe_expert_capacity_factor is not None,
+                "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor X.",
+            )
+        if self.moe_expert_capacity_factor is not None:
+            require(self.moe_expert_capacity_factor > 0, "--moe-expert-capacity-factor must be positive.")
+        require(
+            self.moe_layer_pattern is not None and len(self.moe_layer_pattern) == model.num_layers,
+            "MoEConfig.finalize(model) must run before validate.",
+        )

@@ -1,0 +1,111 @@
+import pytest
+
+from megatron.core.transformer.moe.moe_config import MoEConfig, parse_moe_layer_freq
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.arguments import parse_args
+
+
+@pytest.mark.parametrize(
+    "value, layers, expected",
+    [
+        (1, 3, [1, 1, 1]),
+        (2, 5, [1, 0, 1, 0, 1]),
+        ("2", 4, [1, 0, 1, 0]),
+        ("([0]*1+[1]*3)", 4, [0, 1, 1, 1]),
+        ("([1]*3+[0]*1)*2", 8, [1, 1, 1, 0, 1, 1, 1, 0]),
+        ("2*[0,1]", 4, [0, 1, 0, 1]),
+        ([1, 0], 2, [1, 0]),
+    ],
+)
+def test_layer_freq_forms(value, layers, expected):
+    assert parse_moe_layer_freq(value, layers) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "__import__('os').system('true')",
+        "[0]*(lambda: 3)()",
+        "[x for x in range(3)]",
+        "[0] - [1]",
+        "[True, 1]",
+        "[0.5, 1]",
+        "sum([[1]], [])",
+        "[0]*10**9",
+    ],
+)
+def test_layer_freq_rejects_anything_but_list_arithmetic(text):
+    with pytest.raises(ValueError, match="--moe-layer-freq"):
+        parse_moe_layer_freq(text, 4)
+
+
+def test_layer_freq_pattern_length_and_values():
+    with pytest.raises(ValueError, match="--num-layers is 3"):
+        parse_moe_layer_freq("[1,1]", 3)
+    with pytest.raises(ValueError, match="0 .dense layer. and 1"):
+        parse_moe_layer_freq("[1,2,1]", 3)
+    with pytest.raises(ValueError, match=">= 1"):
+        parse_moe_layer_freq(0, 3)
+
+
+def _validate(ep=1, **moe):
+    cfg = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, moe=MoEConfig(**moe)).finalize()
+    cfg.moe.validate(cfg, ep)
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "kwargs, ep, message",
+    [
+        (dict(num_moe_experts=6), 4, "--num-experts .6. must be divisible by --expert-model-parallel-size .4."),
+        (dict(num_moe_experts=4, moe_router_topk=5), 1, "--moe-router-topk"),
+        (dict(num_moe_experts=4, moe_pad_expert_input_to_capacity=True), 1, "--moe-expert-capacity-factor"),
+        (dict(num_moe_experts=4, moe_router_num_groups=2), 1, "--moe-router-group-topk"),
+        (dict(num_moe_experts=6, moe_router_num_groups=4, moe_router_group_topk=2), 1, "divisible by --moe-router"),
+        (dict(num_moe_experts=4, moe_router_enable_expert_bias=True), 1, "--moe-router-score-function sigmoid"),
+        (dict(num_moe_experts=4, moe_router_topk=1), 1, "--moe-router-pre-softmax"),
+        (dict(num_moe_experts=4, expert_tensor_parallel_size=2), 1, "--expert-tensor-parallel-size 2"),
+        (
+            dict(num_moe_experts=4, moe_router_load_balancing_type=["aux_loss", "z"], moe_aux_loss_coeff=[0.1, 0.1]),
+            1,
+            "load-balancing-type z",
+        ),
+        (
+            dict(num_moe_experts=4, moe_router_load_balancing_type=["aux_loss"], moe_aux_loss_coeff=[0.1, 0.1]),
+            1,
+            "--moe-aux-loss-coeff needs one value",
+        ),
+        (dict(moe_ffn_hidden_size=8), 1, "need --num-experts"),
+        (dict(), 2, "--expert-model-parallel-size > 1 needs --num-experts"),
+    ],
+)
+def test_validation_errors_name_the_flag(kwargs, ep, message):
+    with pytest.raises(ValueError, match=message):
+        _validate(ep, **kwargs)
+
+
+def test_defaults_and_derived_fields():
+    cfg = _validate(num_moe_experts=8, moe_layer_freq="([0]+[1])")
+    moe = cfg.moe
+    assert moe.moe_ffn_hidden_size == cfg.ffn_hidden_size
+    assert moe.moe_layer_pattern == [0, 1]
+    assert moe.moe_router_topk == 2 and moe.moe_token_dispatcher_type == "allgather"
+    assert moe.aux_loss_coeffs() == {}  # Megatron's default coefficient is 0
+    assert not moe.drop_and_pad
+    neg = _validate(num_moe_experts=4, moe_expert_capacity_factor=-1.0)
+    assert neg.moe.moe_expert_capacity_factor is None  # Megatron: negative = dropless
+
+
+def test_flags_reach_the_model_config():
+    cfg = parse_args(
+        "--mock-data --vocab-size 64 --num-layers 4 --num-experts 8 --moe-layer-freq ([0]*1+[1]*3) "
+        "--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 0.01 0.001 "
+        "--moe-router-dtype fp64 --moe-token-dispatcher-type alltoall --moe-expert-capacity-factor 1.5 "
+        "--moe-pad-expert-input-to-capacity --moe-grouped-gemm".split()
+    )
+    cfg.parallel.world_size = 1
+    cfg.validate()
+    moe = cfg.model.moe
+    assert moe is cfg.moe and moe.num_moe_experts == 8 and moe.moe_layer_pattern == [0, 1, 1, 1]
+    assert moe.aux_loss_coeffs() == {"aux_loss": 0.01, "seq_aux_loss": 0.001}
+    assert moe.moe_router_dtype == "fp64" and moe.drop_and_pad and moe.moe_grouped_gemm
