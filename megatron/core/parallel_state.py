@@ -365,14 +365,9 @@ class ProcessGroups:
         return cls(rank=0, world_size=1, device=device or torch.device("cpu"))
 
 
-def build_groups(config: ParallelConfig, *, rank: int, world_size: int, device: torch.device) -> ProcessGroups:
-    """Creates this layout's groups with ``dist.new_group`` (every rank calls it identically).
-
-    Groups of one are not created. A group whose ranks equal one made already (the
-    expert TP group when ETP == TP and EP == 1, say) reuses that handle.
-    """
+def _wanted_groups(config: ParallelConfig) -> dict[str, tuple[dict[str, int], tuple[str, ...]]]:
     dense, expert = dense_grid(config), expert_grid(config)
-    wanted = {
+    return {
         "tp": (dense, ("tp",)),
         "cp": (dense, ("cp",)),
         "dp": (dense, ("dp",)),
@@ -382,19 +377,34 @@ def build_groups(config: ParallelConfig, *, rank: int, world_size: int, device: 
         "expt_tp": (expert, ("tp",)),
         "expt_dp": (expert, ("dp",)),
     }
+
+
+def grid_ranks(config: ParallelConfig, rank: int) -> dict[str, list[int]]:
+    """Group name -> the global ranks of ``rank``'s group (pure: no torch.distributed)."""
+    out = {}
+    for name, (grid, axes) in _wanted_groups(config).items():
+        (out[name],) = [g for g in rank_groups(grid, axes) if rank in g]
+    return out
+
+
+def build_groups(config: ParallelConfig, *, rank: int, world_size: int, device: torch.device) -> ProcessGroups:
+    """Creates this layout's groups with ``dist.new_group`` (every rank calls it identically).
+
+    Groups of one are not created. A group whose ranks equal one made already (the
+    expert TP group when ETP == TP and EP == 1, say) reuses that handle.
+    """
     made: dict[tuple, object] = {}  # ranks -> handle
-    handles, mine = {}, {}
-    for name, (grid, axes) in wanted.items():
-        groups = rank_groups(grid, axes)
-        (own,) = [g for g in groups if rank in g]
-        mine[name] = own
+    handles = {}
+    mine = grid_ranks(config, rank)
+    for name, (grid, axes) in _wanted_groups(config).items():
+        own = mine[name]
         if len(own) == 1:
             handles[name] = None
             continue
         if len(own) == world_size:
             handles[name] = made.setdefault(tuple(own), dist.group.WORLD)
             continue
-        for ranks in groups:  # every rank creates every group, in the same order
+        for ranks in rank_groups(grid, axes):  # every rank creates every group, in the same order
             key = tuple(ranks)
             if key not in made:
                 made[key] = dist.new_group(list(ranks))
