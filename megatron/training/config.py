@@ -331,6 +331,14 @@ class RunConfig:
             not self.ddp.overlap_param_gather or self.ddp.use_distributed_optimizer,
             "--overlap-param-gather needs --use-distributed-optimizer; add it or drop --overlap-param-gather.",
         )
+        if self.ddp.overlap_param_gather and self.cuda_graph.enabled:
+            # A graph replay bypasses the forward pre-hooks that wait for each bucket's gather.
+            warnings.warn(
+                "--overlap-param-gather is off with CUDA graphs: parameters are gathered right after "
+                "the optimizer step instead.",
+                stacklevel=2,
+            )
+            self.ddp.overlap_param_gather = False
         require(
             not (self.ddp.use_distributed_optimizer and (self.checkpoint.save or self.checkpoint.load)),
             "--use-distributed-optimizer cannot save or load checkpoints yet (the torch format holds one "
