@@ -39,6 +39,7 @@ class RNGStatesTracker:
         self.device = torch.device(device)
         self.graph_safe = self.device.type == "cuda" and _graph_safe_api()
         self._states: dict[str, object] = {}
+        self._pending: dict[str, int] = {}  # name -> seed, made into a state on first use
         self._seeds: set[int] = set()
 
     def _generator(self) -> torch.Generator:
@@ -49,17 +50,31 @@ class RNGStatesTracker:
 
     def reset(self) -> None:
         self._states.clear()
+        self._pending.clear()
         self._seeds.clear()
 
     def is_initialized(self) -> bool:
-        return bool(self._states)
+        return bool(self._states or self._pending)
 
     def add(self, name: str, seed: int) -> None:
-        """Adds a state seeded with ``seed``; the default generator is left as it was."""
-        if name in self._states:
+        """Adds a state seeded with ``seed``; the default generator is left as it was.
+
+        The state is made on first use (``fork``, ``get_states``), so runs that never
+        fork (TP = 1) never touch the generator API.
+        """
+        if name in self._states or name in self._pending:
             raise ValueError(f"RNG state {name!r} already exists")
         if seed in self._seeds:
             raise ValueError(f"RNG seed {seed} is already used by another tracked state")
+        self._seeds.add(seed)
+        self._pending[name] = seed
+
+    def _materialize(self) -> None:
+        for name, seed in list(self._pending.items()):
+            self._make_state(name, seed)
+            del self._pending[name]
+
+    def _make_state(self, name: str, seed: int) -> None:
         gen = self._generator()
         if self.graph_safe:
             original = gen.graphsafe_get_state()
@@ -73,11 +88,11 @@ class RNGStatesTracker:
             gen.manual_seed(seed)
             self._states[name] = gen.get_state()
             gen.set_state(original)
-        self._seeds.add(seed)
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG):
         """Runs the block with the default generator drawing from state ``name``."""
+        self._materialize()
         if name not in self._states:
             raise RuntimeError(
                 f"RNG state {name!r} is not set up: call model_parallel_manual_seed(seed, tp_rank=...) first."
@@ -102,6 +117,7 @@ class RNGStatesTracker:
     def graph_safe_states(self) -> list[torch.Generator]:
         """The generator states a CUDA graph drawing inside ``fork`` must register
         (empty when the states are byte tensors, which graphs cannot track)."""
+        self._materialize()
         return list(self._states.values()) if self.graph_safe else []
 
     def register_with_graph(self, graph) -> None:
@@ -111,6 +127,7 @@ class RNGStatesTracker:
 
     def get_states(self) -> dict[str, torch.Tensor]:
         """Byte-tensor snapshot of every state (for checkpoints)."""
+        self._materialize()
         out = {}
         for name, state in self._states.items():
             out[name] = state.get_state() if self.graph_safe else state.clone()
@@ -118,6 +135,7 @@ class RNGStatesTracker:
 
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
         """Restores a ``get_states`` snapshot (the graph-safe states are updated in place)."""
+        self._materialize()
         for name, value in states.items():
             if self.graph_safe and name in self._states:
                 self._states[name].set_state(value)
