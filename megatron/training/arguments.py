@@ -121,7 +121,6 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
         accepted_values=("torch",),
         note="only `torch` is accepted (the layout --save writes)",
     ),
-    "--exit-duration-in-mins": KnownFlag(None, _not_yet("--exit-duration-in-mins", "use --exit-interval")),
     "--profile": KnownFlag(0, _not_yet("--profile", "run under nsys or torch.profiler yourself")),
     "--profile-step-start": KnownFlag(None, _not_yet("--profile-step-start")),
     "--profile-step-end": KnownFlag(None, _not_yet("--profile-step-end")),
