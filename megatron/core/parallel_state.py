@@ -1,17 +1,23 @@
 """Process groups, held in one object that is passed to whoever needs it.
 
 Unlike Megatron's module globals, ``ProcessGroups`` is built once by the trainer and
-handed down (model, DDP, optimizer, schedules). Data parallelism works today; tensor,
-pipeline, context and expert sizes exist in the config and API, and values above 1
-raise a clear "not supported yet" error until the parallelism issues fill them in.
-Single-process runs (no torchrun) get a world of one without initialising
-``torch.distributed``.
+handed down (model, DDP, optimizer, schedules). The rank grid is Megatron's: tensor
+parallel fastest, then context, then data, then pipeline parallel, so global rank
+``r = tp + TP * (cp + CP * (dp + DP * pp))``. Expert layers use a second grid over
+the same world, ``r = etp + ETP * (ep + EP * (edp + EDP * pp))`` (expert tensor
+parallel size ETP defaults to TP), sharing the pipeline groups.
+
+Unusual here: groups of size 1 are not created at all and read as ``None``, so every
+size and rank accessor is plain Python arithmetic (no collective, no host sync), and
+single-process runs (no torchrun) get a world of one without initialising
+``torch.distributed``. Context parallelism stays at 1 (not implemented).
 """
 
 import dataclasses
 import datetime
 import importlib
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -24,22 +30,26 @@ class ParallelConfig:
     """Parallel layout. The data-parallel size is derived: world / (TP * PP * CP)."""
 
     tensor_model_parallel_size: int = 1
-    """Tensor model parallel size (not supported above 1 yet)."""
+    """Tensor model parallel size: ranks that split every linear layer, the heads and the vocabulary."""
 
     pipeline_model_parallel_size: int = 1
-    """Pipeline model parallel size (not supported above 1 yet)."""
+    """Pipeline model parallel size: ranks that split the layers into stages."""
 
     virtual_pipeline_model_parallel_size: int | None = None
-    """Virtual pipeline stages per rank (not supported yet)."""
+    """Virtual pipeline stages (model chunks) per pipeline rank, for the interleaved schedule."""
 
     context_parallel_size: int = 1
     """Context parallel size (not supported above 1 yet)."""
 
     expert_model_parallel_size: int = 1
-    """Expert model parallel size (not supported above 1 yet)."""
+    """Expert model parallel size: ranks that split the experts of a MoE layer."""
+
+    expert_tensor_parallel_size: int | None = None
+    """Tensor parallel size of the expert layers. Defaults to --tensor-model-parallel-size."""
 
     sequence_parallel: bool = False
-    """Sequence parallelism with tensor parallelism (not supported yet)."""
+    """Split the sequence across tensor-parallel ranks outside the tensor-parallel regions
+    (norms, dropout, residuals); needs --tensor-model-parallel-size > 1."""
 
     distributed_backend: str = flag_field("auto", choices=("auto", "nccl", "gloo"))
     """torch.distributed backend; auto = NCCL when CUDA is available, else gloo."""
@@ -53,8 +63,14 @@ class ParallelConfig:
     data_parallel_size: int = flag_field(1, no_flag=True)
     """Derived: world size / (TP * PP * CP)."""
 
+    expert_data_parallel_size: int = flag_field(1, no_flag=True)
+    """Derived: world size / (expert TP * EP * PP)."""
+
     def validate(self) -> None:
-        """Raises ``ValueError`` for layouts this trainer cannot run yet."""
+        """Raises ``ValueError`` for layouts that cannot be built; fills the derived sizes.
+
+        ``--sequence-parallel`` with TP = 1 is turned off with a warning (Megatron's behaviour).
+        """
         for name in (
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
@@ -62,61 +78,282 @@ class ParallelConfig:
             "expert_model_parallel_size",
         ):
             size = getattr(self, name)
-            flag = "--" + name.replace("_", "-")
-            require(size >= 1, f"{flag} must be >= 1, got {size}.")
-            require(size == 1, f"{flag} {size} is not supported yet: only data parallelism works today; use {flag} 1.")
+            require(size >= 1, f"{_flag(name)} must be >= 1, got {size}.")
         require(
-            self.virtual_pipeline_model_parallel_size is None,
-            "--virtual-pipeline-model-parallel-size is not supported yet; drop the flag.",
+            self.context_parallel_size == 1,
+            f"--context-parallel-size {self.context_parallel_size} is not supported yet; use --context-parallel-size 1.",
         )
-        require(not self.sequence_parallel, "--sequence-parallel is not supported yet (it needs tensor parallelism).")
-        model_parallel = (
-            self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        if self.expert_tensor_parallel_size is None:
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        require(
+            self.expert_tensor_parallel_size >= 1,
+            f"--expert-tensor-parallel-size must be >= 1, got {self.expert_tensor_parallel_size}.",
         )
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None:
+            require(vpp >= 1, f"--virtual-pipeline-model-parallel-size must be >= 1, got {vpp}.")
+            require(
+                self.pipeline_model_parallel_size > 1,
+                "virtual pipeline stages need --pipeline-model-parallel-size > 1; drop the virtual-stage flag "
+                "or raise the pipeline size.",
+            )
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            warnings.warn(
+                "--sequence-parallel has no effect with --tensor-model-parallel-size 1; it is turned off.",
+                stacklevel=2,
+            )
+            self.sequence_parallel = False
+        tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
+        model_parallel = tp * pp * cp
         require(
             self.world_size % model_parallel == 0,
-            f"world size {self.world_size} is not divisible by TP*PP*CP = {model_parallel}.",
+            f"world size {self.world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
+            f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}) = {model_parallel}; "
+            "launch a multiple of that many processes or change the sizes.",
         )
         self.data_parallel_size = self.world_size // model_parallel
+        etp, ep = self.expert_tensor_parallel_size, self.expert_model_parallel_size
+        expert_parallel = etp * ep * pp
+        require(
+            self.world_size % expert_parallel == 0,
+            f"world size {self.world_size} is not divisible by --expert-tensor-parallel-size ({etp}) x "
+            f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp}) = {expert_parallel}.",
+        )
+        self.expert_data_parallel_size = self.world_size // expert_parallel
+
+    def validate_model(self, model) -> None:
+        """Checks the model shape against the layout (``model``: a finalized ``TransformerConfig``)."""
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        vpp = self.virtual_pipeline_model_parallel_size or 1
+        uneven = any(
+            getattr(self, name, None) is not None
+            for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+        )
+        if not uneven:
+            require(
+                model.num_layers % (pp * vpp) == 0,
+                f"--num-layers ({model.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})"
+                + (f" x virtual pipeline stages per rank ({vpp})" if vpp > 1 else "")
+                + "; change the layer count or the pipeline layout.",
+            )
+        require(
+            model.num_attention_heads % tp == 0,
+            f"--num-attention-heads ({model.num_attention_heads}) must be divisible by "
+            f"--tensor-model-parallel-size ({tp}).",
+        )
+        groups = model.num_query_groups or model.num_attention_heads
+        require(
+            groups % tp == 0,
+            f"--num-query-groups ({groups}) must be divisible by --tensor-model-parallel-size ({tp}); "
+            "every tensor-parallel rank needs whole key/value groups.",
+        )
+        require(
+            model.ffn_hidden_size is None or model.ffn_hidden_size % tp == 0,
+            f"--ffn-hidden-size ({model.ffn_hidden_size}) must be divisible by --tensor-model-parallel-size ({tp}).",
+        )
+        experts = getattr(model, "num_moe_experts", None) or getattr(model, "num_experts", None)
+        ep = self.expert_model_parallel_size
+        if experts:
+            require(
+                experts % ep == 0,
+                f"--num-experts ({experts}) must be divisible by --expert-model-parallel-size ({ep}).",
+            )
+        else:
+            require(ep == 1, f"--expert-model-parallel-size {ep} needs a MoE model (--num-experts); drop it.")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# ---------------------------------------------------------------------- the rank grid
+
+
+def rank_groups(sizes: dict[str, int], axes: tuple[str, ...]) -> list[list[int]]:
+    """Partitions the world of a rank grid into the groups that vary along ``axes``.
+
+    Args:
+        sizes: Axis name -> size, fastest-varying axis first (``{"tp": 2, "cp": 1, "dp": 2, "pp": 2}``).
+        axes: The axes a group spans (``("dp",)``, or ``("tp", "pp")`` for model parallel).
+
+    Returns:
+        The groups, each as ascending global ranks, ordered by their first rank.
+    """
+    names = list(sizes)
+    assert all(a in sizes for a in axes), (axes, names)
+    world = 1
+    for size in sizes.values():
+        world *= size
+    groups: dict[tuple, list[int]] = {}
+    for rank in range(world):
+        coords, rest = {}, rank
+        for name in names:
+            coords[name] = rest % sizes[name]
+            rest //= sizes[name]
+        key = tuple(coords[n] for n in names if n not in axes)
+        groups.setdefault(key, []).append(rank)
+    return sorted(groups.values(), key=lambda ranks: ranks[0])
+
+
+def dense_grid(config: ParallelConfig) -> dict[str, int]:
+    """The dense layers' grid, fastest axis first (Megatron's ``tp-cp-dp-pp``)."""
+    return {
+        "tp": config.tensor_model_parallel_size,
+        "cp": config.context_parallel_size,
+        "dp": config.data_parallel_size,
+        "pp": config.pipeline_model_parallel_size,
+    }
+
+
+def expert_grid(config: ParallelConfig) -> dict[str, int]:
+    """The expert layers' grid, fastest axis first (Megatron's ``tp-ep-dp-pp``)."""
+    return {
+        "tp": config.expert_tensor_parallel_size or config.tensor_model_parallel_size,
+        "ep": config.expert_model_parallel_size,
+        "dp": config.expert_data_parallel_size,
+        "pp": config.pipeline_model_parallel_size,
+    }
 
 
 class ProcessGroups:
-    """The process groups of one run. ``None`` groups mean a world of one.
+    """The process groups of one run. ``None`` groups mean a group of one.
 
     Attributes:
         rank: Global rank.
         world_size: Global world size.
-        dp: Data-parallel group (``None`` when DP = 1 or not distributed).
-        tp, pp, cp, ep: Model-parallel groups; ``None`` while their sizes are 1.
         device: The device this rank computes on.
+        dp, tp, pp, cp, ep: Data / tensor / pipeline / context / expert-parallel groups.
+        mp: Model-parallel group (TP x PP), over which gradient norms are summed.
+        expt_tp, expt_dp: Tensor- and data-parallel groups of the expert layers.
+        ranks: Group name -> the global ranks of this rank's group (``[rank]`` for a
+            group of one); sizes and ranks within groups are read from it.
+        sequence_parallel: The TP group also splits the sequence (``--sequence-parallel``
+            with TP > 1): a property of the layout that every TP layer reads.
     """
 
-    def __init__(self, *, rank: int, world_size: int, device: torch.device, dp=None):
+    GROUP_NAMES = ("tp", "cp", "dp", "pp", "mp", "ep", "expt_tp", "expt_dp")
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        dp=None,
+        ranks=None,
+        sequence_parallel: bool = False,
+        **groups,
+    ):
+        unknown = set(groups) - set(self.GROUP_NAMES)
+        assert not unknown, f"unknown process groups {sorted(unknown)}"
         self.rank = rank
         self.world_size = world_size
         self.device = device
-        self.dp = dp
         self.owns_process_group = False  # set when initialize() called init_process_group
-        self.tp = None
-        self.pp = None
-        self.cp = None
-        self.ep = None
+        self.dp = dp
+        for name in self.GROUP_NAMES:
+            if name != "dp":
+                setattr(self, name, groups.get(name))
+        self.ranks: dict[str, list[int]] = {name: [rank] for name in self.GROUP_NAMES}
+        if dp is not None and ranks is None:
+            # A bare data-parallel group (tests, DP-only callers): the whole world is DP.
+            self.ranks["dp"] = [dist.get_global_rank(dp, i) for i in range(dist.get_world_size(dp))]
+        self.ranks.update(ranks or {})
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
 
-    @property
-    def dp_size(self) -> int:
-        return 1 if self.dp is None else dist.get_world_size(self.dp)
+    def _size(self, name: str) -> int:
+        return len(self.ranks[name])
 
-    @property
-    def dp_rank(self) -> int:
-        return 0 if self.dp is None else dist.get_rank(self.dp)
+    def _rank_in(self, name: str) -> int:
+        return self.ranks[name].index(self.rank)
 
+    # Sizes and ranks within groups: plain ints.
     @property
     def tp_size(self) -> int:
-        return 1
+        return self._size("tp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self._rank_in("tp")
 
     @property
     def pp_size(self) -> int:
-        return 1
+        return self._size("pp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self._rank_in("pp")
+
+    @property
+    def dp_size(self) -> int:
+        return self._size("dp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self._rank_in("dp")
+
+    @property
+    def cp_size(self) -> int:
+        return self._size("cp")
+
+    @property
+    def cp_rank(self) -> int:
+        return self._rank_in("cp")
+
+    @property
+    def ep_size(self) -> int:
+        return self._size("ep")
+
+    @property
+    def ep_rank(self) -> int:
+        return self._rank_in("ep")
+
+    @property
+    def expt_tp_size(self) -> int:
+        return self._size("expt_tp")
+
+    @property
+    def expt_tp_rank(self) -> int:
+        return self._rank_in("expt_tp")
+
+    @property
+    def expt_dp_size(self) -> int:
+        return self._size("expt_dp")
+
+    @property
+    def expt_dp_rank(self) -> int:
+        return self._rank_in("expt_dp")
+
+    @property
+    def mp_size(self) -> int:
+        return self._size("mp")
+
+    # Pipeline neighbours, as global ranks (the pipeline is a ring, as in Megatron).
+    @property
+    def is_pipeline_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_pipeline_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def pp_next_rank(self) -> int:
+        ranks = self.ranks["pp"]
+        return ranks[(self.pp_rank + 1) % len(ranks)]
+
+    @property
+    def pp_prev_rank(self) -> int:
+        ranks = self.ranks["pp"]
+        return ranks[(self.pp_rank - 1) % len(ranks)]
+
+    @property
+    def pp_first_rank(self) -> int:
+        return self.ranks["pp"][0]
+
+    @property
+    def pp_last_rank(self) -> int:
+        return self.ranks["pp"][-1]
 
     @property
     def is_last_rank(self) -> bool:
@@ -128,11 +365,67 @@ class ProcessGroups:
         return cls(rank=0, world_size=1, device=device or torch.device("cpu"))
 
 
+def _wanted_groups(config: ParallelConfig) -> dict[str, tuple[dict[str, int], tuple[str, ...]]]:
+    dense, expert = dense_grid(config), expert_grid(config)
+    return {
+        "tp": (dense, ("tp",)),
+        "cp": (dense, ("cp",)),
+        "dp": (dense, ("dp",)),
+        "pp": (dense, ("pp",)),
+        "mp": (dense, ("tp", "pp")),
+        "ep": (expert, ("ep",)),
+        "expt_tp": (expert, ("tp",)),
+        "expt_dp": (expert, ("dp",)),
+    }
+
+
+def grid_ranks(config: ParallelConfig, rank: int) -> dict[str, list[int]]:
+    """Group name -> the global ranks of ``rank``'s group (pure: no torch.distributed)."""
+    out = {}
+    for name, (grid, axes) in _wanted_groups(config).items():
+        (out[name],) = [g for g in rank_groups(grid, axes) if rank in g]
+    return out
+
+
+def build_groups(config: ParallelConfig, *, rank: int, world_size: int, device: torch.device) -> ProcessGroups:
+    """Creates this layout's groups with ``dist.new_group`` (every rank calls it identically).
+
+    Groups of one are not created. A group whose ranks equal one made already (the
+    expert TP group when ETP == TP and EP == 1, say) reuses that handle.
+    """
+    made: dict[tuple, object] = {}  # ranks -> handle
+    handles = {}
+    mine = grid_ranks(config, rank)
+    for name, (grid, axes) in _wanted_groups(config).items():
+        own = mine[name]
+        if len(own) == 1:
+            handles[name] = None
+            continue
+        if len(own) == world_size:
+            handles[name] = made.setdefault(tuple(own), dist.group.WORLD)
+            continue
+        for ranks in rank_groups(grid, axes):  # every rank creates every group, in the same order
+            key = tuple(ranks)
+            if key not in made:
+                made[key] = dist.new_group(list(ranks))
+        handles[name] = made[tuple(own)]
+    dp = handles.pop("dp")
+    return ProcessGroups(
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        dp=dp,
+        ranks=mine,
+        sequence_parallel=config.sequence_parallel,
+        **handles,
+    )
+
+
 def initialize(config: ParallelConfig, *, use_cuda: bool) -> ProcessGroups:
     """Builds process groups from torchrun's environment.
 
     Args:
-        config: Parallel layout; ``world_size`` and ``data_parallel_size`` are filled in.
+        config: Parallel layout; ``world_size`` and the derived sizes are filled in.
         use_cuda: Compute on CUDA (NCCL) or on the CPU (gloo).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -165,9 +458,7 @@ def initialize(config: ParallelConfig, *, use_cuda: bool) -> ProcessGroups:
         if use_cuda and backend == "nccl":
             kwargs["device_id"] = device
         dist.init_process_group(**kwargs)
-    # With TP = PP = CP = 1 every rank is its own model replica, so the data-parallel
-    # group is the world. Later layouts carve the world into rank grids here.
-    groups = ProcessGroups(rank=rank, world_size=world_size, device=device, dp=dist.group.WORLD)
+    groups = build_groups(config, rank=rank, world_size=world_size, device=device)
     groups.owns_process_group = owns
     return groups
 
@@ -187,4 +478,6 @@ def destroy(groups: ProcessGroups, *, failed: bool = False) -> None:
             # active exception") after an otherwise finished run.
             dist.barrier()
         dist.destroy_process_group()
-        groups.dp = None  # our last handle: the group (and gloo's threads) ends here
+        # Our last handles: the groups (and gloo's threads) end here.
+        for name in ProcessGroups.GROUP_NAMES:
+            setattr(groups, name, None)

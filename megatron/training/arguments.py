@@ -113,7 +113,6 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
     "--recompute-granularity": KnownFlag(None, _not_yet("--recompute-granularity (activation recompute)")),
     "--recompute-method": KnownFlag(None, _not_yet("--recompute-method (activation recompute)")),
     "--recompute-num-layers": KnownFlag(None, _not_yet("--recompute-num-layers (activation recompute)")),
-    "--overlap-param-gather": KnownFlag(0, _not_yet("--overlap-param-gather (needs the distributed optimizer)")),
     "--async-save": KnownFlag(0, _not_yet("--async-save", "drop the flag (saves are synchronous)")),
     "--ckpt-format": KnownFlag(
         None,

@@ -153,7 +153,11 @@ class DDPConfig:
     """Elements per gradient bucket (default: max(40M, 1M * DP))."""
 
     use_distributed_optimizer: bool = False
-    """Shard optimizer state across data-parallel ranks (not supported yet)."""
+    """Shard the fp32 main parameters and the optimizer state across data-parallel ranks
+    (gradients reduce-scattered, parameters all-gathered after the step)."""
+
+    overlap_param_gather: bool = False
+    """With --use-distributed-optimizer: overlap the parameter all-gather with the next forward."""
 
     check_for_nan_in_loss_and_grad: bool = flag_field(True, flag="--no-check-for-nan-in-loss-and-grad")
     """Raise when the loss or the gradient norm is NaN."""
@@ -278,6 +282,7 @@ class RunConfig:
         self.model.validate()
         self.moe.validate(self.model, self.parallel.expert_model_parallel_size)
         self.parallel.validate()
+        self.parallel.validate_model(self.model)
         self.cuda_graph.validate()
         p, t, o = self.precision, self.training, self.optimizer
         require(not (p.bf16 and p.fp16), "--bf16 and --fp16 cannot be combined; pick one.")
@@ -330,8 +335,21 @@ class RunConfig:
         )
         require(t.eval_iters >= 0, f"--eval-iters must be >= 0, got {t.eval_iters} (0 turns evaluation off).")
         require(
-            self.ddp.use_distributed_optimizer is False,
-            "--use-distributed-optimizer is not supported yet; drop the flag (optimizer state is replicated).",
+            not self.ddp.overlap_param_gather or self.ddp.use_distributed_optimizer,
+            "--overlap-param-gather needs --use-distributed-optimizer; add it or drop --overlap-param-gather.",
+        )
+        if self.ddp.overlap_param_gather and self.cuda_graph.enabled:
+            # A graph replay bypasses the forward pre-hooks that wait for each bucket's gather.
+            warnings.warn(
+                "--overlap-param-gather is off with CUDA graphs: parameters are gathered right after "
+                "the optimizer step instead.",
+                stacklevel=2,
+            )
+            self.ddp.overlap_param_gather = False
+        require(
+            not (self.ddp.use_distributed_optimizer and (self.checkpoint.save or self.checkpoint.load)),
+            "--use-distributed-optimizer cannot save or load checkpoints yet (the torch format holds one "
+            "DP rank's optimizer state, each rank here holds a shard); drop --save/--load or the flag.",
         )
         require(
             p.accumulate_allreduce_grads_in_fp32,

@@ -32,9 +32,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron.core.models.gpt.loss import gpt_forward_step
+from megatron.core.optimizer.distrib_optimizer import build_optimizer
 from megatron.core.optimizer.lr_scheduler import build_scheduler
-from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron.core.pipeline_parallel import schedules
+from megatron.core.tensor_parallel.random import model_parallel_manual_seed
 from megatron.core.transformer import cuda_graphs
 from megatron.core.transformer.cuda_graphs.streams import side_stream
 from megatron.core.transformer.moe import moe_layer as moe_hooks
@@ -80,7 +81,9 @@ class Trainer:
         self.forward_step = forward_step
         self.schedule = schedules.get_forward_backward_func(pg.pp_size)
         t = cfg.training
-        torch.manual_seed(t.seed)
+        # The same seed on every rank (layers draw full weights and keep their shard);
+        # the tracker's per-TP-rank streams serve dropout inside TP regions.
+        model_parallel_manual_seed(t.seed, tp_rank=pg.tp_rank, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.manual_seed_all(t.seed)
         self.tokenizer = setup_tokenizer(cfg, pg)
@@ -88,13 +91,12 @@ class Trainer:
         self.model = DistributedDataParallel(model, config=cfg.ddp, pg=pg)
         self.has_moe = bool(moe_hooks.moe_layers(model))
         self.graphs = cuda_graphs.attach(model, cfg.cuda_graph, model_config=cfg.model, grad_sinks=[self.model])
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = MixedPrecisionOptimizer(
-            params,
+        self.optimizer = build_optimizer(
+            self.model,
+            pg=pg,
             config=cfg.optimizer,
             precision=cfg.precision,
             preallocate_state=self.graphs.active,
-            grad_buffers=[self.model.grad_buffer.data],
             skip_non_finite=cfg.ddp.check_for_nan_in_loss_and_grad,
         )
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, t.train_iters)

@@ -27,15 +27,33 @@ Unusual choices:
 - Averaging is ``ReduceOp.AVG`` on NCCL and ``x * (1/dp)`` then ``SUM`` elsewhere
   (gloo has no AVG). With DP = 1 nothing is communicated, but events are still waited.
 - No host synchronisation anywhere on this path (readiness is plain Python sets).
+
+With ``use_distributed_optimizer`` each bucket is reduce-scattered instead of
+all-reduced (DP rank r keeps the r-th equal shard of every bucket: only that part of
+``main_grad`` is averaged afterwards), and the parameters live in a flat buffer laid
+out like the gradients, so ``start_param_sync`` refreshes them with one all-gather per
+bucket after the optimizer updated its shards. With ``overlap_param_gather`` those
+all-gathers run asynchronously and a forward pre-hook on each module waits for the
+buckets of its parameters, so the gather overlaps the next forward.
+
+With sequence parallelism, parameters marked ``sequence_parallel`` (norms and biases
+on sequence shards) have partial gradients on each TP rank; ``finish_grad_sync`` sums
+them over TP after the DP reduction, in one all-reduce (Megatron does this in
+``finalize_model_grads``).
 """
 
 import contextlib
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron.core.config_utils import require
 from megatron.core.distributed.param_and_grad_buffer import Bucket, GradBuffer
+
+# torch >= 2.10 renamed the single-tensor collectives; the old names warn.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def default_bucket_size(dp_size: int) -> int:
@@ -48,8 +66,10 @@ class DistributedDataParallel(torch.nn.Module):
 
     Args:
         module: The model. Its trainable parameters must all live on one device.
-        config: ``DDPConfig`` (``overlap_grad_reduce``, ``ddp_bucket_size``).
-        pg: Process groups; ``pg.dp`` is the data-parallel group (``None`` for DP = 1).
+        config: ``DDPConfig`` (``overlap_grad_reduce``, ``ddp_bucket_size``,
+            ``use_distributed_optimizer``, ``overlap_param_gather``).
+        pg: Process groups; ``pg.dp`` is the data-parallel group (``None`` for DP = 1),
+            ``pg.tp`` the tensor-parallel group (sequence-parallel gradients).
 
     Attributes:
         module: The wrapped model.
@@ -73,8 +93,19 @@ class DistributedDataParallel(torch.nn.Module):
             len(devices) <= 1, f"all trainable parameters must live on one device, found {sorted(map(str, devices))}."
         )
         device = devices.pop() if devices else pg.device
+        self.use_distributed_optimizer = bool(getattr(config, "use_distributed_optimizer", False))
+        self.overlap_param_gather = self.use_distributed_optimizer and bool(
+            getattr(config, "overlap_param_gather", False)
+        )
         # Backward order: the last parameters get their gradients first.
-        self.grad_buffer = GradBuffer(list(reversed(params)), bucket_size=bucket_size, device=device)
+        self.grad_buffer = GradBuffer(
+            list(reversed(params)),
+            bucket_size=bucket_size,
+            device=device,
+            shard_count=self.dp_size if self.use_distributed_optimizer else 1,
+            param_buffer=self.use_distributed_optimizer,
+        )
+        self._sequence_parallel_params = [p for p in params if getattr(p, "sequence_parallel", False)]
 
         # NCCL averages natively; other backends get a pre-scale and a SUM.
         self._use_avg_op = self.dp_group is not None and dist.get_backend(self.dp_group) == "nccl"
@@ -85,6 +116,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._hook_handles = []
         if config.overlap_grad_reduce:
             self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_accumulated) for p in params]
+        if self.overlap_param_gather:
+            self._hook_handles += self._register_param_gather_hooks(module)
 
     @property
     def dp_group(self):
@@ -98,6 +131,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def state_dict(self, *args, **kwargs):
         """The wrapped module's state dict (no ``module.`` prefix, as Megatron)."""
+        self.finish_param_sync()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
@@ -242,7 +276,13 @@ class DistributedDataParallel(torch.nn.Module):
         else:
             bucket.data.mul_(1.0 / self.dp_size)
             op = dist.ReduceOp.SUM
-        bucket.handle = dist.all_reduce(bucket.data, op=op, group=self.dp_group, async_op=True)
+        if self.use_distributed_optimizer:
+            # In place: this rank's shard of the bucket receives the reduced shard.
+            start, end = bucket.shard_range(self.pg.dp_rank, self.dp_size)
+            shard = self.grad_buffer.data[start:end]
+            bucket.handle = _reduce_scatter_single(shard, bucket.data, op=op, group=self.dp_group, async_op=True)
+        else:
+            bucket.handle = dist.all_reduce(bucket.data, op=op, group=self.dp_group, async_op=True)
 
     def _launch_in_order(self, only_ready: bool) -> None:
         buckets = self.buckets
@@ -270,6 +310,70 @@ class DistributedDataParallel(torch.nn.Module):
             if bucket.handle is not None:
                 bucket.handle.wait()
                 bucket.handle = None
+        self._allreduce_sequence_parallel_grads()
+
+    def _allreduce_sequence_parallel_grads(self) -> None:
+        tp = getattr(self.pg, "tp", None)
+        if tp is None or not self._sequence_parallel_params:
+            return
+        grads = [p.main_grad for p in self._sequence_parallel_params]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=tp)
+        for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(summed)
+
+    # ------------------------------------------------------------------ parameters (distributed optimizer)
+
+    def start_param_sync(self) -> None:
+        """All-gathers every bucket's parameters from the DP ranks' shards.
+
+        Waits for it unless ``overlap_param_gather``: then each module's forward
+        pre-hook waits for its own buckets. Buckets are launched in forward order (the
+        last bucket holds the first layers).
+        """
+        assert self.use_distributed_optimizer, "start_param_sync is for the distributed optimizer"
+        self.finish_param_sync()  # never two gathers into the same memory
+        if self.dp_group is None:
+            return
+        rank = self.pg.dp_rank
+        for bucket in reversed(self.buckets):
+            size = bucket.numel // self.dp_size
+            shard = bucket.param_data[rank * size : (rank + 1) * size]
+            bucket.param_handle = _all_gather_single(
+                bucket.param_data, shard, group=self.dp_group, async_op=self.overlap_param_gather
+            )
+            if not self.overlap_param_gather:
+                bucket.param_handle = None
+
+    def finish_param_sync(self, buckets=None) -> None:
+        """Waits for the parameter all-gathers in flight (of ``buckets``, default all)."""
+        for bucket in self.buckets if buckets is None else buckets:
+            if bucket.param_handle is not None:
+                bucket.param_handle.wait()
+                bucket.param_handle = None
+
+    def _register_param_gather_hooks(self, module: torch.nn.Module) -> list:
+        """A forward pre-hook per module that waits for the buckets of the parameters it
+        uses: its own, and those of its childless children (a parent may read a child's
+        weight directly, as the embedding reads its position table)."""
+        handles = []
+        of_id = self.grad_buffer.bucket_of_id
+        for name, sub in module.named_modules():
+            used = list(sub.parameters(recurse=False))
+            if name:  # the root's leaves are its own modules, with hooks of their own
+                for child in sub.children():
+                    if next(child.children(), None) is None:
+                        used += list(child.parameters(recurse=False))
+            buckets = {of_id[id(p)].index: of_id[id(p)] for p in used if id(p) in of_id}
+            if not buckets:
+                continue
+            ordered = [buckets[i] for i in sorted(buckets)]
+
+            def wait(_module, _args, ordered=ordered):
+                self.finish_param_sync(ordered)
+
+            handles.append(sub.register_forward_pre_hook(wait))
+        return handles
 
     # ------------------------------------------------------------------ helpers
 

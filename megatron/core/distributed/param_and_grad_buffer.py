@@ -9,6 +9,12 @@ first during backward and its all-reduce can start while backward continues.
 Unusual here: a bucket also remembers CUDA events handed in by graph replays that
 wrote its ``main_grad`` views on another stream; whoever reads, scales or reduces the
 bucket first makes the current stream wait on them (``wait_events``).
+
+For the distributed optimizer (``shard_count`` = DP > 1 ranks sharing the work) each
+bucket is padded to a multiple of ``shard_count`` elements, so it splits into equal
+contiguous shards, one per DP rank (reduce-scatter the gradients, all-gather the
+parameters), and the parameters themselves move into a second flat buffer
+(``param_data``) with the same layout, so a bucket's parameters are one tensor too.
 """
 
 from collections.abc import Sequence
@@ -46,12 +52,20 @@ class Bucket:
         self.ready: set = set()
         self.handle = None
         self.launched = False
+        self.param_data: torch.Tensor | None = None  # the same slice of the parameter buffer
+        self.param_handle = None  # in-flight all-gather of the parameters
         # id(event) -> event; an event object re-recorded every replay is stored once.
         self._events: dict[int, object] = {}
 
     @property
     def numel(self) -> int:
         return self.data.numel()
+
+    def shard_range(self, rank: int, count: int) -> tuple[int, int]:
+        """``(start, end)`` of shard ``rank`` of ``count`` in buffer coordinates."""
+        assert self.numel % count == 0, (self.numel, count)
+        size = self.numel // count
+        return self.offset + rank * size, self.offset + (rank + 1) * size
 
     def is_ready(self) -> bool:
         return len(self.ready) == len(self.params)
@@ -90,6 +104,10 @@ class GradBuffer:
             parameter, and a parameter never spans two buckets.
         device: Where the buffer lives (the parameters' device).
         dtype: Buffer dtype; fp32 (reduced-precision buffers are not supported).
+        shard_count: Pad every bucket to a multiple of this many elements (the DP size
+            of the distributed optimizer; 1 leaves the layout unpadded).
+        param_buffer: Also move the parameters into one flat buffer of their dtype, laid
+            out like the gradients (``param_data``; the distributed optimizer gathers into it).
     """
 
     def __init__(
@@ -99,6 +117,8 @@ class GradBuffer:
         bucket_size: int,
         device: torch.device,
         dtype: torch.dtype = torch.float32,
+        shard_count: int = 1,
+        param_buffer: bool = False,
     ):
         assert bucket_size >= 1, bucket_size
         self.params = list(params)
@@ -115,10 +135,14 @@ class GradBuffer:
             starts.append(start)
             offset = start + param.numel()
             if offset - bucket_start >= bucket_size:
-                bucket_ranges.append((first_param, i + 1, bucket_start, offset))
-                first_param, bucket_start = i + 1, _round_up(offset, _ALIGN_ELEMENTS)
+                end = self._bucket_end(bucket_start, offset, shard_count)
+                bucket_ranges.append((first_param, i + 1, bucket_start, end))
+                first_param, bucket_start = i + 1, _round_up(end, _ALIGN_ELEMENTS)
+                offset = end
         if first_param < len(self.params):
-            bucket_ranges.append((first_param, len(self.params), bucket_start, offset))
+            end = self._bucket_end(bucket_start, offset, shard_count)
+            bucket_ranges.append((first_param, len(self.params), bucket_start, end))
+            offset = end
         self.numel = _round_up(offset, _ALIGN_ELEMENTS)
 
         # Pass 2: the one allocation, then views into it.
@@ -132,6 +156,31 @@ class GradBuffer:
             self.buckets.append(bucket)
             for param in bucket.params:
                 self.bucket_of_id[id(param)] = bucket
+        self.param_data: torch.Tensor | None = None
+        if param_buffer:
+            self._move_params_into_buffer(starts)
+
+    @staticmethod
+    def _bucket_end(start: int, end: int, shard_count: int) -> int:
+        if shard_count == 1:
+            return end  # unpadded: the layout of plain DDP
+        return start + _round_up(end - start, shard_count * _ALIGN_ELEMENTS)
+
+    @torch.no_grad()
+    def _move_params_into_buffer(self, starts: list[int]) -> None:
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"--use-distributed-optimizer needs every trainable parameter in one dtype, found {sorted(map(str, dtypes))}."
+            )
+        dtype = dtypes.pop() if dtypes else self.dtype
+        self.param_data = torch.zeros(self.numel, dtype=dtype, device=self.device)
+        for param, start in zip(self.params, starts):
+            view = self.param_data[start : start + param.numel()].view(param.shape)
+            view.copy_(param.data)
+            param.data = view  # same Parameter object, storage now in the buffer
+        for bucket in self.buckets:
+            bucket.param_data = self.param_data[bucket.offset : bucket.offset + bucket.numel]
 
     def zero_(self) -> None:
         """Zeroes the whole buffer in place (same storage, same address)."""

@@ -17,6 +17,7 @@ the same path).
 import os
 
 import torch
+import torch.distributed as dist
 
 try:
     import triton
@@ -134,4 +135,63 @@ def fused_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Ten
     """Per-token fp32 loss of ``logits [..., V]`` against ``target [...]`` (see ``FusedCrossEntropy``)."""
     vocab = logits.shape[-1]
     loss = FusedCrossEntropy.apply(logits.reshape(-1, vocab), target.reshape(-1))
+    return loss.view(target.shape)
+
+
+class FusedVocabParallelCrossEntropy(torch.autograd.Function):
+    """``FusedCrossEntropy`` over logits whose vocabulary is split across ``group``.
+
+    ``logits [N, V_local]`` (rows contiguous) hold columns ``[vocab_start, vocab_start +
+    V_local)``; ``target [N]`` ids of the full vocabulary. The backward overwrites
+    ``logits`` with their gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, group, vocab_start):
+        assert logits.dim() == 2 and logits.stride(1) == 1, "logits must be [N, V] with contiguous rows"
+        n, v = logits.shape
+        local = target - vocab_start
+        outside = (local < 0) | (local >= v)
+        local = local.masked_fill(outside, 0).contiguous()
+        local_loss = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        block = min(_BLOCK, triton.next_power_of_2(v))
+        if n:
+            _forward_kernel[(n,)](logits, logits.stride(0), local, local_loss, lse, v, BLOCK=block, num_warps=8)
+        # local_loss = lse - x[local]: the target logit of this slice, zeroed where it is not ours.
+        target_logit = (lse - local_loss).masked_fill(outside, 0.0)
+        lse_max = lse.clone()
+        dist.all_reduce(lse_max, op=dist.ReduceOp.MAX, group=group)
+        sums = torch.stack([torch.exp(lse - lse_max), target_logit])
+        dist.all_reduce(sums, group=group)
+        global_lse = lse_max + torch.log(sums[0])
+        ctx.save_for_backward(logits, local.masked_fill(outside, -1), global_lse)
+        ctx.block = block
+        return global_lse - sums[1]
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, local, lse = ctx.saved_tensors
+        n, v = logits.shape
+        grad_loss = grad_loss.contiguous().float()
+        if n:
+            _backward_kernel[(n,)](
+                logits,
+                logits.stride(0),
+                logits,
+                logits.stride(0),
+                local,
+                lse,
+                grad_loss,
+                v,
+                BLOCK=ctx.block,
+                num_warps=8,
+            )
+        return logits, None, None, None
+
+
+def fused_vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, vocab_start: int):
+    """Per-token fp32 loss of vocab-parallel ``logits [..., V_local]`` (see ``FusedVocabParallelCrossEntropy``)."""
+    vocab = logits.shape[-1]
+    loss = FusedVocabParallelCrossEntropy.apply(logits.reshape(-1, vocab), target.reshape(-1), group, vocab_start)
     return loss.view(target.shape)

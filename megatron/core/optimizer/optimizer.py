@@ -25,14 +25,16 @@ Unusual choices:
   flat buffer rather than one per parameter.
 - Fused AdamW's kernel is called directly with lists built once (``_inner_step``):
   the same launches as ``torch.optim.AdamW.step`` without its per-step Python.
-- With TP = PP = 1 the gradient norm needs no model-parallel reduction; when model
-  parallelism arrives, the squared norm must be summed over those groups here.
+- With model parallelism (or the distributed optimizer's shards) each rank sums the
+  squares of its part of the gradients (``grad_norm_tensors``: replicated ones
+  counted on one TP rank only) and the sum is all-reduced over ``grad_norm_groups``.
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 
@@ -93,6 +95,12 @@ class MixedPrecisionOptimizer:
         main_params: The tensor optimized for each model param (same order): an fp32
             copy for bf16/fp16 params, the param itself for fp32 ones.
         grad_scaler: Loss scaler for fp16, else ``None``.
+
+    Model-parallel keyword arguments:
+        grad_norm_tensors: The gradients whose squares this rank adds to the global norm,
+            when not all of them (TP ranks but the first leave out replicated ones).
+        grad_norm_groups: Process groups over which the squared norm is summed.
+        uses_weight_decay: ``param -> bool`` (default: 2-D and larger params decay).
     """
 
     def __init__(
@@ -104,6 +112,9 @@ class MixedPrecisionOptimizer:
         preallocate_state: bool = False,
         grad_buffers: Sequence[torch.Tensor] = (),
         skip_non_finite: bool = False,
+        grad_norm_tensors: Sequence[torch.Tensor] | None = None,
+        grad_norm_groups: Sequence[Any] = (),
+        uses_weight_decay: Callable[[torch.Tensor], bool] = _uses_weight_decay,
     ):
         self.config = config
         self.skip_non_finite = skip_non_finite
@@ -143,8 +154,8 @@ class MixedPrecisionOptimizer:
         self._attach_grads()
         self._release_fp32_grads()
 
-        decay = [m for p, m in zip(self.model_params, self.main_params) if _uses_weight_decay(p)]
-        no_decay = [m for p, m in zip(self.model_params, self.main_params) if not _uses_weight_decay(p)]
+        decay = [m for p, m in zip(self.model_params, self.main_params) if uses_weight_decay(p)]
+        no_decay = [m for p, m in zip(self.model_params, self.main_params) if not uses_weight_decay(p)]
         groups = []
         if decay:
             groups.append({"params": decay, "weight_decay": config.weight_decay})
@@ -156,6 +167,8 @@ class MixedPrecisionOptimizer:
         self._fused_adam = config.optimizer == "adam" and self._fused
         self._fused_lists: tuple | None = None  # see _build_fused_lists
         self.grad_buffers = self._check_grad_buffers(grad_buffers)
+        self._norm_tensors = None if grad_norm_tensors is None else list(grad_norm_tensors)
+        self._norm_groups = [g for g in grad_norm_groups if g is not None]
         if preallocate_state and config.optimizer == "adam":
             self._allocate_adam_state()
 
@@ -262,8 +275,11 @@ class MixedPrecisionOptimizer:
         """
         # Every grad is a view into the DDP buffer(s), whose gaps stay zero: one reduction
         # over the flat buffer gives the same norm as one per tensor, in one kernel.
-        norms = torch._foreach_norm(self.grad_buffers or grads, 2)
-        total = torch.linalg.vector_norm(torch.stack(list(norms)), 2)
+        if self._norm_tensors is not None or self._norm_groups:
+            total = self._model_parallel_norm(grads)
+        else:
+            norms = torch._foreach_norm(self.grad_buffers or grads, 2)
+            total = torch.linalg.vector_norm(torch.stack(list(norms)), 2)
         if self.config.clip_grad > 0:
             if self._fused_adam:
                 self.optimizer.grad_scale = torch.clamp((total + 1e-6) / self.config.clip_grad, min=1.0)
@@ -273,6 +289,17 @@ class MixedPrecisionOptimizer:
                 coeff = torch.clamp(self.config.clip_grad / (total + 1e-6), max=1.0)
                 torch._foreach_mul_(grads, coeff)
         return total
+
+    def _model_parallel_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """sqrt of the squared norms of this rank's part, summed over ``grad_norm_groups``."""
+        tensors = self._norm_tensors if self._norm_tensors is not None else (self.grad_buffers or grads)
+        if tensors:
+            squares = torch.stack(list(torch._foreach_norm(tensors, 2))).square().sum()
+        else:
+            squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        for group in self._norm_groups:
+            dist.all_reduce(squares, group=group)
+        return squares.sqrt()
 
     @torch.no_grad()
     def step(self, skip: torch.Tensor | None = None) -> tuple[bool, torch.Tensor | None, int | None]:
@@ -296,6 +323,8 @@ class MixedPrecisionOptimizer:
             found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
             inv_scale = torch.full((1,), 1.0 / self.grad_scaler.scale, dtype=torch.float32, device=self.device)
             _unscale_and_check(grads, inv_scale, found_inf)
+            for group in self._norm_groups:  # every rank of the model skips together
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
             overflow = bool(found_inf.item())  # the one host sync of fp16 training
             self.grad_scaler.update(overflow)
             if overflow:

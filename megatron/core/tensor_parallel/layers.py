@@ -1,25 +1,38 @@
 """Tensor-parallel building blocks: column/row parallel linear and vocab-parallel embedding.
 
-Each layer computes its local partition size from the tensor-parallel size and
-allocates only its local shard, the way Megatron does, so tensor parallelism can be
-added later by inserting the collectives where the comments say. Today only
-TP = 1 runs: there the layers are a plain ``F.linear`` / ``F.embedding`` with no
-extra copies, except that once DDP has given a weight its ``main_grad`` the linear
-and embedding layers add the weight gradient straight into it (gradient-accumulation
-fusion, on by default as in Megatron, which fuses the linear layers only). Weights
-are stored ``[out, in]`` (``F.linear`` layout).
+Megatron's layers: a column-parallel linear splits its output features across the
+TP ranks, a row-parallel linear its input features (its partial products are summed
+by an all-reduce, or a reduce-scatter over the sequence with sequence parallelism),
+and the embedding splits the vocabulary. The collectives are the autograd functions
+of ``mappings.py``. At TP = 1 the layers are a plain ``F.linear`` / ``F.embedding``
+with no extra copies and no collective. Once DDP has given a weight its ``main_grad``
+the linear and embedding layers add the weight gradient straight into it
+(gradient-accumulation fusion, on by default as in Megatron). Weights are stored
+``[out, in]`` (``F.linear`` layout).
 
-Unusual here: parameters are allocated directly on the target device (``device``
-argument, default: torch's current default device) and initialised there with the
-default generator, so ``torch.manual_seed`` alone makes initialisation
-deterministic.
+Unusual here: initialisation does not depend on the TP layout. Every rank draws the
+*full* weight from the default generator, in the order a single process would (all
+ranks share the seed), and keeps its shard, so one seed gives the same full model at
+any TP size (Megatron does this only with ``--use-cpu-initialization``). Parameters
+are allocated on the target device (``device`` argument, default: torch's current
+default device).
 """
 
 import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -125,16 +138,28 @@ def get_tensor_model_parallel_size(pg) -> int:
         return 1
     if hasattr(pg, "tp_size"):
         return int(pg.tp_size)
-    import torch.distributed as dist  # a raw torch ProcessGroup standing for the TP group
-
-    return dist.get_world_size(pg)
+    return dist.get_world_size(pg)  # a raw torch ProcessGroup standing for the TP group
 
 
-def _check_tp_supported(tp_size: int, name: str) -> None:
-    # ParallelConfig.validate() already rejects --tensor-model-parallel-size > 1 for users;
-    # this guards direct construction until the TP collectives exist.
-    if tp_size != 1:
-        raise NotImplementedError(f"{name}: tensor parallelism (tp_size={tp_size}) is not implemented yet.")
+def get_tensor_model_parallel_rank(pg) -> int:
+    """This rank's index in the TP group of ``pg`` (``None`` -> 0)."""
+    if pg is None:
+        return 0
+    if hasattr(pg, "tp_rank"):
+        return int(pg.tp_rank)
+    return dist.get_rank(pg)
+
+
+def tp_group(pg):
+    """The torch TP group of ``pg`` (``None`` for a group of one)."""
+    if pg is None or get_tensor_model_parallel_size(pg) == 1:
+        return None
+    return pg.tp if hasattr(pg, "tp_size") else pg
+
+
+def uses_sequence_parallel(pg) -> bool:
+    """Whether the TP group of ``pg`` also splits the sequence (``--sequence-parallel``)."""
+    return bool(getattr(pg, "sequence_parallel", False)) and get_tensor_model_parallel_size(pg) > 1
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -146,14 +171,49 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def _mark_tp(param: torch.nn.Parameter, is_parallel: bool, partition_dim: int) -> None:
+def _mark_tp(param: torch.nn.Parameter, is_parallel: bool, partition_dim: int, stride: int = 1) -> None:
     # Attributes Megatron's checkpoint/optimizer code reads to know how a tensor is sharded.
     param.tensor_model_parallel = is_parallel
     param.partition_dim = partition_dim
+    param.partition_stride = stride
+
+
+def shard_of(full: torch.Tensor, dim: int, tp_size: int, tp_rank: int, stride: int = 1) -> torch.Tensor:
+    """This rank's shard of a full tensor (a copy).
+
+    ``full`` is cut along ``dim`` into ``stride`` blocks (SwiGLU's gate and up halves:
+    stride 2), each block into ``tp_size`` pieces, and rank r keeps piece r of every
+    block, in block order, as Megatron's ``stride`` does.
+    """
+    if tp_size == 1:
+        return full
+    pieces = torch.chunk(full, stride * tp_size, dim=dim)
+    return torch.cat(pieces[tp_rank::tp_size], dim=dim).contiguous()
+
+
+def full_from_shards(shards: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
+    """Inverse of ``shard_of``: the full tensor from every rank's shard, in rank order."""
+    blocks = [torch.chunk(s, stride, dim=dim) for s in shards]
+    return torch.cat([blocks[r][b] for b in range(stride) for r in range(len(shards))], dim=dim)
+
+
+def _init_param(
+    shape: tuple, dim: int, init_method: InitMethod, *, tp_size: int, tp_rank: int, device, dtype, stride: int = 1
+) -> torch.nn.Parameter:
+    """A parameter holding this rank's shard of a full tensor initialised by ``init_method``."""
+    full_shape = list(shape)
+    full_shape[dim] *= tp_size
+    full = torch.empty(full_shape, device=device, dtype=dtype)
+    init_method(full)  # the same draws as a single process would make
+    return torch.nn.Parameter(shard_of(full, dim, tp_size, tp_rank, stride))
 
 
 class ColumnParallelLinear(torch.nn.Module):
     """Y = X A^T + b with A split along its output dimension across TP ranks.
+
+    The input enters through copy-to-TP-region (identity forward, gradient all-reduce),
+    or with sequence parallelism through an all-gather over the sequence (its backward
+    a reduce-scatter).
 
     Args:
         input_size: Input features.
@@ -166,6 +226,8 @@ class ColumnParallelLinear(torch.nn.Module):
         pg: ``ProcessGroups`` (or ``None`` for a world of one).
         skip_weight_param_allocation: Allocate no weight; ``forward`` then needs ``weight``
             (used for an output layer tied to the word embeddings).
+        stride: Blocks of the output dimension that are split separately (2 for
+            SwiGLU's ``[gate; up]``: each rank holds ``[gate_r; up_r]``).
         device: Device for the parameters (default: torch's default device).
     """
 
@@ -181,14 +243,20 @@ class ColumnParallelLinear(torch.nn.Module):
         skip_bias_add: bool = False,
         pg=None,
         skip_weight_param_allocation: bool = False,
+        stride: int = 1,
         device=None,
     ):
         super().__init__()
         self.tp_size = get_tensor_model_parallel_size(pg)
-        _check_tp_supported(self.tp_size, "ColumnParallelLinear")
+        tp_rank = get_tensor_model_parallel_rank(pg)
+        self.group = tp_group(pg)
+        self.sequence_parallel = uses_sequence_parallel(pg)
+        if self.sequence_parallel and gather_output:
+            raise ValueError("ColumnParallelLinear: gather_output cannot be combined with --sequence-parallel.")
         self.input_size = input_size
         self.output_size = output_size
         self.output_size_per_partition = _divide(output_size, self.tp_size, "ColumnParallelLinear output size")
+        _divide(output_size, self.tp_size * stride, "ColumnParallelLinear output size / stride")
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
         self.gradient_accumulation_fusion = getattr(config, "gradient_accumulation_fusion", False)
@@ -196,22 +264,32 @@ class ColumnParallelLinear(torch.nn.Module):
         dtype = config.params_dtype
         if skip_weight_param_allocation:
             self.weight = None
-        else:
-            self.weight = torch.nn.Parameter(
-                torch.empty(self.output_size_per_partition, input_size, device=device, dtype=dtype)
-            )
+        elif self.tp_size == 1:
+            self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, device=device, dtype=dtype))
             init_method(self.weight)
-            _mark_tp(self.weight, True, 0)
+        else:
+            self.weight = _init_param(
+                (self.output_size_per_partition, input_size),
+                0,
+                init_method,
+                tp_size=self.tp_size,
+                tp_rank=tp_rank,
+                device=device,
+                dtype=dtype,
+                stride=stride,
+            )
+        if self.weight is not None:
+            _mark_tp(self.weight, True, 0, stride)
         if bias:
             self.bias = torch.nn.Parameter(torch.zeros(self.output_size_per_partition, device=device, dtype=dtype))
-            _mark_tp(self.bias, True, 0)
+            _mark_tp(self.bias, True, 0, stride)
         else:
             self.bias = None
 
     def forward(
         self, input_: torch.Tensor, weight: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Applies the layer to ``input_ [..., input_size]``.
+        """Applies the layer to ``input_ [s, ..., input_size]`` (``[s / TP, ...]`` with sequence parallelism).
 
         Args:
             input_: Input activations.
@@ -219,18 +297,22 @@ class ColumnParallelLinear(torch.nn.Module):
                 was built with ``skip_weight_param_allocation``).
 
         Returns:
-            ``(output [..., output_size_per_partition], bias or None)``; the bias is
-            returned only with ``skip_bias_add``.
+            ``(output [s, ..., output_size_per_partition], bias or None)`` (all output
+            features with ``gather_output``); the bias is returned only with ``skip_bias_add``.
         """
         if weight is None:
             assert self.weight is not None, "ColumnParallelLinear built without a weight needs forward(weight=...)"
             weight = self.weight
         fuse = self.gradient_accumulation_fusion
-        # TP > 1: input goes through copy-to-TP-region (identity fwd, all-reduce of the grad bwd),
-        # and the output through a gather when gather_output is set.
-        if self.skip_bias_add:
-            return linear(input_, weight, None, fuse_wgrad=fuse), self.bias
-        return linear(input_, weight, self.bias, fuse_wgrad=fuse), None
+        if self.sequence_parallel:
+            input_ = gather_from_sequence_parallel_region(input_, self.group)
+        else:
+            input_ = copy_to_tensor_model_parallel_region(input_, self.group)
+        bias = None if self.skip_bias_add else self.bias
+        output = linear(input_, weight, bias, fuse_wgrad=fuse)
+        if self.gather_output:
+            output = gather_from_tensor_model_parallel_region(output, self.group)
+        return output, (self.bias if self.skip_bias_add else None)
 
     def extra_repr(self) -> str:
         return (
@@ -242,7 +324,9 @@ class ColumnParallelLinear(torch.nn.Module):
 class RowParallelLinear(torch.nn.Module):
     """Y = X A^T + b with A split along its input dimension across TP ranks.
 
-    The bias is not partitioned: it is added once, after the partial products are summed.
+    The partial products are summed by an all-reduce (a reduce-scatter over the
+    sequence with sequence parallelism); the bias is not partitioned and is added once,
+    after the sum. At TP = 1 the bias is added inside the GEMM.
 
     Args:
         input_size: Input features (all ranks together).
@@ -272,7 +356,11 @@ class RowParallelLinear(torch.nn.Module):
     ):
         super().__init__()
         self.tp_size = get_tensor_model_parallel_size(pg)
-        _check_tp_supported(self.tp_size, "RowParallelLinear")
+        tp_rank = get_tensor_model_parallel_rank(pg)
+        self.group = tp_group(pg)
+        self.sequence_parallel = uses_sequence_parallel(pg)
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: --sequence-parallel needs input_is_parallel=True.")
         self.input_size = input_size
         self.output_size = output_size
         self.input_size_per_partition = _divide(input_size, self.tp_size, "RowParallelLinear input size")
@@ -281,30 +369,50 @@ class RowParallelLinear(torch.nn.Module):
         self.gradient_accumulation_fusion = getattr(config, "gradient_accumulation_fusion", False)
         device = resolve_device(device)
         dtype = config.params_dtype
-        self.weight = torch.nn.Parameter(
-            torch.empty(output_size, self.input_size_per_partition, device=device, dtype=dtype)
-        )
-        init_method(self.weight)
+        if self.tp_size == 1:
+            self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, device=device, dtype=dtype))
+            init_method(self.weight)
+        else:
+            self.weight = _init_param(
+                (output_size, self.input_size_per_partition),
+                1,
+                init_method,
+                tp_size=self.tp_size,
+                tp_rank=tp_rank,
+                device=device,
+                dtype=dtype,
+            )
         _mark_tp(self.weight, True, 1)
         if bias:
             self.bias = torch.nn.Parameter(torch.zeros(output_size, device=device, dtype=dtype))
             _mark_tp(self.bias, False, 0)
+            # Added to a sequence shard: each rank's gradient is partial, summed over TP by DDP.
+            self.bias.sequence_parallel = self.sequence_parallel
         else:
             self.bias = None
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Applies the layer to ``input_ [..., input_size_per_partition]``.
+        """Applies the layer to ``input_ [s, ..., input_size_per_partition]``.
 
         Returns:
-            ``(output [..., output_size], bias or None)``; the bias is returned only
-            with ``skip_bias_add``.
+            ``(output [s, ..., output_size] ([s / TP, ...] with sequence parallelism),
+            bias or None)``; the bias is returned only with ``skip_bias_add``.
         """
-        # TP > 1: scatter the input unless input_is_parallel, all-reduce the partial output,
-        # and only then add the (unsplit) bias.
         fuse = self.gradient_accumulation_fusion
-        if self.skip_bias_add:
-            return linear(input_, self.weight, None, fuse_wgrad=fuse), self.bias
-        return linear(input_, self.weight, self.bias, fuse_wgrad=fuse), None
+        if self.tp_size == 1:
+            if self.skip_bias_add:
+                return linear(input_, self.weight, None, fuse_wgrad=fuse), self.bias
+            return linear(input_, self.weight, self.bias, fuse_wgrad=fuse), None
+        if not self.input_is_parallel:
+            input_ = scatter_to_tensor_model_parallel_region(input_, self.group)
+        partial = linear(input_, self.weight, None, fuse_wgrad=fuse)
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(partial, self.group)
+        else:
+            output = reduce_from_tensor_model_parallel_region(partial, self.group)
+        if self.skip_bias_add or self.bias is None:
+            return output, self.bias
+        return output + self.bias, None
 
     def extra_repr(self) -> str:
         return (
@@ -316,7 +424,9 @@ class RowParallelLinear(torch.nn.Module):
 class VocabParallelEmbedding(torch.nn.Module):
     """Embedding table split along the vocabulary across TP ranks.
 
-    Rank r holds rows ``[vocab_start_index, vocab_end_index)``.
+    Rank r holds rows ``[vocab_start_index, vocab_end_index)``; ids outside them look
+    up zeros, and the partial lookups are summed over TP (all-reduce, or a
+    reduce-scatter over the first dim with ``reduce_scatter_embeddings``).
 
     Args:
         num_embeddings: Vocabulary size (all ranks together, already padded).
@@ -324,39 +434,65 @@ class VocabParallelEmbedding(torch.nn.Module):
         config: ``TransformerConfig`` (reads ``params_dtype``).
         init_method: In-place weight initialiser.
         pg: ``ProcessGroups`` (or ``None`` for a world of one).
+        reduce_scatter_embeddings: Sum by a reduce-scatter over the first dim
+            (sequence parallelism, ids given ``[s, b]``).
         device: Device for the parameters (default: torch's default device).
     """
 
     def __init__(
-        self, num_embeddings: int, embedding_dim: int, *, config, init_method: InitMethod, pg=None, device=None
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        config,
+        init_method: InitMethod,
+        pg=None,
+        reduce_scatter_embeddings: bool = False,
+        device=None,
     ):
         super().__init__()
         self.tp_size = get_tensor_model_parallel_size(pg)
-        _check_tp_supported(self.tp_size, "VocabParallelEmbedding")
-        tp_rank = 0
+        tp_rank = get_tensor_model_parallel_rank(pg)
+        self.group = tp_group(pg)
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings and self.tp_size > 1
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.num_embeddings_per_partition = _divide(num_embeddings, self.tp_size, "padded vocabulary size")
         self.vocab_start_index = tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
-        self.weight = torch.nn.Parameter(
-            torch.empty(
-                self.num_embeddings_per_partition,
-                embedding_dim,
-                device=resolve_device(device),
-                dtype=config.params_dtype,
+        device, dtype = resolve_device(device), config.params_dtype
+        if self.tp_size == 1:
+            self.weight = torch.nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
+            init_method(self.weight)
+        else:
+            self.weight = _init_param(
+                (self.num_embeddings_per_partition, embedding_dim),
+                0,
+                init_method,
+                tp_size=self.tp_size,
+                tp_rank=tp_rank,
+                device=device,
+                dtype=dtype,
             )
-        )
-        init_method(self.weight)
         _mark_tp(self.weight, True, 0)
         self.gradient_accumulation_fusion = getattr(config, "gradient_accumulation_fusion", False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Looks up ``input_ids [...]`` and returns ``[..., embedding_dim]``."""
-        # TP > 1: shift ids by vocab_start_index, zero rows of ids outside this shard, all-reduce.
+        outside = None
+        if self.tp_size > 1:
+            outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+            input_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
         if _fuses_wgrad(self.gradient_accumulation_fusion, self.weight):
-            return EmbeddingWithGradAccumulation.apply(input_ids, self.weight)
-        return F.embedding(input_ids, self.weight)
+            output = EmbeddingWithGradAccumulation.apply(input_ids, self.weight)
+        else:
+            output = F.embedding(input_ids, self.weight)
+        if outside is None:
+            return output
+        output = output.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.reduce_scatter_embeddings:
+            return reduce_scatter_to_sequence_parallel_region(output, self.group)
+        return reduce_from_tensor_model_parallel_region(output, self.group)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, per_partition={self.num_embeddings_per_partition}"

@@ -8,6 +8,11 @@ efficient kernels on GPU) on ``[b, n, s, d]`` *views*: q/k/v are never made
 contiguous here; the one copy is the ``[b, n, s, d] -> [s, b, n*d]`` re-layout of the
 context before the output projection. No host syncs: everything is shape arithmetic
 on Python ints.
+
+Tensor parallelism splits the query groups across TP ranks (each rank gets whole
+groups: its query heads with their key/value heads, a contiguous block of the fused
+QKV rows), so attention needs no communication between its two linears. Attention
+dropout on this rank's heads draws from the per-TP-rank RNG state at TP > 1.
 """
 
 import math
@@ -23,6 +28,7 @@ from megatron.core.tensor_parallel.layers import (
     init_method_normal,
     scaled_init_method_normal,
 )
+from megatron.core.tensor_parallel.random import fork_if
 
 
 class SelfAttention(torch.nn.Module):
@@ -40,6 +46,7 @@ class SelfAttention(torch.nn.Module):
         self.config = config
         self.layer_number = layer_number
         tp_size = get_tensor_model_parallel_size(pg)
+        self.tp_size = tp_size
         heads, groups, kv = config.num_attention_heads, config.num_query_groups, config.kv_channels
         if heads % tp_size or groups % tp_size:
             raise ValueError(
@@ -87,10 +94,10 @@ class SelfAttention(torch.nn.Module):
             ``(output [s, b, h], None)``: the output projection adds its bias in the
             GEMM, so the layer's bias-dropout-add gets none.
         """
-        s, b, _ = hidden_states.shape
         g, hpg, d = self.num_groups, self.heads_per_group, self.kv_channels
         n = self.num_heads
-        qkv, _ = self.linear_qkv(hidden_states)  # [s, b, g * (hpg + 2) * d]
+        qkv, _ = self.linear_qkv(hidden_states)  # [s, b, g * (hpg + 2) * d]: local groups, whole sequence
+        s, b = qkv.shape[0], qkv.shape[1]  # with sequence parallelism the input held s / TP rows
         if hpg == 1 and rotary_pos_emb is None:
             # MHA without RoPE: the same views as the general path in two ops instead of
             # five (each op is also an autograd node, and eager steps are host-bound).
@@ -98,14 +105,16 @@ class SelfAttention(torch.nn.Module):
             q, k, v = qkv.view(s, b, n, 3, d).unbind(3)
         else:
             q, k, v = self._split_qkv(qkv.view(s, b, g, hpg + 2, d), rotary_pos_emb)
-        context = F.scaled_dot_product_attention(
-            q.permute(1, 2, 0, 3),  # [b, n, s, d] views
-            k.permute(1, 2, 0, 3),
-            v.permute(1, 2, 0, 3),
-            dropout_p=self.attention_dropout if self.training else 0.0,
-            is_causal=True,
-            scale=self.softmax_scale,
-        )  # [b, n, s, d]
+        dropout_p = self.attention_dropout if self.training else 0.0
+        with fork_if(dropout_p > 0.0 and self.tp_size > 1):
+            context = F.scaled_dot_product_attention(
+                q.permute(1, 2, 0, 3),  # [b, n, s, d] views
+                k.permute(1, 2, 0, 3),
+                v.permute(1, 2, 0, 3),
+                dropout_p=dropout_p,
+                is_causal=True,
+                scale=self.softmax_scale,
+            )  # [b, n, s, d]
         context = context.permute(2, 0, 1, 3).reshape(s, b, n * d)
         return self.linear_proj(context)
 

@@ -5,6 +5,10 @@ With ``--swiglu`` fc1 produces ``2 * ffn_hidden_size`` features, gate half first
 match. Both biases are added inside their GEMMs (the cuBLAS epilogue): with no fused
 bias-GeLU or bias-dropout-add kernel, that is one kernel and one autograd node fewer
 each than a separate add. So fc2 returns no bias for the layer's dropout-add.
+
+Tensor parallelism splits the FFN features: with SwiGLU each rank's fc1 shard is
+``[gate_r; up_r]`` (``stride=2``), so the local ``chunk(2)`` pairs them up as the full
+model does.
 """
 
 import torch
@@ -41,6 +45,7 @@ class MLP(torch.nn.Module):
             bias=config.add_bias_linear,
             gather_output=False,
             pg=pg,
+            stride=2 if self.gated else 1,
             device=device,
         )
         self.linear_fc2 = RowParallelLinear(

@@ -1,4 +1,6 @@
-"""ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding at TP = 1, cross entropy, seeding."""
+"""ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding at TP = 1, cross entropy, seeding.
+
+TP > 1: test_tensor_parallel.py (gloo processes)."""
 
 import pytest
 import torch
@@ -86,14 +88,6 @@ def test_params_follow_default_device():
     assert layer.weight.device.type == "meta"
     layer = ColumnParallelLinear(4, 4, config=cfg(), init_method=init_method_normal(0.02), device="cpu")
     assert layer.weight.device.type == "cpu"
-
-
-def test_tensor_parallel_above_one_is_refused():
-    class FakePG:
-        tp_size = 2
-
-    with pytest.raises(NotImplementedError):
-        ColumnParallelLinear(4, 4, config=cfg(), init_method=init_method_normal(0.02), pg=FakePG())
 
 
 @pytest.mark.parametrize("layout", ["sbv", "bsv"])

@@ -147,7 +147,9 @@ def test_anchor_command_line_parses_and_validates():
         ),
         (["--micro-batch-size", "2", "--global-batch-size", "7"], "--global-batch-size (7) must be divisible"),
         (["--bf16", "--fp16"], "--bf16 and --fp16"),
-        (["--tensor-model-parallel-size", "2"], "not supported yet"),
+        (["--tensor-model-parallel-size", "2"], "world size 1 is not divisible by --tensor-model-parallel-size (2)"),
+        (["--context-parallel-size", "2"], "--context-parallel-size 2 is not supported yet"),
+        (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
     ],
 )
 def test_validate_errors(argv, needle):
@@ -185,7 +187,6 @@ def test_bad_value_exits(capsys):
         (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine"),
         (["--spec", "moe_spec", "moe_block_spec"], "--spec"),
         (["--wandb-project", "p"], "--wandb-project"),
-        (["--overlap-param-gather"], "--overlap-param-gather"),
         (["--split-sentences"], "--split-sentences"),
         (["--profile"], "--profile"),
     ],

@@ -7,6 +7,14 @@ embedding looks up the *transposed* ids so its output is already a contiguous
 ``[s, b, h]`` (no transpose copy), and without ``position_ids`` the learned position
 table is sliced and broadcast instead of gathered. Loss masking is left to the caller
 (``megatron.core.models.gpt.loss.masked_mean_loss``).
+
+Tensor parallelism: the word embeddings and the output layer split the vocabulary;
+the logits stay split and go straight into the vocab-parallel cross entropy. With
+``--sequence-parallel`` the embedding output is cut along the sequence (a
+reduce-scatter when there is no position table, else a scatter after adding it), the
+layers run on ``s / TP`` rows outside their TP regions, and the output layer gathers
+the sequence back. Parameters that then see only a sequence shard (norms, row-parallel
+biases) are marked ``sequence_parallel`` so DDP sums their gradients over TP.
 """
 
 import torch
@@ -20,7 +28,14 @@ from megatron.core.tensor_parallel.layers import (
     VocabParallelEmbedding,
     init_method_normal,
     resolve_device,
+    tp_group,
+    uses_sequence_parallel,
 )
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from megatron.core.tensor_parallel.random import fork_if
 from megatron.core.transformer.cuda_graphs.regions import HeadRegion
 from megatron.core.transformer.transformer_block import TransformerBlock
 
@@ -43,8 +58,18 @@ class LanguageModelEmbedding(torch.nn.Module):
         super().__init__()
         init = init_method_normal(config.init_method_std)
         self.embedding_dropout = config.hidden_dropout
+        self.sequence_parallel = uses_sequence_parallel(pg)
+        self.tp_group = tp_group(pg)
+        # With a position table the word embeddings are summed over TP first (the table is
+        # added to whole sequences), then cut; without one the sum is the cut (reduce-scatter).
         self.word_embeddings = VocabParallelEmbedding(
-            vocab_size, config.hidden_size, config=config, init_method=init, pg=pg, device=device
+            vocab_size,
+            config.hidden_size,
+            config=config,
+            init_method=init,
+            pg=pg,
+            reduce_scatter_embeddings=self.sequence_parallel and position_embedding_type != "learned_absolute",
+            device=device,
         )
         if position_embedding_type == "learned_absolute":
             self.position_embeddings = torch.nn.Embedding(
@@ -55,7 +80,8 @@ class LanguageModelEmbedding(torch.nn.Module):
             self.position_embeddings = None
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``input_ids [b, s]`` (and ``position_ids [b, s]``) -> ``[s, b, h]`` contiguous."""
+        """``input_ids [b, s]`` (and ``position_ids [b, s]``) -> ``[s, b, h]`` contiguous
+        (``[s / TP, b, h]``, this rank's rows, with sequence parallelism)."""
         embeddings = self.word_embeddings(input_ids.t())  # [s, b, h]: gather in the transposed order
         if self.position_embeddings is not None:
             if position_ids is None:
@@ -69,8 +95,11 @@ class LanguageModelEmbedding(torch.nn.Module):
                 embeddings = embeddings + self.position_embeddings.weight[:seq_len].unsqueeze(1)
             else:
                 embeddings = embeddings + self.position_embeddings(position_ids.t())
+            if self.sequence_parallel:
+                embeddings = scatter_to_sequence_parallel_region(embeddings, self.tp_group)
         if self.training and self.embedding_dropout > 0.0:
-            embeddings = F.dropout(embeddings, p=self.embedding_dropout, training=True)
+            with fork_if(self.sequence_parallel):  # each rank drops on its own rows
+                embeddings = F.dropout(embeddings, p=self.embedding_dropout, training=True)
         return embeddings
 
 
@@ -167,6 +196,12 @@ class GPTModel(torch.nn.Module):
                 self.output_layer.weight.shared_embedding = True
         else:
             self.output_layer = None
+        if uses_sequence_parallel(pg):
+            # Replicated decoder parameters (norms, row-parallel biases, routers) see one
+            # sequence shard per TP rank: their gradients are partial sums over TP.
+            for param in self.decoder.parameters():
+                if not getattr(param, "tensor_model_parallel", False):
+                    param.sequence_parallel = True
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
         """The weight shared by the embedding and the output layer on this stage, if any."""
@@ -214,6 +249,7 @@ class GPTModel(torch.nn.Module):
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, v]
         if labels is None:
+            logits = gather_from_tensor_model_parallel_region(logits, tp_group(self.pg))
             return logits.transpose(0, 1).contiguous()  # [b, s, v]
         # The logits are ours alone: the fused kernel may write their gradient over them.
         loss = vocab_parallel_cross_entropy(
