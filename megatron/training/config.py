@@ -280,7 +280,9 @@ class RunConfig:
         self.model.moe = self.moe  # the model reads its MoE flags as config.moe
         self.model.finalize()
         self.model.validate()
-        self.moe.validate(self.model, self.parallel.expert_model_parallel_size)
+        par = self.parallel
+        etp = par.expert_tensor_parallel_size or par.tensor_model_parallel_size
+        self.moe.validate(self.model, par.expert_model_parallel_size, etp)
         self.parallel.validate()
         self.parallel.validate_model(self.model)
         self.cuda_graph.validate()

@@ -172,9 +172,6 @@ class MoEConfig:
     moe_token_drop_policy: str = flag_field("probs", choices=("probs", "position"))
     """Which tokens are dropped over capacity: those with the lowest probabilities, or the last ones."""
 
-    expert_tensor_parallel_size: int | None = None
-    """Tensor parallel size of the experts (only 1 is supported yet). Defaults to 1 here."""
-
     moe_layer_pattern: list[int] | None = flag_field(None, no_flag=True)
     """Derived from --moe-layer-freq: 1 for an MoE layer, 0 for a dense one."""
 
@@ -206,7 +203,7 @@ class MoEConfig:
         self.moe_layer_pattern = parse_moe_layer_freq(self.moe_layer_freq, model.num_layers)
         return self
 
-    def validate(self, model, expert_model_parallel_size: int = 1) -> None:
+    def validate(self, model, expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int = 1) -> None:
         """Raises ``ValueError`` for inconsistent MoE flags (call after ``finalize``)."""
         if not self.enabled:
             require(
@@ -227,8 +224,9 @@ class MoEConfig:
             f"({expert_model_parallel_size}); every expert-parallel rank holds the same number of experts.",
         )
         require(
-            self.expert_tensor_parallel_size in (None, 1),
-            f"--expert-tensor-parallel-size {self.expert_tensor_parallel_size} is not supported yet; use 1.",
+            expert_tensor_parallel_size == 1,
+            f"expert tensor parallelism {expert_tensor_parallel_size} (--expert-tensor-parallel-size, which defaults "
+            "to --tensor-model-parallel-size) is not supported yet; pass --expert-tensor-parallel-size 1.",
         )
         require(self.moe_ffn_hidden_size > 0, "--moe-ffn-hidden-size must be positive.")
         if self.moe_shared_expert_intermediate_size is not None:

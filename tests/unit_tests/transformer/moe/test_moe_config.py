@@ -48,9 +48,9 @@ def test_layer_freq_pattern_length_and_values():
         parse_moe_layer_freq(0, 3)
 
 
-def _validate(ep=1, **moe):
+def _validate(ep=1, etp=1, **moe):
     cfg = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, moe=MoEConfig(**moe)).finalize()
-    cfg.moe.validate(cfg, ep)
+    cfg.moe.validate(cfg, ep, etp)
     return cfg
 
 
@@ -64,7 +64,7 @@ def _validate(ep=1, **moe):
         (dict(num_moe_experts=6, moe_router_num_groups=4, moe_router_group_topk=2), 1, "divisible by --moe-router"),
         (dict(num_moe_experts=4, moe_router_enable_expert_bias=True), 1, "--moe-router-score-function sigmoid"),
         (dict(num_moe_experts=4, moe_router_topk=1), 1, "--moe-router-pre-softmax"),
-        (dict(num_moe_experts=4, expert_tensor_parallel_size=2), 1, "--expert-tensor-parallel-size 2"),
+        (dict(num_moe_experts=4, etp=2), 1, "expert tensor parallelism 2 .--expert-tensor-parallel-size"),
         (
             dict(num_moe_experts=4, moe_router_load_balancing_type=["aux_loss", "z"], moe_aux_loss_coeff=[0.1, 0.1]),
             1,
