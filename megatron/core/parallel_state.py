@@ -47,6 +47,33 @@ class ParallelConfig:
     distributed_timeout_minutes: int = 10
     """Timeout of collective operations, in minutes."""
 
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """Layers per virtual pipeline stage (not supported yet)."""
+
+    num_virtual_stages_per_pipeline_rank: int | None = None
+    """Virtual pipeline stages per pipeline rank (not supported yet)."""
+
+    pipeline_model_parallel_layout: str | None = None
+    """Explicit layer layout over pipeline stages (not supported yet)."""
+
+    decoder_first_pipeline_num_layers: int | None = None
+    """Layers on the first pipeline stage (not supported yet)."""
+
+    decoder_last_pipeline_num_layers: int | None = None
+    """Layers on the last pipeline stage (not supported yet)."""
+
+    account_for_embedding_in_pipeline_split: bool = False
+    """Count the embedding as a layer when splitting over pipeline stages (not supported yet)."""
+
+    account_for_loss_in_pipeline_split: bool = False
+    """Count the loss as a layer when splitting over pipeline stages (not supported yet)."""
+
+    microbatch_group_size_per_virtual_pipeline_stage: int | None = None
+    """Micro-batches per virtual-stage group in the interleaved schedule (not supported yet)."""
+
+    overlap_p2p_communication_warmup_flush: bool = False
+    """Overlap pipeline sends/receives in warm-up and flush (not supported yet)."""
+
     world_size: int = flag_field(1, no_flag=True)
     """Number of processes, taken from torchrun's WORLD_SIZE."""
 
@@ -55,6 +82,10 @@ class ParallelConfig:
 
     def validate(self) -> None:
         """Raises ``ValueError`` for layouts this trainer cannot run yet."""
+        cp = self.context_parallel_size
+        require(
+            cp <= 1, f"--context-parallel-size {cp} is not supported: this trainer does not do context parallelism."
+        )
         for name in (
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
@@ -70,6 +101,8 @@ class ParallelConfig:
             "--virtual-pipeline-model-parallel-size is not supported yet; drop the flag.",
         )
         require(not self.sequence_parallel, "--sequence-parallel is not supported yet (it needs tensor parallelism).")
+        for name in _PIPELINE_LAYOUT_FIELDS:  # flags of the pipeline issue: parse now, run later
+            require(getattr(self, name) in (None, False), f"--{name.replace('_', '-')} is not supported yet; drop it.")
         model_parallel = (
             self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
         )
@@ -78,6 +111,19 @@ class ParallelConfig:
             f"world size {self.world_size} is not divisible by TP*PP*CP = {model_parallel}.",
         )
         self.data_parallel_size = self.world_size // model_parallel
+
+
+_PIPELINE_LAYOUT_FIELDS = (
+    "num_layers_per_virtual_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank",
+    "pipeline_model_parallel_layout",
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+    "microbatch_group_size_per_virtual_pipeline_stage",
+    "overlap_p2p_communication_warmup_flush",
+)
 
 
 class ProcessGroups:

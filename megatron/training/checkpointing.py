@@ -294,6 +294,10 @@ def save_checkpoint(trainer) -> str:
         The path of this rank's checkpoint file (written by its DP rank 0).
     """
     cfg = trainer.cfg
+    if cfg.checkpoint.ckpt_format == "torch_dist":  # sharded format: dist_checkpointing.py
+        from megatron.training import dist_checkpointing
+
+        return dist_checkpointing.save(trainer)
     save_dir = os.path.abspath(cfg.checkpoint.save)
     iteration = trainer.iteration
     start = time.perf_counter()
@@ -445,6 +449,11 @@ def load_checkpoint(trainer) -> int:
     Raises:
         ValueError: No or unreadable checkpoint, or one saved for another model shape.
     """
+    from megatron.training import dist_checkpointing  # torch_dist loads, and the format check
+
+    loaded = dist_checkpointing.maybe_load(trainer)
+    if loaded is not None:
+        return loaded
     ckpt = trainer.cfg.checkpoint
     load_dir = os.path.abspath(ckpt.load)
     found = find_checkpoint(trainer, load_dir)

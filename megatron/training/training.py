@@ -26,7 +26,7 @@ from megatron.core.optimizer.lr_scheduler import build_scheduler
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron.core.transformer.cuda_graphs.manager import CudaGraphManager
 from megatron.core.transformer.cuda_graphs.streams import side_stream
-from megatron.training import checkpointing
+from megatron.training import checkpointing, dist_checkpointing
 from megatron.training import logging_utils as logs
 from megatron.training.arguments import parse_args
 from megatron.training.config import RunConfig
@@ -225,6 +225,7 @@ class Trainer:
             self.evaluate(valid_iter, "the end of training for val data")
         if cfg.checkpoint.save and self.iteration > 0 and self.last_checkpointed_iteration != self.iteration:
             checkpointing.save_checkpoint(self)  # Megatron also saves at the end of training
+        dist_checkpointing.wait_for_pending_save()  # an --async-save in flight is on disk when train() returns
         self.metrics.close()
         return history
 
