@@ -77,7 +77,7 @@ _NOT_YET_FLAGS = (
     "--test-mode",
     "--no-use-layer-wise-param-layout",
     "--apply-wd-to-qk-layernorm",
-    "--exit-duration-in-mins",
+    "--decoupled-lr",
 )
 # Parallel-layout flags; dropping them (sizes 1) gives the single-device variant.
 PARALLEL_LAYOUT_FLAGS = (

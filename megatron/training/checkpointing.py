@@ -479,7 +479,7 @@ def load_checkpoint(trainer) -> int:
 
     if not weights_only and not ckpt.no_load_optim:
         trainer.optimizer.load_state_dict(state["optimizer"])
-        trainer.scheduler.load_state_dict(state["opt_param_scheduler"])
+        dist_checkpointing.restore_scheduler(trainer, state["opt_param_scheduler"])
     else:
         trainer.optimizer.reload_model_params()  # fp32 main params from the loaded weights
         trainer.scheduler.num_steps = trainer.iteration

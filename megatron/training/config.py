@@ -436,6 +436,10 @@ class RunConfig:
             o.decoupled_min_lr is None or o.decoupled_lr is not None,
             "--decoupled-min-lr needs --decoupled-lr.",
         )
+        require(
+            o.decoupled_lr is None,
+            "--decoupled-lr is not supported yet (the optimizer has no separate embedding/output group); drop it.",
+        )
         d = self.data
         if d.tokenizer_type is None:
             # Megatron's pretrain_gpt.py: vocab and merge files mean GPT-2 BPE.

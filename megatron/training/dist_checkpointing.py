@@ -217,6 +217,32 @@ def _read_common(path: str) -> dict[str, Any]:
     return common
 
 
+_SCHEDULE_FIELDS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
+
+
+def restore_scheduler(trainer, saved: dict[str, Any]) -> None:
+    """Restores the LR schedule's position, and its shape as the scheduler flags say.
+
+    ``--use-checkpoint-opt_param-scheduler``: lr, min lr, warm-up and decay come from the
+    checkpoint. ``--override-opt_param-scheduler``: from this run's flags. Neither: the
+    flags, with a warning naming what differs (Megatron refuses to start instead).
+    """
+    sched, opt = trainer.scheduler, trainer.cfg.optimizer
+    if opt.use_checkpoint_opt_param_scheduler:
+        for name in _SCHEDULE_FIELDS:
+            if name in saved:
+                setattr(sched, name, saved[name])
+    elif not opt.override_opt_param_scheduler:
+        diffs = [f"{n}: checkpoint {saved[n]!r}, flags {getattr(sched, n)!r}" for n in _SCHEDULE_FIELDS
+                 if n in saved and saved[n] != getattr(sched, n)]  # fmt: skip
+        if diffs:
+            print_rank_0(
+                "WARNING: the LR schedule of the flags differs from the checkpoint's (" + "; ".join(diffs) + "); "
+                "using the flags. Pass --use-checkpoint-opt_param-scheduler to keep the checkpoint's."
+            )
+    sched.load_state_dict(saved)
+
+
 def maybe_load(trainer) -> int | None:
     """``--load`` for torch_dist checkpoints, and the format check for both formats.
 
@@ -283,8 +309,7 @@ def load(trainer, iteration_dir: str, iteration: int, release: bool) -> int:
         trainer.consumed_samples = int(common["consumed_samples"])
     if with_optimizer:
         trainer.optimizer.load_state_dict(state["optimizer"])
-        ckpt_sched = common["opt_param_scheduler"]
-        trainer.scheduler.load_state_dict(ckpt_sched)
+        restore_scheduler(trainer, common["opt_param_scheduler"])
     else:
         trainer.optimizer.reload_model_params()  # fp32 main params from the loaded weights
         trainer.scheduler.num_steps = trainer.iteration

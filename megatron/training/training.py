@@ -11,6 +11,7 @@ fetched while the device runs the optimizer.
 
 import contextlib
 import datetime
+import gc
 import math
 import os
 import time
@@ -74,7 +75,8 @@ class Trainer:
             preallocate_state=self.graphs.state != "off",
             grad_buffers=[self.model.grad_buffer.data],
         )
-        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, t.train_iters)
+        samples = t.global_batch_size if t.train_samples is not None else None  # schedule in samples
+        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, t.train_iters, samples_per_iteration=samples)
         self.iteration = 0
         self.consumed_samples = 0
         self.skipped_iters = 0
@@ -125,19 +127,40 @@ class Trainer:
     def forward_backward(self, data_iterator) -> torch.Tensor:
         """Runs every micro-batch of one global batch; returns their mean loss (device)."""
         n = self.cfg.num_microbatches
-        loss_sum = None
+        per_token_loss = self.cfg.training.calculate_per_token_loss
+        loss_sum = tokens = None
         for mb in range(n):
             batch = self._next_batch(data_iterator)
             sync = contextlib.nullcontext() if mb == n - 1 else self.model.no_sync()
             with sync:
                 per_token = self.model(batch["tokens"], batch["position_ids"], batch["labels"])
-                loss, _ = masked_mean_loss(per_token, batch["loss_mask"])
-                scaled = loss / n if n > 1 else loss  # x / 1 is x: one launch fewer
+                loss, num_tokens = masked_mean_loss(per_token, batch["loss_mask"])
+                if per_token_loss:  # token sums; train_step divides the gradients by the global count
+                    loss = loss * num_tokens
+                    tokens = num_tokens if tokens is None else tokens + num_tokens
+                scaled = loss / n if n > 1 and not per_token_loss else loss  # x / 1 is x: one launch fewer
                 if self.cfg.precision.fp16:
                     scaled = self.optimizer.scale_loss(scaled)
                 scaled.backward()
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        if per_token_loss:
+            self._loss_tokens = tokens
+            return loss_sum
         return loss_sum / n if n > 1 else loss_sum
+
+    def _divide_by_global_tokens(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """--calculate-per-token-loss: gradients and loss over every loss token of the global batch.
+
+        DDP averaged the token-summed gradients over DP; times DP / global tokens makes
+        them the per-token mean. Returns this rank's share of the mean loss, so the DP
+        average of the returned values is sum(loss) / global tokens.
+        """
+        tokens = self._loss_tokens.to(torch.float32)
+        if self.pg.dp is not None:
+            dist.all_reduce(tokens, group=self.pg.dp)
+        factor = self.pg.dp_size / tokens.clamp(min=1.0)
+        self.model.grad_buffer.data.mul_(factor)
+        return loss_sum * factor
 
     @contextlib.contextmanager
     def on_stream(self):
@@ -162,6 +185,8 @@ class Trainer:
             self.model.zero_grad_buffer()
             loss = self.forward_backward(data_iterator)
             self.model.finish_grad_sync()
+            if self.cfg.training.calculate_per_token_loss:
+                loss = self._divide_by_global_tokens(loss)
             success, grad_norm, num_zeros = self.optimizer.step()
             self._prefetch(data_iterator)
             if success:
@@ -184,9 +209,12 @@ class Trainer:
         history = []
         window_loss = torch.zeros((), device=self.device)
         window_nan = torch.zeros((), device=self.device, dtype=torch.int32)
-        window_iters = 0
-        last_time = self._sync_time()
+        window_iters = window_skipped = 0
+        last_time = start_time = self._sync_time()
         logs.print_rank_0(f"> training {self.num_params:,} parameters for {t.train_iters} iterations")
+        if t.manual_gc:  # --manual-gc: collections only where the loop asks for them
+            gc.collect()
+            gc.disable()
         first_iteration = self.iteration + 1  # 1, or the one after a loaded checkpoint
         while self.iteration < t.train_iters:
             loss, grad_norm, success = self.train_step(train_iter)
@@ -194,21 +222,27 @@ class Trainer:
             self.consumed_samples += t.global_batch_size
             if not success:
                 self.skipped_iters += 1
+                window_skipped += 1
             is_nan = torch.isnan(loss) | torch.isinf(loss)
             window_nan += is_nan.int()
-            window_loss += torch.where(is_nan, torch.zeros_like(loss), loss)
+            if success:  # Megatron averages the loss over the iterations that stepped
+                window_loss += torch.where(is_nan, torch.zeros_like(loss), loss)
             window_iters += 1
+            self._log_tensorboard_iteration(loss, grad_norm)
             if self.iteration == first_iteration and self.graphs.state == "captured":
                 self._log_capture()
-            if self.iteration % lg.log_interval == 0 or self.iteration == t.train_iters:
+            if self.iteration == 1 or self.iteration % lg.log_interval == 0:  # Megatron's: after 1, then every N
                 now = self._sync_time()
                 elapsed_ms = (now - last_time) * 1000.0 / window_iters
                 last_time = now
-                record = self._log_iteration(window_loss / window_iters, grad_norm, window_nan, elapsed_ms)
+                stepped = max(window_iters - window_skipped, 1)
+                record = self._log_iteration(
+                    window_loss / stepped, grad_norm, window_nan, elapsed_ms, skipped_count=window_skipped
+                )
                 history.append(record)
                 window_loss.zero_()
                 window_nan.zero_()
-                window_iters = 0
+                window_iters = window_skipped = 0
                 last_time = self._sync_time()
             if self.iteration == first_iteration or (
                 lg.log_memory_interval and self.iteration % lg.log_memory_interval == 0
@@ -221,11 +255,18 @@ class Trainer:
                 checkpointing.save_checkpoint(self)
             if t.exit_interval and self.iteration % t.exit_interval == 0:
                 break
+            if t.manual_gc and t.manual_gc_interval and self.iteration % t.manual_gc_interval == 0:
+                gc.collect()
+            if t.exit_duration_in_mins and self._past_duration(start_time, t.exit_duration_in_mins):
+                logs.print_rank_0(f"> exiting after {t.exit_duration_in_mins} minutes (--exit-duration-in-mins)")
+                break
         if valid_iter is not None and self.iteration % t.eval_interval != 0:
             self.evaluate(valid_iter, "the end of training for val data")
         if cfg.checkpoint.save and self.iteration > 0 and self.last_checkpointed_iteration != self.iteration:
             checkpointing.save_checkpoint(self)  # Megatron also saves at the end of training
         dist_checkpointing.wait_for_pending_save()  # an --async-save in flight is on disk when train() returns
+        if t.manual_gc:
+            gc.enable()
         self.metrics.close()
         return history
 
@@ -252,9 +293,36 @@ class Trainer:
         line = f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
         logs.print_last_rank("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
         self.metrics.write(
-            self.iteration, {"lm loss validation": loss, "lm loss validation ppl": ppl}, samples=self.consumed_samples
-        )
+            self.iteration, {"lm loss validation": loss, "lm loss validation ppl": ppl}, samples=self.consumed_samples,
+            tensorboard=False,
+        )  # fmt: skip
+        tb = {"lm loss validation": loss}
+        if self.cfg.logging.log_validation_ppl_to_tensorboard:
+            tb["lm loss validation ppl"] = ppl
+        self.metrics.write(self.iteration, tb, samples=self.consumed_samples, jsonl=False)
         return loss
+
+    def _past_duration(self, start_time: float, minutes: int) -> bool:
+        """True on every rank once any rank has trained ``minutes`` (one all-reduce)."""
+        past = torch.tensor(float(time.perf_counter() - start_time > 60.0 * minutes), device=self.device)
+        if self.pg.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(past, op=dist.ReduceOp.MAX)
+        return bool(past.item())
+
+    def _log_tensorboard_iteration(self, loss, grad_norm) -> None:
+        """Megatron's per-iteration TensorBoard scalars (every --tensorboard-log-interval)."""
+        lg = self.cfg.logging
+        if lg.tensorboard_dir is None or self.iteration % lg.tensorboard_log_interval != 0:
+            return
+        record = {
+            "learning-rate": self.scheduler.get_lr(self.iteration),
+            "batch-size": self.cfg.training.global_batch_size,
+            "lm loss": float(loss),
+            "loss-scale": float(self.optimizer.get_loss_scale()),
+        }
+        if grad_norm is not None:
+            record["grad-norm"] = float(grad_norm)
+        self.metrics.write(self.iteration, record, samples=self.consumed_samples, jsonl=False)
 
     def _sync_time(self) -> float:
         if self.device.type == "cuda":
@@ -262,7 +330,7 @@ class Trainer:
         return time.perf_counter()
 
     # ------------------------------------------------------------------ logging
-    def _log_iteration(self, loss, grad_norm, nan_count, elapsed_ms) -> dict:
+    def _log_iteration(self, loss, grad_norm, nan_count, elapsed_ms, *, skipped_count: int = 0) -> dict:
         cfg, t = self.cfg, self.cfg.training
         nan_now = int(nan_count.item())
         self.nan_iters += nan_now
@@ -289,6 +357,9 @@ class Trainer:
             )
             throughput = flops / (elapsed_ms / 1000.0) / 1e12 / self.pg.world_size
         loss_scale = float(self.optimizer.get_loss_scale())
+        num_zeros = None
+        if cfg.logging.log_num_zeros_in_grad:
+            num_zeros = logs.count_zeros(getattr(p, "main_grad", p.grad) for p in self.model.parameters())
         params_norm = None
         if cfg.logging.log_params_norm:
             norms = torch._foreach_norm([p.detach() for p in self.optimizer.main_params], 2)
@@ -303,8 +374,9 @@ class Trainer:
             losses={"lm loss": loss_value},
             loss_scale=loss_scale,
             grad_norm=grad_value,
-            skipped_iters=self.skipped_iters,
-            nan_iters=self.nan_iters,
+            skipped_iters=skipped_count,
+            nan_iters=nan_now,
+            num_zeros=num_zeros,
             throughput_tflops=throughput,
             params_norm=params_norm,
             timestamp=datetime.datetime.now(),
@@ -322,9 +394,16 @@ class Trainer:
             record["throughput"] = throughput
         if params_norm is not None:
             record["params-norm"] = params_norm
+        if num_zeros is not None:
+            record["num-zeros"] = num_zeros
         if cfg.logging.log_memory_to_tensorboard:
             record.update(self._memory_record())
-        self.metrics.write(self.iteration, record, samples=self.consumed_samples)
+        per_iteration = ("lm loss", "learning-rate", "grad-norm", "loss-scale", "batch-size")
+        self.metrics.write(self.iteration, record, samples=self.consumed_samples, tensorboard=False)
+        tb_extra = {k: v for k, v in record.items() if k not in per_iteration and k != "iteration-time"}
+        if cfg.logging.log_timers_to_tensorboard:
+            tb_extra["iteration-time"] = record["iteration-time"]
+        self.metrics.write(self.iteration, tb_extra, samples=self.consumed_samples, jsonl=False)
         return dict(record, iteration=self.iteration)
 
     def _memory_record(self) -> dict[str, float]:
@@ -383,6 +462,8 @@ def build_trainer(argv: Sequence[str] | None = None, model_provider: Callable = 
     pg = parallel_state.initialize(cfg.parallel, use_cuda=use_cuda)
     try:
         cfg.validate()
+        for line in logs.startup_lines(cfg):
+            logs.print_rank_0(line)
         _set_determinism(cfg, use_cuda)
         if use_cuda and cfg.cuda_graph.enabled and cfg.cuda_graph.cuda_graph_expandable_segments:
             from megatron.core.transformer.cuda_graphs.mempool import use_expandable_segments
