@@ -373,6 +373,11 @@ class RunConfig:
         self.model.validate()
         self.parallel.validate()
         self.cuda_graph.validate()
+        require(
+            not (self.cuda_graph.enabled and self.model.recompute_granularity),
+            "--recompute-granularity with --cuda-graph-impl local is not supported yet: a recomputed layer would "
+            "replay its graphs out of the captured order. Drop one of them.",
+        )
         p, t, o = self.precision, self.training, self.optimizer
         require(not (p.bf16 and p.fp16), "--bf16 and --fp16 cannot be combined; pick one.")
         self.model.params_dtype = p.params_dtype

@@ -33,7 +33,8 @@ class TransformerConfig:
     """Use grouped-query attention (set --num-query-groups)."""
 
     num_query_groups: int | None = None
-    """Number of key/value groups for grouped-query attention. Defaults to the number of heads."""
+    """Number of key/value groups with --group-query-attention (default 1, as Megatron); without it,
+    every head is its own group."""
 
     kv_channels: int | None = None
     """Projection size per attention head. Defaults to hidden size / heads."""
@@ -143,6 +144,8 @@ class TransformerConfig:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if not self.group_query_attention:
             self.num_query_groups = self.num_attention_heads
+        elif self.num_query_groups is None:
+            self.num_query_groups = 1  # Megatron's default: --group-query-attention alone is multi-query
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         return self

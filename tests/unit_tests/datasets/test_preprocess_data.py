@@ -131,3 +131,17 @@ def test_worker_errors_reach_the_user(tmp_path, capsys):
     error = tool_error(capsys, "--input", path, "--output-prefix", str(tmp_path / "o"), "--workers", "2", *BPE_FLAGS)
     assert "line 301 is not valid JSON" in error
     assert os.listdir(tmp_path) == ["in.jsonl"]
+
+
+def test_list_fields_are_sentences_and_upstream_flags_parse(tmp_path):
+    path = write_jsonl(tmp_path / "in.jsonl", [{"text": ["1 2", "", "3"]}, {"text": "4 5"}])
+    result = run_tool(
+        "--input", path, "--output-prefix", str(tmp_path / "n"), "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "100", "--append-eod", "--partitions", "2", "--keep-newlines", "--keep-sequential-samples",
+        "--lang", "english",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    ds = IndexedDataset(str(tmp_path / "n_text_document"))
+    # As Megatron: one sequence per non-empty sentence, end-of-document (99) on the last one.
+    assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2], [3, 99], [4, 5, 99]]
+    assert list(ds.document_indices) == [0, 2, 3]
