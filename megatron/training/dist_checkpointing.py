@@ -94,12 +94,17 @@ def _async_group(trainer):
 
 
 def wait_for_pending_save() -> None:
-    """Blocks until the in-flight ``--async-save`` (if any) is on disk; re-raises its error."""
+    """Blocks until the in-flight ``--async-save`` (if any) is on disk on every rank; re-raises its error.
+
+    Called by every rank at the same points (the next save or load, the end of training).
+    """
     global _pending
     if _pending is None:
         return
     pending, _pending = _pending, None
     pending.thread.join()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()  # rank 0's thread installs the folder and tracker after the others' files
     if pending.errors:
         raise RuntimeError(f"async checkpoint save of iteration {pending.iteration} failed") from pending.errors[0]
     print_rank_0(f"  successfully saved checkpoint from iteration {pending.iteration:7d} (async)")

@@ -68,3 +68,21 @@ def test_async_save_copies_before_training_changes_weights(tmp_path):
     dcp.load(state, checkpoint_id=str(tmp_path / "iter_0000002"), no_dist=True)
     for k, v in trainer.model.state_dict().items():
         assert torch.equal(state["model"][k], v), k
+
+
+def _dp2_resume(rank, world_size, folder):
+    flags = [f for f in FLAGS if f != "--bf16"] + ["--global-batch-size", "8", "--async-save"]
+    full = pretrain(flags)
+    ckpt = ["--save", folder, "--load", folder]
+    pretrain(flags + ckpt + ["--exit-interval", "2"])
+    resumed = pretrain(flags + ckpt)
+    return losses(full), losses(resumed)
+
+
+def test_data_parallel_async_save_and_resume(tmp_path):
+    from tests.unit_tests.dist_utils import run_distributed
+
+    results = run_distributed(_dp2_resume, 2, str(tmp_path / "c"), timeout=300)
+    for full, resumed in results:
+        assert resumed == full[2:]
+    assert (tmp_path / "c" / "latest_checkpointed_iteration.txt").read_text() == "4"
