@@ -61,11 +61,6 @@ def not_yet(flag: str, nargs, what: str = "", fix: str = "drop the flag") -> Kno
     return KnownFlag(nargs, f"{label} is not supported yet; {fix}.")
 
 
-def only(flag: str, nargs, accepted: tuple[str, ...], why: str, note: str) -> KnownFlag:
-    """Accepted (no effect) with the listed values, rejected with others."""
-    return KnownFlag(nargs, f"{flag} {{value}} is not supported: {why}.", accepted_values=accepted, note=note)
-
-
 def _family(flags: dict[str, object], make) -> dict[str, KnownFlag]:
     return {flag: make(flag, nargs) for flag, nargs in flags.items()}
 
