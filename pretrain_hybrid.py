@@ -23,7 +23,7 @@ def model_provider(cfg, vocab_size, pg, device):
 def forward_step(batch, model):
     """One micro-batch: ``(loss, metrics)``, the mean next-token loss over unmasked tokens."""
     per_token = model(batch["tokens"], batch["position_ids"], batch["labels"])
-    loss, _num_tokens = masked_mean_loss(per_token, batch["loss_mask"])
+    loss, num_tokens = masked_mean_loss(per_token, batch["loss_mask"])
     return loss, {}
 
 

@@ -11,8 +11,10 @@ per logged iteration) or a golden file in Megatron's functional-test schema::
 The first input is the reference. Exact mode (the default, Megatron's deterministic
 check) rounds both curves to ``--decimals`` (5) and requires equality at every step;
 ``--rtol``/``--atol`` switch to ``|actual - expected| <= atol + rtol * |expected|``.
-Steps present in only one curve are a mismatch too. Exit status: 0 when the curves
-match, 1 when they do not, 2 for unreadable input.
+Steps are those of the reference: a reference step missing from the second curve is a
+mismatch, while steps only the second curve has are not compared (upstream goldens are
+often sampled, e.g. at steps 1, 5, 10, ...); the report names how many were skipped.
+Exit status: 0 when the curves match, 1 when they do not, 2 for unreadable input.
 
 The functions (``load_curve``, ``compare_curves``, ``golden_from_curves``) are imported
 by the functional tests and ``tools/regenerate_goldens.py``.
@@ -153,7 +155,8 @@ def compare_curves(
     """
     exact = rtol == 0.0 and atol == 0.0
     mode = f"exact to {decimals} decimals" if exact else f"rtol={rtol:g}, atol={atol:g}"
-    steps = sorted(set(expected) | set(actual))
+    steps = sorted(expected)  # the reference's steps; the others are reported, not compared
+    only_actual = sorted(set(actual) - set(expected))
     bad = []  # (step, expected, actual, why)
     max_abs = max_rel = 0.0
     for step in steps:
@@ -177,6 +180,10 @@ def compare_curves(
         f"{metric}: {names[0]} ({len(expected)} steps) vs {names[1]} ({len(actual)} steps), {mode}",
         f"  compared {both} steps; max |diff| {max_abs:.3e}, max relative diff {max_rel:.3e}",
     ]
+    if only_actual:
+        report.append(
+            f"  {len(only_actual)} steps only in {names[1]} not compared ({only_actual[0]}..{only_actual[-1]})"
+        )
     if not bad:
         report.append("  MATCH")
         return Comparison(True, None, report)

@@ -40,7 +40,7 @@ CONFIGS = {
 }
 COMMON = (
     "--lr 1e-4 --min-lr 1e-5 --lr-decay-style constant --seed 1234 --tokenizer-type NullTokenizer "
-    "--vocab-size 32000 --mock-data --bf16 --attention-dropout 0.0 --hidden-dropout 0.0 --log-interval 1000000"
+    "--vocab-size 32001 --mock-data --bf16 --attention-dropout 0.0 --hidden-dropout 0.0 --log-interval 1000000"
 )
 # eager:expandable = eager with the allocator setting our graphs switch on by default;
 # lean = a plain-PyTorch loop on the same shapes (tools/lean_gpt.py), the host-speed yardstick.

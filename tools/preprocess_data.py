@@ -78,14 +78,23 @@ class Encoder:
                     "choose the text field with --json-keys."
                 )
             text = record[key]
-            if not isinstance(text, str):
-                raise ValueError(
-                    f"{self.args.input}: line {line_no}: {key!r} holds a {type(text).__name__}, expected a string."
-                )
-            ids = self.tokenizer.tokenize(text)
+            # A list holds the document's sentences: one sequence each (empty ones dropped), as Megatron.
+            pieces = text if isinstance(text, list) else [text]
+            ids, lengths = [], []
+            for piece in pieces:
+                if not isinstance(piece, str):
+                    raise ValueError(
+                        f"{self.args.input}: line {line_no}: {key!r} holds a {type(piece).__name__}, "
+                        "expected a string or a list of strings."
+                    )
+                piece_ids = self.tokenizer.tokenize(piece)
+                if piece_ids:
+                    ids.extend(piece_ids)
+                    lengths.append(len(piece_ids))
             if ids and self.args.append_eod:
                 ids.append(self.tokenizer.eod)
-            out[key] = ids
+                lengths[-1] += 1
+            out[key] = (ids, lengths)
         return line_no, out, len(line)
 
 
@@ -107,6 +116,8 @@ def get_args(argv=None) -> argparse.Namespace:
         "--json-keys", nargs="+", default=["text"], help="Keys whose text to tokenise (one output per key)."
     )
     group.add_argument("--split-sentences", action="store_true", help="Not supported (Megatron uses nltk for it).")
+    group.add_argument("--keep-newlines", action="store_true", help="Accepted: it only matters with --split-sentences.")
+    group.add_argument("--lang", default="english", help="Accepted: the nltk language of --split-sentences.")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json (GPT2BPETokenizer).")
@@ -124,9 +135,20 @@ def get_args(argv=None) -> argparse.Namespace:
     group.add_argument(
         "--log-interval", type=int, default=10000, help="Documents between progress lines (without tqdm)."
     )
+    group.add_argument(
+        "--partitions", type=int, default=1, help="Accepted: the input is read as one partition (same output)."
+    )
+    group.add_argument(
+        "--keep-sequential-samples", action="store_true", help="Accepted: documents always keep the input order."
+    )
+    group.add_argument("--vocab-extra-ids", type=int, default=0, help="Extra ids of T5 tokenizers (only 0 here).")
     args = parser.parse_args(argv)
     if args.split_sentences:
         parser.error("--split-sentences is not supported; drop it (documents are tokenised whole).")
+    if args.vocab_extra_ids:
+        parser.error("--vocab-extra-ids is not supported (T5-style sentinel tokens); drop it.")
+    if args.partitions < 1:
+        parser.error(f"--partitions must be >= 1, got {args.partitions}.")
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}.")
     if args.log_interval < 1:
@@ -169,8 +191,8 @@ def main(argv=None) -> None:
                     bar.update(nbytes)
                 if ids_by_key is None:
                     continue
-                for key, ids in ids_by_key.items():
-                    builders[key].add_document(ids)
+                for key, (ids, lengths) in ids_by_key.items():
+                    builders[key].add_document(ids, lengths)
                     tokens += len(ids)
                 docs += 1
                 if bar is None and docs % args.log_interval == 0:

@@ -57,6 +57,33 @@ class ParallelConfig:
     distributed_timeout_minutes: int = 10
     """Timeout of collective operations, in minutes."""
 
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """Layers per virtual pipeline stage (not supported yet)."""
+
+    num_virtual_stages_per_pipeline_rank: int | None = None
+    """Virtual pipeline stages per pipeline rank (not supported yet)."""
+
+    pipeline_model_parallel_layout: str | None = None
+    """Explicit layer layout over pipeline stages (not supported yet)."""
+
+    decoder_first_pipeline_num_layers: int | None = None
+    """Layers on the first pipeline stage (not supported yet)."""
+
+    decoder_last_pipeline_num_layers: int | None = None
+    """Layers on the last pipeline stage (not supported yet)."""
+
+    account_for_embedding_in_pipeline_split: bool = False
+    """Count the embedding as a layer when splitting over pipeline stages (not supported yet)."""
+
+    account_for_loss_in_pipeline_split: bool = False
+    """Count the loss as a layer when splitting over pipeline stages (not supported yet)."""
+
+    microbatch_group_size_per_virtual_pipeline_stage: int | None = None
+    """Micro-batches per virtual-stage group in the interleaved schedule (not supported yet)."""
+
+    overlap_p2p_communication_warmup_flush: bool = False
+    """Overlap pipeline sends/receives in warm-up and flush (not supported yet)."""
+
     world_size: int = flag_field(1, no_flag=True)
     """Number of processes, taken from torchrun's WORLD_SIZE."""
 
@@ -89,6 +116,8 @@ class ParallelConfig:
             self.expert_tensor_parallel_size >= 1,
             f"--expert-tensor-parallel-size must be >= 1, got {self.expert_tensor_parallel_size}.",
         )
+        for name in _PIPELINE_LAYOUT_FIELDS:  # flags of the pipeline work: parsed now, run later
+            require(getattr(self, name) in (None, False), f"--{name.replace('_', '-')} is not supported yet; drop it.")
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None:
             require(vpp >= 1, f"--virtual-pipeline-model-parallel-size must be >= 1, got {vpp}.")
@@ -213,6 +242,19 @@ def expert_grid(config: ParallelConfig) -> dict[str, int]:
         "dp": config.expert_data_parallel_size,
         "pp": config.pipeline_model_parallel_size,
     }
+
+
+_PIPELINE_LAYOUT_FIELDS = (
+    "num_layers_per_virtual_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank",
+    "pipeline_model_parallel_layout",
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+    "microbatch_group_size_per_virtual_pipeline_stage",
+    "overlap_p2p_communication_warmup_flush",
+)
 
 
 class ProcessGroups:

@@ -11,10 +11,11 @@ What is unusual:
   (``--disable-bias-linear``, or ``--no-<name>``); with no explicit ``flag`` the
   positive spelling ``--<name>`` is accepted too, as a no-op, because that is what
   Megatron command lines say (``--attention-softmax-in-fp32``).
-- Megatron flags we know but do not support live in one table, ``KNOWN_MEGATRON_FLAGS``.
-  They parse, and then either do nothing (fusions we do not have, whose semantics are
-  the eager ones anyway) or raise ``ValueError`` naming the flag and the fix, so a
-  Megatron command line never fails with a bare "unrecognized arguments".
+- Megatron flags that are no config field live in one table, ``KNOWN_MEGATRON_FLAGS``
+  (``known_flags.py``). They parse, and then either do nothing (speed and I/O knobs;
+  ``RunConfig.ignored_flags`` lists the given ones for the run's start-up line) or
+  raise ``ValueError`` naming the flag and the fix, so a Megatron command line never
+  fails with a bare "unrecognized arguments".
 - Unknown flags exit through argparse as usual, with a "did you mean" suggestion.
 - Abbreviations are off (as in Megatron): ``--num-layer`` is an error, not a prefix match.
 
@@ -35,6 +36,9 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple, Union
 
 from megatron.training.config import RunConfig
+from megatron.training.known_flags import KNOWN_MEGATRON_FLAGS, KnownFlag
+
+__all__ = ["KNOWN_MEGATRON_FLAGS", "KnownFlag", "build_parser", "flags_markdown", "parse_args"]
 
 # Attribute of RunConfig -> argument-group title shown in --help and the user guide.
 _GROUP_TITLES = {
@@ -54,91 +58,6 @@ _GROUP_TITLES = {
 
 _KNOWN_GROUP_TITLE = "Megatron flags not supported here"
 _KNOWN_DEST_PREFIX = "_known."
-
-
-class KnownFlag(NamedTuple):
-    """A Megatron flag this trainer recognises but does not implement.
-
-    Attributes:
-        nargs: 0 for a switch, None for one value, or an argparse nargs string.
-        message: None: accepted and ignored. Otherwise the ``ValueError`` text (it
-            names the flag and the fix; ``{value}`` is replaced by the given value).
-        accepted_values: For value flags: values that are accepted silently even
-            though ``message`` rejects the others.
-        note: Why an accepted flag is harmless (shown in --help and the user guide).
-    """
-
-    nargs: int | str | None
-    message: str | None
-    accepted_values: tuple[str, ...] = ()
-    note: str = ""
-
-
-def _not_yet(flag: str, fix: str = "drop the flag") -> str:
-    return f"{flag} is not supported yet; {fix}."
-
-
-_NO_FUSION = "fusion kernels from apex/TE are not used; plain PyTorch computes the same thing"
-
-KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
-    # Accepted: the behaviour they ask for is what this trainer does anyway.
-    "--transformer-impl": KnownFlag(
-        None,
-        "--transformer-impl {value} is not supported: layers here are plain PyTorch; "
-        "use --transformer-impl local or drop the flag.",
-        accepted_values=("local",),
-        note="only `local` is accepted (what this trainer is)",
-    ),
-    "--use-flash-attn": KnownFlag(
-        0, None, note="attention uses scaled_dot_product_attention, which picks flash kernels itself"
-    ),
-    "--use-mcore-models": KnownFlag(0, None, note="models here are always the core models"),
-    "--tensorboard-log-interval": KnownFlag(
-        None, None, note="scalars are written with every log line (--log-interval), averaged like it"
-    ),
-    "--no-masked-softmax-fusion": KnownFlag(0, None, note=_NO_FUSION),
-    "--no-bias-gelu-fusion": KnownFlag(0, None, note=_NO_FUSION),
-    "--no-bias-swiglu-fusion": KnownFlag(0, None, note=_NO_FUSION),
-    "--no-bias-dropout-fusion": KnownFlag(0, None, note=_NO_FUSION),
-    "--no-rope-fusion": KnownFlag(0, None, note=_NO_FUSION),
-    "--no-persist-layer-norm": KnownFlag(0, None, note=_NO_FUSION),
-    # Rejected: they would change the run, and we cannot do what they ask yet.
-    "--spec": KnownFlag(
-        "*",
-        "--spec is not supported: layers are chosen from the model flags; drop the flag.",
-        accepted_values=("megatron.core.models.hybrid.hybrid_layer_specs hybrid_stack_spec",),
-        note="the hybrid stack spec of Megatron's hybrid command lines is the one pretrain_hybrid.py builds",
-    ),
-    "--fp8-format": KnownFlag(None, _not_yet("--fp8-format (FP8 training)", "use --bf16")),
-    "--recompute-granularity": KnownFlag(None, _not_yet("--recompute-granularity (activation recompute)")),
-    "--recompute-method": KnownFlag(None, _not_yet("--recompute-method (activation recompute)")),
-    "--recompute-num-layers": KnownFlag(None, _not_yet("--recompute-num-layers (activation recompute)")),
-    "--async-save": KnownFlag(0, _not_yet("--async-save", "drop the flag (saves are synchronous)")),
-    "--ckpt-format": KnownFlag(
-        None,
-        "--ckpt-format {value} is not supported: checkpoints use Megatron's per-rank torch layout; "
-        "use --ckpt-format torch or drop the flag.",
-        accepted_values=("torch",),
-        note="only `torch` is accepted (the layout --save writes)",
-    ),
-    "--profile": KnownFlag(0, _not_yet("--profile", "run under nsys or torch.profiler yourself")),
-    "--profile-step-start": KnownFlag(None, _not_yet("--profile-step-start")),
-    "--profile-step-end": KnownFlag(None, _not_yet("--profile-step-end")),
-    "--use-pytorch-profiler": KnownFlag(0, _not_yet("--use-pytorch-profiler")),
-    "--log-num-zeros-in-grad": KnownFlag(0, _not_yet("--log-num-zeros-in-grad")),
-    "--log-timers-to-tensorboard": KnownFlag(0, _not_yet("--log-timers-to-tensorboard (there are no timers)")),
-    "--timing-log-level": KnownFlag(None, _not_yet("--timing-log-level (there are no timers)")),
-    "--wandb-project": KnownFlag(None, _not_yet("--wandb-project (W&B)", "use --tensorboard-dir or --metrics-file")),
-    "--wandb-exp-name": KnownFlag(None, _not_yet("--wandb-exp-name (W&B)", "use --tensorboard-dir or --metrics-file")),
-    "--wandb-save-dir": KnownFlag(None, _not_yet("--wandb-save-dir (W&B)", "use --tensorboard-dir or --metrics-file")),
-    "--split-sentences": KnownFlag(
-        0, "--split-sentences belongs to tools/preprocess_data.py, not to training; drop the flag."
-    ),
-    "--enable-cuda-graph": KnownFlag(0, "--enable-cuda-graph is deprecated in Megatron; use --cuda-graph-impl local."),
-    "--external-cuda-graph": KnownFlag(
-        0, "--external-cuda-graph is deprecated in Megatron; use --cuda-graph-impl local."
-    ),
-}
 
 
 class _FieldFlag(NamedTuple):
@@ -246,7 +165,7 @@ def _field_flag(group: str, cls: type, field: dataclasses.Field, hint: Any) -> _
 def _groups() -> list[tuple[str, type]]:
     """(RunConfig attribute, config dataclass) for each concern, in declaration order."""
     hints = typing.get_type_hints(RunConfig)
-    return [(f.name, hints[f.name]) for f in dataclasses.fields(RunConfig)]
+    return [(f.name, hints[f.name]) for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(hints[f.name])]
 
 
 def field_flags() -> list[_FieldFlag]:
@@ -343,6 +262,21 @@ def _check_known_flags(values: dict[str, Any]) -> None:
         raise ValueError("unsupported Megatron flags:\n  " + "\n  ".join(errors))
 
 
+def _ignored_flags(values: dict[str, Any]) -> list[str]:
+    """The given known flags that are accepted with no effect, in table order."""
+    out = []
+    for flag, known in KNOWN_MEGATRON_FLAGS.items():
+        value = values.get(_KNOWN_DEST_PREFIX + flag)
+        if value is None or value is False:
+            continue
+        if known.message is None or (
+            known.nargs != 0
+            and " ".join(map(str, value if isinstance(value, list) else [value])) in known.accepted_values
+        ):
+            out.append(flag)
+    return out
+
+
 def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     """Parses a command line into a ``RunConfig``.
 
@@ -366,6 +300,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
         by_group.setdefault(ff.group, {})[ff.name] = list(value) if isinstance(value, list) else value
     for group, cls in _groups():
         setattr(config, group, cls(**by_group.get(group, {})))
+    config.ignored_flags = _ignored_flags(values)
     return config
 
 

@@ -578,7 +578,7 @@ def _float_tensors(value: Any, where: str):
             yield from _float_tensors(v, f"{where}[{i}]")
 
 
-def _refuse_non_finite(states: Mapping[str, Any], pg, iteration: int, save_dir: str) -> None:
+def refuse_non_finite(states: Mapping[str, Any], pg, iteration: int, save_dir: str) -> None:
     """Raises ``NonFiniteCheckpointError`` on every rank if any rank's state is not finite.
 
     One host read of one flag per tensor (stacked on the device), plus an all-reduce
@@ -651,7 +651,7 @@ def save_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> str:
 
     path = os.path.join(tmp_dir, os.path.relpath(_rank_file(pg, save_dir, iteration), final_dir))
     others = {key: obj.state_dict() for key, obj in state.items() if key != TRAIN_STATE}
-    _refuse_non_finite(others, pg, iteration, save_dir)
+    refuse_non_finite(others, pg, iteration, save_dir)
     if pg.dp_rank == 0:
         # Megatron's order: version, counters, model, optimizer, scheduler, RNG, args.
         contents = {"checkpoint_version": CHECKPOINT_VERSION}

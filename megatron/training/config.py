@@ -15,6 +15,7 @@ from megatron.core.config_utils import flag_field, require
 from megatron.core.datasets.builder import parse_split
 from megatron.core.parallel_state import ParallelConfig
 from megatron.core.ssm.mamba_config import MambaConfig
+from megatron.core.tokenizers.tokenizer import TOKENIZER_TYPES
 from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
 from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -30,8 +31,31 @@ class TrainingConfig:
     global_batch_size: int | None = None
     """Samples per optimizer step across all ranks. Defaults to micro batch * DP."""
 
-    train_iters: int = 100
-    """Number of training iterations."""
+    rampup_batch_size: list[int] | None = flag_field(None, nargs=3)
+    """Batch-size ramp-up: START INCREMENT SAMPLES grows the global batch from START by INCREMENT
+    over SAMPLES samples, in equal steps, then holds --global-batch-size."""
+
+    train_iters: int | None = None
+    """Number of training iterations (or give --train-samples). Defaults to 100 here when neither is set."""
+
+    train_samples: int | None = None
+    """Number of training samples; iterations follow from the (ramped) global batch size."""
+
+    calculate_per_token_loss: bool = False
+    """Average the loss over all tokens of the global batch instead of per micro-batch and then over
+    micro-batches (the same when every micro-batch has as many loss tokens)."""
+
+    manual_gc: bool = False
+    """Turn Python's automatic garbage collector off and collect every --manual-gc-interval iterations."""
+
+    manual_gc_interval: int = 0
+    """Iterations between manual collections with --manual-gc (0: only at the start)."""
+
+    exit_duration_in_mins: int | None = None
+    """Exit (saving a checkpoint when --save is set) once training has run this many minutes."""
+
+    eval_global_batch_size: int | None = None
+    """Global batch size of evaluation. Defaults to --global-batch-size."""
 
     seed: int = 1234
     """Random seed for initialisation, data and dropout."""
@@ -52,7 +76,7 @@ class TrainingConfig:
     """Iterations between evaluations on the validation split."""
 
     eval_iters: int = 0
-    """Micro-batch steps per evaluation (0 turns evaluation off)."""
+    """Global batches per evaluation (0 turns evaluation off)."""
 
     use_cpu: bool = False
     """Train on the CPU even when CUDA is available."""
@@ -62,7 +86,7 @@ class TrainingConfig:
 class OptimizerConfig:
     """Optimizer and learning-rate schedule."""
 
-    optimizer: str = flag_field("adam", choices=("adam", "sgd"))
+    optimizer: str = flag_field("adam", choices=("adam", "sgd", "muon", "dist_muon"))
     """Optimizer: adam (AdamW, decoupled weight decay, as Megatron) or sgd."""
 
     lr: float = 1e-4
@@ -77,11 +101,33 @@ class OptimizerConfig:
     lr_warmup_iters: int = 0
     """Iterations of linear warm-up."""
 
+    lr_warmup_samples: int = 0
+    """Samples of linear warm-up (with --train-samples)."""
+
+    lr_decay_samples: int | None = None
+    """Samples over which to decay (with --train-samples). Defaults to --train-samples."""
+
     lr_warmup_fraction: float | None = None
     """Warm-up as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)."""
 
     lr_decay_iters: int | None = None
     """Iterations over which to decay. Defaults to --train-iters."""
+
+    decoupled_lr: float | None = None
+    """Separate learning rate for the input embedding and the output layer (same schedule shape)."""
+
+    decoupled_min_lr: float | None = None
+    """Minimum learning rate of the --decoupled-lr parameters."""
+
+    use_checkpoint_opt_param_scheduler: bool = flag_field(
+        False, aliases=("--use-checkpoint-opt-param-scheduler",), flag="--use-checkpoint-opt_param-scheduler"
+    )
+    """Take the learning-rate schedule (lr, min lr, warm-up, decay) from the checkpoint, not the flags."""
+
+    override_opt_param_scheduler: bool = flag_field(
+        False, aliases=("--override-opt-param-scheduler",), flag="--override-opt_param-scheduler"
+    )
+    """Take the learning-rate schedule from the flags even where the checkpoint's differs."""
 
     weight_decay: float = 0.01
     """Decoupled weight decay (not applied to biases and norm weights)."""
@@ -179,14 +225,29 @@ class DataConfig:
     data_cache_path: str | None = None
     """Folder for the cached document/sample/shuffle indices."""
 
-    tokenizer_type: str = flag_field(
-        "NullTokenizer",
-        choices=("NullTokenizer", "ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer"),
+    tokenizer_type: str | None = flag_field(
+        None,
+        choices=(
+            "NullTokenizer",
+            "ByteLevelTokenizer",
+            "GPT2BPETokenizer",
+            "HuggingFaceTokenizer",
+            # Megatron's other tokenizers: they parse and are refused in validate().
+            "BertWordPieceLowerCase",
+            "BertWordPieceCase",
+            "SentencePieceTokenizer",
+            "GPTSentencePieceTokenizer",
+            "Llama2Tokenizer",
+            "TikTokenizer",
+            "MultimodalTokenizer",
+            "NullMultimodalTokenizer",
+            "SFTTokenizer",
+        ),
     )
-    """Tokenizer."""
+    """Tokenizer. Defaults to GPT2BPETokenizer with --vocab-file/--merge-file, else NullTokenizer."""
 
     vocab_size: int | None = None
-    """Vocabulary size for NullTokenizer: ids 0..N-1 plus the end-of-document token N (as Megatron)."""
+    """Vocabulary size of NullTokenizer: ids 0..N-1, the last one (N-1) the end-of-document token."""
 
     vocab_file: str | None = None
     """GPT-2 BPE vocab.json."""
@@ -229,6 +290,28 @@ class LoggingConfig:
     log_params_norm: bool = False
     """Add the parameter L2 norm to the log line."""
 
+    log_num_zeros_in_grad: bool = False
+    """Count the zeros in the (clipped) gradients and add them to the log line."""
+
+    timing_log_level: int = flag_field(0, choices=(0, 1, 2))
+    """Timers to print with each log line: 0 the iteration time only, 1 the main parts of a step,
+    2 also finer ones. Timers synchronise the device, so higher levels cost speed."""
+
+    timing_log_option: str = flag_field("minmax", choices=("max", "minmax", "all"))
+    """How timers are reduced across ranks: max, min and max, or every rank."""
+
+    log_timers_to_tensorboard: bool = False
+    """Write the timers to TensorBoard."""
+
+    log_validation_ppl_to_tensorboard: bool = False
+    """Write the validation perplexity to TensorBoard."""
+
+    tensorboard_log_interval: int = 1
+    """Iterations between TensorBoard writes of the per-iteration scalars."""
+
+    logging_level: int | None = None
+    """Python logging level of the trainer's loggers (e.g. 10 debug, 20 info, 40 error)."""
+
 
 @dataclasses.dataclass
 class CheckpointConfig:
@@ -252,6 +335,32 @@ class CheckpointConfig:
     finetune: bool = False
     """Load model weights only and start from iteration 0."""
 
+    ckpt_format: str = flag_field("torch_dist", choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"))
+    """Checkpoint format: torch_dist (torch.distributed.checkpoint, sharded, layout-free keys) or
+    torch (one model_optim_rng.pt per model-parallel rank)."""
+
+    auto_detect_ckpt_format: bool = False
+    """Load whichever format the --load checkpoint has (and save in that format)."""
+
+    async_save: bool = False
+    """Write torch_dist checkpoints in the background while training goes on."""
+
+    dist_ckpt_strictness: str = flag_field(
+        "assume_ok_unexpected",
+        choices=(
+            "assume_ok_unexpected",
+            "log_unexpected",
+            "log_all",
+            "raise_unexpected",
+            "raise_all",
+            "return_unexpected",
+            "return_all",
+            "ignore_all",
+        ),
+    )
+    """torch_dist loads: what to do with keys the checkpoint has and the model lacks (unexpected) or the
+    other way round (missing): log, raise or ignore them; assume_ok_unexpected skips the check."""
+
 
 @dataclasses.dataclass
 class RunConfig:
@@ -269,6 +378,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     cuda_graph: CudaGraphConfig = dataclasses.field(default_factory=CudaGraphConfig)
     mamba: MambaConfig = dataclasses.field(default_factory=MambaConfig)
+    ignored_flags: list[str] = dataclasses.field(default_factory=list)
+    """Given Megatron flags that are accepted with no effect (speed and I/O knobs), for the start-up line."""
 
     def validate(self) -> None:
         """Checks each concern, then the rules that span several of them.
@@ -286,6 +397,11 @@ class RunConfig:
         self.parallel.validate()
         self.parallel.validate_model(self.model)
         self.cuda_graph.validate()
+        require(
+            not (self.cuda_graph.enabled and self.model.recompute_granularity),
+            "--recompute-granularity with --cuda-graph-impl local is not supported yet: a recomputed layer would "
+            "replay its graphs out of the captured order. Drop one of them.",
+        )
         p, t, o = self.precision, self.training, self.optimizer
         require(not (p.bf16 and p.fp16), "--bf16 and --fp16 cannot be combined; pick one.")
         self.model.params_dtype = p.params_dtype
@@ -303,7 +419,37 @@ class RunConfig:
             f"--global-batch-size ({t.global_batch_size}) must be divisible by --micro-batch-size "
             f"({t.micro_batch_size}) x data-parallel size ({dp}).",
         )
+        require(
+            t.train_iters is None or t.train_samples is None,
+            "--train-iters and --train-samples cannot both be set; pick one.",
+        )
+        require(
+            t.rampup_batch_size is None,
+            "--rampup-batch-size is not supported yet; drop it (the global batch size is constant).",
+        )
+        if t.train_samples is not None:
+            require(t.train_samples >= 1, f"--train-samples must be >= 1, got {t.train_samples}.")
+            t.train_iters = max(1, t.train_samples // t.global_batch_size)
+        elif t.train_iters is None:
+            t.train_iters = 100
         require(t.train_iters >= 1, f"--train-iters must be >= 1, got {t.train_iters}.")
+        require(
+            not (t.train_samples is None and (o.lr_warmup_samples or o.lr_decay_samples is not None)),
+            "--lr-warmup-samples / --lr-decay-samples count samples and go with --train-samples; "
+            "with --train-iters use --lr-warmup-iters / --lr-decay-iters.",
+        )
+        require(
+            not (t.train_samples is not None and (o.lr_warmup_iters or o.lr_decay_iters is not None)),
+            "--lr-warmup-iters / --lr-decay-iters go with --train-iters; with --train-samples use "
+            "--lr-warmup-samples / --lr-decay-samples.",
+        )
+        require(t.manual_gc_interval >= 0, f"--manual-gc-interval must be >= 0, got {t.manual_gc_interval}.")
+        if t.eval_global_batch_size is not None:
+            require(
+                t.eval_global_batch_size % (t.micro_batch_size * dp) == 0,
+                f"--eval-global-batch-size ({t.eval_global_batch_size}) must be divisible by --micro-batch-size "
+                f"({t.micro_batch_size}) x data-parallel size ({dp}).",
+            )
         require(o.lr >= 0 and o.min_lr >= 0, "--lr and --min-lr must be non-negative.")
         require(o.min_lr <= o.lr, f"--min-lr ({o.min_lr}) must not exceed --lr ({o.lr}).")
         require(
@@ -357,7 +503,19 @@ class RunConfig:
             p.accumulate_allreduce_grads_in_fp32,
             "reduced-precision gradient buffers are not supported yet; main_grad is always fp32.",
         )
+        require(o.optimizer in ("adam", "sgd"), f"--optimizer {o.optimizer} is not supported yet; use adam or sgd.")
+        require(
+            o.decoupled_min_lr is None or o.decoupled_lr is not None,
+            "--decoupled-min-lr needs --decoupled-lr.",
+        )
+        require(
+            o.decoupled_lr is None,
+            "--decoupled-lr is not supported yet (the optimizer has no separate embedding/output group); drop it.",
+        )
         d = self.data
+        if d.tokenizer_type is None:
+            # Megatron's pretrain_gpt.py: vocab and merge files mean GPT-2 BPE.
+            d.tokenizer_type = "GPT2BPETokenizer" if d.vocab_file and d.merge_file else "NullTokenizer"
         require(
             d.mock_data or d.data_path,
             "no training data: pass --mock-data for synthetic documents, or --data-path PREFIX.",
@@ -372,6 +530,11 @@ class RunConfig:
             f"--eval-iters {t.eval_iters} needs validation data, but --split {d.split} gives the valid split none; "
             "give it a weight (e.g. --split 969,30,1) or pass --eval-iters 0.",
         )
+        require(
+            d.tokenizer_type in TOKENIZER_TYPES,
+            f"--tokenizer-type {d.tokenizer_type} is not supported yet; use one of {', '.join(TOKENIZER_TYPES)} "
+            "(HuggingFaceTokenizer reads a tokenizer.json).",
+        )
         if d.tokenizer_type == "NullTokenizer":
             require(
                 d.vocab_size is not None and d.vocab_size >= 2,
@@ -379,6 +542,14 @@ class RunConfig:
             )
         require(self.logging.log_interval >= 1, "--log-interval must be >= 1.")
         c = self.checkpoint
+        require(
+            c.ckpt_format in ("torch", "torch_dist"),
+            f"--ckpt-format {c.ckpt_format} is not supported: use torch_dist (sharded, reshardable) or torch.",
+        )
+        require(
+            not c.async_save or c.ckpt_format == "torch_dist",
+            "--async-save needs --ckpt-format torch_dist (the torch format saves synchronously).",
+        )
         require(
             c.save_interval is None or c.save_interval >= 1,
             f"--save-interval must be >= 1, got {c.save_interval}; drop it to save only at the end of training.",

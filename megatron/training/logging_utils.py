@@ -1,7 +1,9 @@
 """What a run prints and records: the iteration line, the memory line, FLOPs, metrics sinks.
 
 The iteration line reproduces Megatron's character for character (users grep it and
-compare logs across trainers), except that the timestamp carries microseconds. The
+compare logs across trainers), leading space included, except that the timestamp
+carries microseconds. Skipped and NaN iterations are counted per log interval, as
+Megatron does. The
 memory line follows Megatron's ``report_memory`` style and can carry extra columns
 (graph-pool bytes). Metrics go to a JSONL file (one object per logged iteration, so
 tests and tools need no TensorBoard parser) and, when asked, to TensorBoard under
@@ -62,7 +64,7 @@ def format_iteration_line(
 
     Example::
 
-        [2026-11-30 07:37:14.123456] iteration        5/      50 | consumed samples:           40 | ...
+         [2026-11-30 07:37:14.123456] iteration        5/      50 | consumed samples:           40 | ...
 
     Args:
         iteration: Iterations done so far (1-based count of the one just finished).
@@ -103,7 +105,7 @@ def format_iteration_line(
     parts.append(f"number of skipped iterations: {skipped_iters:3d}")
     parts.append(f"number of nan iterations: {nan_iters:3d}")
     # Megatron ends every part with " |", so the line ends with one too.
-    return "[{}] ".format(timestamp.strftime("%Y-%m-%d %H:%M:%S.%f")) + " ".join(p + " |" for p in parts)
+    return " [{}] ".format(timestamp.strftime("%Y-%m-%d %H:%M:%S.%f")) + " ".join(p + " |" for p in parts)
 
 
 def format_memory_line(
@@ -170,15 +172,15 @@ def num_floating_point_operations(
     hidden, ``s`` sequence, ``L`` layers, ``V`` vocabulary, the forward cost per token is::
 
         per layer:  2 * h * (a*d + 2*g*d)      QKV projection (K and V have g groups)
-                  + 2 * s * a * d * 2          scores Q K^T and probabilities @ V
+                  + 2 * s * a * d * 2 / 2      scores Q K^T and probabilities @ V, causal: half
                   + 2 * a*d * h                attention output projection
                   + 2 * h * f * (2 if SwiGLU else 1)   fc1 (gate and up for SwiGLU)
                   + 2 * f * h                  fc2
         once:       2 * h * V                  logits
 
     Training costs 3x the forward (backward computes input and weight gradients).
-    Attention is counted over the full s x s square although it is causal, as Megatron
-    does, so numbers compare across trainers. Total = 3 * batch_size * s * per-token.
+    Causal attention computes half of the s x s square, and is counted so, as Megatron
+    counts it. Total = 3 * batch_size * s * per-token.
     Norms, softmax, activations and the embedding lookup are not counted.
 
     Args:
@@ -196,13 +198,37 @@ def num_floating_point_operations(
     fc1_outputs = 2 * f if config.gated_linear_unit else f
     per_layer = (
         2 * h * (a * d + 2 * g * d)  # QKV
-        + 2 * 2 * s * a * d  # scores and values
+        + 2 * s * a * d  # scores and values: 2 matmuls of 2 * s * a * d each, over half the square
         + 2 * a * d * h  # projection
         + 2 * h * fc1_outputs  # fc1
         + 2 * f * h  # fc2
     )
     per_token = config.num_layers * per_layer + 2 * h * vocab_size
     return 3.0 * batch_size * s * per_token
+
+
+def startup_lines(cfg) -> list[str]:
+    """What a run says once at start about how it reads its flags (pure)."""
+    lines = []
+    if cfg.model.transformer_impl == "transformer_engine":
+        lines.append(
+            "> --transformer-impl transformer_engine: running the local (plain PyTorch) layers; "
+            "the same computation, parameter names as Megatron's local spec"
+        )
+    if cfg.ignored_flags:
+        lines.append("> accepted with no effect here (speed / I/O knobs): " + " ".join(cfg.ignored_flags))
+    if cfg.model.apply_query_key_layer_scaling:
+        lines.append("> --apply-query-key-layer-scaling: no effect, the softmax runs in fp32 where the scalings cancel")
+    return lines
+
+
+def count_zeros(tensors) -> int:
+    """Number of exact zeros over the given tensors (``--log-num-zeros-in-grad``)."""
+    total = 0
+    for t in tensors:
+        if t is not None:
+            total += int((t == 0).sum().item())
+    return total
 
 
 def throughput_tflops_per_gpu(flops_per_iteration: float, elapsed_s: float, world_size: int) -> float:
@@ -278,7 +304,15 @@ class MetricsWriter:
         if tensorboard_dir is not None:
             self._tb = _make_summary_writer(tensorboard_dir)
 
-    def write(self, iteration: int, metrics: Mapping[str, Any], *, samples: int | None = None) -> None:
+    def write(
+        self,
+        iteration: int,
+        metrics: Mapping[str, Any],
+        *,
+        samples: int | None = None,
+        jsonl: bool = True,
+        tensorboard: bool = True,
+    ) -> None:
         """Records one iteration's metrics.
 
         Args:
@@ -286,18 +320,19 @@ class MetricsWriter:
             metrics: Name -> number (floats, ints or one-element tensors). None values
                 go to JSONL as null and are skipped in TensorBoard.
             samples: Consumed samples; adds ``"<name> vs samples"`` scalars.
+            jsonl, tensorboard: Which sinks get this record.
         """
         if not self.enabled:
             return
         values = {name: _jsonable(value) for name, value in metrics.items()}
-        if self._file is not None:
+        if self._file is not None and jsonl:
             record = {"iteration": iteration}
             if samples is not None:
                 record["samples"] = samples
             record.update(values)
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
-        if self._tb is not None:
+        if self._tb is not None and tensorboard:
             for name, value in values.items():
                 if value is None:
                     continue

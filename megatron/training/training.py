@@ -20,6 +20,7 @@ only ever points at finite weights. ``--save`` is locked for the run
 import atexit
 import contextlib
 import datetime
+import gc
 import math
 import os
 import signal
@@ -39,7 +40,7 @@ from megatron.core.tensor_parallel.random import model_parallel_manual_seed
 from megatron.core.transformer import cuda_graphs
 from megatron.core.transformer.cuda_graphs.streams import side_stream
 from megatron.core.transformer.moe import moe_layer as moe_hooks
-from megatron.training import checkpointing
+from megatron.training import checkpointing, dist_checkpointing
 from megatron.training import logging_utils as logs
 from megatron.training.arguments import parse_args
 from megatron.training.config import RunConfig
@@ -99,7 +100,8 @@ class Trainer:
             preallocate_state=self.graphs.active,
             skip_non_finite=cfg.ddp.check_for_nan_in_loss_and_grad,
         )
-        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, t.train_iters)
+        samples = t.global_batch_size if t.train_samples is not None else None  # schedule in samples
+        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, t.train_iters, samples_per_iteration=samples)
         self.state = checkpointing.TrainState(include_cuda_rng=self.device.type == "cuda")
         self.last_checkpointed_iteration: int | None = None
         self.save_lock = self._lock_save_dir()
@@ -169,14 +171,22 @@ class Trainer:
             checkpointing.TRAIN_STATE: self.state,
         }
 
-    def save_checkpoint(self) -> str:
-        """Saves the run at the current iteration into ``--save``."""
+    def save_checkpoint(self) -> str | None:
+        """Saves the run at the current iteration into ``--save`` (``--ckpt-format``)."""
+        if self.cfg.checkpoint.ckpt_format == "torch_dist":  # sharded: dist_checkpointing.py
+            states = {k: v.state_dict() for k, v in self.checkpoint_state().items() if k != checkpointing.TRAIN_STATE}
+            checkpointing.refuse_non_finite(states, self.pg, self.iteration, self.cfg.checkpoint.save)
+            dist_checkpointing.save(self)
+            return None
         path = checkpointing.save_checkpoint(self.checkpoint_state(), self.cfg, self.pg)
         self.last_checkpointed_iteration = self.iteration
         return path
 
     def load_checkpoint(self) -> int:
         """Loads ``--load``; returns the iteration training continues from."""
+        iteration = dist_checkpointing.maybe_load(self)  # a torch_dist checkpoint, or None
+        if iteration is not None:
+            return iteration
         loaded = checkpointing.load_checkpoint(self.checkpoint_state(), self.cfg, self.pg)
         if loaded is None:
             return 0
@@ -209,9 +219,11 @@ class Trainer:
             self._prefetched = None  # the next fetch raises it again
 
     def forward_backward(self, data_iterator) -> torch.Tensor:
-        """Runs every micro-batch of one global batch through the schedule; returns
-        their mean loss (on the device)."""
-        loss, _metrics = self.schedule(
+        """Runs every micro-batch of one global batch through the schedule; returns their
+        mean loss (on the device), or with --calculate-per-token-loss the token-summed
+        loss (``train_step`` divides it and the gradients by the global token count)."""
+        per_token_loss = self.cfg.training.calculate_per_token_loss
+        loss, metrics = self.schedule(
             forward_step=self.forward_step,
             next_batch=lambda: self._next_batch(data_iterator),
             model=self.model,
@@ -219,8 +231,25 @@ class Trainer:
             scale_loss=self.optimizer.scale_loss if self.cfg.precision.fp16 else None,
             no_sync=self.model.no_sync,
             graphs=self.graphs,
+            per_token_loss=per_token_loss,
         )
+        if per_token_loss:
+            self._loss_tokens = metrics[schedules.NUM_TOKENS]
         return loss
+
+    def _divide_by_global_tokens(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """--calculate-per-token-loss: gradients and loss over every loss token of the global batch.
+
+        DDP averaged the token-summed gradients over DP; times DP / global tokens makes
+        them the per-token mean. Returns this rank's share of the mean loss, so the DP
+        average of the returned values is sum(loss) / global tokens.
+        """
+        tokens = self._loss_tokens.to(torch.float32)
+        if self.pg.dp is not None:
+            dist.all_reduce(tokens, group=self.pg.dp)
+        factor = self.pg.dp_size / tokens.clamp(min=1.0)
+        self.model.grad_buffer.data.mul_(factor)
+        return loss_sum * factor
 
     @contextlib.contextmanager
     def on_stream(self):
@@ -255,6 +284,8 @@ class Trainer:
                 moe_hooks.set_aux_loss_scale(self.model, self.optimizer.get_loss_scale() / self.cfg.num_microbatches)
             loss = self.forward_backward(data_iterator)
             self.model.finish_grad_sync()
+            if self.cfg.training.calculate_per_token_loss:
+                loss = self._divide_by_global_tokens(loss)
             # The mean loss before the step, so every rank's NaN guard sees the same value.
             if self.pg.dp is not None:
                 dist.all_reduce(loss, group=self.pg.dp)
@@ -285,7 +316,11 @@ class Trainer:
         self._window = _LossWindow(self.device)
         exits = ExitConditions(t, self.pg)
         last_time = self._sync_time()
+        window_skipped = 0
         logs.print_rank_0(f"> training {self.num_params:,} parameters for {t.train_iters} iterations")
+        if t.manual_gc:  # --manual-gc: collections only where the loop asks for them
+            gc.collect()
+            gc.disable()
         first_iteration = self.iteration + 1  # 1, or the one after a loaded checkpoint
         with exits:
             while self.iteration < t.train_iters:
@@ -294,17 +329,20 @@ class Trainer:
                 self.consumed_samples += t.global_batch_size
                 if not success:
                     self.skipped_iters += 1
+                    window_skipped += 1
                     self._count_overflow()
                 else:
                     self._consecutive_skips = 0
                 self._window.add(loss, non_finite, self.iteration)
+                self._log_tensorboard_iteration(loss, grad_norm)
                 if self.iteration == first_iteration and self.graphs.captured:
                     self._log_capture()
-                if self.iteration % lg.log_interval == 0 or self.iteration == t.train_iters:
+                if self.iteration == 1 or self.iteration % lg.log_interval == 0:  # Megatron's: after 1, then every N
                     now = self._sync_time()
                     elapsed_ms = (now - last_time) * 1000.0 / self._window.iterations
-                    record = self._log_iteration(grad_norm, elapsed_ms)
+                    record = self._log_iteration(grad_norm, elapsed_ms, skipped_count=window_skipped)
                     history.append(record)
+                    window_skipped = 0
                     last_time = self._sync_time()
                 if self.iteration == first_iteration or (
                     lg.log_memory_interval and self.iteration % lg.log_memory_interval == 0
@@ -317,6 +355,8 @@ class Trainer:
                     self._save_checked()
                 if t.exit_interval and self.iteration % t.exit_interval == 0:
                     break
+                if t.manual_gc and t.manual_gc_interval and self.iteration % t.manual_gc_interval == 0:
+                    gc.collect()
                 reason = exits.reason()
                 if reason is not None:
                     logs.print_rank_0(f"> exiting after iteration {self.iteration}: {reason}")
@@ -326,6 +366,9 @@ class Trainer:
             self.evaluate(valid_iter, "the end of training for val data")
         if cfg.checkpoint.save and self.iteration > 0 and self._save_attempted != self.iteration:
             self._save_checked()  # Megatron also saves at the end of training
+        dist_checkpointing.wait_for_pending_save()  # an --async-save in flight is on disk when train() returns
+        if t.manual_gc:
+            gc.enable()
         self.close()
         return history
 
@@ -396,9 +439,29 @@ class Trainer:
         line = f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
         logs.print_last_rank("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
         self.metrics.write(
-            self.iteration, {"lm loss validation": loss, "lm loss validation ppl": ppl}, samples=self.consumed_samples
-        )
+            self.iteration, {"lm loss validation": loss, "lm loss validation ppl": ppl}, samples=self.consumed_samples,
+            tensorboard=False,
+        )  # fmt: skip
+        tb = {"lm loss validation": loss}
+        if self.cfg.logging.log_validation_ppl_to_tensorboard:
+            tb["lm loss validation ppl"] = ppl
+        self.metrics.write(self.iteration, tb, samples=self.consumed_samples, jsonl=False)
         return loss
+
+    def _log_tensorboard_iteration(self, loss, grad_norm) -> None:
+        """Megatron's per-iteration TensorBoard scalars (every --tensorboard-log-interval)."""
+        lg = self.cfg.logging
+        if lg.tensorboard_dir is None or self.iteration % lg.tensorboard_log_interval != 0:
+            return
+        record = {
+            "learning-rate": self.scheduler.get_lr(self.iteration),
+            "batch-size": self.cfg.training.global_batch_size,
+            "lm loss": float(loss),
+            "loss-scale": float(self.optimizer.get_loss_scale()),
+        }
+        if grad_norm is not None:
+            record["grad-norm"] = float(grad_norm)
+        self.metrics.write(self.iteration, record, samples=self.consumed_samples, jsonl=False)
 
     def _sync_time(self) -> float:
         if self.device.type == "cuda":
@@ -406,7 +469,7 @@ class Trainer:
         return time.perf_counter()
 
     # ------------------------------------------------------------------ logging
-    def _log_iteration(self, grad_norm, elapsed_ms) -> dict:
+    def _log_iteration(self, grad_norm, elapsed_ms, *, skipped_count: int = 0) -> dict:
         """Prints the iteration line for the window since the last one and records it.
 
         The loss is the mean over the window's finite iterations (nan when none was);
@@ -434,6 +497,9 @@ class Trainer:
             )
             throughput = flops / (elapsed_ms / 1000.0) / 1e12 / self.pg.world_size
         loss_scale = float(self.optimizer.get_loss_scale())
+        num_zeros = None
+        if cfg.logging.log_num_zeros_in_grad:
+            num_zeros = logs.count_zeros(getattr(p, "main_grad", p.grad) for p in self.model.parameters())
         params_norm = None
         if cfg.logging.log_params_norm:
             norms = torch._foreach_norm([p.detach() for p in self.optimizer.main_params], 2)
@@ -448,8 +514,9 @@ class Trainer:
             losses={"lm loss": loss_value, **moe_losses},
             loss_scale=loss_scale,
             grad_norm=grad_value,
-            skipped_iters=self.skipped_iters,
-            nan_iters=self.nan_iters,
+            skipped_iters=skipped_count,
+            nan_iters=nan_now,
+            num_zeros=num_zeros,
             throughput_tflops=throughput,
             params_norm=params_norm,
             timestamp=datetime.datetime.now(),
@@ -468,9 +535,16 @@ class Trainer:
             record["throughput"] = throughput
         if params_norm is not None:
             record["params-norm"] = params_norm
+        if num_zeros is not None:
+            record["num-zeros"] = num_zeros
         if cfg.logging.log_memory_to_tensorboard:
             record.update(self._memory_record())
-        self.metrics.write(self.iteration, record, samples=self.consumed_samples)
+        per_iteration = ("lm loss", "learning-rate", "grad-norm", "loss-scale", "batch-size")
+        self.metrics.write(self.iteration, record, samples=self.consumed_samples, tensorboard=False)
+        tb_extra = {k: v for k, v in record.items() if k not in per_iteration and k != "iteration-time"}
+        if cfg.logging.log_timers_to_tensorboard:
+            tb_extra["iteration-time"] = record["iteration-time"]
+        self.metrics.write(self.iteration, tb_extra, samples=self.consumed_samples, jsonl=False)
         if nan_now and cfg.ddp.check_for_nan_in_loss_and_grad:
             raise self._nan_error(nan_now, first_nan)
         return dict(record, iteration=self.iteration)
@@ -633,6 +707,8 @@ def build_trainer(
     pg = parallel_state.initialize(cfg.parallel, use_cuda=use_cuda)
     try:
         cfg.validate()
+        for line in logs.startup_lines(cfg):
+            logs.print_rank_0(line)
         _set_determinism(cfg, use_cuda)
         if use_cuda and cfg.cuda_graph.enabled and cfg.cuda_graph.cuda_graph_expandable_segments:
             from megatron.core.transformer.cuda_graphs.pool import use_expandable_segments

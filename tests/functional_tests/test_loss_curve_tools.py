@@ -72,6 +72,9 @@ def test_tolerance_and_missing_steps():
     assert not compare.compare_curves(ref, {1: 10.02, 2: 9.0, 3: 8.0}, rtol=1e-3).ok
     result = compare.compare_curves(ref, {1: 10.0, 2: 9.0})
     assert not result.ok and result.first_mismatch == 3 and "missing in actual" in result.text()
+    # A sampled golden (steps 1 and 3) against a run logged every step: the common steps count.
+    sampled = compare.compare_curves({1: 10.0, 3: 8.0}, {1: 10.0, 2: 9.5, 3: 8.0, 4: 7.0})
+    assert sampled.ok and "2 steps only in actual not compared (2..4)" in sampled.text()
     nan = compare.compare_curves(ref, {1: 10.0, 2: float("nan"), 3: 8.0})
     assert not nan.ok and nan.first_mismatch == 2
 

@@ -103,12 +103,31 @@ class OptimizerParamScheduler:
         self.step(0)
 
 
-def build_scheduler(optimizer, opt_config, train_iters: int) -> OptimizerParamScheduler:
+def build_scheduler(
+    optimizer, opt_config, train_iters: int, *, samples_per_iteration: int | None = None
+) -> OptimizerParamScheduler:
     """The scheduler for ``OptimizerConfig``: resolves --lr-decay-iters and warm-up.
 
     ``--lr-decay-iters`` defaults to ``train_iters``; ``--lr-warmup-fraction`` (when
     set) is a fraction of the decay iterations and wins over ``--lr-warmup-iters``.
+    With ``samples_per_iteration`` (runs given ``--train-samples``) the schedule is in
+    samples: ``--lr-warmup-samples`` and ``--lr-decay-samples`` (default: all training
+    samples) over the constant global batch, in (fractional) iterations.
     """
+    if samples_per_iteration is not None:
+        decay_samples = opt_config.lr_decay_samples
+        decay_iters = (decay_samples / samples_per_iteration) if decay_samples is not None else train_iters
+        warmup = opt_config.lr_warmup_samples / samples_per_iteration
+        if opt_config.lr_warmup_fraction is not None:
+            warmup = opt_config.lr_warmup_fraction * decay_iters
+        return OptimizerParamScheduler(
+            optimizer,
+            max_lr=opt_config.lr,
+            min_lr=opt_config.min_lr,
+            lr_warmup_steps=warmup,
+            lr_decay_steps=decay_iters,
+            lr_decay_style=opt_config.lr_decay_style,
+        )
     decay_iters = opt_config.lr_decay_iters if opt_config.lr_decay_iters is not None else train_iters
     if opt_config.lr_warmup_fraction is not None:
         require(

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 
 ForwardStep = Callable[[dict, torch.nn.Module], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+NUM_TOKENS = "num_tokens"
+"""The metric a ``forward_step`` reports its loss tokens under (``--calculate-per-token-loss``)."""
 Step = tuple[str, int]  # ("F" | "B", micro-batch)
 ChunkStep = tuple[str, int, int]  # ("F" | "B", model chunk, micro-batch)
 
@@ -100,10 +102,29 @@ def interleaved_order(num_microbatches: int, pp_size: int, pp_rank: int, num_chu
     return order
 
 
-def _sum_into(total: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
+def _sum_into(total: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor], per_token_loss: bool) -> None:
     for name, value in metrics.items():
+        if name == NUM_TOKENS and not per_token_loss:
+            continue  # only the per-token loss needs the count: no add per micro-batch otherwise
         value = value.detach()
         total[name] = value if name not in total else total[name] + value
+
+
+def _token_sum(loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> torch.Tensor:
+    """--calculate-per-token-loss: the micro-batch's loss summed over its tokens."""
+    if NUM_TOKENS not in metrics:
+        raise ValueError(
+            f"--calculate-per-token-loss needs forward_step to report the loss tokens as metrics[{NUM_TOKENS!r}]."
+        )
+    return loss * metrics[NUM_TOKENS]
+
+
+def _results(loss_sum, metric_sum, n: int, per_token_loss: bool):
+    """Means over the micro-batches, or the sums with --calculate-per-token-loss (the
+    trainer divides by the global token count)."""
+    if per_token_loss:
+        return loss_sum, metric_sum
+    return _mean(loss_sum, n), {k: _mean(v, n) for k, v in metric_sum.items()}
 
 
 def _mean(total: torch.Tensor, n: int) -> torch.Tensor:
@@ -129,6 +150,7 @@ def forward_backward_no_pipelining(
     scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
     no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
     graphs=None,
+    per_token_loss: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Every micro-batch forward then backward, in order; returns the mean loss and metrics.
 
@@ -142,6 +164,8 @@ def forward_backward_no_pipelining(
         no_sync: Context in which gradients accumulate without reduction (DDP's
             ``no_sync``); every micro-batch but the last runs in it.
         graphs: The CUDA-graph session, told the slot (always 0 here).
+        per_token_loss: Back-propagate each micro-batch's token-summed loss, undivided,
+            and return sums (``--calculate-per-token-loss``).
     """
     if graphs is not None and not forward_only:
         graphs.expect_microbatches(num_microbatches)
@@ -154,14 +178,16 @@ def forward_backward_no_pipelining(
         with sync:
             with _in_slot(graphs, 0):
                 loss, metrics = forward_step(batch, model)
+            if per_token_loss:
+                loss = _token_sum(loss, metrics)
             if not forward_only:
-                scaled = _mean(loss, num_microbatches)
+                scaled = loss if per_token_loss else _mean(loss, num_microbatches)
                 if scale_loss is not None:
                     scaled = scale_loss(scaled)
                 scaled.backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-        _sum_into(metric_sum, metrics)
-    return _mean(loss_sum, num_microbatches), {k: _mean(v, num_microbatches) for k, v in metric_sum.items()}
+        _sum_into(metric_sum, metrics, per_token_loss)
+    return _results(loss_sum, metric_sum, num_microbatches, per_token_loss)
 
 
 def forward_backward_in_flight(
@@ -174,6 +200,7 @@ def forward_backward_in_flight(
     scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
     no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
     graphs=None,
+    per_token_loss: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A 1F1B order on one rank: ``num_warmup + 1`` micro-batches in flight at most.
 
@@ -191,10 +218,12 @@ def forward_backward_in_flight(
             batch = next_batch()
             with _in_slot(graphs, slots.acquire(mb)):
                 loss, metrics = forward_step(batch, model)
-            scaled = _mean(loss, num_microbatches)
+            if per_token_loss:
+                loss = _token_sum(loss, metrics)
+            scaled = loss if per_token_loss else _mean(loss, num_microbatches)
             pending[mb] = scale_loss(scaled) if scale_loss is not None else scaled
             losses[mb] = loss.detach()
-            _sum_into(metric_sum, metrics)
+            _sum_into(metric_sum, metrics, per_token_loss)
             continue
         last = mb == num_microbatches - 1
         sync = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
@@ -204,7 +233,7 @@ def forward_backward_in_flight(
     loss_sum = None
     for mb in range(num_microbatches):
         loss_sum = losses[mb] if loss_sum is None else loss_sum + losses[mb]
-    return _mean(loss_sum, num_microbatches), {k: _mean(v, num_microbatches) for k, v in metric_sum.items()}
+    return _results(loss_sum, metric_sum, num_microbatches, per_token_loss)
 
 
 def get_forward_backward_func(pp_size: int = 1, num_chunks: int = 1) -> Callable[..., Any]:

@@ -11,9 +11,9 @@ Reads the two files GPT-2 ships, ``vocab.json`` (token string -> id) and ``merge
 2. Each piece's UTF-8 bytes are mapped to printable characters (GPT-2's byte alphabet),
    then adjacent symbols are merged by merge rank until no ranked pair is left.
 
-Text is never scanned for special tokens: ``"<|endoftext|>"`` in a document is
-tokenised as ordinary characters, as Megatron's GPT-2 tokenizer does; the end-of-document
-id is appended by the caller (``--append-eod``).
+A literal ``"<|endoftext|>"`` in the text becomes the end-of-document id, as upstream's
+GPT-2 tokenizer does; no other special token is recognised. The end-of-document id at
+the end of each document is appended by the caller (``--append-eod``).
 """
 
 import functools
@@ -205,8 +205,11 @@ class GPT2BPETokenizer:
     def tokenize(self, text: str) -> list[int]:
         """Text -> token ids."""
         ids: list[int] = []
-        for piece in self._pattern.findall(text):
-            ids.extend(self._piece_ids(piece))
+        for i, part in enumerate(text.split(EOD_TOKEN)):
+            if i:
+                ids.append(self.eod)
+            for piece in self._pattern.findall(part):
+                ids.extend(self._piece_ids(piece))
         return ids
 
     def detokenize(self, ids: Iterable[int]) -> str:

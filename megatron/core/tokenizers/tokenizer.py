@@ -6,10 +6,10 @@ tokenizer package: NullTokenizer, ByteLevelTokenizer and GPT2BPETokenizer are pu
 Python; only HuggingFaceTokenizer imports the optional ``tokenizers`` package, and only
 when it is asked for.
 
-NullTokenizer follows Megatron exactly: ``--vocab-size N`` makes ids ``0..N-1`` text ids
-and ``N`` the end-of-document id, so ``tokenizer.vocab_size == N + 1`` and
-``eod == vocab_size - 1``. Keeping Megatron's off-by-one keeps the padded embedding size,
-the mock data and therefore the loss curve identical to upstream for the same flags.
+NullTokenizer follows current Megatron: ``--vocab-size N`` is the whole vocabulary,
+ids ``0..N-1``, and the last one, ``N-1``, is the end-of-document id. (Megatron before
+2026-04 read N as the text ids and added end-of-document as N; pass ``--vocab-size N+1``
+to reproduce such a run's vocabulary.)
 """
 
 import json
@@ -26,21 +26,21 @@ class NullTokenizer:
     """Text is space-separated integer ids (``--tokenizer-type NullTokenizer --vocab-size N``).
 
     Args:
-        vocab_size: Megatron's ``--vocab-size``: the number of ids before the end-of-document id.
+        vocab_size: Megatron's ``--vocab-size``: the whole vocabulary, end-of-document included.
     """
 
     def __init__(self, vocab_size: int):
-        if vocab_size is None or int(vocab_size) < 1:
-            raise ValueError(f"--tokenizer-type NullTokenizer needs --vocab-size N with N >= 1, got {vocab_size}.")
-        self._num_text_ids = int(vocab_size)
+        if vocab_size is None or int(vocab_size) < 2:
+            raise ValueError(f"--tokenizer-type NullTokenizer needs --vocab-size N with N >= 2, got {vocab_size}.")
+        self._vocab_size = int(vocab_size)
 
     @property
     def vocab_size(self) -> int:
-        return self._num_text_ids + 1
+        return self._vocab_size
 
     @property
     def eod(self) -> int:
-        return self._num_text_ids
+        return self._vocab_size - 1
 
     @property
     def pad(self) -> int:

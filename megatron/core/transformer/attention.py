@@ -13,14 +13,23 @@ Tensor parallelism splits the query groups across TP ranks (each rank gets whole
 groups: its query heads with their key/value heads, a contiguous block of the fused
 QKV rows), so attention needs no communication between its two linears. Attention
 dropout on this rank's heads draws from the per-TP-rank RNG state at TP > 1.
+
+``--attention-backend`` restricts SDPA's kernel choice: flash -> flash attention, fused
+-> cuDNN or memory-efficient attention, unfused / local -> the math kernel, auto -> SDPA
+picks. On the CPU, where SDPA has no cuDNN or memory-efficient kernel, fused allows
+the flash (CPU) and math kernels. ``--qk-layernorm`` normalizes each query and key head
+(before RoPE, as Megatron); it takes the general split path.
 """
 
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from megatron.core.models.common.rotary import apply_rotary_pos_emb
+from megatron.core.models.common.rotary import apply_rotary_pos_emb, apply_rotary_pos_emb_interleaved
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -29,6 +38,22 @@ from megatron.core.tensor_parallel.layers import (
     scaled_init_method_normal,
 )
 from megatron.core.tensor_parallel.random import fork_if
+from megatron.core.transformer.norm import build_norm
+
+# --attention-backend -> SDPA kernels allowed (CUDA; see the module docstring for the CPU).
+_SDPA_BACKENDS = {
+    "flash": (SDPBackend.FLASH_ATTENTION,),
+    "fused": (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION),
+    "unfused": (SDPBackend.MATH,),
+    "local": (SDPBackend.MATH,),
+}
+_SDPA_BACKENDS_CPU = dict(_SDPA_BACKENDS, fused=(SDPBackend.FLASH_ATTENTION, SDPBackend.MATH))
+
+
+def sdpa_backends(attention_backend: str, device_type: str) -> tuple | None:
+    """SDPA kernels for ``--attention-backend`` on a device type; None = SDPA's own choice."""
+    table = _SDPA_BACKENDS if device_type == "cuda" else _SDPA_BACKENDS_CPU
+    return table.get(attention_backend)
 
 
 class SelfAttention(torch.nn.Module):
@@ -59,6 +84,13 @@ class SelfAttention(torch.nn.Module):
         self.heads_per_group = heads // groups
         self.softmax_scale = 1.0 / math.sqrt(kv)
         self.attention_dropout = config.attention_dropout
+        self.attention_backend = getattr(config, "attention_backend", "auto")
+        self.recompute_core_attention = getattr(config, "recompute_granularity", None) == "selective"
+        self.rope = apply_rotary_pos_emb_interleaved if getattr(config, "rotary_interleaved", False) else None
+        self.q_layernorm = self.k_layernorm = None
+        if getattr(config, "qk_layernorm", False):
+            self.q_layernorm = build_norm(config, kv, device=device)
+            self.k_layernorm = build_norm(config, kv, device=device)
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size,
             (heads + 2 * groups) * kv,
@@ -98,32 +130,50 @@ class SelfAttention(torch.nn.Module):
         n = self.num_heads
         qkv, _ = self.linear_qkv(hidden_states)  # [s, b, g * (hpg + 2) * d]: local groups, whole sequence
         s, b = qkv.shape[0], qkv.shape[1]  # with sequence parallelism the input held s / TP rows
-        if hpg == 1 and rotary_pos_emb is None:
+        if hpg == 1 and rotary_pos_emb is None and self.q_layernorm is None:
             # MHA without RoPE: the same views as the general path in two ops instead of
             # five (each op is also an autograd node, and eager steps are host-bound).
             # Backward stacks straight into the qkv gradient, as the split's cat does.
             q, k, v = qkv.view(s, b, n, 3, d).unbind(3)
         else:
             q, k, v = self._split_qkv(qkv.view(s, b, g, hpg + 2, d), rotary_pos_emb)
-        dropout_p = self.attention_dropout if self.training else 0.0
-        with fork_if(dropout_p > 0.0 and self.tp_size > 1):
-            context = F.scaled_dot_product_attention(
-                q.permute(1, 2, 0, 3),  # [b, n, s, d] views
-                k.permute(1, 2, 0, 3),
-                v.permute(1, 2, 0, 3),
-                dropout_p=dropout_p,
-                is_causal=True,
-                scale=self.softmax_scale,
-            )  # [b, n, s, d]
+        q, k, v = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, n, s, d] views
+        if self.recompute_core_attention and self.training and torch.is_grad_enabled():
+            # Selective recompute: keep q, k, v, recompute the attention in backward (same RNG state).
+            context = torch.utils.checkpoint.checkpoint(self._core_attention, q, k, v, use_reentrant=False)
+        else:
+            context = self._core_attention(q, k, v)  # [b, n, s, d]
         context = context.permute(2, 0, 1, 3).reshape(s, b, n * d)
         return self.linear_proj(context)
+
+    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """SDPA on ``[b, n, s, d]`` q, k, v with the kernels --attention-backend allows.
+
+        Dropout on this rank's heads draws from the per-TP-rank RNG state at TP > 1.
+        """
+        backends = None if self.attention_backend == "auto" else sdpa_backends(self.attention_backend, q.device.type)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        with (
+            contextlib.nullcontext() if backends is None else sdpa_kernel(list(backends)),
+            fork_if(dropout_p > 0.0 and self.tp_size > 1),
+        ):
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, is_causal=True, scale=self.softmax_scale
+            )
 
     def _split_qkv(self, qkv: torch.Tensor, rotary_pos_emb: torch.Tensor | None):
         """``[s, b, g, hpg + 2, d]`` -> ``q, k, v`` as ``[s, b, n, d]`` views (RoPE applied)."""
         s, b, g, _, d = qkv.shape
         hpg, n = self.heads_per_group, self.num_heads
         # torch.split (not indexing) so backward is one cat instead of zero-filled slices summed.
-        if rotary_pos_emb is not None:
+        if self.q_layernorm is not None or (rotary_pos_emb is not None and self.rope is not None):
+            q, k, v = torch.split(qkv, [hpg, 1, 1], dim=3)
+            if self.q_layernorm is not None:
+                q, k = self.q_layernorm(q), self.k_layernorm(k)
+            if rotary_pos_emb is not None:
+                rope = self.rope or apply_rotary_pos_emb
+                q, k = rope(q, rotary_pos_emb), rope(k, rotary_pos_emb)
+        elif rotary_pos_emb is not None:
             # Rotate the query and key heads of each group in one call: they are adjacent.
             qk, v = torch.split(qkv, [hpg + 1, 1], dim=3)
             qk = apply_rotary_pos_emb(qk, rotary_pos_emb)

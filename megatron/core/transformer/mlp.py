@@ -1,5 +1,6 @@
 """The dense MLP of a transformer layer: fc1 -> GeLU or SwiGLU -> fc2.
 
+The activation is GeLU, squared ReLU (``--squared-relu``: ``relu(x) ** 2``) or SwiGLU.
 With ``--swiglu`` fc1 produces ``2 * ffn_hidden_size`` features, gate half first:
 ``silu(a) * b`` with ``a, b = chunk(fc1(x), 2)``, Megatron's order, so checkpoints
 match. Both biases are added inside their GEMMs (the cuBLAS epilogue): with no fused
@@ -36,6 +37,7 @@ class MLP(torch.nn.Module):
         super().__init__()
         self.config = config
         self.gated = config.gated_linear_unit
+        self.squared_relu = getattr(config, "squared_relu", False)
         ffn = config.ffn_hidden_size
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size,
@@ -66,6 +68,8 @@ class MLP(torch.nn.Module):
         if self.gated:
             gate, up = torch.chunk(intermediate, 2, dim=-1)
             intermediate = F.silu(gate) * up
+        elif self.squared_relu:
+            intermediate = F.relu(intermediate).square()
         else:
             intermediate = F.gelu(intermediate)
         return self.linear_fc2(intermediate)

@@ -10,6 +10,7 @@ pipeline chunk): the layers at a chunk's edges read from or feed communication.
 import torch
 
 from megatron.core.transformer.norm import build_norm
+from megatron.core.transformer.recompute import run_layers
 from megatron.core.transformer.spec_utils import build_module
 
 
@@ -75,8 +76,7 @@ class TransformerBlock(torch.nn.Module):
         ``final_norm=False`` leaves ``final_layernorm`` to the caller (the GPT model
         applies it inside its loss head, so the head is one graphable region).
         """
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, rotary_pos_emb=rotary_pos_emb)
+        hidden_states = run_layers(self.layers, hidden_states, rotary_pos_emb, self.config)  # recompute.py
         if final_norm and self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states

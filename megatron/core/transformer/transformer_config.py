@@ -34,7 +34,8 @@ class TransformerConfig:
     """Use grouped-query attention (set --num-query-groups)."""
 
     num_query_groups: int | None = None
-    """Number of key/value groups for grouped-query attention. Defaults to the number of heads."""
+    """Number of key/value groups with --group-query-attention (default 1, as Megatron); without it,
+    every head is its own group."""
 
     kv_channels: int | None = None
     """Projection size per attention head. Defaults to hidden size / heads."""
@@ -48,6 +49,9 @@ class TransformerConfig:
     position_embedding_type: str = flag_field("learned_absolute", choices=("learned_absolute", "rope", "none"))
     """Position embedding: learned absolute table, rotary (RoPE) or none (hybrid Mamba models)."""
 
+    rotary_interleaved: bool = False
+    """Rotate interleaved channel pairs (x0, x1), (x2, x3), ... instead of the two halves of each head."""
+
     rotary_base: int = 10000
     """Base of the rotary embedding frequencies."""
 
@@ -57,8 +61,17 @@ class TransformerConfig:
     normalization: str = flag_field("LayerNorm", choices=("LayerNorm", "RMSNorm"))
     """Normalization layer type."""
 
-    layernorm_epsilon: float = 1e-5
-    """Epsilon of the normalization layers."""
+    norm_epsilon: float = flag_field(1e-5, aliases=("--layernorm-epsilon",))
+    """Epsilon of the normalization layers (--layernorm-epsilon is accepted as an alias)."""
+
+    apply_layernorm_1p: bool = False
+    """Zero-centred norm weights: the layer norm scales by (1 + weight), weight starting at 0."""
+
+    qk_layernorm: bool = False
+    """Normalize each query and key head (the --normalization type) before attention."""
+
+    squared_relu: bool = False
+    """Use squared ReLU, relu(x)**2, as the MLP activation instead of GeLU."""
 
     gated_linear_unit: bool = flag_field(False, flag="--swiglu")
     """Use SwiGLU in the MLP (gated linear unit with SiLU)."""
@@ -91,7 +104,28 @@ class TransformerConfig:
     The word embedding adds its token gradients into main_grad the same way."""
 
     apply_query_key_layer_scaling: bool = False
-    """Unsupported in this trainer (kept so Megatron command lines give a clear error)."""
+    """Scale Q K^T by 1/layer-number and the softmax input back up (an fp16 overflow guard). The
+    softmax here always runs in fp32 (SDPA), where the two scalings cancel: accepted, same values."""
+
+    attention_backend: str = flag_field("auto", choices=("auto", "flash", "fused", "unfused", "local"))
+    """Attention kernel, mapped to SDPA backends: flash -> flash attention, fused -> cuDNN /
+    memory-efficient, unfused and local -> the math kernel, auto -> SDPA chooses."""
+
+    transformer_impl: str = flag_field(
+        "transformer_engine", choices=("local", "transformer_engine", "inference_optimized")
+    )
+    """Layer implementation. Layers here are plain PyTorch (Megatron's local spec); transformer_engine
+    (Megatron's default) runs them with one line saying so."""
+
+    recompute_granularity: str | None = flag_field(None, choices=("full", "selective"))
+    """Activation recompute: full recomputes whole layers in backward, selective only core attention."""
+
+    recompute_method: str | None = flag_field(None, choices=("uniform", "block"))
+    """With --recompute-granularity full: uniform recomputes chunks of --recompute-num-layers layers
+    keeping only each chunk's input; block recomputes the first --recompute-num-layers layers."""
+
+    recompute_num_layers: int | None = None
+    """Layers per recompute chunk (uniform) or recomputed layers (block)."""
 
     vocab_size: int | None = flag_field(None, no_flag=True)
     """Padded vocabulary size, set by the tokenizer setup (the --vocab-size flag lives in the data config)."""
@@ -114,6 +148,8 @@ class TransformerConfig:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if not self.group_query_attention:
             self.num_query_groups = self.num_attention_heads
+        elif self.num_query_groups is None:
+            self.num_query_groups = 1  # Megatron's default: --group-query-attention alone is multi-query
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         self.moe.finalize(self)
@@ -156,8 +192,36 @@ class TransformerConfig:
             p = getattr(self, name)
             require(0.0 <= p < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {p}.")
         require(0.0 < self.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {self.rotary_percent}.")
+        require(self.norm_epsilon > 0, f"--norm-epsilon must be positive, got {self.norm_epsilon}.")
         require(
-            not self.apply_query_key_layer_scaling,
-            "--apply-query-key-layer-scaling is not supported: attention runs through "
-            "scaled_dot_product_attention, which scales by 1/sqrt(kv_channels). Drop the flag.",
+            not (self.squared_relu and self.gated_linear_unit),
+            "--squared-relu and --swiglu both set the MLP activation; pick one.",
         )
+        require(
+            self.transformer_impl != "inference_optimized",
+            "--transformer-impl inference_optimized is not supported: this trainer does not do inference; "
+            "use --transformer-impl local or transformer_engine.",
+        )
+        self._validate_recompute()
+
+    def _validate_recompute(self) -> None:
+        g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        if g is None:
+            require(
+                m is None and n is None,
+                "--recompute-method / --recompute-num-layers need --recompute-granularity full.",
+            )
+            return
+        if g == "selective":
+            require(
+                n is None,
+                "--recompute-num-layers applies to --recompute-granularity full only; drop it with selective.",
+            )
+            return
+        require(m is not None, "--recompute-granularity full needs --recompute-method uniform or block.")
+        require(n is not None and n >= 1, "--recompute-granularity full needs --recompute-num-layers N (N >= 1).")
+        if m == "block":
+            require(
+                n <= self.num_layers,
+                f"--recompute-num-layers ({n}) exceeds --num-layers ({self.num_layers}) with --recompute-method block.",
+            )

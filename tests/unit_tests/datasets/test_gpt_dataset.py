@@ -202,7 +202,7 @@ def test_deterministic_across_builds(corpus, tmp_path):
 
 
 def test_mock_documents_match_megatron_formula():
-    tok = NullTokenizer(500)  # vocab 501, eod 500
+    tok = NullTokenizer(501)  # vocab 501, eod 500
     low = MockGPTLowLevelDataset(tok)
     assert len(low) == 100_000
     expected = np.random.default_rng(0).integers(1, 4096, size=100_000, dtype=np.int32)

@@ -140,3 +140,17 @@ def test_empty_input_is_an_error_and_writes_nothing(tmp_path, capsys, lines, mes
     error = tool_error(capsys, "--input", str(path), "--output-prefix", str(tmp_path / "o"), *BPE_FLAGS)
     assert f"--input {path} {message}" in error and "no dataset was written" in error
     assert os.listdir(tmp_path) == ["in.jsonl"]
+
+
+def test_list_fields_are_sentences_and_upstream_flags_parse(tmp_path):
+    path = write_jsonl(tmp_path / "in.jsonl", [{"text": ["1 2", "", "3"]}, {"text": "4 5"}])
+    result = run_tool(
+        "--input", path, "--output-prefix", str(tmp_path / "n"), "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "100", "--append-eod", "--partitions", "2", "--keep-newlines", "--keep-sequential-samples",
+        "--lang", "english",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    ds = IndexedDataset(str(tmp_path / "n_text_document"))
+    # As Megatron: one sequence per non-empty sentence, end-of-document (99) on the last one.
+    assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2], [3, 99], [4, 5, 99]]
+    assert list(ds.document_indices) == [0, 2, 3]

@@ -44,13 +44,14 @@ TEXTS = [
 def test_null_tokenizer_follows_megatron():
     tok = build_tokenizer(DataConfig(tokenizer_type="NullTokenizer", vocab_size=1000))
     assert isinstance(tok, NullTokenizer)
-    assert tok.vocab_size == 1001 and tok.eod == 1000 == tok.vocab_size - 1
-    assert tok.tokenize("3 1  4\n1000") == [3, 1, 4, 1000]
+    # Current Megatron: --vocab-size is the whole vocabulary, the last id is end-of-document.
+    assert tok.vocab_size == 1000 and tok.eod == 999 == tok.vocab_size - 1
+    assert tok.tokenize("3 1  4\n999") == [3, 1, 4, 999]
     assert tok.detokenize([3, 1, 4]) == "3 1 4"
     with pytest.raises(ValueError, match="integers"):
         tok.tokenize("3 x")
     with pytest.raises(ValueError, match="--vocab-size"):
-        tok.tokenize("1001")
+        tok.tokenize("1000")
     with pytest.raises(ValueError, match="--vocab-size"):
         build_tokenizer(DataConfig(tokenizer_type="NullTokenizer", vocab_size=None))
 
@@ -76,8 +77,9 @@ def test_gpt2_bpe_round_trip_and_merges():
     # Frequent words of the training text are single merged tokens; rare text falls back to bytes.
     assert tok.tokenize(" the") == [tok.encoder["Ġthe"]]
     assert len(tok.tokenize(" the")) < len(b" the") and len(tok.tokenize("zzq")) == 3
-    # End of document is never parsed out of text (as Megatron's GPT-2 tokenizer).
-    assert tok.eod not in tok.tokenize("<|endoftext|>")
+    # A literal <|endoftext|> is end-of-document, as in Megatron's GPT-2 tokenizer.
+    assert tok.tokenize("<|endoftext|>") == [tok.eod]
+    assert tok.tokenize(" the<|endoftext|> the") == [tok.encoder["Ġthe"], tok.eod, tok.encoder["Ġthe"]]
     assert tok.detokenize([tok.eod]) == "<|endoftext|>"
     assert tok.detokenize([5000]) == ""  # embedding padding ids are skipped
 

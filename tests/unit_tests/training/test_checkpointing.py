@@ -22,8 +22,8 @@ FLAGS = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
     "--global-batch-size 4 --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 1 --lr-decay-style cosine --mock-data "
     "--tokenizer-type NullTokenizer --vocab-size 128 --num-workers 0 --log-interval 1 --attention-dropout 0.0 "
-    "--hidden-dropout 0.1 --seed 1234"
-).split()
+    "--hidden-dropout 0.1 --seed 1234 --ckpt-format torch"
+).split()  # the torch format's layout (torch_dist: test_dist_checkpointing.py)
 
 
 def run(*extra):

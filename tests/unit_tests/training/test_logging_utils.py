@@ -25,7 +25,7 @@ from megatron.training.logging_utils import (
 STAMP = datetime.datetime(2026, 11, 30, 7, 37, 14, 123456)
 
 EXPECTED_LINE = (
-    "[2026-11-30 07:37:14.123456] iteration        5/      50 | consumed samples:           40 | "
+    " [2026-11-30 07:37:14.123456] iteration        5/      50 | consumed samples:           40 | "
     "elapsed time per iteration (ms): 123.4 | throughput per GPU (TFLOP/s/GPU): 12.3 | "
     "learning rate: 1.000000E-04 | global batch size:     8 | lm loss: 1.234567E+01 | loss scale: 1.0 | "
     "grad norm: 1.234 | number of skipped iterations:   0 | number of nan iterations:   0 |"
@@ -61,7 +61,7 @@ def test_iteration_line_optional_parts():
         throughput_tflops=None, grad_norm=None, num_zeros=17.0, params_norm=301.23456, skipped_iters=3, nan_iters=12
     )
     assert line == (
-        "[2026-11-30 07:37:14.123456] iteration        5/      50 | consumed samples:           40 | "
+        " [2026-11-30 07:37:14.123456] iteration        5/      50 | consumed samples:           40 | "
         "elapsed time per iteration (ms): 123.4 | learning rate: 1.000000E-04 | global batch size:     8 | "
         "lm loss: 1.234567E+01 | loss scale: 1.0 | num zeros: 17.0 | params norm: 301.235 | "
         "number of skipped iterations:   3 | number of nan iterations:  12 |"
@@ -77,7 +77,8 @@ def test_iteration_line_several_losses_in_order_and_big_numbers():
 
 def test_iteration_line_defaults_to_now():
     line = _line(timestamp=None)
-    stamp = datetime.datetime.strptime(line[1:27], "%Y-%m-%d %H:%M:%S.%f")
+    assert line.startswith(" [")  # Megatron's leading space
+    stamp = datetime.datetime.strptime(line[2:28], "%Y-%m-%d %H:%M:%S.%f")
     assert abs((datetime.datetime.now() - stamp).total_seconds()) < 60
 
 
@@ -118,27 +119,31 @@ def test_memory_stats_cuda():
 
 
 def _hand_count(cfg, b, s, V):
-    """Sums 2*m*k*n over every matmul of one sequence's forward, times 3 and b."""
+    """Sums 2*m*k*n over every matmul of one sequence's forward, times 3 and b; the two
+    attention matmuls count half (causal: half of the s x s square), as Megatron counts them."""
     h, a, d, L = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_channels, cfg.num_layers
     g = cfg.num_query_groups if cfg.group_query_attention else a
     f = cfg.ffn_hidden_size
-    matmuls = [
-        (s, h, a * d + 2 * g * d),  # QKV
+    attention = [
         *[(s, d, s)] * a,  # Q K^T per head
         *[(s, s, d)] * a,  # P V per head
+    ]
+    matmuls = [
+        (s, h, a * d + 2 * g * d),  # QKV
         (s, a * d, h),  # projection
         (s, h, f * (2 if cfg.gated_linear_unit else 1)),  # fc1
         (s, f, h),  # fc2
     ]
-    forward = L * sum(2 * m * k * n for m, k, n in matmuls) + 2 * s * h * V
+    causal = sum(2 * m * k * n for m, k, n in attention) // 2
+    forward = L * (sum(2 * m * k * n for m, k, n in matmuls) + causal) + 2 * s * h * V
     return 3 * b * forward
 
 
 def test_flops_tiny_config_by_hand():
     cfg = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=2, ffn_hidden_size=8)
-    # Per token forward: QKV 2*4*12=96, attention 2*2*3*2*2=48, proj 32, fc1 64, fc2 64, logits 2*4*5=40.
+    # Per token forward: QKV 2*4*12=96, causal attention 2*2*3*2*2/2=24, proj 32, fc1 64, fc2 64, logits 40.
     assert num_floating_point_operations(cfg, batch_size=1, seq_length=3, vocab_size=5) == 3 * 1 * 3 * (
-        96 + 48 + 32 + 64 + 64 + 40
+        96 + 24 + 32 + 64 + 64 + 40
     )
     cfg.finalize()
     assert num_floating_point_operations(cfg, batch_size=2, seq_length=3, vocab_size=5) == _hand_count(cfg, 2, 3, 5)
@@ -159,9 +164,9 @@ def test_flops_gqa_swiglu_matches_hand_count_and_closed_form(swiglu):
     b, s, V, L, h, a, g, d, f = 4, 32, 1000, 3, 64, 8, 2, 16, 96
     flops = num_floating_point_operations(cfg, batch_size=b, seq_length=s, vocab_size=V)
     assert flops == _hand_count(cfg, b, s, V)
-    # The closed form Megatron users know: 12 b s L h^2 [(1 + g/a + s/h)(a d / h) + (f/h) gm] + 6 b s h V.
+    # Megatron's closed form, causal: 12 b s L h^2 [(1 + g/a + s/(2h))(a d / h) + (f/h) gm] + 6 b s h V.
     gm = 1.5 if swiglu else 1.0
-    closed = 12 * b * s * L * h * h * ((1 + g / a + s / h) * (a * d / h) + (f / h) * gm) + 6 * b * s * h * V
+    closed = 12 * b * s * L * h * h * ((1 + g / a + s / (2 * h)) * (a * d / h) + (f / h) * gm) + 6 * b * s * h * V
     assert math.isclose(flops, closed, rel_tol=1e-12)
 
 

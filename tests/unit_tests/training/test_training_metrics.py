@@ -43,9 +43,10 @@ def test_log_interval_averages_the_window(tmp_path):
     pretrain(FLAGS + ["--train-iters", "5", "--log-interval", "2", "--metrics-file", str(sparse)])
     per_iter = [r["lm loss"] for r in read_jsonl(every)]
     records = read_jsonl(sparse)
-    assert [r["iteration"] for r in records] == [2, 4, 5]  # the last iteration is always logged
-    assert records[0]["lm loss"] == pytest.approx((per_iter[0] + per_iter[1]) / 2, rel=1e-6)
-    assert records[2]["lm loss"] == pytest.approx(per_iter[4], rel=1e-6)
+    assert [r["iteration"] for r in records] == [1, 2, 4]  # Megatron's: after iteration 1, then every N
+    assert records[0]["lm loss"] == pytest.approx(per_iter[0], rel=1e-6)
+    assert records[1]["lm loss"] == pytest.approx(per_iter[1], rel=1e-6)  # the window restarts after 1
+    assert records[2]["lm loss"] == pytest.approx((per_iter[2] + per_iter[3]) / 2, rel=1e-6)
 
 
 def test_tensorboard_event_file(tmp_path):
@@ -54,7 +55,8 @@ def test_tensorboard_event_file(tmp_path):
 
     tb, path = tmp_path / "tb", tmp_path / "m.jsonl"
     pretrain(FLAGS + ["--train-iters", "3", "--log-interval", "1", "--tensorboard-dir", str(tb),
-                      "--metrics-file", str(path), "--log-memory-to-tensorboard"])  # fmt: skip
+                      "--metrics-file", str(path), "--log-memory-to-tensorboard",
+                      "--log-timers-to-tensorboard"])  # fmt: skip
     events = EventAccumulator(str(tb))
     events.Reload()
     tags = set(events.Tags()["scalars"])
@@ -79,3 +81,20 @@ def test_graph_pool_bytes_are_recorded_gpu(tmp_path):
     # Between steps nothing may be live: every static buffer is released to later graphs.
     assert all(r["graph-pool-reserved-bytes"] > 0 for r in records[1:])
     assert all(r["graph-pool-reserved-bytes"] >= r["graph-pool-live-bytes"] >= 0 for r in records[1:])
+
+
+def test_tensorboard_lm_loss_every_iteration_whatever_the_log_interval(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb, path = tmp_path / "tb", tmp_path / "m.jsonl"
+    pretrain(FLAGS + ["--train-iters", "4", "--log-interval", "1", "--metrics-file", str(path)])
+    per_iter = [r["lm loss"] for r in read_jsonl(path)]
+    pretrain(FLAGS + ["--train-iters", "4", "--log-interval", "4", "--tensorboard-dir", str(tb),
+                      "--log-num-zeros-in-grad"])  # fmt: skip
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    scalars = events.Scalars("lm loss")
+    assert [s.step for s in scalars] == [1, 2, 3, 4]  # as Megatron: each iteration's loss, not window means
+    assert [s.value for s in scalars] == pytest.approx(per_iter, rel=1e-6)
+    assert [s.step for s in events.Scalars("num-zeros")] == [1, 4]

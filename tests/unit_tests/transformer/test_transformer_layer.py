@@ -97,7 +97,7 @@ def test_block_numbers_and_annotates_layers():
 
 
 def test_build_norm():
-    ln = build_norm(config(layernorm_epsilon=1e-3, params_dtype=torch.float64), 16, device="cpu")
+    ln = build_norm(config(norm_epsilon=1e-3, params_dtype=torch.float64), 16, device="cpu")
     assert isinstance(ln, torch.nn.LayerNorm) and ln.eps == 1e-3 and ln.weight.dtype == torch.float64
     assert torch.equal(ln.weight, torch.ones(16, dtype=torch.float64)) and torch.count_nonzero(ln.bias) == 0
     rms = build_norm(config(normalization="RMSNorm"), 16, device="cpu")

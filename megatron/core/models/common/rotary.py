@@ -105,3 +105,26 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     if t_rot is t:
         return rotated
     return torch.cat((rotated, t[..., rot_dim:]), dim=-1)
+
+
+def apply_rotary_pos_emb_interleaved(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """``--rotary-interleaved``: rotates adjacent channel pairs ``(x0, x1), (x2, x3), ...``.
+
+    Pair ``i`` of the rotated channels turns by the ``i``-th frequency (the same
+    frequencies as the half-split convention, assigned to pairs instead of halves).
+
+    Args:
+        t: ``[s, b, ..., d]``.
+        freqs: ``[s_max >= s, 1, 1, rot_dim]`` angles from ``RotaryEmbedding``.
+    """
+    seq_len, rot_dim = t.shape[0], freqs.shape[-1]
+    angles = freqs.reshape(freqs.shape[0], rot_dim)[:seq_len, : rot_dim // 2]  # [s, rot_dim / 2]
+    shape = (seq_len, *([1] * (t.dim() - 2)), rot_dim // 2)
+    cos = torch.cos(angles).to(t.dtype).view(shape)
+    sin = torch.sin(angles).to(t.dtype).view(shape)
+    t_rot = t if rot_dim == t.shape[-1] else t[..., :rot_dim]
+    even, odd = t_rot.unflatten(-1, (rot_dim // 2, 2)).unbind(-1)
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    if t_rot is t:
+        return rotated
+    return torch.cat((rotated, t[..., rot_dim:]), dim=-1)

@@ -30,5 +30,5 @@ def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> t
 def gpt_forward_step(batch: dict[str, torch.Tensor], model: torch.nn.Module) -> tuple[torch.Tensor, dict]:
     """The GPT family's ``forward_step``: mean next-token loss over the unmasked tokens."""
     per_token = model(batch["tokens"], batch["position_ids"], batch["labels"])
-    loss, _ = masked_mean_loss(per_token, batch["loss_mask"])
-    return loss, {}
+    loss, num_tokens = masked_mean_loss(per_token, batch["loss_mask"])
+    return loss, {"num_tokens": num_tokens}

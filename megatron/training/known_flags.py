@@ -1,0 +1,302 @@
+"""Megatron flags that are not fields of our config dataclasses, and what each one does here.
+
+Every flag of upstream's GPT, MoE and hybrid training configs parses. A flag that is not
+a config field is in ``KNOWN_MEGATRON_FLAGS`` with one of three answers:
+
+- *accepted, no effect*: upstream's meaning is a speed or I/O knob, results identical
+  (fusions we do not have, checkpoint I/O parallelism, worker processes ...). A run
+  prints one line naming the ones it was given.
+- *not supported*: what this project does not do: FP8, multi-latent attention,
+  multi-token prediction, context parallelism, TE userbuffers / TP communication
+  overlap, Megatron-FSDP / torch FSDP2, inference, RL, SFT, distillation.
+- *not supported yet*: MoE, hybrid (Mamba) and parallel-layout flags whose issues are
+  open, and a few upstream features nobody has asked for here yet.
+
+Rejections raise ``ValueError`` naming the flag and the fix after parsing, all of
+them in one message, so a command line learns everything in one launch.
+"""
+
+from typing import NamedTuple
+
+
+class KnownFlag(NamedTuple):
+    """A Megatron flag this trainer recognises but that is no config field.
+
+    Attributes:
+        nargs: 0 for a switch, None for one value, or an argparse nargs string.
+        message: None: accepted and ignored. Otherwise the ``ValueError`` text (it
+            names the flag and the fix; ``{value}`` is replaced by the given value).
+        accepted_values: For value flags: values that are accepted as no-ops even
+            though ``message`` rejects the others.
+        note: Why an accepted flag is harmless (shown in --help and the user guide).
+    """
+
+    nargs: int | str | None
+    message: str | None
+    accepted_values: tuple[str, ...] = ()
+    note: str = ""
+
+
+SWITCH = 0
+VALUE = None
+LIST = "*"
+
+_NO_FUSION = "fusion kernels from apex/TE are not used; plain PyTorch computes the same thing"
+_CKPT_IO = "checkpoint I/O parallelism; torch_dist checkpoints here are written and read the same way"
+
+
+def noop(nargs, note: str) -> KnownFlag:
+    """Accepted, no effect (a speed or I/O knob with identical results)."""
+    return KnownFlag(nargs, None, note=note)
+
+
+def never(flag: str, nargs, what: str, fix: str = "drop the flag") -> KnownFlag:
+    """Rejected for good: this project does not do ``what``."""
+    return KnownFlag(nargs, f"{flag} is not supported: this trainer does not do {what}; {fix}.")
+
+
+def not_yet(flag: str, nargs, what: str = "", fix: str = "drop the flag") -> KnownFlag:
+    """Rejected until the feature lands."""
+    label = f"{flag} ({what})" if what else flag
+    return KnownFlag(nargs, f"{label} is not supported yet; {fix}.")
+
+
+def _family(flags: dict[str, object], make) -> dict[str, KnownFlag]:
+    return {flag: make(flag, nargs) for flag, nargs in flags.items()}
+
+
+_MOE = {
+    "--moe-shared-expert-overlap": SWITCH,
+    "--moe-permute-fusion": SWITCH,
+    "--moe-router-fusion": SWITCH,
+    "--moe-enable-routing-replay": SWITCH,
+    "--moe-pad-experts-for-cuda-graph-inference": SWITCH,
+    "--overlap-moe-expert-parallel-comm": SWITCH,
+}
+
+_HYBRID = {
+    "--is-hybrid-model": SWITCH,
+    "--model-provider": VALUE,
+    "--export-model-type": VALUE,
+    "--export-default-te-spec": SWITCH,
+}
+
+_PARALLEL = {
+    "--overlap-param-gather-with-optimizer-step": SWITCH,
+    "--num-distributed-optimizer-instances": VALUE,
+    "--use-tp-pp-dp-mapping": SWITCH,
+    "--ddp-average-in-collective": SWITCH,
+    "--defer-embedding-wgrad-compute": SWITCH,
+    "--wgrad-deferral-limit": VALUE,
+    "--delay-wgrad-compute": SWITCH,
+    "--ddp-num-buckets": VALUE,
+    "--no-use-layer-wise-param-layout": SWITCH,
+}
+
+_FP8 = {
+    "--fp8-format": VALUE,
+    "--fp8-recipe": VALUE,
+    "--fp8-param-gather": SWITCH,
+    "--first-last-layers-bf16": SWITCH,
+}
+_MLA = {
+    "--multi-latent-attention": SWITCH,
+    "--q-lora-rank": VALUE,
+    "--kv-lora-rank": VALUE,
+    "--qk-head-dim": VALUE,
+    "--qk-pos-emb-head-dim": VALUE,
+    "--v-head-dim": VALUE,
+    "--mscale": VALUE,
+    "--mscale-all-dim": VALUE,
+}
+_MTP = {"--mtp-num-layers": VALUE, "--mtp-loss-scaling-factor": VALUE}
+_CP = {"--cp-comm-type": LIST, "--hierarchical-context-parallel-sizes": LIST}
+_TP_OVERLAP = {"--tp-comm-overlap": SWITCH, "--tp-comm-overlap-cfg": VALUE}
+_FSDP = {
+    "--use-megatron-fsdp": SWITCH,
+    "--use-torch-fsdp2": SWITCH,
+    "--data-parallel-sharding-strategy": VALUE,
+    "--outer-dp-sharding-strategy": VALUE,
+    "--megatron-fsdp-main-params-dtype": VALUE,
+    "--megatron-fsdp-main-grads-dtype": VALUE,
+    "--megatron-fsdp-grad-comm-dtype": VALUE,
+}
+_INFERENCE = {
+    "--inference-max-seq-length": VALUE,
+    "--inference-max-requests": VALUE,
+    "--inference-rng-tracker": SWITCH,
+    "--inference-ckpt-non-strict": SWITCH,
+    "--inference-dynamic-batching-buffer-size-gb": VALUE,
+    "--inference-dynamic-batching-max-requests": VALUE,
+    "--inference-dynamic-batching-max-tokens": VALUE,
+    "--inference-dynamic-batching-num-cuda-graphs": VALUE,
+    "--inference-logging-step-interval": VALUE,
+    "--inference-repeat-n": VALUE,
+    "--prompts": LIST,
+    "--prompt-file": VALUE,
+    "--num-tokens-to-generate": VALUE,
+    "--temperature": VALUE,
+    "--top_k": VALUE,
+    "--top_p": VALUE,
+    "--return-log-probs": SWITCH,
+    "--output-path": VALUE,
+    "--incoming-requests-per-sec": VALUE,
+    "--incoming-requests-per-step": VALUE,
+    "--enable-chunked-prefill": SWITCH,
+    "--flash-decode": SWITCH,
+    "--max-tokens-to-oom": VALUE,
+    "--export-te-mcore-model": SWITCH,
+    "--use-flashinfer-fused-rope": SWITCH,
+}
+_RL = {
+    "--perform-rl-step": SWITCH,
+    "--grpo-group-size": VALUE,
+    "--grpo-prompts-per-step": VALUE,
+    "--grpo-iterations": VALUE,
+    "--grpo-clamp-eps-lower": VALUE,
+    "--grpo-clamp-eps-upper": VALUE,
+    "--grpo-kl-beta": VALUE,
+    "--grpo-entropy-term-weight": VALUE,
+    "--langrl-env-config": VALUE,
+    "--rl-use-sequence-packing": SWITCH,
+    "--rl-sequence-packing-algo": VALUE,
+    "--rl-offload-optimizer-during-inference": SWITCH,
+    "--rl-partial-rollouts": SWITCH,
+    "--rl-generation-lag": VALUE,
+}
+_DISTILL = {"--export-kd-teacher-load": VALUE, "--export-kd-cfg": VALUE}
+_FLEXTRON = (
+    "--flextron --enable-router --binary-mask --soft-mask --slice --hard-sample-th --router-beta "
+    "--original-model-sample-prob --tau-init --tau-decay --loss-alpha --lr-mult-router --router-gbs "
+    "--router-inter-dim --budget-list --budget-probs --budget-type --emb-int-list --mlp-int-list "
+    "--mamba-int-list --moe-expert-int-list --linear-scaler-start --linear-scaler-end --router-std"
+).split()
+_FLEXTRON_SWITCHES = {"--flextron", "--enable-router", "--binary-mask", "--soft-mask", "--slice"}
+_FLEXTRON_LISTS = {
+    "--budget-list",
+    "--budget-probs",
+    "--emb-int-list",
+    "--mlp-int-list",
+    "--mamba-int-list",
+    "--moe-expert-int-list",
+}
+_GATED_DELTA_NET = {
+    "--experimental-attention-variant": VALUE,
+    "--linear-attention-freq": VALUE,
+    "--linear-conv-kernel-dim": VALUE,
+    "--linear-key-head-dim": VALUE,
+    "--linear-value-head-dim": VALUE,
+    "--linear-num-key-heads": VALUE,
+    "--linear-num-value-heads": VALUE,
+    "--attention-output-gate": SWITCH,
+    "--dsa-indexer-n-heads": VALUE,
+    "--dsa-indexer-head-dim": VALUE,
+    "--dsa-indexer-topk": VALUE,
+    "--dsa-indexer-loss-coeff": VALUE,
+}
+
+KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
+    # ---- accepted: speed or I/O knobs; results are identical.
+    "--use-flash-attn": noop(SWITCH, "attention uses scaled_dot_product_attention, which picks flash kernels itself"),
+    "--use-mcore-models": noop(SWITCH, "models here are always the core models"),
+    "--no-masked-softmax-fusion": noop(SWITCH, _NO_FUSION),
+    "--no-bias-gelu-fusion": noop(SWITCH, _NO_FUSION),
+    "--no-bias-swiglu-fusion": noop(SWITCH, _NO_FUSION),
+    "--no-bias-dropout-fusion": noop(SWITCH, _NO_FUSION),
+    "--no-rope-fusion": noop(SWITCH, _NO_FUSION),
+    "--no-persist-layer-norm": noop(SWITCH, _NO_FUSION),
+    "--use-fused-weighted-squared-relu": noop(SWITCH, _NO_FUSION),
+    "--use-transformer-engine-op-fuser": noop(SWITCH, _NO_FUSION),
+    "--te-rng-tracker": noop(SWITCH, "dropout draws from torch's generators; there is no TE RNG tracker"),
+    "--cross-entropy-fusion-impl": noop(VALUE, "which fused cross-entropy kernel; --cross-entropy-loss-fusion picks"),
+    "--use-persistent-ckpt-worker": noop(SWITCH, "--async-save here writes from one background thread"),
+    "--async-strategy": noop(VALUE, "--async-save here writes from one background thread"),
+    "--async-ckpt-use-cpu-shm": noop(SWITCH, "--async-save copies tensors to CPU memory before writing"),
+    "--ckpt-fully-parallel-save": noop(SWITCH, _CKPT_IO),
+    "--no-ckpt-fully-parallel-save": noop(SWITCH, _CKPT_IO),
+    "--ckpt-fully-parallel-load": noop(SWITCH, _CKPT_IO),
+    "--ckpt-assume-constant-structure": noop(SWITCH, "caches the save plan; the same files are written"),
+    "--dist-ckpt-optim-fully-reshardable": noop(
+        SWITCH, "torch_dist optimizer state here is always keyed by global parameter names"
+    ),
+    "--verify-integrity": noop(SWITCH, "checks checkpoint files; the loaded values are the same"),
+    "--no-mmap-bin-files": noop(SWITCH, "reads .bin files with or without mmap give the same bytes"),
+    "--no-create-attention-mask-in-dataloader": noop(
+        SWITCH, "no attention mask is built here anyway; attention is causal in the kernel"
+    ),
+    "--disable-gloo-process-groups": noop(SWITCH, "no gloo side groups are made with NCCL here"),
+    "--check-weight-hash-across-dp-replicas-interval": noop(VALUE, "a consistency check of replicas; no value changes"),
+    "--empty-unused-memory-level": noop(VALUE, "torch.cuda.empty_cache calls; no value changes"),
+    "--rotary-scaling-factor": noop(VALUE, "Megatron applies it only with --use-rope-scaling, which is not set"),
+    "--distributed-timeout-minutes-for-ckpt": noop(VALUE, "a timeout; no value changes"),
+    "--log-progress": noop(SWITCH, "writes a progress.txt; training is unchanged"),
+    "--no-record-throughput": noop(SWITCH, "progress logging only"),
+    "--straggler-minmax-count": noop(VALUE, "straggler reporting only"),
+    "--rerun-mode": KnownFlag(
+        VALUE,
+        "--rerun-mode {value} is not supported yet: iterations are never re-run here; use --rerun-mode disabled.",
+        accepted_values=("disabled",),
+        note="only `disabled` (iterations are never re-run)",
+    ),
+    "--test-mode": not_yet("--test-mode", SWITCH),
+    "--error-injection-rate": not_yet("--error-injection-rate", VALUE, "result-validation reruns"),
+    "--error-injection-type": not_yet("--error-injection-type", VALUE, "result-validation reruns"),
+    # ---- not supported yet: features with open issues, or no ask yet.
+    **_family(_MOE, lambda f, n: not_yet(f, n, "MoE", "drop the MoE flags to train a dense model")),
+    **_family(_HYBRID, lambda f, n: not_yet(f, n, "hybrid Mamba models", "use pretrain_gpt.py flags for a GPT")),
+    **_family(_PARALLEL, lambda f, n: not_yet(f, n, "parallel layouts")),
+    "--spec": KnownFlag(
+        LIST,
+        "--spec (custom layer specs) is not supported yet; drop it: layers are chosen from the model flags.",
+        accepted_values=("megatron.core.models.hybrid.hybrid_layer_specs hybrid_stack_spec",),
+        note="the hybrid stack spec of Megatron's hybrid command lines is the one pretrain_hybrid.py builds",
+    ),
+    "--recompute-modules": not_yet("--recompute-modules", LIST, "", "use --recompute-granularity selective"),
+    "--fine-grained-activation-offloading": not_yet("--fine-grained-activation-offloading", SWITCH),
+    "--offload-modules": not_yet("--offload-modules", LIST),
+    "--save-retain-interval": not_yet("--save-retain-interval", VALUE, "", "drop it (every save is kept)"),
+    "--step-batch-size-schedule": not_yet("--step-batch-size-schedule", VALUE, "", "use a fixed --global-batch-size"),
+    "--fim-data": not_yet("--fim-data", SWITCH, "fill-in-the-middle data"),
+    "--fim-rate": not_yet("--fim-rate", VALUE, "fill-in-the-middle data"),
+    "--fim-spm-rate": not_yet("--fim-spm-rate", VALUE, "fill-in-the-middle data"),
+    "--use-mup": not_yet("--use-mup", SWITCH, "muP parametrization"),
+    "--mup-base-hidden-size": not_yet("--mup-base-hidden-size", VALUE, "muP parametrization"),
+    "--muon-momentum": not_yet("--muon-momentum", VALUE, "the Muon optimizer", "use --optimizer adam"),
+    "--muon-extra-scale-factor": not_yet("--muon-extra-scale-factor", VALUE, "the Muon optimizer"),
+    "--muon-scale-mode": not_yet("--muon-scale-mode", VALUE, "the Muon optimizer"),
+    "--apply-wd-to-qk-layernorm": not_yet("--apply-wd-to-qk-layernorm", SWITCH),
+    "--profile": not_yet("--profile", SWITCH, "", "run under nsys or torch.profiler yourself"),
+    "--profile-step-start": not_yet("--profile-step-start", VALUE),
+    "--profile-step-end": not_yet("--profile-step-end", VALUE),
+    "--use-pytorch-profiler": not_yet("--use-pytorch-profiler", SWITCH),
+    "--wandb-project": not_yet("--wandb-project", VALUE, "W&B", "use --tensorboard-dir or --metrics-file"),
+    "--wandb-exp-name": not_yet("--wandb-exp-name", VALUE, "W&B", "use --tensorboard-dir or --metrics-file"),
+    "--wandb-save-dir": not_yet("--wandb-save-dir", VALUE, "W&B", "use --tensorboard-dir or --metrics-file"),
+    "--wandb-entity": not_yet("--wandb-entity", VALUE, "W&B", "use --tensorboard-dir or --metrics-file"),
+    **_family(_GATED_DELTA_NET, lambda f, n: not_yet(f, n, "linear / sparse attention variants")),
+    # ---- not supported: outside this project.
+    **_family(_FP8, lambda f, n: never(f, n, "FP8 training", "use --bf16")),
+    **_family(_MLA, lambda f, n: never(f, n, "multi-latent attention")),
+    **_family(_MTP, lambda f, n: never(f, n, "multi-token prediction")),
+    **_family(_CP, lambda f, n: never(f, n, "context parallelism")),
+    **_family(_TP_OVERLAP, lambda f, n: never(f, n, "TE userbuffers / TP communication overlap")),
+    **_family(_FSDP, lambda f, n: never(f, n, "FSDP", "use --use-distributed-optimizer when it lands, or plain DP")),
+    **_family(_INFERENCE, lambda f, n: never(f, n, "inference", "this is a training script")),
+    **_family(_RL, lambda f, n: never(f, n, "RL")),
+    **_family(_DISTILL, lambda f, n: never(f, n, "knowledge distillation")),
+    "--sft": never("--sft", SWITCH, "SFT"),
+    "--sft-tokenizer-prompt-format": never("--sft-tokenizer-prompt-format", VALUE, "SFT"),
+    **{
+        f: never(f, SWITCH if f in _FLEXTRON_SWITCHES else LIST if f in _FLEXTRON_LISTS else VALUE, "Flextron")
+        for f in _FLEXTRON
+    },
+    "--split-sentences": KnownFlag(
+        SWITCH, "--split-sentences belongs to tools/preprocess_data.py, not to training; drop the flag."
+    ),
+    "--enable-cuda-graph": KnownFlag(
+        SWITCH, "--enable-cuda-graph is deprecated in Megatron; use --cuda-graph-impl local."
+    ),
+    "--external-cuda-graph": KnownFlag(
+        SWITCH, "--external-cuda-graph is deprecated in Megatron; use --cuda-graph-impl local."
+    ),
+}

@@ -1,0 +1,147 @@
+"""Model flags from Megatron command lines: recompute, layernorm-1p, squared ReLU, QK norm,
+interleaved RoPE, attention backends (CPU)."""
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend
+
+from megatron.core.models.common.rotary import RotaryEmbedding, apply_rotary_pos_emb_interleaved
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.attention import sdpa_backends
+from megatron.core.transformer.norm import build_norm
+from megatron.core.transformer.recompute import recomputed_chunks
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def config(**kw):
+    base = dict(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=8, hidden_dropout=0.1)
+    base.update(kw)
+    return TransformerConfig(**base).finalize()
+
+
+def block_grads(cfg, x):
+    torch.manual_seed(0)
+    block = TransformerBlock(cfg, get_gpt_layer_local_spec(), device="cpu")
+    torch.manual_seed(1)  # same dropout masks in every run
+    out = block(x.clone().requires_grad_(True))
+    out.square().mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in block.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+        dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
+        dict(recompute_granularity="selective"),
+    ],
+    ids=["full-uniform", "full-block", "selective"],
+)
+def test_recompute_gives_the_same_outputs_and_gradients(recompute):
+    x = torch.randn(8, 2, 32)
+    ref_out, ref_grads = block_grads(config(attention_dropout=0.1), x)
+    out, grads = block_grads(config(attention_dropout=0.1, **recompute), x)
+    assert torch.equal(out, ref_out)  # same kernels on the same inputs, dropout RNG restored
+    for name, g in ref_grads.items():
+        assert torch.equal(grads[name], g), name
+
+
+def test_recompute_chunks():
+    uniform = config(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
+    assert recomputed_chunks(uniform, 5) == [(0, 2, True), (2, 4, True), (4, 5, True)]
+    block = config(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
+    assert recomputed_chunks(block, 5) == [(0, 1, True), (1, 2, True), (2, 5, False)]
+    assert recomputed_chunks(config(), 3) == [(0, 3, False)]
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(recompute_granularity="full"), "--recompute-method"),
+        (dict(recompute_granularity="full", recompute_method="uniform"), "--recompute-num-layers"),
+        (dict(recompute_method="uniform", recompute_num_layers=1), "--recompute-granularity full"),
+        (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=9), "exceeds"),
+        (dict(squared_relu=True, gated_linear_unit=True), "--squared-relu"),
+    ],
+)
+def test_bad_model_flags_name_the_flag(kw, message):
+    with pytest.raises(ValueError, match=message):
+        config(**kw).validate()
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_layernorm_1p_scales_by_one_plus_weight(normalization):
+    plain = build_norm(config(normalization=normalization), 16, device="cpu")
+    one_p = build_norm(config(normalization=normalization, apply_layernorm_1p=True), 16, device="cpu")
+    assert torch.equal(one_p.weight, torch.zeros(16))
+    x = torch.randn(4, 16)
+    assert torch.equal(one_p(x), plain(x))  # weight 0 here is weight 1 there
+    with torch.no_grad():
+        one_p.weight.fill_(0.5)
+        plain.weight.fill_(1.5)
+    torch.testing.assert_close(one_p(x), plain(x), rtol=0, atol=1e-6)
+
+
+def test_norm_epsilon_and_its_alias():
+    from megatron.training.arguments import parse_args
+
+    base = ["--mock-data", "--vocab-size", "64"]
+    assert parse_args(base + ["--norm-epsilon", "1e-6"]).model.norm_epsilon == 1e-6
+    assert parse_args(base + ["--layernorm-epsilon", "1e-3"]).model.norm_epsilon == 1e-3
+    assert build_norm(config(norm_epsilon=1e-3), 8, device="cpu").eps == 1e-3
+
+
+def test_squared_relu_mlp():
+    from megatron.core.transformer.mlp import MLP
+
+    torch.manual_seed(0)
+    mlp = MLP(config(squared_relu=True, add_bias_linear=False), device="cpu")
+    x = torch.randn(4, 2, 32)
+    expected = mlp.linear_fc2(torch.relu(mlp.linear_fc1(x)[0]) ** 2)[0]
+    torch.testing.assert_close(mlp(x)[0], expected)
+
+
+def test_qk_layernorm_normalizes_each_head():
+    from megatron.core.transformer.attention import SelfAttention
+
+    attn = SelfAttention(config(qk_layernorm=True, normalization="RMSNorm"), 1, device="cpu")
+    names = {n for n, _ in attn.named_parameters()}
+    assert {"q_layernorm.weight", "k_layernorm.weight"} <= names
+    assert attn.q_layernorm.weight.shape == (8,)  # kv channels
+    assert attn(torch.randn(8, 2, 32))[0].shape == (8, 2, 32)
+
+
+def test_interleaved_rope_rotates_adjacent_pairs():
+    rope = RotaryEmbedding(kv_channels=4)
+    freqs = rope(3, "cpu")
+    t = torch.randn(3, 1, 1, 4)
+    out = apply_rotary_pos_emb_interleaved(t, freqs)
+    inv = 1.0 / (10000 ** (torch.arange(0, 4, 2).float() / 4))
+    for pos in range(3):
+        for pair in range(2):
+            angle = pos * inv[pair]
+            a, b = t[pos, 0, 0, 2 * pair], t[pos, 0, 0, 2 * pair + 1]
+            c, s = torch.cos(angle), torch.sin(angle)
+            torch.testing.assert_close(out[pos, 0, 0, 2 * pair], a * c - b * s)
+            torch.testing.assert_close(out[pos, 0, 0, 2 * pair + 1], b * c + a * s)
+
+
+def test_attention_backend_mapping():
+    assert sdpa_backends("auto", "cuda") is None
+    assert sdpa_backends("flash", "cuda") == (SDPBackend.FLASH_ATTENTION,)
+    assert sdpa_backends("fused", "cuda") == (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
+    assert sdpa_backends("unfused", "cuda") == sdpa_backends("local", "cuda") == (SDPBackend.MATH,)
+    assert SDPBackend.MATH in sdpa_backends("fused", "cpu")
+
+
+@pytest.mark.parametrize("backend", ["flash", "fused", "unfused", "local"])
+def test_attention_backends_agree_on_the_cpu(backend):
+    from megatron.core.transformer.attention import SelfAttention
+
+    x = torch.randn(8, 2, 32)
+    torch.manual_seed(0)
+    ref = SelfAttention(config(attention_dropout=0.0), 1, device="cpu")
+    torch.manual_seed(0)
+    other = SelfAttention(config(attention_dropout=0.0, attention_backend=backend), 1, device="cpu")
+    torch.testing.assert_close(other(x)[0], ref(x)[0], rtol=1e-5, atol=1e-5)  # kernels differ in summation order

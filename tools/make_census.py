@@ -1,0 +1,234 @@
+"""Builds the flag census from upstream Megatron-LM's functional-test training configs.
+
+    python tools/make_census.py UPSTREAM_GIT_DIR [--out tests/unit_tests/training/census/census.yaml]
+
+Reads ``tests/functional_tests/test_cases/{gpt,moe,hybrid}/*/model_config.yaml`` at the
+upstream HEAD, keeps the training configs (no inference, RL or SFT runs) and writes each
+one's ``MODEL_ARGS`` with only these changes, so it runs on a 2-core CPU in seconds:
+
+- model and batch sizes scaled down (layers, hidden, heads, groups, FFN, sequence,
+  micro/global batch, experts, vocabulary), iterations set to 10 (samples to 10 global
+  batches), evaluation to 1 batch, data-loader workers to 0;
+- real data replaced: ``--data-path`` by ``--mock-data``, vocab/merge/tokenizer files by
+  the tiny test tokenizer in ``tests/assets/tokenizer``, output folders by placeholders
+  (``${SAVE}``, ``${TENSORBOARD}``, ``${DATA_CACHE}``) the test fills in; ``--load`` of a
+  pretrained checkpoint (configs that do not also ``--save``) is dropped.
+
+Every other flag stays as upstream wrote it. Each entry also records what the run is
+expected to do, from the flags alone (``expect``): ``train``; ``not_yet`` (parallel
+layouts, MoE, hybrid and other features with open issues: their "not supported yet"
+errors); ``unsupported`` (FP8, MLA, MTP, CP > 1, TP overlap, FSDP, ...: out of scope).
+
+Most upstream configs use a parallel layout, so few train here as written. For those
+whose only obstacle is the layout, ``single_device`` lists the layout flags to drop
+(sizes to 1): that variant keeps every model, logging, schedule and checkpoint flag
+and is expected to train.
+"""
+
+import argparse
+import subprocess
+
+import yaml
+
+FAMILIES = ("gpt", "moe", "hybrid")
+_NOT_TRAINING = ("--prompts", "--prompt-file", "--perform-rl-step", "--inference-max-seq-length", "--sft")
+
+# Flags whose presence means the run is outside this project (expect: unsupported).
+_OUT_OF_SCOPE_PREFIXES = (
+    "--fp8-",
+    "--multi-latent-attention",
+    "--mtp-",
+    "--tp-comm-overlap",
+    "--use-megatron-fsdp",
+    "--use-torch-fsdp2",
+    "--megatron-fsdp-",
+    "--export-kd-",
+    "--flextron",
+    "--cp-comm-type",
+    "--hierarchical-context-parallel-sizes",
+)
+# Flags of features with open issues here (expect: not_yet).
+_NOT_YET_FLAGS = (
+    "--num-experts",
+    "--hybrid-layer-pattern",
+    "--hybrid-override-pattern",
+    "--is-hybrid-model",
+    "--use-distributed-optimizer",
+    "--sequence-parallel",
+    "--num-layers-per-virtual-pipeline-stage",
+    "--num-virtual-stages-per-pipeline-rank",
+    "--overlap-param-gather",
+    "--spec",
+    "--experimental-attention-variant",
+    "--use-mup",
+    "--recompute-modules",
+    "--fim-data",
+    "--fine-grained-activation-offloading",
+    "--step-batch-size-schedule",
+    "--rampup-batch-size",
+    "--use-tp-pp-dp-mapping",
+    "--num-distributed-optimizer-instances",
+    "--ddp-average-in-collective",
+    "--defer-embedding-wgrad-compute",
+    "--delay-wgrad-compute",
+    "--save-retain-interval",
+    "--wandb-project",
+    "--error-injection-rate",
+    "--test-mode",
+    "--no-use-layer-wise-param-layout",
+    "--apply-wd-to-qk-layernorm",
+    "--decoupled-lr",
+)
+# Parallel-layout flags; dropping them (sizes 1) gives the single-device variant.
+PARALLEL_LAYOUT_FLAGS = (
+    "--tensor-model-parallel-size",
+    "--pipeline-model-parallel-size",
+    "--sequence-parallel",
+    "--use-distributed-optimizer",
+    "--num-layers-per-virtual-pipeline-stage",
+    "--num-virtual-stages-per-pipeline-rank",
+    "--overlap-param-gather",
+    "--overlap-param-gather-with-optimizer-step",
+    "--use-tp-pp-dp-mapping",
+    "--num-distributed-optimizer-instances",
+    "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers",
+    "--account-for-embedding-in-pipeline-split",
+    "--account-for-loss-in-pipeline-split",
+    "--microbatch-group-size-per-virtual-pipeline-stage",
+    "--overlap-p2p-communication-warmup-flush",
+    "--pipeline-model-parallel-layout",
+    "--defer-embedding-wgrad-compute",
+    "--wgrad-deferral-limit",
+    "--ddp-average-in-collective",
+    "--no-use-layer-wise-param-layout",
+)
+_SIZES = {
+    "--num-layers": lambda v: min(int(v), 2),
+    "--hidden-size": lambda v: 64,
+    "--num-attention-heads": lambda v: 4,
+    "--kv-channels": lambda v: 16,
+    "--ffn-hidden-size": lambda v: 128,
+    "--seq-length": lambda v: 64,
+    "--max-position-embeddings": lambda v: 64,
+    "--decoder-seq-length": lambda v: 64,
+    "--micro-batch-size": lambda v: min(int(v), 2),
+    "--moe-ffn-hidden-size": lambda v: 64,
+    "--moe-shared-expert-intermediate-size": lambda v: 64,
+    "--num-experts": lambda v: min(int(v), 4),
+    "--moe-router-topk": lambda v: min(int(v), 2),
+    "--mamba-num-heads": lambda v: 4,
+    "--mamba-head-dim": lambda v: 16,
+    "--vocab-size": lambda v: min(int(v), 512),
+    "--eval-iters": lambda v: min(int(v), 1),
+    "--num-workers": lambda v: 0,
+}
+_PLACEHOLDERS = {"--save": "${SAVE}", "--tensorboard-dir": "${TENSORBOARD}", "--data-cache-path": "${DATA_CACHE}"}
+
+
+def _git(git_dir: str, *args: str) -> str:
+    return subprocess.run(["git", "--git-dir", git_dir, *args], check=True, capture_output=True, text=True).stdout
+
+
+def expectation(args: dict) -> str:
+    """``train``, ``not_yet`` or ``unsupported`` from the flags of one config (pure)."""
+    flags = set(args)
+    if any(f.startswith(_OUT_OF_SCOPE_PREFIXES) for f in flags) or str(args.get("--context-parallel-size", 1)) != "1":
+        return "unsupported"
+    if args.get("--ckpt-format") == "fsdp_dtensor" or args.get("--transformer-impl") == "inference_optimized":
+        return "unsupported"
+    if args.get("--optimizer") == "muon":
+        return "not_yet"
+    sizes = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--expert-model-parallel-size")
+    if any(str(args.get(f, 1)) != "1" for f in sizes) or flags & set(_NOT_YET_FLAGS):
+        return "not_yet"
+    if args.get("--tokenizer-type") not in (None, "GPT2BPETokenizer", "NullTokenizer", "HuggingFaceTokenizer"):
+        return "not_yet"
+    if str(args.get("--rerun-mode", "disabled")) != "disabled":
+        return "not_yet"
+    return "train"
+
+
+def scale(args: dict) -> dict:
+    """Upstream MODEL_ARGS -> the census entry's (see the module docstring)."""
+    out = {}
+    saves = "--save" in args
+    for flag, value in args.items():
+        if flag in ("--data-path", "--split", "--per-split-data-args-path"):
+            continue
+        if flag == "--load":
+            if saves:
+                out[flag] = "${SAVE}"
+            continue
+        if flag in _PLACEHOLDERS:
+            out[flag] = _PLACEHOLDERS[flag]
+        elif flag == "--vocab-file":
+            out[flag] = "${ASSETS}/vocab.json"
+        elif flag == "--merge-file":
+            out[flag] = "${ASSETS}/merges.txt"
+        elif flag == "--tokenizer-model":
+            out[flag] = "${ASSETS}/tokenizer.json"
+        elif flag in _SIZES:
+            out[flag] = _SIZES[flag](value)
+        elif flag == "--num-query-groups":
+            out[flag] = 1 if int(value) == 1 else 2
+        elif isinstance(value, str) and "${" in value:
+            continue  # an environment-specific value (e.g. --seed ${REPEAT}): the default is used
+        else:
+            out[flag] = value
+    micro = out.get("--micro-batch-size", 2)
+    if "--global-batch-size" in args:
+        out["--global-batch-size"] = 2 * micro
+    if "--eval-global-batch-size" in args:
+        out["--eval-global-batch-size"] = 2 * micro
+    if "--train-samples" in args:
+        out["--train-samples"] = 10 * out.get("--global-batch-size", micro)
+    else:
+        out["--train-iters"] = 10
+    out["--mock-data"] = True
+    out["--num-workers"] = 0
+    if out.get("--tokenizer-type") is None and "--vocab-file" not in out and "--vocab-size" not in out:
+        out["--vocab-file"], out["--merge-file"] = "${ASSETS}/vocab.json", "${ASSETS}/merges.txt"
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("upstream_git_dir")
+    parser.add_argument("--out", default="tests/unit_tests/training/census/census.yaml")
+    a = parser.parse_args()
+    commit = _git(a.upstream_git_dir, "rev-parse", "HEAD").strip()
+    paths = _git(a.upstream_git_dir, "ls-tree", "-r", "--name-only", "HEAD", "tests/functional_tests/test_cases")
+    entries = {}
+    for path in sorted(paths.split()):
+        parts = path.split("/")
+        if len(parts) != 6 or parts[3] not in FAMILIES or parts[5] != "model_config.yaml":
+            continue
+        config = yaml.safe_load(_git(a.upstream_git_dir, "show", f"HEAD:{path}"))
+        args = (config or {}).get("MODEL_ARGS") or {}
+        if any(f in args for f in _NOT_TRAINING) or not ("--train-iters" in args or "--train-samples" in args):
+            continue
+        entry = {"expect": expectation(args)}
+        layout = [f for f in args if f in PARALLEL_LAYOUT_FLAGS]
+        if entry["expect"] == "not_yet" and layout:
+            single = {f: v for f, v in args.items() if f not in PARALLEL_LAYOUT_FLAGS}
+            if expectation(single) == "train":
+                entry["single_device"] = layout
+        entry["MODEL_ARGS"] = scale(args)
+        entries[f"{parts[3]}/{parts[4]}"] = entry
+    header = (
+        f"# Generated by tools/make_census.py from NVIDIA/Megatron-LM {commit}\n"
+        "# (tests/functional_tests/test_cases/<family>/<name>/model_config.yaml); do not edit by hand.\n"
+    )
+    with open(a.out, "w") as f:
+        f.write(header)
+        yaml.safe_dump(entries, f, sort_keys=False, width=120)
+    counts = {}
+    for e in entries.values():
+        counts[e["expect"]] = counts.get(e["expect"], 0) + 1
+    counts["single_device"] = sum("single_device" in e for e in entries.values())
+    print(f"{len(entries)} configs -> {a.out}: {counts}")
+
+
+if __name__ == "__main__":
+    main()
