@@ -49,15 +49,9 @@ _OUT_OF_SCOPE_PREFIXES = (
 )
 # Flags of features with open issues here (expect: not_yet).
 _NOT_YET_FLAGS = (
-    "--num-experts",
-    "--hybrid-layer-pattern",
-    "--hybrid-override-pattern",
     "--is-hybrid-model",
-    "--use-distributed-optimizer",
-    "--sequence-parallel",
     "--num-layers-per-virtual-pipeline-stage",
     "--num-virtual-stages-per-pipeline-rank",
-    "--overlap-param-gather",
     "--spec",
     "--experimental-attention-variant",
     "--use-mup",
@@ -78,10 +72,13 @@ _NOT_YET_FLAGS = (
     "--no-use-layer-wise-param-layout",
     "--apply-wd-to-qk-layernorm",
     "--decoupled-lr",
+    "--overlap-moe-expert-parallel-comm",
 )
 # Parallel-layout flags; dropping them (sizes 1) gives the single-device variant.
 PARALLEL_LAYOUT_FLAGS = (
     "--tensor-model-parallel-size",
+    "--expert-model-parallel-size",
+    "--expert-tensor-parallel-size",
     "--pipeline-model-parallel-size",
     "--sequence-parallel",
     "--use-distributed-optimizer",
@@ -139,8 +136,14 @@ def expectation(args: dict) -> str:
         return "unsupported"
     if args.get("--optimizer") == "muon":
         return "not_yet"
-    sizes = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--expert-model-parallel-size")
-    if any(str(args.get(f, 1)) != "1" for f in sizes) or flags & set(_NOT_YET_FLAGS):
+    if str(args.get("--pipeline-model-parallel-size", 1)) != "1" or flags & set(_NOT_YET_FLAGS):
+        return "not_yet"
+    if "--use-distributed-optimizer" in flags and flags & {"--save", "--load"}:
+        return "not_yet"  # distributed-optimizer checkpoints
+    expert_tp = args.get("--expert-tensor-parallel-size", args.get("--tensor-model-parallel-size", 1))
+    if "--num-experts" in flags and str(expert_tp) != "1":
+        return "not_yet"  # expert tensor parallelism
+    if "sinkhorn" in str(args.get("--moe-router-load-balancing-type", "")):
         return "not_yet"
     if args.get("--tokenizer-type") not in (None, "GPT2BPETokenizer", "NullTokenizer", "HuggingFaceTokenizer"):
         return "not_yet"
@@ -153,6 +156,16 @@ def scale(args: dict) -> dict:
     """Upstream MODEL_ARGS -> the census entry's (see the module docstring)."""
     out = {}
     saves = "--save" in args
+    # Sizes that the parallel layout must divide: heads, groups and widths by TP, experts by EP.
+    tp = int(args.get("--tensor-model-parallel-size", 1))
+    ep = int(args.get("--expert-model-parallel-size", 1))
+    by_layout = {
+        "--num-attention-heads": 4 * tp,
+        "--hidden-size": 64 * tp,
+        "--ffn-hidden-size": 128 * tp,
+        "--moe-ffn-hidden-size": 64 * tp,
+        "--moe-shared-expert-intermediate-size": 64 * tp,
+    }
     for flag, value in args.items():
         if flag in ("--data-path", "--split", "--per-split-data-args-path"):
             continue
@@ -168,19 +181,24 @@ def scale(args: dict) -> dict:
             out[flag] = "${ASSETS}/merges.txt"
         elif flag == "--tokenizer-model":
             out[flag] = "${ASSETS}/tokenizer.json"
+        elif flag in by_layout:
+            out[flag] = by_layout[flag]
+        elif flag == "--num-experts":
+            out[flag] = min(int(value), max(4, ep))
         elif flag in _SIZES:
             out[flag] = _SIZES[flag](value)
         elif flag == "--num-query-groups":
-            out[flag] = 1 if int(value) == 1 else 2
+            out[flag] = 1 if int(value) == 1 else 2 * tp
         elif isinstance(value, str) and "${" in value:
             continue  # an environment-specific value (e.g. --seed ${REPEAT}): the default is used
         else:
             out[flag] = value
     micro = out.get("--micro-batch-size", 2)
+    replicas = ep  # data-parallel replicas on the smallest world of the layout (TP x PP x EP)
     if "--global-batch-size" in args:
-        out["--global-batch-size"] = 2 * micro
+        out["--global-batch-size"] = 2 * micro * replicas
     if "--eval-global-batch-size" in args:
-        out["--eval-global-batch-size"] = 2 * micro
+        out["--eval-global-batch-size"] = 2 * micro * replicas
     if "--train-samples" in args:
         out["--train-samples"] = 10 * out.get("--global-batch-size", micro)
     else:
@@ -210,7 +228,7 @@ def main() -> None:
             continue
         entry = {"expect": expectation(args)}
         layout = [f for f in args if f in PARALLEL_LAYOUT_FLAGS]
-        if entry["expect"] == "not_yet" and layout:
+        if entry["expect"] in ("not_yet", "train") and layout:
             single = {f: v for f, v in args.items() if f not in PARALLEL_LAYOUT_FLAGS}
             if expectation(single) == "train":
                 entry["single_device"] = layout

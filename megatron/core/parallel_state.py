@@ -180,7 +180,7 @@ class ParallelConfig:
             model.ffn_hidden_size is None or model.ffn_hidden_size % tp == 0,
             f"--ffn-hidden-size ({model.ffn_hidden_size}) must be divisible by --tensor-model-parallel-size ({tp}).",
         )
-        experts = getattr(model, "num_moe_experts", None) or getattr(model, "num_experts", None)
+        experts = getattr(getattr(model, "moe", None), "num_moe_experts", None)
         ep = self.expert_model_parallel_size
         if experts:
             require(
@@ -488,8 +488,8 @@ def initialize(config: ParallelConfig, *, use_cuda: bool) -> ProcessGroups:
     owns = not dist.is_initialized()
     if owns:
         # A process group that outlives destroy() is freed at interpreter shutdown, where
-        # gloo's worker threads abort about one exit in 15 ("terminate called without an
-        # active exception", torch 2.13, DP=2 on the CPU). torch.optim imports
+        # gloo's worker threads sometimes abort ("terminate called without an active
+        # exception"). torch.optim imports
         # torch._dynamo, which, imported after the group exists, keeps hidden references
         # to it; imported first it keeps none. destroy() drops our own handle.
         try:

@@ -495,7 +495,7 @@ class Trainer:
                 seq_length=cfg.model.seq_length,
                 vocab_size=cfg.model.vocab_size,
             )
-            throughput = flops / (elapsed_ms / 1000.0) / 1e12 / self.pg.world_size
+            throughput = logs.throughput_tflops_per_gpu(flops, elapsed_ms / 1000.0, self.pg.world_size)
         loss_scale = float(self.optimizer.get_loss_scale())
         num_zeros = None
         if cfg.logging.log_num_zeros_in_grad:

@@ -5,16 +5,15 @@ Samples are consumed in index order (datasets shuffle internally). One global st
 slices, rank r taking ``[r * mbs, (r + 1) * mbs)``. Starting at ``consumed_samples``
 lets a resumed run continue exactly where it stopped.
 
-Unusual here, both for a host-bound GPU step (dense8 eager on an H200 host):
+Unusual here, both for a host-bound GPU step:
 
 * Batches made by worker processes travel to the training process as numpy arrays,
   pickled by value, and become tensors again there (no copy). As tensors they would
   travel through shared memory, each one's file descriptor handed over a socket on
-  the training thread: the trainer's fetch of a four-tensor GPT batch (receive, pin,
-  copy to the device) took 1.8 ms per step that way, 0.75 ms as numpy arrays.
+  the training thread, which costs the trainer's fetch of a four-tensor GPT batch
+  (receive, pin, copy to the device) more than twice the time numpy arrays take.
 * Memory is not pinned here: the DataLoader would pin in a thread of the training
-  process, which competes for the GIL. In alternating runs the step took 19.0-19.7
-  ms with that thread against 13.4-15.6 ms with ``--num-workers 0``. The trainer
+  process, which competes for the GIL and slows the whole step. The trainer
   pins each batch itself when it copies it to the device.
 
 Workers end as soon as the training process does, however it dies (``kill -9``

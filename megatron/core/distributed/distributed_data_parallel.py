@@ -388,7 +388,7 @@ class DistributedDataParallel(torch.nn.Module):
 
 # Low-precision gradients up to this many elements are upcast through scratch tensors
 # before the fold; larger ones are added directly (one launch each, a small share of
-# their cost), so the scratch stays small (0.5 MiB on the 8-layer model).
+# their cost), so the scratch stays small.
 _FOLD_SCRATCH_MAX_NUMEL = 1 << 16
 
 

@@ -190,10 +190,8 @@ class MixedPrecisionOptimizer:
         Used with CUDA graphs. Lazily, the moments land in the blocks that the eager
         recording iteration's activations just freed; from iteration 2 on those
         activations live in the graph pool, and what is left of those blocks stays
-        reserved for nothing. Measured on the 8-layer H200 benchmark with
-        ``--cuda-graph-scope attn``: peak device memory 6.121 GiB lazily, 5.906 GiB
-        allocated up front. Eager runs keep torch's lazy allocation (it is the cheaper
-        one for them: 5.875 against 5.908 GiB).
+        reserved for nothing, which raises the graphed run's peak. Eager runs keep
+        torch's lazy allocation (it is the cheaper one for them).
         """
         for group in self.optimizer.param_groups:
             on_device = group.get("fused") or group.get("capturable")
@@ -358,8 +356,8 @@ class MixedPrecisionOptimizer:
         Fused AdamW with all its state in place: the two launches torch's ``AdamW.step``
         makes per group (step += 1, then ``torch._fused_adamw_``), called directly on
         lists built once. Same kernels, same arguments, bitwise the same update; it saves
-        torch's per-step Python (state lookups, grouping by device and dtype), about 1 ms
-        a step on the H200 host. With ``found_inf`` the steps are counted back down
+        torch's per-step Python (state lookups, grouping by device and dtype), which is
+        host time in a host-bound step. With ``found_inf`` the steps are counted back down
         afterwards, as torch does. Any other setting goes through
         ``self.optimizer.step()``, which reads ``found_inf`` from the optimizer.
         """

@@ -128,8 +128,7 @@ def resolve_device(device=None) -> torch.device:
     """The device to allocate parameters on: ``device`` or torch's current default device."""
     if device is not None:
         return torch.device(device)
-    get_default = getattr(torch, "get_default_device", None)  # torch >= 2.3
-    return get_default() if get_default is not None else torch.device("cpu")
+    return torch.get_default_device()
 
 
 def get_tensor_model_parallel_size(pg) -> int:

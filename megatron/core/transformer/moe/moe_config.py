@@ -142,7 +142,7 @@ class MoEConfig:
     """Step size of the expert-bias update."""
 
     moe_router_load_balancing_type: list[str] = flag_field(
-        default_factory=lambda: ["aux_loss"], nargs="+", choices=LOAD_BALANCING_TYPES
+        default_factory=lambda: ["aux_loss"], nargs="+", choices=(*LOAD_BALANCING_TYPES, "sinkhorn")
     )
     """Load-balancing loss(es): aux_loss (per micro-batch), seq_aux_loss (per sequence),
     global_aux_loss (over the global batch) or none; several may be combined."""
@@ -236,6 +236,10 @@ class MoEConfig:
             )
         types = list(self.moe_router_load_balancing_type)
         for t in types:
+            require(
+                t != "sinkhorn",
+                f"--moe-router-load-balancing-type sinkhorn is not supported yet; use one of {' '.join(LOAD_BALANCING_TYPES)}.",
+            )
             require(
                 t in LOAD_BALANCING_TYPES,
                 f"--moe-router-load-balancing-type {t} is not supported; use one of {' '.join(LOAD_BALANCING_TYPES)}.",

@@ -47,9 +47,17 @@ def argv_of(args: dict, tmp: pathlib.Path, drop=()) -> list[str]:
     return argv
 
 
-def _validate(argv):
+def _world(args: dict) -> int:
+    """The smallest world the config's parallel layout runs on (one data-parallel replica)."""
+    size = 1
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--expert-model-parallel-size"):
+        size *= int(args.get(flag, 1))
+    return size
+
+
+def _validate(argv, world: int = 1):
     cfg = parse_args(argv)
-    cfg.parallel.world_size = 1
+    cfg.parallel.world_size = world
     cfg.validate()
     return cfg
 
@@ -81,11 +89,12 @@ def test_census_covers_enough_upstream_configs():
 def test_census_config_parses_and_validates(name, tmp_path):
     entry = CENSUS[name]
     argv = argv_of(entry["MODEL_ARGS"], tmp_path)
+    world = _world(entry["MODEL_ARGS"])
     if entry["expect"] == "train":
-        _validate(argv)
+        _validate(argv, world)
     else:
         with pytest.raises(ValueError) as e:
-            _validate(argv)
+            _validate(argv, world)
         kinds = _error_kinds(str(e.value))
         if entry["expect"] == "not_yet":
             assert kinds == {"not_yet"}, str(e.value)
