@@ -76,6 +76,7 @@ class Trainer:
         model_provider: Callable,
         forward_step: schedules.ForwardStep = gpt_forward_step,
     ):
+        self.start_time = time.monotonic()  # --exit-duration-in-mins counts from here, set-up included
         self.cfg = cfg
         self.pg = pg
         self.device = pg.device
@@ -314,7 +315,7 @@ class Trainer:
         self.model.train()
         history = []
         self._window = _LossWindow(self.device)
-        exits = ExitConditions(t, self.pg)
+        exits = ExitConditions(t, self.pg, start_time=self.start_time)
         last_time = self._sync_time()
         window_skipped = 0
         logs.print_rank_0(f"> training {self.num_params:,} parameters for {t.train_iters} iterations")
@@ -642,13 +643,13 @@ class ExitConditions:
     iteration.
     """
 
-    def __init__(self, training_config, pg: parallel_state.ProcessGroups):
+    def __init__(self, training_config, pg: parallel_state.ProcessGroups, *, start_time: float):
         self.handle_signal = training_config.exit_signal_handler
         self.duration_s = (
             None if training_config.exit_duration_in_mins is None else training_config.exit_duration_in_mins * 60.0
         )
         self.pg = pg
-        self._start = _PROCESS_START
+        self._start = start_time  # time.monotonic() when the run began
         self._received = False
         self._previous = None
         self._decided: str | None = None
@@ -681,9 +682,6 @@ class ExitConditions:
         elif timed_out:
             self._decided = f"--exit-duration-in-mins {self.duration_s / 60.0:g} reached"
         return self._decided
-
-
-_PROCESS_START = time.monotonic()
 
 
 def default_model_provider(cfg: RunConfig, vocab_size: int, pg, device) -> torch.nn.Module:

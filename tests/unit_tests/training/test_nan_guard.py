@@ -101,3 +101,32 @@ def test_static_fp16_loss_scale_that_skips_every_step_warns(capsys):
     assert trainer.skipped_iters == 10
     out = capsys.readouterr().out
     assert "WARNING: the last 10 iterations all overflowed with the static loss scale --loss-scale 1e+30" in out
+
+
+def test_guard_changes_no_number_of_a_finite_run():
+    flags = ["--train-iters", 3, "--log-interval", 1, "--hidden-dropout", 0.1, "--lr", "1e-3"]
+    guarded = trainer_for(*flags)
+    a = guarded.train()  # one after the other: the trainers share torch's global generator
+    unguarded = trainer_for(*flags, "--no-check-for-nan-in-loss-and-grad")
+    b = unguarded.train()
+    assert [r["lm loss"] for r in a] == [r["lm loss"] for r in b]
+    assert [r["grad-norm"] for r in a] == [r["grad-norm"] for r in b]
+    for p, q in zip(guarded.model.parameters(), unguarded.model.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scope", [[], ["attn"]], ids=["whole_layer", "attn"])
+def test_guard_with_cuda_graphs_gpu(tmp_path, scope):
+    # The skip happens on the device (fused AdamW's found_inf), with graphs replaying.
+    graphs = ["--cuda-graph-impl", "local", "--bf16", "--deterministic-mode"]
+    if scope:
+        graphs += ["--cuda-graph-scope", *scope]
+    save = tmp_path / "c"
+    trainer = trainer_for(*graphs, *EXPLODE, "--train-iters", 12, "--log-interval", 10, "--save-interval", 5,
+                          "--save", save)  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"non-finite lm loss or grad norm at iteration 2 .*up to iteration 5"):
+        trainer.train()
+    assert trainer.graphs.state == "captured" and finite_weights(trainer)
+    assert all(torch.isfinite(m).all() for m in trainer.optimizer.main_params)
+    assert not os.path.exists(checkpointing.tracker_path(str(save)))
