@@ -16,7 +16,8 @@ def model_provider(cfg, vocab_size, pg, device):
         raise ValueError(
             "pretrain_hybrid.py needs --hybrid-layer-pattern (e.g. M*M-M*M-); for GPT use pretrain_gpt.py."
         )
-    check_graph_scopes(cfg.cuda_graph.cuda_graph_scope, cfg.mamba, cfg.model)  # before anything is built
+    if cfg.cuda_graph.enabled:  # before anything is built, as the session will resolve them
+        check_graph_scopes(cfg.cuda_graph.cuda_graph_scope, cfg.mamba, cfg.model)
     return build_hybrid_model(cfg.model, cfg.mamba, vocab_size, pg=pg, device=device)
 
 
