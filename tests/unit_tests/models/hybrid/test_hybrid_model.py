@@ -96,7 +96,7 @@ def test_pretrain_hybrid_trains_on_the_cpu_and_the_loss_decreases(tmp_path):
         "MambaLayer", "AttentionLayer", "MambaLayer", "MLPLayer"
     ]  # fmt: skip
     losses = [r["lm loss"] for r in trainer.history]
-    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    assert len(losses) >= 4 and all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0] - 0.3, losses
 
 
