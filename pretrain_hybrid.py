@@ -16,7 +16,8 @@ def model_provider(cfg, vocab_size, pg, device):
         raise ValueError(
             "pretrain_hybrid.py needs --hybrid-layer-pattern (e.g. M*M-M*M-); for GPT use pretrain_gpt.py."
         )
-    check_graph_scopes(cfg.cuda_graph.cuda_graph_scope, cfg.mamba, cfg.model)  # before anything is built
+    if cfg.cuda_graph.enabled:  # before anything is built, as the session will resolve them
+        check_graph_scopes(cfg.cuda_graph.cuda_graph_scope, cfg.mamba, cfg.model)
     return build_hybrid_model(cfg.model, cfg.mamba, vocab_size, pg=pg, device=device)
 
 
@@ -24,7 +25,7 @@ def forward_step(batch, model):
     """One micro-batch: ``(loss, metrics)``, the mean next-token loss over unmasked tokens."""
     per_token = model(batch["tokens"], batch["position_ids"], batch["labels"])
     loss, num_tokens = masked_mean_loss(per_token, batch["loss_mask"])
-    return loss, {}
+    return loss, {"num_tokens": num_tokens}  # the token count is for --calculate-per-token-loss
 
 
 if __name__ == "__main__":

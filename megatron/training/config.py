@@ -387,8 +387,8 @@ class RunConfig:
         Needs ``parallel.world_size`` set (``finalize_world``) for the batch checks.
         """
         self._warn_ignored_flags()
-        self.mamba.validate(self.model, self.parallel)  # first: the hybrid pattern sets --num-layers
         self.model.moe = self.moe  # the model reads its MoE flags as config.moe
+        self.mamba.validate(self.model, self.parallel)  # before finalize: the hybrid pattern sets --num-layers
         self.model.finalize()
         self.model.validate()
         par = self.parallel

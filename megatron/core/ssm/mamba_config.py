@@ -100,11 +100,13 @@ class MambaConfig:
         parsed = self.parsed_pattern
         if parsed is None:
             return
-        require(
-            parsed.count(Symbols.MOE) == 0,
-            f"--hybrid-layer-pattern {parsed.pattern!r}: symbol 'E' (MoE) - MoE layers are not available yet; "
-            "use M, * and - layers.",
-        )
+        if parsed.count(Symbols.MOE) and model is not None:
+            moe = getattr(model, "moe", None)
+            require(
+                moe is not None and moe.enabled,
+                f"--hybrid-layer-pattern {parsed.pattern!r}: symbol 'E' (MoE) layers need --num-experts N "
+                "(and the other MoE flags); or use M, * and - layers.",
+            )
         if model is not None:
             default_layers = next(f.default for f in dataclasses.fields(model) if f.name == "num_layers")
             if model.num_layers not in (default_layers, parsed.num_layers):

@@ -4,6 +4,7 @@ import pytest
 
 from megatron.core.parallel_state import ParallelConfig
 from megatron.core.ssm.mamba_config import MambaConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -67,6 +68,9 @@ def test_mamba_sizes_are_not_checked_without_mamba_layers():
     MambaConfig(hybrid_layer_pattern="*-*-", mamba_num_groups=3).validate(TransformerConfig(hidden_size=64))
 
 
-def test_moe_symbol_is_not_available_yet():
-    with pytest.raises(ValueError, match="--hybrid-layer-pattern 'M\\*E-'.*'E' \\(MoE\\).*not available yet"):
+def test_moe_symbol_needs_the_moe_flags():
+    with pytest.raises(ValueError, match="--hybrid-layer-pattern 'M\\*E-'.*'E' \\(MoE\\) layers need --num-experts"):
         MambaConfig(hybrid_layer_pattern="M*E-").validate(TransformerConfig(hidden_size=1024))
+    model = TransformerConfig(hidden_size=1024, moe=MoEConfig(num_moe_experts=4))
+    MambaConfig(hybrid_layer_pattern="M*E-").validate(model)
+    assert model.num_layers == 4

@@ -1,18 +1,19 @@
 """Layer specs of hybrid models built from plain PyTorch modules (``--transformer-impl local``)."""
 
 from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
-from megatron.core.models.hybrid.hybrid_layers import AttentionLayer, MLPLayer, absent
+from megatron.core.models.hybrid.hybrid_layers import AttentionLayer, MLPLayer, MoEOnlyLayer, absent
 from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
 from megatron.core.ssm.mamba_mixer import MambaMixer
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.norm import build_norm
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 
 def get_hybrid_stack_local_spec() -> HybridStackSubmodules:
-    """Specs per pattern symbol: Mamba (norm + mixer), attention-only and MLP-only layers; no MoE yet."""
+    """Specs per pattern symbol: Mamba (norm + mixer), attention-only, MLP-only and MoE-only layers."""
     return HybridStackSubmodules(
         mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(norm=build_norm, mixer=MambaMixer)),
         attention_layer=ModuleSpec(
@@ -27,5 +28,10 @@ def get_hybrid_stack_local_spec() -> HybridStackSubmodules:
                 input_layernorm=absent, self_attention=absent, pre_mlp_layernorm=build_norm, mlp=MLP
             ),
         ),
-        moe_layer=None,  # the MoE layer arrives with the MoE issue
+        moe_layer=ModuleSpec(
+            module=MoEOnlyLayer,
+            submodules=TransformerLayerSubmodules(
+                input_layernorm=absent, self_attention=absent, pre_mlp_layernorm=build_norm, mlp=MoELayer
+            ),
+        ),
     )

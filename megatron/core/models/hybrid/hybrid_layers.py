@@ -1,15 +1,19 @@
-"""The ``*`` and ``-`` layers of a hybrid model: a transformer layer with only attention / only the MLP.
+"""The ``*``, ``-`` and ``E`` layers of a hybrid model: a transformer layer with only attention,
+only the MLP, or only the MoE block.
 
-Both reuse ``TransformerLayer`` as it is: its constructor, with the absent part's specs
-building nothing (``absent``), and its region methods ``_forward_attention`` /
-``_forward_mlp``. Each offers its one region and may be captured whole. Parameter
-names are the transformer layer's (``input_layernorm``, ``self_attention`` /
-``pre_mlp_layernorm``, ``mlp``), as Megatron's hybrid attention and MLP layers have.
+They reuse ``TransformerLayer`` / ``MoETransformerLayer`` as they are: the constructor,
+with the absent part's specs building nothing (``absent``), and the region methods.
+Attention and MLP layers offer their one region and may be captured whole; the MoE
+layer offers the MoE layer's ``moe_router``, ``moe_preprocess`` and ``moe`` regions with
+their rules (whole only with drop-and-pad). Parameter names are the transformer
+layer's (``input_layernorm``, ``self_attention`` / ``pre_mlp_layernorm``, ``mlp``), as
+Megatron's hybrid layers have.
 """
 
 import torch
 
 from megatron.core.transformer.cuda_graphs.regions import GraphRegions, RegionSpec
+from megatron.core.transformer.moe.moe_layer import MoETransformerLayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
@@ -36,3 +40,23 @@ class MLPLayer(TransformerLayer):
     def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``; ``rotary_pos_emb`` is accepted for a uniform layer call and unused."""
         return self._forward_mlp(hidden_states)
+
+
+_MOE_REGIONS = MoETransformerLayer.graph_regions
+
+
+class MoEOnlyLayer(MoETransformerLayer):
+    """``x + moe(norm(x))``: an MoE transformer layer without attention (pattern symbol ``E``)."""
+
+    graph_regions = GraphRegions(
+        *(spec for spec in _MOE_REGIONS.specs if spec.name != "attn"),
+        whole=("moe",),
+        whole_when=_MOE_REGIONS.whole_when,
+    )
+
+    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
+        """``[s, b, h] -> [s, b, h]``; router statistics are added up as in ``MoETransformerLayer``."""
+        hidden_states, stats = self._forward_moe(hidden_states)
+        if self.training and torch.is_grad_enabled():  # evaluation does not count
+            self.mlp.accumulate_stats(stats)
+        return hidden_states

@@ -184,11 +184,16 @@ def pattern_layer_classes(mamba_config, stack_submodules=None) -> list[type]:
         from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_stack_local_spec
 
         stack_submodules = get_hybrid_stack_local_spec()
-    spec_names = {Symbols.MAMBA: "mamba_layer", Symbols.ATTENTION: "attention_layer", Symbols.MLP: "mlp_layer"}
+    spec_names = {
+        Symbols.MAMBA: "mamba_layer",
+        Symbols.ATTENTION: "attention_layer",
+        Symbols.MLP: "mlp_layer",
+        Symbols.MOE: "moe_layer",
+    }
     classes = []
     for symbol in parse_hybrid_pattern(mamba_config.hybrid_layer_pattern).layers:
         spec = getattr(stack_submodules, spec_names[symbol], None) if symbol in spec_names else None
-        if spec is not None:  # MoE (E) has no layer yet; building the stack says so
+        if spec is not None:  # a symbol without a spec: building the stack says so
             classes.append(spec.module if isinstance(spec, ModuleSpec) else spec)
     return classes
 

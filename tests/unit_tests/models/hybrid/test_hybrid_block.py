@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from megatron.core.models.hybrid.hybrid_block import HybridStack
-from megatron.core.models.hybrid.hybrid_layers import AttentionLayer, MLPLayer
+from megatron.core.models.hybrid.hybrid_layers import AttentionLayer, MLPLayer, MoEOnlyLayer
 from megatron.core.ssm.mamba_config import MambaConfig
 from megatron.core.ssm.mamba_layer import MambaLayer
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 H = 32
@@ -56,10 +57,30 @@ def test_each_layer_kind_is_a_residual_branch_with_one_region():
     torch.testing.assert_close(out, stack.final_norm(mlp(attn(mamba(x)))))
 
 
-def test_moe_layers_are_not_available_yet():
+def test_moe_layers_are_moe_blocks_without_attention():
+    cfg, mc = configs(moe=MoEConfig(num_moe_experts=4, moe_router_topk=2))
+    cfg.moe.validate(cfg)
+    stack = HybridStack(cfg, mc, "ME", device="cpu")
+    layer = stack.layers[1]
+    assert isinstance(layer, MoEOnlyLayer) and layer.self_attention is None and layer.input_layernorm is None
+    assert {n.split(".")[2] for n, _ in stack.named_parameters() if n.startswith("layers.1.")} == {
+        "pre_mlp_layernorm",
+        "mlp",
+    }
+    assert [s.name for s in MoEOnlyLayer.graph_regions.specs] == ["moe_router", "moe_preprocess", "moe"]
+    x = torch.randn(6, 2, H, requires_grad=True)
+    out = stack(x)
+    out.sum().backward()
+    assert out.shape == x.shape and torch.isfinite(x.grad).all()
+    assert layer.mlp.router.weight.grad is not None
+
+
+def test_a_layer_kind_without_a_spec_is_a_clear_error():
+    from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
+
     cfg, mc = configs()
     with pytest.raises(ValueError, match="--hybrid-layer-pattern: symbol 'E' \\(MoE\\) - MoE layers are not available"):
-        HybridStack(cfg, mc, "ME", device="cpu")
+        HybridStack(cfg, mc, "ME", submodules=HybridStackSubmodules(mamba_layer=MambaLayer), device="cpu")
 
 
 def test_attention_layers_read_rope():

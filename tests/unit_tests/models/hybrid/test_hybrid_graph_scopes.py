@@ -99,3 +99,15 @@ def test_session_records_the_selected_regions_of_a_hybrid_model(scopes, regions)
     plan = session.make_plans()[0]  # slot 0: one micro-batch in flight
     assert plan.cycle == [Event(FWD, i) for i in range(n)] + [Event(BWD, i) for i in reversed(range(n))]
     session.close()
+
+
+def test_moe_layers_bring_the_moe_scope_rules():
+    from megatron.core.transformer.moe.moe_config import MoEConfig
+
+    pattern = MambaConfig(hybrid_layer_pattern="M*E-")
+    dropless = TransformerConfig(hidden_size=32, num_attention_heads=4, moe=MoEConfig(num_moe_experts=4))
+    check_graph_scopes(["mamba", "moe_router", "moe_preprocess"], pattern, dropless)
+    with pytest.raises(ValueError, match="--cuda-graph-scope moe: not available.*drop-and-pad"):
+        check_graph_scopes(["moe"], pattern, dropless)
+    with pytest.raises(ValueError, match="--cuda-graph-scope moe_preprocess needs moe_router"):
+        check_graph_scopes(["moe_preprocess"], pattern, dropless)
