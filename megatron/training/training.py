@@ -685,8 +685,14 @@ class ExitConditions:
 
 
 def default_model_provider(cfg: RunConfig, vocab_size: int, pg, device) -> torch.nn.Module:
+    """The GPT model (``pretrain_gpt.py``'s provider)."""
     from megatron.core.models.gpt.gpt_model import build_gpt_model
 
+    if cfg.mamba.hybrid_layer_pattern is not None:
+        raise ValueError(
+            "--hybrid-layer-pattern describes a hybrid Mamba model, which pretrain_gpt.py does not build; "
+            "run pretrain_hybrid.py with the same flags."
+        )
     return build_gpt_model(cfg.model, vocab_size, pg=pg, device=device)
 
 

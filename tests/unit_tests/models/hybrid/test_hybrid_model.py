@@ -127,3 +127,10 @@ def test_pretrain_hybrid_with_moe_layers_trains_on_the_cpu(tmp_path):
     kinds = [type(m).__name__ for m in trainer.model.module.decoder.layers]
     assert kinds == ["MambaLayer", "AttentionLayer", "MoEOnlyLayer", "MLPLayer"]
     assert all(torch.isfinite(torch.tensor(r["lm loss"])) for r in trainer.history)
+
+
+def test_pretrain_gpt_refuses_a_hybrid_pattern(tiny_argv):
+    from megatron.training.training import build_trainer
+
+    with pytest.raises(ValueError, match="run pretrain_hybrid.py with the same flags"):
+        build_trainer(tiny_argv("--train-iters 1 --hybrid-layer-pattern M* --mamba-num-groups 1 --mamba-head-dim 16"))
