@@ -95,12 +95,12 @@ def test_model_that_fits_the_layout_passes():
 def test_experts_by_ep():
     cfg = layout(4, expert_model_parallel_size=4)
     model = TransformerConfig().finalize()
-    model.num_moe_experts = 6
+    model.moe.num_moe_experts = 6  # the MoE flags live in the model config's moe part
     with pytest.raises(
         ValueError, match=r"--num-experts \(6\) must be divisible by --expert-model-parallel-size \(4\)"
     ):
         cfg.validate_model(model)
-    model.num_moe_experts = 8
+    model.moe.num_moe_experts = 8
     cfg.validate_model(model)
 
 

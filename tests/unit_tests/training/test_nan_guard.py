@@ -59,8 +59,10 @@ def test_guard_stops_at_the_log_line_after_printing_it(tmp_path, capsys):
         trainer.train()
     assert trainer.iteration == 3 and finite_weights(trainer)
     assert "number of nan iterations:   2 |" in capsys.readouterr().out
-    (record,) = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert record["iteration"] == 3 and math.isfinite(record["lm loss"])  # iteration 1 alone
+    # Megatron's log points: after iteration 1 (finite), then at 3 (iterations 2-3, none finite).
+    first, last = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert (first["iteration"], last["iteration"]) == (1, 3)
+    assert math.isfinite(first["lm loss"]) and not math.isfinite(last["lm loss"])
 
 
 def test_guard_skips_the_update_and_a_save_refuses_non_finite_weights(tmp_path):
@@ -84,11 +86,14 @@ def test_without_the_guard_training_goes_on_and_logs_nan(tmp_path, capsys):
     trainer = trainer_for(*flags, "--metrics-file", metrics, "--no-check-for-nan-in-loss-and-grad")
     history = trainer.train()
     assert trainer.iteration == 6 and not finite_weights(trainer)  # Megatron applies the update
-    first, second = [r["lm loss"] for r in history]
-    assert math.isfinite(first) and math.isnan(second)  # nan, not 0 and not averaged with zeros
+    first, *later = [r["lm loss"] for r in history]  # after iteration 1, then at 3 and 6
+    assert len(later) == 2 and math.isfinite(first)
+    assert all(math.isnan(v) for v in later)  # nan, not 0 and not averaged with zeros
     assert trainer.nan_iters == 5
     out = capsys.readouterr().out
-    assert "lm loss: NAN |" in out and "number of nan iterations:   5 |" in out
+    # Counted per log interval, as Megatron: 2 in iterations 2-3, 3 in 4-6.
+    assert "lm loss: NAN |" in out
+    assert "number of nan iterations:   2 |" in out and "number of nan iterations:   3 |" in out
     assert out.count("WARNING: refusing to save iteration") == 2  # at 3 and 6; nothing written
     assert not os.path.exists(checkpointing.tracker_path(str(save)))
     recorded = [json.loads(line)["lm loss"] for line in metrics.read_text().splitlines()]
