@@ -103,6 +103,32 @@ class LanguageModelEmbedding(torch.nn.Module):
         return embeddings
 
 
+def build_output_layer(
+    config, vocab_size: int, pg, pre_process: bool, post_process: bool, share_embeddings: bool, device
+) -> ColumnParallelLinear | None:
+    """The output layer of a language model's last stage (None on other stages).
+
+    Tied on the first stage it borrows the embedding weight at forward time; tied on a
+    later pipeline stage it owns a copy, marked for the pipeline code to sync.
+    """
+    if not post_process:
+        return None
+    layer = ColumnParallelLinear(
+        config.hidden_size,
+        vocab_size,
+        config=config,
+        init_method=init_method_normal(config.init_method_std),
+        bias=False,
+        gather_output=False,
+        pg=pg,
+        skip_weight_param_allocation=share_embeddings and pre_process,
+        device=device,
+    )
+    if share_embeddings and not pre_process:
+        layer.weight.shared_embedding = True
+    return layer
+
+
 def _tied_head_params(model: "GPTModel") -> list[torch.nn.Parameter]:
     # The tied embedding weight gets gradient from the head and from the eager embedding
     # lookup; autograd must sum both in the parameter's dtype, as in eager.
@@ -177,25 +203,9 @@ class GPTModel(torch.nn.Module):
         self.decoder = TransformerBlock(
             config, layer_spec, pg, pre_process=pre_process, post_process=post_process, device=device
         )
-        if post_process:
-            # Tied on the first stage: the output layer borrows the embedding weight at forward time.
-            # (Tied on a later pipeline stage it owns a copy, marked for the pipeline code to sync.)
-            borrow = share_embeddings_and_output_weights and pre_process
-            self.output_layer = ColumnParallelLinear(
-                config.hidden_size,
-                vocab_size,
-                config=config,
-                init_method=init_method_normal(config.init_method_std),
-                bias=False,
-                gather_output=False,
-                pg=pg,
-                skip_weight_param_allocation=borrow,
-                device=device,
-            )
-            if share_embeddings_and_output_weights and not pre_process:
-                self.output_layer.weight.shared_embedding = True
-        else:
-            self.output_layer = None
+        self.output_layer = build_output_layer(
+            config, vocab_size, pg, pre_process, post_process, share_embeddings_and_output_weights, device
+        )
         if uses_sequence_parallel(pg):
             # Replicated decoder parameters (norms, row-parallel biases, routers) see one
             # sequence shard per TP rank: their gradients are partial sums over TP.

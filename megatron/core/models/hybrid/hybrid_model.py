@@ -14,11 +14,11 @@ as in GPT.
 import torch
 
 from megatron.core.models.common.rotary import RotaryEmbedding
-from megatron.core.models.gpt.gpt_model import LanguageModelEmbedding
+from megatron.core.models.gpt.gpt_model import GPTModel, LanguageModelEmbedding, build_output_layer
 from megatron.core.models.hybrid.hybrid_block import HybridStack
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern, select_pipeline_segment
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, init_method_normal, resolve_device
+from megatron.core.tensor_parallel.layers import resolve_device
 from megatron.core.transformer.cuda_graphs import regions
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -115,31 +115,11 @@ class HybridModel(torch.nn.Module):
             post_process=post_process,
             device=device,
         )
-        if post_process:
-            borrow = share_embeddings_and_output_weights and pre_process
-            self.output_layer = ColumnParallelLinear(
-                config.hidden_size,
-                vocab_size,
-                config=config,
-                init_method=init_method_normal(config.init_method_std),
-                bias=False,
-                gather_output=False,
-                pg=pg,
-                skip_weight_param_allocation=borrow,
-                device=device,
-            )
-            if share_embeddings_and_output_weights and not pre_process:
-                self.output_layer.weight.shared_embedding = True
-        else:
-            self.output_layer = None
+        self.output_layer = build_output_layer(
+            config, vocab_size, pg, pre_process, post_process, share_embeddings_and_output_weights, device
+        )
 
-    def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
-        """The weight shared by the embedding and the output layer on this stage, if any."""
-        if not self.share_embeddings_and_output_weights:
-            return None
-        if self.pre_process:
-            return self.embedding.word_embeddings.weight
-        return self.output_layer.weight if self.post_process else None
+    shared_embedding_or_output_weight = GPTModel.shared_embedding_or_output_weight
 
     def forward(
         self,
@@ -167,15 +147,7 @@ class HybridModel(torch.nn.Module):
         loss = vocab_parallel_cross_entropy(logits, labels.t(), pg=self.pg, fused=self.config.cross_entropy_loss_fusion)
         return loss.t().contiguous()  # [b, s]
 
-    def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Number of unique parameters (a tied weight counts once)."""
-        excluded = set()
-        if exclude_embeddings:
-            if self.embedding is not None:
-                excluded.update(id(p) for p in self.embedding.parameters())
-            if self.output_layer is not None and self.output_layer.weight is not None:
-                excluded.add(id(self.output_layer.weight))
-        return sum(p.numel() for p in self.parameters() if id(p) not in excluded)
+    num_parameters = GPTModel.num_parameters
 
 
 def pattern_layer_classes(mamba_config, stack_submodules=None) -> list[type]:
