@@ -66,7 +66,6 @@ _NOT_YET_FLAGS = (
     "--defer-embedding-wgrad-compute",
     "--delay-wgrad-compute",
     "--save-retain-interval",
-    "--wandb-project",
     "--error-injection-rate",
     "--test-mode",
     "--no-use-layer-wise-param-layout",

@@ -309,6 +309,18 @@ class LoggingConfig:
     tensorboard_log_interval: int = 1
     """Iterations between TensorBoard writes of the per-iteration scalars."""
 
+    wandb_project: str = ""
+    """Weights & Biases project to log the TensorBoard scalars to (needs the wandb package); empty: none."""
+
+    wandb_exp_name: str = ""
+    """Weights & Biases run name (required with --wandb-project)."""
+
+    wandb_save_dir: str = ""
+    """Folder for the local Weights & Biases files (default: <--save>/wandb)."""
+
+    wandb_entity: str = ""
+    """Weights & Biases entity (user or team) that owns the project; empty: wandb's default."""
+
     logging_level: int | None = None
     """Python logging level of the trainer's loggers (e.g. 10 debug, 20 info, 40 error)."""
 
@@ -546,6 +558,15 @@ class RunConfig:
                 "--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2).",
             )
         require(self.logging.log_interval >= 1, "--log-interval must be >= 1.")
+        lg = self.logging
+        if lg.wandb_project:
+            require(
+                lg.wandb_exp_name, f"--wandb-project {lg.wandb_project} needs --wandb-exp-name NAME (the run's name)."
+            )
+            require(
+                lg.wandb_save_dir or self.checkpoint.save,
+                "--wandb-project needs --wandb-save-dir DIR (or --save, whose wandb/ subfolder is the default).",
+            )
         c = self.checkpoint
         require(
             c.ckpt_format in ("torch", "torch_dist"),

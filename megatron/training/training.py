@@ -110,7 +110,10 @@ class Trainer:
             if cfg.checkpoint.load:
                 self.load_checkpoint()
             self.metrics = logs.MetricsWriter(
-                cfg.logging.metrics_file, cfg.logging.tensorboard_dir, enabled_on_this_rank=pg.is_last_rank
+                cfg.logging.metrics_file,
+                cfg.logging.tensorboard_dir,
+                enabled_on_this_rank=pg.is_last_rank,
+                wandb=logs.wandb_settings(cfg),
             )
         except BaseException:
             self.close()
@@ -450,9 +453,9 @@ class Trainer:
         return loss
 
     def _log_tensorboard_iteration(self, loss, grad_norm) -> None:
-        """Megatron's per-iteration TensorBoard scalars (every --tensorboard-log-interval)."""
+        """Megatron's per-iteration TensorBoard (and W&B) scalars (every --tensorboard-log-interval)."""
         lg = self.cfg.logging
-        if lg.tensorboard_dir is None or self.iteration % lg.tensorboard_log_interval != 0:
+        if not self.metrics.has_scalar_sink or self.iteration % lg.tensorboard_log_interval != 0:
             return
         record = {
             "learning-rate": self.scheduler.get_lr(self.iteration),
