@@ -34,7 +34,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["Kernels", "Shapes", "region_activation_bytes", "layer_part_kinds", "KINDS"]
+__all__ = [
+    "Kernels",
+    "Shapes",
+    "region_activation_bytes",
+    "layer_part_kinds",
+    "flash_dq_accumulator_bytes",
+    "KINDS",
+]
 
 KINDS = ("attn", "mlp", "layer", "postprocess", "moe_router", "moe_preprocess", "moe", "mamba")
 _I64, _F32 = 8, 4
@@ -317,6 +324,22 @@ def region_activation_bytes(kind: str, sh: Shapes, k: Kernels) -> int:
     if kind not in _FORMULAS:
         raise ValueError(f"no activation formula for region kind {kind!r}; known: {' '.join(KINDS)}")
     return _FORMULAS[kind](sh, k)
+
+
+def flash_dq_accumulator_bytes(sh: Shapes, *, deterministic: bool, sm_count: int) -> int:
+    """The fp32 dQ accumulator one flash-attention backward allocates (a temporary).
+
+    Deterministic mode (``torch.use_deterministic_algorithms``) makes flash attention's
+    backward keep one accumulator per split of the key sequence over the SMs instead of
+    one shared by atomic adds: ``ceil(sm_count / (b * heads))`` copies of
+    ``[b, s rounded to 128, heads, head dim rounded to 32 (64 above 128)]`` in fp32.
+    """
+    b, n, d = sh.micro_batch, sh.heads, sh.kv_channels
+    s_rounded = math.ceil(sh.seq / 128) * 128
+    multiple = 32 if d <= 128 else 64
+    d_rounded = math.ceil(d / multiple) * multiple
+    splits = (sm_count + b * n - 1) // (b * n) if deterministic else 1
+    return splits * b * s_rounded * n * d_rounded * _F32
 
 
 def layer_part_kinds(layer_class: type) -> tuple[str, ...]:

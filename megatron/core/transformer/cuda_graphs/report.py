@@ -33,6 +33,7 @@ from megatron.core.transformer.cuda_graphs import regions as regions_lib
 from megatron.core.transformer.cuda_graphs.activations import (
     Kernels,
     Shapes,
+    flash_dq_accumulator_bytes,
     layer_part_kinds,
     num_slots,
     region_activation_bytes,
@@ -194,8 +195,11 @@ def planned_regions(cfg) -> list[tuple[str, type, str]]:
     return out
 
 
-def eager_report(cfg, kernels: Kernels, argv: Sequence[str] = (), note: str = "") -> MemoryReport:
-    """The analytic report of a validated ``RunConfig`` (``model.vocab_size`` padded)."""
+def eager_report(cfg, kernels: Kernels, argv: Sequence[str] = (), note: str = "", sm_count: int = 132) -> MemoryReport:
+    """The analytic report of a validated ``RunConfig`` (``model.vocab_size`` padded).
+
+    ``sm_count`` (default: an H200's 132) sizes flash attention's deterministic-mode
+    backward temporaries in the totals."""
     sh = Shapes.from_config(cfg)
     classes = _layer_classes(cfg)
     planned = planned_regions(cfg) if cfg.cuda_graph.enabled else []
@@ -222,6 +226,16 @@ def eager_report(cfg, kernels: Kernels, argv: Sequence[str] = (), note: str = ""
         "graphed_activation_bytes": sum(r.activation_bytes for r in rows),
         "regions": len(rows),
     }
+    if any("attn" in layer_part_kinds(cls) for cls in classes):
+        # One attention backward's fp32 dQ accumulator: a temporary at the pool's peak
+        # (attn graphed) or at the eager cache's (attn eager); deterministic mode splits it.
+        deterministic = bool(cfg.training.deterministic_mode)
+        totals["attn_bwd_dq_accumulator_bytes"] = flash_dq_accumulator_bytes(
+            sh, deterministic=deterministic, sm_count=sm_count
+        )
+        totals["attn_bwd_dq_accumulator_splits"] = (
+            (sm_count + sh.micro_batch * sh.heads - 1) // (sh.micro_batch * sh.heads) if deterministic else 1
+        )
     return MemoryReport(list(argv), "eager-only", note, rows, layers, totals)
 
 
@@ -256,6 +270,7 @@ def graphed_report(
     argv: Sequence[str] = (),
     segments: list[dict] | None = None,
     note: str = "",
+    sm_count: int | None = None,
 ) -> MemoryReport:
     """The report of a captured ``session`` of the run ``cfg`` describes.
 
@@ -266,11 +281,17 @@ def graphed_report(
         argv: The command line, for the record.
         segments: An allocator snapshot (``torch.cuda.memory_snapshot()``); taken here
             when None. Only our pools' segments are counted.
+        sm_count: SMs of the device (default: read from the pool's device).
     """
+    import torch
+
     from megatron.core.transformer.cuda_graphs.pool import pool_stats_from_segments
     from megatron.core.transformer.cuda_graphs.weak import is_weak_ref
 
-    base = eager_report(cfg, kernels, argv)
+    if sm_count is None:
+        device = next(iter(session.pools.values())).device
+        sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    base = eager_report(cfg, kernels, argv, sm_count=sm_count)
     sh = Shapes.from_config(cfg)
     if segments is None:
         from megatron.core.transformer.cuda_graphs.pool import _snapshot_segments

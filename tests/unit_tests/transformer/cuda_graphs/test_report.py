@@ -116,7 +116,7 @@ def graphed(tool, scopes, growth, strong_output=False, flags=""):
     cfg.model.vocab_size = 64  # recorded() builds its GPT with 64 rows
     growth_mib = {e: growth(e) for e in session.cycles[0]}
     keep, _ = fake_capture(session, growth_mib, strong_output)
-    rep = report_lib.graphed_report(session, cfg, Kernels.probe("cpu"), ["--fake"], segments=SNAPSHOT)
+    rep = report_lib.graphed_report(session, cfg, Kernels.probe("cpu"), ["--fake"], segments=SNAPSHOT, sm_count=132)
     return rep, keep
 
 
@@ -201,3 +201,18 @@ def test_tool_arguments(tool):
     assert args.iters == 4 and train == ["--num-layers", "2"]
     assert tool._providers(["--hybrid-layer-pattern", "M*"])[0].__module__ == "pretrain_hybrid"
     assert tool._providers(TINY.split())[0].__module__ == "pretrain_gpt"
+
+
+def test_deterministic_mode_splits_the_flash_dq_accumulator(tool):
+    dense8 = (
+        "--num-layers 8 --hidden-size 1024 --ffn-hidden-size 4096 --num-attention-heads 16 --seq-length 2048 "
+        "--max-position-embeddings 2048 --micro-batch-size 2 --global-batch-size 2 --tokenizer-type NullTokenizer "
+        "--vocab-size 32001 --mock-data --bf16 --lr 1e-4 --cuda-graph-impl local --cuda-graph-scope attn"
+    )
+    default = report_lib.eager_report(config(tool, dense8), Kernels(), sm_count=132).totals
+    det = report_lib.eager_report(config(tool, f"{dense8} --deterministic-mode"), Kernels(), sm_count=132).totals
+    # [b=2, s=2048, n=16, d=64] fp32 = 16 MiB; deterministic: ceil(132 / 32) = 5 copies.
+    assert default["attn_bwd_dq_accumulator_bytes"] == 16 * MIB and default["attn_bwd_dq_accumulator_splits"] == 1
+    assert det["attn_bwd_dq_accumulator_bytes"] == 80 * MIB and det["attn_bwd_dq_accumulator_splits"] == 5
+    hybrid = f"{TINY} --hybrid-layer-pattern M- --mamba-head-dim 16 --mamba-num-groups 2 --mamba-state-dim 16"
+    assert "attn_bwd_dq_accumulator_bytes" not in report_lib.eager_report(config(tool, hybrid), Kernels()).totals
