@@ -270,13 +270,13 @@ def _router(sh: Shapes, k: Kernels) -> int:
 
 
 def _preprocess(sh: Shapes, k: Kernels) -> int:
-    return 2 * num_slots(sh) * _I64  # the permutation's token indices (index_select, sort)
+    return 3 * num_slots(sh) * _I64  # the permutation's token and slot indices (index_select, gathers)
 
 
 def _experts(sh: Shapes, k: Kernels) -> int:
     """Dispatch, experts, combine, unpermute (the eager middle of the MoE block)."""
     m, e = num_slots(sh), sh.element_bytes
-    return 2 * m * sh.hidden * e + _mlp_activation(m, sh.moe_ffn, sh, prob_scaled=True) + m * _I64
+    return 2 * m * sh.hidden * e + _mlp_activation(m, sh.moe_ffn, sh, prob_scaled=True)
 
 
 def _mamba(sh: Shapes, k: Kernels) -> int:

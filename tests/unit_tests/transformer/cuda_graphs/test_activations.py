@@ -69,6 +69,11 @@ def measure(trainer, kinds):
             labels = torch.randint(0, 64, (b, s))
             out[kind] = saved_bytes(model, model._postprocess, x, labels)
             continue
+        if kind == "moe_preprocess":  # its inputs are the router region's outputs
+            layer = model.decoder.layers[0]
+            ln_out, probs, routing_map = layer._forward_moe_router(x)[:3]
+            out[kind] = saved_bytes(model, layer._forward_moe_preprocess, ln_out, probs, routing_map)
+            continue
         method, args = methods[kind]
         for layer in model.decoder.layers:
             regions = getattr(type(layer), "graph_regions", None)
@@ -101,6 +106,16 @@ CASES = {
         "--bf16 --num-experts 4 --moe-router-topk 2 --moe-expert-capacity-factor 1 "
         "--moe-pad-expert-input-to-capacity --swiglu --disable-bias-linear --ffn-hidden-size 128",
         ("attn", "moe_router", "moe"),
+    ),
+    "moe-alltoall-drop-and-pad": (
+        "--bf16 --num-experts 4 --moe-router-topk 2 --moe-expert-capacity-factor 1 "
+        "--moe-pad-expert-input-to-capacity --moe-token-dispatcher-type alltoall --ffn-hidden-size 128",
+        ("moe_router", "moe_preprocess", "moe"),
+    ),
+    "moe-alltoall-dropless-swiglu": (
+        "--bf16 --num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall --swiglu "
+        "--disable-bias-linear --ffn-hidden-size 128",
+        ("moe_router", "moe_preprocess", "moe"),
     ),
     "moe-dropless-gelu": ("--bf16 --num-experts 4 --moe-router-topk 2 --ffn-hidden-size 128", ("moe_router", "moe")),
 }
