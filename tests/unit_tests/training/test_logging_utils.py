@@ -284,3 +284,9 @@ def test_metrics_and_tensorboard_paths_of_the_wrong_kind(tmp_path):
         logging_utils.MetricsWriter(None, str(a_file), enabled_on_this_rank=True)
     with pytest.raises(ValueError, match=r"--metrics-file .* is a folder"):
         logging_utils.MetricsWriter(str(tmp_path), None, enabled_on_this_rank=True)
+
+
+def test_memory_line_prints_counts_as_integers():
+    extra = {"graph pool reserved": 64.0, "graphs": 16, "graph capture (s)": 0.25, "pipeline rank": 1}
+    line = format_memory_line(0, "(after 1 iterations)", 1, 2, 3, 4, extra=extra)
+    assert line.endswith("| graph pool reserved: 64.00 | graphs: 16 | graph capture (s): 0.25 | pipeline rank: 1")
