@@ -269,3 +269,12 @@ def test_receive_buffer_is_the_first_graphs_input_and_refused_mid_cycle():
     assert session.receive_buffer(slot) is not None
     with pytest.raises(RuntimeError, match="no micro-batch slot 99"):
         session.receive_buffer(99)
+
+
+def test_capture_line_names_the_pipeline_rank():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        session = GraphSession(CudaGraphConfig(cuda_graph_impl="local"))
+    assert session.summary_line(stage=(1, 4)).startswith("graph pool | pipeline rank: 1 of 4 | graphs: 0 |")
+    assert session.summary_line(stage=(0, 1)).startswith("graph pool | graphs: 0 |")
+    assert session.summary_line() == session.summary_line(stage=(0, 1))
