@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.autograd.variable import Variable
 
 from megatron.core.pipeline_parallel.schedules import (
     ChunkStep,
@@ -197,6 +198,27 @@ class GPTChunks:
         return run
 
 
+def deallocate_output(out: torch.Tensor) -> None:
+    """Frees a sent output's storage; its autograd graph stays (Megatron's rule: never a view)."""
+    if out._base is not None:
+        raise RuntimeError("a pipeline output to deallocate is a view of another tensor; freeing it frees nothing")
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+
+
+def backward_output(out: torch.Tensor, grad: torch.Tensor) -> None:
+    """Back-propagates ``grad`` from ``out``, whose storage may have been deallocated (the
+    engine directly: ``torch.autograd.backward`` would compare the shapes)."""
+    Variable._execution_engine.run_backward(
+        tensors=(out,),
+        grad_tensors=(grad,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
+
+
 def _receive(graphs, slot: int, sent: torch.Tensor) -> torch.Tensor:
     """What a pipeline receive of ``sent`` gives chunk c+1 (a new leaf that needs a grad)."""
     buffer = graphs.receive_buffer(slot) if graphs is not None else None
@@ -220,6 +242,7 @@ def forward_backward_chunks(
     pp_rank: int = 0,
     boundaries: Sequence[int] | None = None,
     forward_only: bool = False,
+    deallocate_pipeline_outputs: bool = False,
     scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
     no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
     graphs=None,
@@ -235,6 +258,9 @@ def forward_backward_chunks(
         pp_size, pp_rank: The pipeline whose rank's order is simulated.
         boundaries: Layer boundaries of the chunks (default: near-equal chunks).
         forward_only: Evaluation: every chunk's forward per micro-batch, no backward.
+        deallocate_pipeline_outputs: Free a chunk's output storage once it is sent, as
+            Megatron's ``--deallocate-pipeline-outputs`` does (backward then runs the
+            autograd engine on the emptied output with the received gradient).
     """
     chunks = GPTChunks(model, num_chunks, boundaries)
     last_chunk = num_chunks - 1
@@ -265,6 +291,8 @@ def forward_backward_chunks(
             if c > 0:
                 sent = outputs.pop((c - 1, mb)) if forward_only else outputs[(c - 1, mb)]
                 hidden = received[(c, mb)] = _receive(graphs, step.slot, sent)
+                if deallocate_pipeline_outputs and not forward_only:
+                    deallocate_output(sent)
             with _in_slot(graphs, step.slot):
                 if c < last_chunk:
                     outputs[(c, mb)] = chunks.forward(c, batches[mb], hidden)
@@ -286,7 +314,7 @@ def forward_backward_chunks(
             if c == last_chunk:
                 pending.pop(mb).backward()
             else:
-                torch.autograd.backward(outputs.pop((c, mb)), grad_tensors=dgrads.pop((c + 1, mb)))
+                backward_output(outputs.pop((c, mb)), dgrads.pop((c + 1, mb)))
             if c > 0:
                 leaf = received.pop((c, mb))
                 dgrads[(c, mb)] = leaf.grad  # the dgrad "sent" to the previous chunk

@@ -165,8 +165,12 @@ def one_iteration(schedule, batches, **kwargs):
     return loss, [p.main_grad.clone() for p in ddp.module.parameters()], ddp
 
 
-@pytest.mark.parametrize("chunks,pp_size,pp_rank", [(2, 2, 1), (2, 4, 3), (4, 2, 1), (1, 4, 0)], ids=lambda v: str(v))
-def test_model_chunks_in_one_process_equal_sequential(chunks, pp_size, pp_rank):
+@pytest.mark.parametrize(
+    "chunks,pp_size,pp_rank,deallocate",
+    [(2, 2, 1, False), (2, 4, 3, False), (4, 2, 1, False), (1, 4, 0, False), (2, 2, 0, True), (4, 2, 1, True)],
+    ids=lambda v: str(v),
+)
+def test_model_chunks_in_one_process_equal_sequential(chunks, pp_size, pp_rank, deallocate):
     torch.manual_seed(1)
     batches = []
     for _ in range(4):
@@ -174,7 +178,7 @@ def test_model_chunks_in_one_process_equal_sequential(chunks, pp_size, pp_rank):
         batches.append({"tokens": tokens, "position_ids": None, "labels": tokens, "loss_mask": torch.ones(2, 8)})
     want = one_iteration(schedules.forward_backward_no_pipelining, batches)
     kwargs = dict(num_chunks=chunks, pp_size=pp_size, pp_rank=pp_rank)
-    got = one_iteration(simulate.forward_backward_chunks, batches, **kwargs)
+    got = one_iteration(simulate.forward_backward_chunks, batches, deallocate_pipeline_outputs=deallocate, **kwargs)
     assert torch.equal(want[0], got[0])
     for a, b in zip(want[1], got[1], strict=True):
         assert torch.equal(a, b)
@@ -184,3 +188,14 @@ def test_model_chunks_in_one_process_equal_sequential(chunks, pp_size, pp_rank):
         ref, _ = schedules.forward_backward_no_pipelining(next_batch=iter(batches).__next__, **common)
         loss, _ = simulate.forward_backward_chunks(next_batch=iter(batches).__next__, **common, **kwargs)
     assert torch.equal(ref, loss)
+
+
+def test_deallocated_output_keeps_its_graph_and_views_are_refused():
+    x = torch.randn(4, 3, requires_grad=True)
+    out = x * 2
+    simulate.deallocate_output(out)
+    assert out.numel() == 1
+    simulate.backward_output(out, torch.ones(4, 3))
+    assert torch.equal(x.grad, torch.full((4, 3), 2.0))
+    with pytest.raises(RuntimeError, match="is a view"):
+        simulate.deallocate_output((x * 2)[1:])

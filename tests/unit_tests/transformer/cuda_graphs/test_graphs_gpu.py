@@ -265,6 +265,18 @@ def test_interleaved_chunks_equal_sequential(scope, pp_rank):
     assert_same(sequential, graphed, f"interleaved rank {pp_rank}, scope {scope}")
 
 
+@pytest.mark.parametrize("scope", ["layer", "attn"])
+def test_interleaved_chunks_with_deallocated_outputs_equal_sequential(scope):
+    """As above, with each sent chunk output's storage freed after the send (Megatron's
+    --deallocate-pipeline-outputs): neither the recording nor the replays need it."""
+    flags = f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 {VPP_FLAGS}"
+    sequential = train(flags, 6)
+    schedule = functools.partial(chunk_schedule(0), deallocate_pipeline_outputs=True)
+    graphed = train(f"{flags} {graph_flags(scope)}", 6, schedule=schedule)
+    check_chunk_session(graphed[2].graphs, 0)
+    assert_same(sequential, graphed, f"interleaved rank 0, deallocated outputs, scope {scope}")
+
+
 def peak_reserved(flags: str, iters: int, schedule):
     """(train()'s result, peak bytes reserved above what was reserved before the run)."""
     gc.collect()

@@ -68,7 +68,7 @@ def batch():
     return {"tokens": tokens, "position_ids": None, "labels": tokens, "loss_mask": torch.ones(BATCH, SEQ)}
 
 
-def record(layout, scope=()):
+def record(layout, scope=(), deallocate=False):
     """A session that recorded one iteration of ``layout``; its plans are made."""
     schedule, m, stages, rank, chunks = layout
     ddp = tiny_model()
@@ -86,6 +86,7 @@ def record(layout, scope=()):
         pp_rank=rank,
         no_sync=ddp.no_sync,
         graphs=session,
+        deallocate_pipeline_outputs=deallocate,
     )
     session.make_plans()
     return session
@@ -148,6 +149,14 @@ def test_slots_follow_the_schedule_and_bound_the_graph_count(layout):
                 spec = plan.buffers[("input", first, 0)]
                 assert spec.release_after is None and spec.alias_of is None
     assert session.received_inputs == {(regions[c][0], 0) for c in range(1, chunks)}
+
+
+def test_recording_with_deallocated_pipeline_outputs():
+    """A graphed region's output is sent and its storage freed (Megatron refuses views):
+    the recording is the same as without deallocation."""
+    layout = ("interleaved", 4, 2, 0, 2)
+    freed, kept = record(layout, deallocate=True), record(layout)
+    assert freed.order == kept.order and freed.received_inputs == kept.received_inputs
 
 
 def test_received_tensor_that_no_graph_reads_directly_is_not_a_static_input():
