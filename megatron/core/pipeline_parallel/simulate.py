@@ -219,6 +219,12 @@ def backward_output(out: torch.Tensor, grad: torch.Tensor) -> None:
     )
 
 
+def _send(graphs, out: torch.Tensor) -> None:
+    """What a pipeline send tells the graphs: the output is read until the send's wait."""
+    if graphs is not None:
+        graphs.note_send(out)
+
+
 def _receive(graphs, slot: int, sent: torch.Tensor) -> torch.Tensor:
     """What a pipeline receive of ``sent`` gives chunk c+1 (a new leaf that needs a grad)."""
     buffer = graphs.receive_buffer(slot) if graphs is not None else None
@@ -295,7 +301,8 @@ def forward_backward_chunks(
                     deallocate_output(sent)
             with _in_slot(graphs, step.slot):
                 if c < last_chunk:
-                    outputs[(c, mb)] = chunks.forward(c, batches[mb], hidden)
+                    outputs[(c, mb)] = out = chunks.forward(c, batches[mb], hidden)
+                    _send(graphs, out)
                     continue
                 loss, metrics = forward_step(batches.pop(mb), chunks.last(hidden))
             if per_token_loss:

@@ -132,6 +132,7 @@ class GraphSession:
         self.recorded_microbatches: int | None = None
         self.recorded_schedule: Hashable | None = None
         self.received_inputs: set[tuple[int, int]] = set()  # (region, arg) a pipeline receive fills
+        self.sent_outputs: dict[tuple[int, int], tuple[str, int] | None] = {}  # (region, output) -> wait
         self._receives: dict[int, weakref.ref] = {}  # recording: id -> received tensor
         self._slot_at: dict[int, int] = {}  # slot -> cycle position of its last replayed event
         self._anchor: torch.Tensor | None = None
@@ -232,6 +233,18 @@ class GraphSession:
         """
         if self.state is GraphState.RECORD:
             self._receives[id(tensor)] = weakref.ref(tensor)
+
+    def note_send(self, tensor: torch.Tensor, until: tuple[str, int] | None = None) -> None:
+        """Recording: ``tensor`` is sent to another pipeline stage and read until the
+        send's wait. When it is a graphed region's output, that output buffer is kept
+        strong in every slot until ``until`` (a ``(phase, region)`` of the same cycle
+        before which the send is waited on; None: for good, the send then being waited
+        on before the slot's next micro-batch starts). A no-op outside recording."""
+        if self.state is not GraphState.RECORD:
+            return
+        key = self.recorder.producer_of(tensor)
+        if key is not None:
+            self.sent_outputs[key] = until
 
     def receive_buffer(self, slot: int) -> torch.Tensor | None:
         """After capture: the static input to receive ``slot``'s next input into, no copy.
@@ -380,6 +393,7 @@ class GraphSession:
             regions = {e.region for e in cycle}
             comm: list[CommRead | CommRecv] = [read for s, read in self.comm_reads if s == slot]
             comm += [CommRecv(("input", r, i)) for r, i in sorted(self.received_inputs) if r in regions]
+            comm += [CommRead(("output", r, j), until) for (r, j), until in self.sent_outputs.items() if r in regions]
             self.plans[slot] = build_plan(cycle, ios, comm)
         positions = {slot: {(e.phase, e.region): i for i, e in enumerate(c)} for slot, c in self.cycles.items()}
         self._positions = [(e.slot, positions[e.slot][(e.phase, e.region)]) for e in self.order]

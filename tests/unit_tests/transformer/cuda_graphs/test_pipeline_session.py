@@ -149,6 +149,12 @@ def test_slots_follow_the_schedule_and_bound_the_graph_count(layout):
                 spec = plan.buffers[("input", first, 0)]
                 assert spec.release_after is None and spec.alias_of is None
     assert session.received_inputs == {(regions[c][0], 0) for c in range(1, chunks)}
+    # ... and every chunk but the last sends its last graph's output, kept for good.
+    assert set(session.sent_outputs) == {(regions[c][-1], 0) for c in range(chunks - 1)}
+    for s, plan in session.plans.items():
+        for r, j in session.sent_outputs:
+            if r in {e.region for e in session.cycles[s]}:
+                assert plan.buffers[("output", r, j)].release_after is None
 
 
 def test_recording_with_deallocated_pipeline_outputs():
