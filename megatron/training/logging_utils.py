@@ -124,7 +124,8 @@ def format_memory_line(
         rank: Global rank printing the line.
         name: What the numbers are for, e.g. ``"(after 1 iterations)"``.
         allocated_mb, max_allocated_mb, reserved_mb, max_reserved_mb: Allocator statistics in MB.
-        extra: Further columns in MB (graph pool reserved/live bytes ...), in the given order.
+        extra: Further columns in MB (graph pool reserved/live bytes ...), in the given order;
+            an ``int`` is a count and prints as one (graphs, pipeline stage).
     """
     parts = [
         f"[Rank {rank}] {name} memory (MB)",
@@ -133,7 +134,9 @@ def format_memory_line(
         f"reserved: {reserved_mb:.2f}",
         f"max reserved: {max_reserved_mb:.2f}",
     ]
-    parts += [f"{key}: {value:.2f}" for key, value in (extra or {}).items()]
+    parts += [
+        f"{key}: {value}" if isinstance(value, int) else f"{key}: {value:.2f}" for key, value in (extra or {}).items()
+    ]
     return " | ".join(parts)
 
 

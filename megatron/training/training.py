@@ -572,7 +572,11 @@ class Trainer:
                 "graph pool reserved": s["pool_reserved_bytes"] / 2**20,
                 "graph pool live": s["pool_live_bytes"] / 2**20,
                 "graph buffers held": s["strong_bytes"] / 2**20,
+                "graphs": s["graphs"],
+                "graph capture (s)": s["capture_seconds"],
             }
+            if self.pg.pp_size > 1:
+                extra["pipeline rank"] = self.pg.pp_rank
         print(
             logs.format_memory_line(
                 self.pg.rank,
@@ -589,7 +593,7 @@ class Trainer:
     def _log_capture(self) -> None:
         if self.pg.dp_rank != 0:
             return
-        print(f"> {self.graphs.summary_line()}", flush=True)
+        print(f"> {self.graphs.summary_line(stage=(self.pg.pp_rank, self.pg.pp_size))}", flush=True)
 
 
 _STATIC_SCALE_WARN_AFTER = 10
@@ -699,6 +703,22 @@ def default_model_provider(cfg: RunConfig, vocab_size: int, pg, device) -> torch
     return build_gpt_model(cfg.model, vocab_size, pg=pg, device=device)
 
 
+def _configure_nccl_for_graphs(cfg: RunConfig) -> None:
+    """NCCL_GRAPH_REGISTER=0 when graphs capture collectives under expandable segments
+    (``cuda_graphs/nccl_env.py``); logged once, by the process that will be rank 0."""
+    from megatron.core.transformer.cuda_graphs.nccl_env import configure_nccl_for_graphs
+
+    par = cfg.parallel
+    line = configure_nccl_for_graphs(
+        cfg.cuda_graph,
+        tensor_parallel=par.tensor_model_parallel_size,
+        expert_parallel=par.expert_model_parallel_size,
+        expert_tensor_parallel=par.expert_tensor_parallel_size,
+    )
+    if line is not None and os.environ.get("RANK", "0") == "0":
+        print(f"> {line}", flush=True)
+
+
 def build_trainer(
     argv: Sequence[str] | None = None,
     model_provider: Callable = default_model_provider,
@@ -710,6 +730,8 @@ def build_trainer(
     """
     cfg = parse_args(argv)
     use_cuda = torch.cuda.is_available() and not cfg.training.use_cpu
+    if use_cuda:
+        _configure_nccl_for_graphs(cfg)  # before any NCCL communicator exists
     # Process groups first: the world size is needed to validate the batch sizes.
     pg = parallel_state.initialize(cfg.parallel, use_cuda=use_cuda)
     try:

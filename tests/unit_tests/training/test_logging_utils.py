@@ -346,3 +346,9 @@ def test_wandb_flag_errors_name_the_fix(tmp_path, monkeypatch, tiny_argv):
     for enabled in (True, False):  # every rank checks
         with pytest.raises(ValueError, match="pip install wandb"):
             MetricsWriter(None, None, enabled_on_this_rank=enabled, wandb={"dir": str(tmp_path)})
+
+
+def test_memory_line_prints_counts_as_integers():
+    extra = {"graph pool reserved": 64.0, "graphs": 16, "graph capture (s)": 0.25, "pipeline rank": 1}
+    line = format_memory_line(0, "(after 1 iterations)", 1, 2, 3, 4, extra=extra)
+    assert line.endswith("| graph pool reserved: 64.00 | graphs: 16 | graph capture (s): 0.25 | pipeline rank: 1")
