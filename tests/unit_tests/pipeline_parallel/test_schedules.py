@@ -33,7 +33,7 @@ def test_interleaved_order_visits_chunks_in_groups_of_pp_size():
             assert order.index(("F", c, m)) < order.index(("B", c, m))
     warmup = next(i for i, (p, _, _) in enumerate(order) if p == "B") - 1
     assert warmup == (2 - 1 - 1) * 2 + (2 - 1) * 2
-    with pytest.raises(ValueError, match="multiple of --pipeline-model-parallel-size"):
+    with pytest.raises(ValueError, match="to be a multiple"):
         schedules.interleaved_order(3, 2, 0, 2)
 
 
@@ -93,6 +93,9 @@ def test_custom_forward_step_plugs_in_without_touching_the_trainer():
         assert torch.equal(a, b)
 
 
-def test_pipelined_layout_without_schedules_is_a_clear_error():
-    with pytest.raises(ValueError, match="pipelined schedules, which are not available yet"):
-        schedules.get_forward_backward_func(pp_size=2)
+def test_get_forward_backward_func_picks_the_pipelined_schedule():
+    assert schedules.get_forward_backward_func(1) is schedules.forward_backward_no_pipelining
+    assert schedules.get_forward_backward_func(2) is schedules.forward_backward_pipelining
+    assert schedules.get_forward_backward_func(2, 2) is schedules.forward_backward_pipelining
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size > 1"):
+        schedules.get_forward_backward_func(1, 2)
