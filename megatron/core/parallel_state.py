@@ -199,14 +199,33 @@ class ParallelConfig:
                 require(pp > 1, f"{_flag(name)} needs --pipeline-model-parallel-size > 1; drop it.")
                 require(value >= 1, f"{_flag(name)} must be >= 1, got {value}.")
 
-    def validate_model(self, model) -> None:
+    def validate_model(self, model, *, stages_from_pattern: bool = False) -> None:
         """Checks the model shape against the layout (``model``: a finalized ``TransformerConfig``);
-        resolves the virtual stages per rank from --num-layers-per-virtual-pipeline-stage."""
+        resolves the virtual stages per rank from --num-layers-per-virtual-pipeline-stage.
+
+        ``stages_from_pattern``: a hybrid pattern's '|' segments give the stages' layers.
+        """
         from megatron.core.pipeline_parallel.layout import resolve_virtual_stages, stage_layer_counts
 
         tp = self.tensor_model_parallel_size
-        resolve_virtual_stages(self, model.num_layers)
-        stage_layer_counts(self, model.num_layers)  # raises for layer counts that do not split
+        if stages_from_pattern:
+            given = [
+                _flag(n)
+                for n in (
+                    "num_layers_per_virtual_pipeline_stage",
+                    "decoder_first_pipeline_num_layers",
+                    "decoder_last_pipeline_num_layers",
+                )
+                if getattr(self, n) is not None
+            ]
+            require(
+                not given,
+                f"{', '.join(given)} cannot be combined with a --hybrid-layer-pattern whose '|' marks the pipeline "
+                "stages; drop it (the segments decide).",
+            )
+        else:
+            resolve_virtual_stages(self, model.num_layers)
+            stage_layer_counts(self, model.num_layers)  # raises for layer counts that do not split
         require(
             model.num_attention_heads % tp == 0,
             f"--num-attention-heads ({model.num_attention_heads}) must be divisible by "

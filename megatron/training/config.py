@@ -412,7 +412,8 @@ class RunConfig:
         etp = par.expert_tensor_parallel_size or par.tensor_model_parallel_size
         self.moe.validate(self.model, par.expert_model_parallel_size, etp)
         self.parallel.validate()
-        self.parallel.validate_model(self.model)
+        pattern = self.mamba.parsed_pattern
+        self.parallel.validate_model(self.model, stages_from_pattern=pattern is not None)
         self.cuda_graph.validate()
         self._validate_pipeline()
         require(
