@@ -412,10 +412,10 @@ class RunConfig:
         etp = par.expert_tensor_parallel_size or par.tensor_model_parallel_size
         self.moe.validate(self.model, par.expert_model_parallel_size, etp)
         self.parallel.validate()
+        self.cuda_graph.validate()
+        self._validate_pipeline()  # what pipelines do not combine with yet, before the layer split
         pattern = self.mamba.parsed_pattern
         self.parallel.validate_model(self.model, stages_from_pattern=pattern is not None)
-        self.cuda_graph.validate()
-        self._validate_pipeline()
         require(
             not (self.cuda_graph.enabled and self.model.recompute_granularity),
             "--recompute-granularity with --cuda-graph-impl local is not supported yet: a recomputed layer would "
