@@ -383,6 +383,14 @@ def forward_backward_pipelining(
     from megatron.core.pipeline_parallel.timetable import build_timetable
 
     chunks = model_chunks(model)
+    for chunk in chunks:
+        if not callable(getattr(_unwrap(chunk), "set_input_tensor", None)):
+            raise ValueError(
+                f"{type(_unwrap(chunk)).__name__} has no set_input_tensor(tensor): a model chunk of a pipelined "
+                "run starts from the activation the schedule receives (Megatron's contract); build the model "
+                "from pre_process/post_process stages (GPTModel, HybridModel) or use "
+                "--pipeline-model-parallel-size 1."
+            )
     num_chunks, pp, rank = len(chunks), pg.pp_size, pg.pp_rank
     last_stage = pp * num_chunks - 1
     orders = [

@@ -180,3 +180,14 @@ def test_custom_backward_runs_on_a_freed_output():
     assert out.numel() == 1 and out.grad_fn is not None
     schedules.custom_backward(out, grad)
     assert torch.allclose(w.grad, want)
+
+
+def test_pipelined_schedule_needs_models_that_take_the_received_activation():
+    from megatron.core.parallel_state import ProcessGroups
+
+    pg = ProcessGroups(rank=0, world_size=2, device=torch.device("cpu"), ranks={"pp": [0, 1]})
+    with pytest.raises(ValueError, match="has no set_input_tensor"):
+        schedules.forward_backward_pipelining(
+            forward_step=None, next_batch=None, model=torch.nn.Linear(2, 2), num_microbatches=2, pg=pg,
+            tensor_shape=(4, 1, 2), dtype=torch.float32,
+        )  # fmt: skip
