@@ -138,6 +138,7 @@ class Trainer:
         schedule = schedules.get_forward_backward_func(pg.pp_size, chunks)
         if pg.pp_size == 1:
             return schedule
+        p2p_communication.warm_up_group(pg)
         shape = p2p_communication.tensor_shape(
             seq_length=cfg.model.seq_length,
             micro_batch_size=cfg.training.micro_batch_size,

@@ -112,6 +112,13 @@ class P2PCommunicator:
         return self.communicate(send_next=output, recv_prev=recv_prev, send_prev=input_grad, recv_next=recv_next)
 
 
+def warm_up_group(pg) -> None:
+    """One collective over the whole pipeline group before its first exchange: with NCCL, a
+    group's first call must involve all its ranks, which a p2p batch between two does not."""
+    if pg.pp is not None:
+        dist.all_reduce(torch.zeros(1, device=pg.device), group=pg.pp)
+
+
 def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
 
