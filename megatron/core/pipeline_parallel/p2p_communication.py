@@ -13,7 +13,7 @@ activations before gradients on both sides, and carry a tag per kind (gloo honou
 tags; NCCL matches by order). With two pipeline ranks the previous and the next rank
 are the same process, so one batch may carry an activation and a gradient each way;
 the fixed order keeps the i-th send of one rank matched with the i-th receive of its
-peer (Megatron posts "send to previous" first, which relies on NCCL's group matching).
+peer whichever backend matches them.
 """
 
 from __future__ import annotations
