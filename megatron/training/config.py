@@ -393,6 +393,23 @@ class RunConfig:
     ignored_flags: list[str] = dataclasses.field(default_factory=list)
     """Given Megatron flags that are accepted with no effect (speed and I/O knobs), for the start-up line."""
 
+    def _validate_pipeline(self) -> None:
+        """What PP > 1 does not combine with yet."""
+        pp = self.parallel.pipeline_model_parallel_size
+        if pp == 1:
+            return
+        require(
+            not self.cuda_graph.enabled,
+            f"--cuda-graph-impl local with --pipeline-model-parallel-size {pp} is not supported yet; drop "
+            "--cuda-graph-impl or use --pipeline-model-parallel-size 1.",
+        )
+        c = self.checkpoint
+        require(
+            not ((c.save or c.load) and c.ckpt_format == "torch_dist"),
+            f"--ckpt-format torch_dist with --pipeline-model-parallel-size {pp} is not supported yet (its keys "
+            "would name stage-local layers); pass --ckpt-format torch, which saves one file per stage.",
+        )
+
     def validate(self) -> None:
         """Checks each concern, then the rules that span several of them.
 
@@ -407,13 +424,10 @@ class RunConfig:
         etp = par.expert_tensor_parallel_size or par.tensor_model_parallel_size
         self.moe.validate(self.model, par.expert_model_parallel_size, etp)
         self.parallel.validate()
-        require(
-            par.pipeline_model_parallel_size == 1,
-            f"--pipeline-model-parallel-size {par.pipeline_model_parallel_size} is not supported yet (the pipelined "
-            "schedules are still to come); use --pipeline-model-parallel-size 1 and tensor or data parallelism.",
-        )
-        self.parallel.validate_model(self.model)
         self.cuda_graph.validate()
+        self._validate_pipeline()  # what pipelines do not combine with yet, before the layer split
+        pattern = self.mamba.parsed_pattern
+        self.parallel.validate_model(self.model, stages_from_pattern=pattern is not None)
         require(
             not (self.cuda_graph.enabled and self.model.recompute_granularity),
             "--recompute-granularity with --cuda-graph-impl local is not supported yet: a recomputed layer would "

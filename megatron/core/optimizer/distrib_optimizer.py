@@ -26,7 +26,10 @@ from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer, _uses_wei
 
 def counts_for_norm(param: torch.nn.Parameter, pg) -> bool:
     """Whether this rank adds ``param``'s gradient to the global norm: TP-split parameters
-    on every TP rank, replicated ones on TP rank 0 only (each TP rank holds a copy)."""
+    on every TP rank, replicated ones on TP rank 0 only (each TP rank holds a copy); never
+    the last pipeline stage's copy of a tied embedding (the first stage counts it)."""
+    if getattr(param, "shared_embedding", False):
+        return False
     return pg.tp_size == 1 or pg.tp_rank == 0 or bool(getattr(param, "tensor_model_parallel", False))
 
 
