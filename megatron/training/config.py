@@ -408,6 +408,11 @@ class RunConfig:
         self.moe.validate(self.model, par.expert_model_parallel_size, etp)
         self.parallel.validate()
         require(
+            not self.moe.enabled or par.tensor_model_parallel_size == 1 or par.sequence_parallel,
+            "--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel (as in Megatron): "
+            "each tensor-parallel rank then routes its own sequence shard, which the expert gradients assume.",
+        )
+        require(
             par.pipeline_model_parallel_size == 1,
             f"--pipeline-model-parallel-size {par.pipeline_model_parallel_size} is not supported yet (the pipelined "
             "schedules are still to come); use --pipeline-model-parallel-size 1 and tensor or data parallelism.",

@@ -50,7 +50,8 @@ class MoELayer(torch.nn.Module):
         self.token_dispatcher = build_token_dispatcher(moe, ep_group)
         n_local = self.token_dispatcher.num_local_experts
         experts_cls = GroupedMLP if moe.moe_grouped_gemm else SequentialMLP
-        self.experts = experts_cls(config, n_local, device=device)
+        local = self.token_dispatcher.local_expert_indices
+        self.experts = experts_cls(config, n_local, device=device, local_experts=local)
         if moe.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExpertMLP(config, device=device)
         else:
