@@ -130,6 +130,10 @@ def test_dropless_router_and_preprocess_have_no_host_sync():
     assert outs[0].shape == (6 * 2 * 2, 8)  # T * k rows: static
     with pytest.raises(AssertionError, match="host sync"), _no_host_sync():
         layer.dispatch_experts_combine(*outs[:2], outs[3], 12)  # the loop of experts reads the counts
+    combined = layer.dispatch_experts_combine(*outs[:2], outs[3], 12)
+    with _no_host_sync():  # the postprocess region reads nothing on the host either
+        out = layer.postprocess(combined, outs[2], x.shape)
+    assert out.shape == x.shape
 
 
 def _moe_transformer_layer(**kw):
@@ -214,7 +218,7 @@ PAD = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True
 def test_region_declarations_resolve():
     both = [TransformerLayer, MoETransformerLayer]
     assert _plan(["attn", "moe_router", "moe_preprocess"], [MoETransformerLayer]) == {
-        "MoETransformerLayer": ["attn", "moe_router", "moe_preprocess"]
+        "MoETransformerLayer": ["attn", "moe_router", "moe_preprocess", "moe_postprocess"]
     }
     assert _plan(["moe_router"], both) == {"TransformerLayer": [], "MoETransformerLayer": ["moe_router"]}
     assert _plan(["moe"], [MoETransformerLayer], **PAD) == {"MoETransformerLayer": ["moe"]}
