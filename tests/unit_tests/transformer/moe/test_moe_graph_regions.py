@@ -46,12 +46,12 @@ def _config(shared=False, **moe):
     ).finalize()
 
 
-def _recorded(scopes, shared=False, **moe):
+def _recorded(scopes, shared=False, head=False, **moe):
     cfg = _config(shared, **moe)
     torch.manual_seed(0)
     model = build_gpt_model(cfg, 32)
     ddp = DistributedDataParallel(model, config=DDPConfig(), pg=ProcessGroups.single())
-    config = CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=scopes, cuda_graph_postprocess=False)
+    config = CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=scopes, cuda_graph_postprocess=head)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         session = cuda_graphs.attach(model, config, model_config=cfg, grad_sinks=[ddp], record_without_cuda=True)
@@ -94,6 +94,22 @@ def test_session_records_the_moe_regions_in_forward_order(scopes, moe, per_layer
     assert _names(session) == [f"{i}.{name}" for i in range(LAYERS) for name in per_layer]
     n = len(session.regions)
     assert plan.cycle == [Event(FWD, i) for i in range(n)] + [Event(BWD, i) for i in reversed(range(n))]
+    session.close()
+
+
+@pytest.mark.parametrize(
+    "scopes, moe, head",
+    [
+        (["attn", "moe_router", "moe_preprocess"], {}, False),  # the layer ends in eager-fed moe_postprocess
+        (["moe_router", "moe_preprocess"], {}, False),
+        (["attn"], {}, False),
+        (["moe"], PAD, True),  # the last layer's MoE block is graphed: the loss head follows
+    ],
+)
+def test_loss_head_joins_only_after_a_graphed_moe_block(scopes, moe, head):
+    """The region counts the GPU test expects (8 layers there, 2 here)."""
+    session, _, _ = _recorded(scopes, head=True, **moe)
+    assert (_names(session)[-1] == "postprocess") == head
     session.close()
 
 
