@@ -26,7 +26,10 @@ RTOL = 1e-5
 LAYOUTS = {  # name: (flags, global batch size)
     "ep2": ("--expert-model-parallel-size 2", 8),
     "ep2_overlap_accumulate": ("--expert-model-parallel-size 2 --overlap-grad-reduce --ddp-bucket-size 300", 16),
-    "ep2_distopt": ("--expert-model-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce", 8),
+    "ep2_distopt": (
+        "--expert-model-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather",
+        8,
+    ),
     "ep4_allgather": ("--expert-model-parallel-size 4 --moe-token-dispatcher-type allgather", 8),
 }
 
@@ -67,9 +70,9 @@ def _argv(extra: str, gbs: int, cache: str) -> list[str]:
 def runs(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("index_cache"))
     singles = {f"single_{g}": _argv("", g, cache) for g in sorted({g for _, g in LAYOUTS.values()})}
-    single = run_distributed(_rank_runs, 1, singles)[0]
+    single = run_distributed(_rank_runs, 1, singles, timeout=400)[0]
     argvs = {name: _argv(flags, gbs, cache) for name, (flags, gbs) in LAYOUTS.items()}
-    return single, run_distributed(_rank_runs, 4, argvs, timeout=400)
+    return single, run_distributed(_rank_runs, 4, argvs, timeout=600)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
