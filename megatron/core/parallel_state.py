@@ -357,8 +357,12 @@ class ProcessGroups:
                 setattr(self, name, groups.get(name))
         self.ranks: dict[str, list[int]] = {name: [rank] for name in self.GROUP_NAMES}
         if dp is not None and ranks is None:
-            # A bare data-parallel group (tests, DP-only callers): the whole world is DP.
+            # A bare data-parallel group (tests, DP-only callers): the whole world is DP,
+            # and with EP = 1 the expert layers' data-parallel group is the same group.
             self.ranks["dp"] = [dist.get_global_rank(dp, i) for i in range(dist.get_world_size(dp))]
+            if "expt_dp" not in groups and "ep" not in groups:
+                self.expt_dp = dp
+                self.ranks["expt_dp"] = list(self.ranks["dp"])
         self.ranks.update(ranks or {})
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
 

@@ -424,6 +424,11 @@ class RunConfig:
         etp = par.expert_tensor_parallel_size or par.tensor_model_parallel_size
         self.moe.validate(self.model, par.expert_model_parallel_size, etp)
         self.parallel.validate()
+        require(
+            not self.moe.enabled or par.tensor_model_parallel_size == 1 or par.sequence_parallel,
+            "--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel (as in Megatron): "
+            "each tensor-parallel rank then routes its own sequence shard, which the expert gradients assume.",
+        )
         self.cuda_graph.validate()
         self._validate_pipeline()  # what pipelines do not combine with yet, before the layer split
         pattern = self.mamba.parsed_pattern
@@ -529,6 +534,11 @@ class RunConfig:
             not (self.ddp.use_distributed_optimizer and (self.checkpoint.save or self.checkpoint.load)),
             "--use-distributed-optimizer with --save/--load is not supported yet (the checkpoint formats hold "
             "one DP rank's optimizer state, each rank here holds a shard); drop --save/--load or the flag.",
+        )
+        require(
+            not (self.parallel.expert_model_parallel_size > 1 and (self.checkpoint.save or self.checkpoint.load)),
+            "--expert-model-parallel-size > 1 with --save/--load is not supported yet (the checkpoint formats hold "
+            "one expert-parallel rank's experts); drop --save/--load or use --expert-model-parallel-size 1.",
         )
         require(
             p.accumulate_allreduce_grads_in_fp32,

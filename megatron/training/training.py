@@ -277,7 +277,7 @@ class Trainer:
         if self.pg.dp is not None:
             dist.all_reduce(tokens, group=self.pg.dp)
         factor = self.pg.dp_size / tokens.clamp(min=1.0)
-        self.model.grad_buffer.data.mul_(factor)
+        self.model.scale_grads(factor)
         return loss_sum * factor
 
     @contextlib.contextmanager

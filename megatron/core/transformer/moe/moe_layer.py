@@ -50,7 +50,8 @@ class MoELayer(torch.nn.Module):
         self.token_dispatcher = build_token_dispatcher(moe, ep_group)
         n_local = self.token_dispatcher.num_local_experts
         experts_cls = GroupedMLP if moe.moe_grouped_gemm else SequentialMLP
-        self.experts = experts_cls(config, n_local, device=device)
+        local = self.token_dispatcher.local_expert_indices
+        self.experts = experts_cls(config, n_local, device=device, local_experts=local)
         if moe.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExpertMLP(config, device=device)
         else:
@@ -219,8 +220,10 @@ class MoETransformerLayer(TransformerLayer):
     whole-layer graph; see ``MoELayer.side_effect_buffers``).
 
     Graph regions: ``attn``; ``moe_router``, ``moe_preprocess`` (needs ``moe_router``),
-    with dispatch, experts, combine and postprocess eager; or ``moe``, the whole block,
-    with drop-and-pad only. ``attn moe`` captures the whole layer (drop-and-pad only).
+    with dispatch, experts and combine eager, and ``moe_postprocess`` graphed with
+    ``moe_preprocess`` (no scope of its own: it undoes that graph's permutation, reading
+    its ``token_idx``); or ``moe``, the whole block, with drop-and-pad only. ``attn moe``
+    captures the whole layer (drop-and-pad only).
     """
 
     graph_regions = GraphRegions(
@@ -232,6 +235,14 @@ class MoETransformerLayer(TransformerLayer):
             requires=("moe_router",),
             excludes=("moe",),
             when=_router_graphable,
+        ),
+        RegionSpec(
+            "moe_postprocess",
+            "_forward_moe_postprocess",
+            requires=("moe_router",),
+            excludes=("moe",),
+            when=_router_graphable,
+            selected_by="moe_preprocess",
         ),
         RegionSpec("moe", "_forward_moe", when=_block_graphable),
         whole=("attn", "moe"),

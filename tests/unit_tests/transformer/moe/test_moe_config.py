@@ -109,3 +109,39 @@ def test_flags_reach_the_model_config():
     assert moe is cfg.moe and moe.num_moe_experts == 8 and moe.moe_layer_pattern == [0, 1, 1, 1]
     assert moe.aux_loss_coeffs() == {"aux_loss": 0.01, "seq_aux_loss": 0.001}
     assert moe.moe_router_dtype == "fp64" and moe.drop_and_pad and moe.moe_grouped_gemm
+
+
+def _tp2_moe(*extra):
+    flags = (
+        "--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 --micro-batch-size 1 "
+        "--global-batch-size 1 --num-experts 4 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 1 --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 32"
+    ).split()
+    cfg = parse_args(flags + list(extra))
+    cfg.parallel.world_size = 2
+    cfg.validate()
+    return cfg
+
+
+def test_moe_with_tensor_parallelism_needs_sequence_parallel():
+    with pytest.raises(
+        ValueError, match="--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel"
+    ):
+        _tp2_moe()
+    assert _tp2_moe("--sequence-parallel").parallel.sequence_parallel
+
+
+def test_expert_parallel_checkpoints_are_refused_until_supported(tmp_path):
+    flags = (
+        "--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 --micro-batch-size 1 "
+        "--global-batch-size 2 --num-experts 4 --expert-model-parallel-size 2 --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 32"
+    ).split()
+    for extra in (["--save", str(tmp_path)], ["--load", str(tmp_path)]):
+        cfg = parse_args(flags + extra)
+        cfg.parallel.world_size = 2
+        with pytest.raises(ValueError, match="--expert-model-parallel-size > 1 with --save/--load"):
+            cfg.validate()
+    cfg = parse_args(flags)
+    cfg.parallel.world_size = 2
+    cfg.validate()
