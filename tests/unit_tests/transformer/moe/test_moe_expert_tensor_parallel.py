@@ -59,6 +59,21 @@ def _sum(x, *groups):
     return x
 
 
+def _sum_each(tensors: dict, groups_of: dict, pg) -> dict:
+    """``_sum`` of every tensor over the groups ``pg.<name>`` that ``groups_of`` names, one
+    all-reduce per distinct tuple of names (called alike on every rank)."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    out, by_groups = {}, {}
+    for name in tensors:
+        by_groups.setdefault(groups_of[name], []).append(name)
+    for groups in sorted(by_groups):
+        names = by_groups[groups]
+        flat = _sum(_flatten_dense_tensors([tensors[n] for n in names]), *(getattr(pg, g) for g in groups))
+        out.update(zip(names, _unflatten_dense_tensors(flat, [tensors[n] for n in names])))
+    return out
+
+
 class _Spec:
     """How a parallel parameter relates to the reference: the reference parameter's name
     (``key``; rows of experts picked), the shard, and the groups its copies are spread over."""
@@ -73,18 +88,18 @@ class _Spec:
         if m:  # SequentialMLP
             self.key = f"experts.local_experts.{offset + int(m.group(1))}.{m.group(2)}"
             self._split(m.group(2), 0, gated, self.etp, self.etp_rank)
-            self.groups = (pg.expt_dp,)
+            self.groups = ("expt_dp",)
         elif name.startswith("experts."):  # GroupedMLP: [experts, out, in]
             self.key, self.rows = name, slice(offset, offset + el)
             self._split(name[len("experts.") :], 1, gated, self.etp, self.etp_rank)
-            self.groups = (pg.expt_dp,)
+            self.groups = ("expt_dp",)
         elif name.startswith("shared_experts.linear_"):
             self.key = name
             self._split(name[len("shared_experts.") :], 0, gated, pg.tp_size, pg.tp_rank)
-            self.groups = (pg.dp,)
+            self.groups = ("dp",)
         else:  # router, shared-expert gate: replicated, applied to sequence shards
             self.key = name
-            self.groups = (pg.tp, pg.dp)
+            self.groups = ("tp", "dp")
 
     def _split(self, rest, base, gated, size, rank):
         if rest == "linear_fc1.weight":
@@ -153,10 +168,11 @@ def _check_parity(world, layout, dispatcher, case):
     out_p.backward(_local(g, pg))
     torch.testing.assert_close(xl.grad, _local(xr.grad, pg), rtol=1e-12, atol=1e-12)
     # Summed over the replicas, every parameter in the same order on every rank.
-    ref_grads = {name: _sum(p.grad, pg.dp) for name, p in ref_params.items()}
+    ref_grads = _sum_each({n: p.grad for n, p in ref_params.items()}, dict.fromkeys(ref_params, ("dp",)), pg)
+    grads = _sum_each({n: p.grad for n, p in params.items()}, {n: spec.groups for n, spec in specs.items()}, pg)
     for name, spec in specs.items():
         want = spec.shard(ref_grads[spec.key])
-        got = _sum(params[name].grad, *spec.groups)
+        got = grads[name]
         torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
 
 
@@ -187,10 +203,10 @@ def _train(world, layout, dispatcher, iters):
         x, y = data[pg.dp_rank]
         loss = (par(_local(x, pg))[0] - _local(y, pg)).square().sum() / total
         loss.backward()
+        grads = _sum_each({n: p.grad for n, p in params.items()}, {n: spec.groups for n, spec in specs.items()}, pg)
         with torch.no_grad():
-            for name, spec in specs.items():
-                p = params[name]
-                p -= lr * _sum(p.grad, *spec.groups)
+            for name, p in params.items():
+                p -= lr * grads[name]
             for p in ref.parameters():
                 p -= lr * p.grad
         import torch.distributed as dist
