@@ -154,7 +154,7 @@ def sinkhorn_routing(logits: torch.Tensor, topk: int, training: bool) -> tuple[t
     Training selects each token's top-k experts from the Sinkhorn-balanced fp32 logits
     (no gradient through the selection); evaluation from the scores. The probabilities
     are the scores of the selected experts, not renormalised: ``sigmoid(logits)`` for
-    k = 1, the softmax over all experts for k > 1 (fp32, back in the logits' dtype).
+    k = 1, the softmax over all experts for k > 1 (in fp32 at least, back in the logits' dtype).
     The score function, pre-softmax, groups, scaling factor and expert bias do not apply.
 
     Returns:
@@ -163,7 +163,7 @@ def sinkhorn_routing(logits: torch.Tensor, topk: int, training: bool) -> tuple[t
     if topk == 1:
         scores = torch.sigmoid(logits)
     else:
-        scores = torch.softmax(logits, dim=-1, dtype=torch.float32).to(logits.dtype)
+        scores = torch.softmax(logits, dim=-1, dtype=_score_dtype(logits)).to(logits.dtype)
     if training:
         with torch.no_grad():
             indices = sinkhorn(logits.detach().to(torch.float32)).topk(topk, dim=-1).indices
