@@ -140,10 +140,8 @@ def expectation(args: dict) -> str:
     if "--use-distributed-optimizer" in flags and flags & {"--save", "--load"}:
         return "not_yet"  # distributed-optimizer checkpoints
     expert_tp = args.get("--expert-tensor-parallel-size", args.get("--tensor-model-parallel-size", 1))
-    if "--num-experts" in flags and str(expert_tp) != "1":
-        return "not_yet"  # expert tensor parallelism
-    if "sinkhorn" in str(args.get("--moe-router-load-balancing-type", "")):
-        return "not_yet"
+    if "--num-experts" in flags and str(expert_tp) != "1" and "--disable-bias-linear" not in flags:
+        return "not_yet"  # expert biases split over expert tensor parallelism
     if args.get("--tokenizer-type") not in (None, "GPT2BPETokenizer", "NullTokenizer", "HuggingFaceTokenizer"):
         return "not_yet"
     if str(args.get("--rerun-mode", "disabled")) != "disabled":

@@ -326,13 +326,14 @@ class ProcessGroups:
             rank's pipeline (tied word embeddings sum their gradients over it); a group
             of one on the other stages and without pipelining.
         expt_tp, expt_dp: Tensor- and data-parallel groups of the expert layers.
+        tp_ep: Expert tensor x expert parallel group (the allgather token dispatcher's).
         ranks: Group name -> the global ranks of this rank's group (``[rank]`` for a
             group of one); sizes and ranks within groups are read from it.
         sequence_parallel: The TP group also splits the sequence (``--sequence-parallel``
             with TP > 1): a property of the layout that every TP layer reads.
     """
 
-    GROUP_NAMES = ("tp", "cp", "dp", "pp", "mp", "ep", "expt_tp", "expt_dp", "embd")
+    GROUP_NAMES = ("tp", "cp", "dp", "pp", "mp", "ep", "expt_tp", "expt_dp", "embd", "tp_ep")
 
     def __init__(
         self,
@@ -430,6 +431,10 @@ class ProcessGroups:
         return self._rank_in("expt_dp")
 
     @property
+    def tp_ep_size(self) -> int:
+        return self._size("tp_ep")
+
+    @property
     def mp_size(self) -> int:
         return self._size("mp")
 
@@ -481,6 +486,7 @@ def _wanted_groups(config: ParallelConfig) -> dict[str, tuple[dict[str, int], tu
         "ep": (expert, ("ep",)),
         "expt_tp": (expert, ("tp",)),
         "expt_dp": (expert, ("dp",)),
+        "tp_ep": (expert, ("tp", "ep")),
     }
 
 

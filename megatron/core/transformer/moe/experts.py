@@ -15,10 +15,12 @@ hidden or expert FFN size is not a multiple of 16 bytes, which the kernel's stri
 Every expert parameter is marked ``is_expert = True`` and ``allreduce = False``: its
 gradient belongs to the expert-data-parallel buffer, not the dense one.
 
-Under expert parallelism every rank draws the weights of all ``num_experts`` experts
-in order and keeps its own (``local_experts``), as tensor-parallel layers draw full
-weights and keep their shard: the random stream, and so every later layer's weights,
-is the same at any EP size, and EP = 2 trains the model EP = 1 trains.
+Layout-independent init: every rank draws the full weights of all ``num_experts``
+experts in a single process's order and keeps its local experts (expert parallelism)
+and, with expert tensor parallelism (ETP), its shard of each: fc1 split by output
+features (SwiGLU's gate and up halves split separately), fc2 by input features, as
+``tensor_parallel.layers`` does. The experts themselves communicate nothing: the token
+dispatcher all-gathers their inputs over ETP and sums the fc2 partial outputs.
 """
 
 import dataclasses
@@ -27,7 +29,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from megatron.core.tensor_parallel.layers import resolve_device
+from megatron.core.tensor_parallel.layers import resolve_device, shard_of, uses_sequence_parallel
 from megatron.core.transformer.mlp import MLP
 
 
@@ -57,10 +59,27 @@ def _local_range(num_local_experts: int, local_experts: range | None) -> range:
     return local
 
 
-def _num_drawn(config, num_local_experts: int, local: range) -> int:
-    """How many experts' weights to draw: all of them, when this rank keeps only some."""
-    total = getattr(getattr(config, "moe", None), "num_moe_experts", None) or num_local_experts
+def _num_drawn(config, local: range) -> int:
+    """How many experts' weights to draw: all of them, so the draws match one process's."""
+    total = getattr(getattr(config, "moe", None), "num_moe_experts", None) or local.stop
     return max(total, local.stop)
+
+
+class _ExpertShard:
+    """Stands for a TP group in ``MLP``'s linears: the ETP size and rank, no group. The
+    linears then keep their shard of the full weight and run no collective."""
+
+    sequence_parallel = False
+    tp = None
+
+    def __init__(self, size: int, rank: int):
+        self.tp_size, self.tp_rank = size, rank
+
+
+def _mark_expert_tp(module: torch.nn.Module, etp_size: int) -> None:
+    # Split over ETP or replicated: what the gradient norm's bookkeeping reads.
+    for p in module.parameters():
+        p.tensor_model_parallel = etp_size > 1
 
 
 def expert_config(config, ffn_hidden_size: int):
@@ -75,25 +94,38 @@ class SequentialMLP(torch.nn.Module):
         config: Finalized ``TransformerConfig`` (``config.moe`` set).
         num_local_experts: Experts on this rank.
         device: Device for the parameters.
+        local_experts: Global indices of this rank's experts (default: the first ones).
+        etp_size, etp_rank: Expert-tensor-parallel size and this rank's index in it.
     """
 
     def needs_host_counts(self, tokens: torch.Tensor) -> bool:
         """The loop slices rows per expert: it needs the counts as Python ints."""
         return True
 
-    def __init__(self, config, num_local_experts: int, *, device=None, local_experts: range | None = None):
+    def __init__(
+        self,
+        config,
+        num_local_experts: int,
+        *,
+        device=None,
+        local_experts: range | None = None,
+        etp_size: int = 1,
+        etp_rank: int = 0,
+    ):
         super().__init__()
         self.num_local_experts = num_local_experts
         self.gated = config.gated_linear_unit
         cfg = expert_config(config, config.moe.moe_ffn_hidden_size)
         local = _local_range(num_local_experts, local_experts)
+        shard = _ExpertShard(etp_size, etp_rank) if etp_size > 1 else None
         kept = []
-        for i in range(_num_drawn(config, num_local_experts, local)):
-            mlp = MLP(cfg, None, device=device)  # drawn even when another rank keeps it
+        for i in range(_num_drawn(config, local)):
+            mlp = MLP(cfg, shard, device=device)  # drawn even when another rank keeps it
             if i in local:
                 kept.append(mlp)
         self.local_experts = torch.nn.ModuleList(kept)
         mark_expert_params(self)
+        _mark_expert_tp(self, etp_size)
 
     def _expert(self, i: int, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         mlp = self.local_experts[i]
@@ -128,17 +160,25 @@ class GroupedLinear(torch.nn.Module):
         config,
         device,
         local: range | None = None,
+        shard_dim: int = 1,
+        stride: int = 1,
+        etp_size: int = 1,
+        etp_rank: int = 0,
     ):
+        """``in_features`` / ``out_features`` are the full sizes; with ETP the weight keeps this
+        rank's shard along ``shard_dim`` (1: output features, 2: input features)."""
         super().__init__()
         local = _local_range(num_experts, local)
-        drawn = _num_drawn(config, num_experts, local)
         with torch.no_grad():
-            full = torch.empty(drawn, out_features, in_features, device=device, dtype=config.params_dtype)
+            full = torch.empty(
+                _num_drawn(config, local), out_features, in_features, device=device, dtype=config.params_dtype
+            )
             full.normal_(0.0, std)
-            weight = full if drawn == num_experts else full[local.start : local.stop].clone()
-        self.weight = torch.nn.Parameter(weight)
+            weight = shard_of(full[local.start : local.stop], shard_dim, etp_size, etp_rank, stride)
+        self.weight = torch.nn.Parameter(weight.contiguous())
+        bias_size = out_features // etp_size if shard_dim == 1 else out_features
         self.bias = (
-            torch.nn.Parameter(torch.zeros(num_experts, out_features, device=device, dtype=config.params_dtype))
+            torch.nn.Parameter(torch.zeros(num_experts, bias_size, device=device, dtype=config.params_dtype))
             if bias
             else None
         )
@@ -181,9 +221,20 @@ class GroupedMLP(torch.nn.Module):
         config: Finalized ``TransformerConfig`` (``config.moe`` set).
         num_local_experts: Experts on this rank.
         device: Device for the parameters.
+        local_experts: Global indices of this rank's experts (default: the first ones).
+        etp_size, etp_rank: Expert-tensor-parallel size and this rank's index in it.
     """
 
-    def __init__(self, config, num_local_experts: int, *, device=None, local_experts: range | None = None):
+    def __init__(
+        self,
+        config,
+        num_local_experts: int,
+        *,
+        device=None,
+        local_experts: range | None = None,
+        etp_size: int = 1,
+        etp_rank: int = 0,
+    ):
         super().__init__()
         device = resolve_device(device)
         self.num_local_experts = num_local_experts
@@ -193,13 +244,14 @@ class GroupedMLP(torch.nn.Module):
         out_std = std / (2.0 * config.num_layers) ** 0.5
         h = config.hidden_size
         bias = config.add_bias_linear
-        self.hidden_size, self.ffn_hidden_size = h, ffn
+        self.hidden_size, self.ffn_hidden_size = h, ffn // etp_size  # this rank's shard of the FFN
         self.last_path: str | None = None  # "grouped" or "loop": which one the last forward took
-        fc1_out = 2 * ffn if self.gated else ffn
-        kw = dict(bias=bias, config=config, device=device, local=local_experts)
-        self.linear_fc1 = GroupedLinear(num_local_experts, h, fc1_out, std=std, **kw)
-        self.linear_fc2 = GroupedLinear(num_local_experts, ffn, h, std=out_std, **kw)
+        kw = dict(bias=bias, config=config, device=device, local=local_experts, etp_size=etp_size, etp_rank=etp_rank)
+        fc1_out, stride = (2 * ffn, 2) if self.gated else (ffn, 1)
+        self.linear_fc1 = GroupedLinear(num_local_experts, h, fc1_out, std=std, shard_dim=1, stride=stride, **kw)
+        self.linear_fc2 = GroupedLinear(num_local_experts, ffn, h, std=out_std, shard_dim=2, **kw)
         mark_expert_params(self)
+        _mark_expert_tp(self, etp_size)
 
     def uses_grouped_mm(self, tokens: torch.Tensor) -> bool:
         """Whether ``forward`` takes torch's grouped GEMM for these tokens (else the loop)."""
@@ -267,18 +319,21 @@ class SharedExpertMLP(MLP):
     """The shared experts: one MLP every token goes through, optionally gated per token.
 
     With ``--moe-shared-expert-gate`` the output is scaled by ``sigmoid(x @ gate_weight^T)``
-    (``shared_experts.gate_weight``, ``[1, h]``).
+    (``shared_experts.gate_weight``, ``[1, h]``). Split over the dense TP group like the MLP
+    (``pg``), with the input sequence-sharded under sequence parallelism.
     """
 
-    def __init__(self, config, *, device=None):
+    def __init__(self, config, pg=None, *, device=None):
         moe = config.moe
-        super().__init__(expert_config(config, moe.moe_shared_expert_intermediate_size), None, device=device)
+        super().__init__(expert_config(config, moe.moe_shared_expert_intermediate_size), pg, device=device)
         if moe.moe_shared_expert_gate:
             self.gate_weight = torch.nn.Parameter(
                 torch.empty(1, config.hidden_size, device=resolve_device(device), dtype=config.params_dtype)
             )
             with torch.no_grad():
                 self.gate_weight.normal_(0.0, config.init_method_std)
+            # Applied to a sequence shard: its gradient is partial on each TP rank.
+            self.gate_weight.sequence_parallel = uses_sequence_parallel(pg)
         else:
             self.gate_weight = None
 

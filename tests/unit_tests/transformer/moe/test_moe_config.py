@@ -64,7 +64,23 @@ def _validate(ep=1, etp=1, **moe):
         (dict(num_moe_experts=6, moe_router_num_groups=4, moe_router_group_topk=2), 1, "divisible by --moe-router"),
         (dict(num_moe_experts=4, moe_router_enable_expert_bias=True), 1, "--moe-router-score-function sigmoid"),
         (dict(num_moe_experts=4, moe_router_topk=1), 1, "--moe-router-pre-softmax"),
-        (dict(num_moe_experts=4, etp=2), 1, "expert tensor parallelism 2 .--expert-tensor-parallel-size"),
+        (dict(num_moe_experts=4, etp=2), 1, "biases in experts split over --expert-tensor-parallel-size 2"),
+        (dict(num_moe_experts=4, etp=3), 1, "--moe-ffn-hidden-size .32. must be divisible by --expert-tensor"),
+        (
+            dict(num_moe_experts=4, moe_router_load_balancing_type=["sinkhorn", "aux_loss"]),
+            1,
+            "cannot be combined with other types",
+        ),
+        (
+            dict(num_moe_experts=4, moe_router_load_balancing_type=["sinkhorn"], moe_aux_loss_coeff=[0.01]),
+            1,
+            "Sinkhorn routing does not support aux loss: pass --moe-aux-loss-coeff 0",
+        ),
+        (
+            dict(num_moe_experts=4, moe_router_load_balancing_type=["sinkhorn"], moe_expert_capacity_factor=1.0),
+            1,
+            "--moe-expert-capacity-factor only works with",
+        ),
         (
             dict(num_moe_experts=4, moe_router_load_balancing_type=["aux_loss", "z"], moe_aux_loss_coeff=[0.1, 0.1]),
             1,

@@ -63,3 +63,11 @@ def test_experts_must_divide_across_expert_parallel_ranks():
         cfg = parse_args(FLAGS + ["--expert-model-parallel-size", "3"])
         cfg.parallel.world_size = 6
         cfg.validate()
+
+
+def test_moe_gpt_trains_with_sinkhorn_top1():
+    trainer = pretrain(
+        FLAGS + "--train-iters 6 --log-interval 3 --moe-router-load-balancing-type sinkhorn --moe-router-topk 1".split()
+    )
+    losses = [h["lm loss"] for h in trainer.history]
+    assert losses[-1] < losses[0]
