@@ -500,11 +500,6 @@ class RunConfig:
             )
             self.ddp.overlap_param_gather = False
         require(
-            not (self.ddp.use_distributed_optimizer and (self.checkpoint.save or self.checkpoint.load)),
-            "--use-distributed-optimizer with --save/--load is not supported yet (the checkpoint formats hold "
-            "one DP rank's optimizer state, each rank here holds a shard); drop --save/--load or the flag.",
-        )
-        require(
             p.accumulate_allreduce_grads_in_fp32,
             "reduced-precision gradient buffers are not supported yet; main_grad is always fp32.",
         )
