@@ -236,21 +236,17 @@ def _tp_of(tensor, pg) -> tuple[int, int]:
     return pg.tp_size, pg.tp_rank
 
 
-def model_layouts(modules, pg) -> dict[str, tuple[torch.Tensor, TensorLayout]]:
-    """Every entry of the model's state dict (parameters and persistent buffers), by global name.
+def tensor_layouts(modules, pg) -> list[tuple[torch.Tensor, TensorLayout]]:
+    """Every tensor of the model's state dict (parameters and persistent buffers) with its layout.
 
     Args:
         modules: The model (unwrapped), or its chunks (virtual pipeline stages).
         pg: This rank's ``ProcessGroups``.
-
-    Returns:
-        ``{global name: (local tensor, layout)}``.
     """
     chunks = list(modules) if isinstance(modules, Sequence) else [modules]
-    out: dict[str, tuple[torch.Tensor, TensorLayout]] = {}
+    out, seen = [], set()
     for chunk in chunks:
         renames, grouped = _module_renames(chunk)
-        seen: set[int] = set()
         for name, tensor in chunk.state_dict(keep_vars=True).items():
             if tensor is None or id(tensor) in seen:
                 continue
@@ -261,11 +257,16 @@ def model_layouts(modules, pg) -> dict[str, tuple[torch.Tensor, TensorLayout]]:
                 gname = TIED_EMBEDDING  # the last stage's copy is the first stage's weight
             layout = _layout(gname, tensor, pg, grouped, name)
             layout.replica_owner = layout.replica_owner and not tied_copy
-            if gname in out:
-                assert tied_copy or not out[gname][1].replica_owner, f"two tensors are named {gname}"
-                if tied_copy:
-                    continue  # this rank holds the first stage's own weight too
-            out[gname] = (tensor, layout)
+            out.append((tensor, layout))
+    return out
+
+
+def model_layouts(modules, pg) -> dict[str, tuple[torch.Tensor, TensorLayout]]:
+    """``tensor_layouts`` by global name: ``{name: (local tensor, layout)}``."""
+    out: dict[str, tuple[torch.Tensor, TensorLayout]] = {}
+    for tensor, layout in tensor_layouts(modules, pg):
+        assert layout.name not in out, f"this rank holds two tensors named {layout.name}"
+        out[layout.name] = (tensor, layout)
     return out
 
 
@@ -348,7 +349,7 @@ def optimizer_entries(optimizer, modules, pg) -> list[Entry]:
         pg: This rank's ``ProcessGroups``.
     """
     names = set(optimizer.state_names()) | {FP32_PARAM}
-    layouts = {id(t): layout for t, layout in model_layouts(modules, pg).values()}
+    layouts = {id(t): layout for t, layout in tensor_layouts(modules, pg)}
     entries: dict[str, Entry] = {}
     for piece in optimizer.state_pieces():
         layout = layouts[id(piece.param)]

@@ -124,26 +124,48 @@ def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("index_cache"))
 
 
+def _read_full(folder: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a torch_dist checkpoint at its full shape, read by DCP's own planner,
+    under ``_assemble``'s names (fp32: the main params are the weights)."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in metadata.items()}
+    dcp.load(state, checkpoint_id=folder, no_dist=True)
+    out = {}
+    for key, value in state.items():
+        if key.startswith("model."):
+            out[key] = value
+            out["main." + key[len("model.") :]] = value
+        else:
+            what, name = key[len("optimizer.state.") :].split(".", 1)
+            out[f"{what}.{name}"] = value.reshape(1) if what == "step" else value
+    return out
+
+
 def test_torch_dist_checkpoint_moves_between_tp2_dp2_distributed_optimizer_and_one_process(tmp_path, cache):
     from megatron.core import parallel_state
     from megatron.training.training import build_trainer, pretrain
 
-    tp1_dir, tp2_dir = str(tmp_path / "tp1"), str(tmp_path / "tp2")
-    stop_at_4 = "--exit-interval 4 --save-interval 4 --save "
-    never_stopped = _losses(pretrain(_argv("", cache)))
-    tp1_saver = pretrain(_argv(stop_at_4 + tp1_dir, cache))
+    tp1_dir, tp2_dir = tmp_path / "tp1", tmp_path / "tp2"
+    # TP=1 without the distributed optimizer, never stopped; its save at iteration 4 is loaded below.
+    never_stopped = _losses(pretrain(_argv(f"--save-interval 4 --save {tp1_dir}", cache)))
+    (tp1_dir / "latest_checkpointed_iteration.txt").write_text("4")
     tp2_saved, tp2_first, tp2_loaded, tp2_rest = zip(
         *map_results(
-            _four_ranks, 4, _argv(f"{TP2_DP2} {stop_at_4}{tp2_dir}", cache), _argv(f"{TP2_DP2} --load {tp1_dir}", cache)
+            _four_ranks,
+            4,
+            _argv(f"{TP2_DP2} --exit-interval 4 --save-interval 4 --save {tp2_dir}", cache),
+            _argv(f"{TP2_DP2} --load {tp1_dir}", cache),
         )
     )
-    # TP=1 -> TP=2 x DP=2: every rank's loaded tensors assemble to the TP=1 run's state.
-    _assert_equal_states(_assemble(list(tp2_loaded)), _assemble([_snapshot(tp1_saver)]), "TP=1 -> TP=2 x DP=2")
+    # TP=1 -> TP=2 x DP=2: the loaded shards assemble to the TP=1 checkpoint's full tensors.
+    _assert_equal_states(_assemble(list(tp2_loaded)), _read_full(str(tp1_dir / "iter_0000004")), "TP=1 -> TP=2x DP=2")
     for losses in tp2_rest:
         _assert_close(losses, never_stopped[4:], "TP=2 x DP=2 after loading the TP=1 checkpoint")
     for losses in tp2_first:
         _assert_close(losses, never_stopped[:4], "TP=2 x DP=2 before its save")
-    # TP=2 x DP=2 -> TP=1 (here with the distributed optimizer at DP=1, the other direction without it).
+    # TP=2 x DP=2 -> TP=1, here with the distributed optimizer (at DP=1).
     loader = build_trainer(_argv(f"--use-distributed-optimizer --load {tp2_dir}", cache))
     _assert_equal_states(_assemble([_snapshot(loader)]), _assemble(list(tp2_saved)), "TP=2 x DP=2 -> TP=1")
     loader.history = loader.train()
