@@ -39,8 +39,12 @@ def test_keys_are_global_parameter_names(tmp_path):
 
     pretrain(FLAGS + ["--save", str(tmp_path), "--train-iters", "2"])
     keys = set(dcp.FileSystemReader(str(tmp_path / "iter_0000002")).read_metadata().state_dict_metadata)
-    assert "model.decoder.layers.0.self_attention.linear_qkv.weight" in keys
-    assert any(k.startswith("optimizer.optimizer.state.") and k.endswith("exp_avg") for k in keys)
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert "model." + name in keys
+    # The optimizer state by parameter name (layout-free), with the fp32 copies of the bf16 weights.
+    for what in ("exp_avg", "exp_avg_sq", "step", "fp32_param"):
+        assert f"optimizer.state.{what}.{name}" in keys
+    assert not [k for k in keys if not k.startswith(("model.", "optimizer.state."))]
 
 
 def test_format_mismatch_needs_auto_detect(tmp_path):
