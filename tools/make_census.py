@@ -135,6 +135,8 @@ def expectation(args: dict) -> str:
         return "not_yet"
     if str(args.get("--pipeline-model-parallel-size", 1)) != "1" or flags & set(_NOT_YET_FLAGS):
         return "not_yet"
+    if str(args.get("--expert-model-parallel-size", 1)) != "1" and flags & {"--save", "--load"}:
+        return "not_yet"  # expert-parallel checkpoints
     expert_tp = args.get("--expert-tensor-parallel-size", args.get("--tensor-model-parallel-size", 1))
     if "--num-experts" in flags and str(expert_tp) != "1" and "--disable-bias-linear" not in flags:
         return "not_yet"  # expert biases split over expert tensor parallelism
