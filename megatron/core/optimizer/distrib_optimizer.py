@@ -100,7 +100,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             # element in expert-DP, distinct experts over EP (and PP).
             norm["grad_norm_parts"] = [
                 (dense[1], (pg.mp, pg.dp)),
-                (expert[1], (pg.ep, pg.pp, pg.expt_dp)),
+                (expert[1], (pg.ep, pg.expt_tp, pg.pp, pg.expt_dp)),
             ]
         else:
             owned = dense[0] + (expert[0] if expert else [])
@@ -300,13 +300,16 @@ def build_optimizer(ddp, *, pg, config, precision, preallocate_state: bool = Fal
     buffers = [b.data for b in ddp.grad_buffers]
     if ddp.expert_grad_buffer is not None and expert_norm_separate(pg):
         # Dense gradients are replicated over DP: summed over MP. Expert gradients are
-        # replicated over expert-DP only: summed over EP and PP, and over TP once per
-        # expert-DP group (TP ranks are expert-DP ranks there), so no TP sum for them.
+        # replicated over expert-DP only: summed over EP, expert TP (the shards) and PP;
+        # with expert TP = 1 the TP ranks are expert-DP ranks, so no TP sum for them.
         dense = [p for p in dict.fromkeys(params) if not is_expert_param(p)]
         dense_norm = [p.main_grad for p in dense if counts_for_norm(p, pg)]
         if len(dense_norm) == len(dense):
             dense_norm = [ddp.grad_buffer.data]
-        kwargs["grad_norm_parts"] = [(dense_norm, (pg.mp,)), ([ddp.expert_grad_buffer.data], (pg.ep, pg.pp))]
+        kwargs["grad_norm_parts"] = [
+            (dense_norm, (pg.mp,)),
+            ([ddp.expert_grad_buffer.data], (pg.ep, pg.expt_tp, pg.pp)),
+        ]
     elif getattr(pg, "mp", None) is not None:
         kwargs["grad_norm_groups"] = (pg.mp,)
         if not all(counts_for_norm(p, pg) for p in params):
