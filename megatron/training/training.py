@@ -116,7 +116,7 @@ class Trainer:
                 cfg.logging.metrics_file,
                 cfg.logging.tensorboard_dir,
                 enabled_on_this_rank=pg.is_last_rank,
-                wandb=logs.wandb_settings(cfg),
+                wandb=logs.wandb_settings(cfg, checkpointing.config_to_dict(cfg)),
             )
         except BaseException:
             self.close()
