@@ -188,6 +188,14 @@ class MoEConfig:
             coeffs = coeffs * len(types)
         return {t: c for t, c in zip(types, coeffs) if t in AUX_LOSS_NAMES and c > 0}
 
+    def metric_names(self) -> list[str]:
+        """The losses the log line reports, Megatron's names, in the statistics' order."""
+        coeffs = self.aux_loss_coeffs()
+        names = [AUX_LOSS_NAMES[t] for t in ("aux_loss", "seq_aux_loss", "global_aux_loss") if t in coeffs]
+        if self.moe_z_loss_coeff is not None:
+            names.append("z_loss")
+        return names
+
     @property
     def sinkhorn(self) -> bool:
         """``--moe-router-load-balancing-type sinkhorn``: Sinkhorn routing instead of top-k."""

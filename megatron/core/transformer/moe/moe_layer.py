@@ -160,7 +160,13 @@ def set_aux_loss_scale(model: torch.nn.Module, scale) -> None:
 
 @torch.no_grad()
 def collect_moe_metrics(
-    model: torch.nn.Module, num_microbatches: int = 1, dp_group=None, reset: bool = True
+    model: torch.nn.Module,
+    num_microbatches: int = 1,
+    dp_group=None,
+    reset: bool = True,
+    *,
+    pp_group=None,
+    names: list[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The step's MoE losses for the log line, with Megatron's names and averaging.
 
@@ -173,18 +179,41 @@ def collect_moe_metrics(
         num_microbatches: Micro-batches summed into the statistics since the last reset.
         dp_group: Data-parallel group to average over, or None.
         reset: Zero the statistics afterwards.
+        pp_group: Pipeline group: the layers of every stage count (Megatron reduces its
+            tracker over the stages before the last one logs). Every stage must call,
+            those without an MoE layer too.
+        names: The metric names (``MoEConfig.metric_names()``); needed with ``pp_group``
+            on a stage without an MoE layer, which contributes zeros.
     """
     layers = moe_layers(model)
-    if not layers or not layers[0].metric_names:
+    names = list(layers[0].metric_names) if layers else list(names or [])
+    if not names:
         return {}
-    stacked = torch.stack([layer.metrics for layer in layers]).sum(dim=0) / (len(layers) * num_microbatches)
+    staged = pp_group is not None and dist.get_world_size(pp_group) > 1
+    if not layers and not staged:
+        return {}
+    if layers:
+        sums = torch.stack([layer.metrics for layer in layers]).sum(dim=0)
+    else:
+        sums = torch.zeros(len(names), device=_device_of(model))
+    if staged:  # every stage's sums and layer count
+        both = torch.cat([sums, sums.new_tensor([len(layers)])])
+        dist.all_reduce(both, group=pp_group)
+        stacked = both[:-1] / (both[-1].clamp(min=1) * num_microbatches)
+    else:
+        stacked = sums / (len(layers) * num_microbatches)
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(stacked, group=dp_group)
         stacked = stacked / dist.get_world_size(dp_group)
     if reset:
         for layer in layers:
             layer.metrics.zero_()
-    return {name: stacked[i] for i, name in enumerate(layers[0].metric_names)}
+    return {name: stacked[i] for i, name in enumerate(names)}
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
 
 
 @torch.no_grad()

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.layers import resolve_device
 from megatron.core.transformer.moe import moe_utils
-from megatron.core.transformer.moe.moe_config import AUX_LOSS_NAMES
 
 
 class TopKRouter(torch.nn.Module):
@@ -82,10 +81,7 @@ class TopKRouter(torch.nn.Module):
     # ------------------------------------------------------------------ statistics layout
     def metric_names(self) -> list[str]:
         """Names of the loss entries at the front of the statistics vector (Megatron's names)."""
-        names = [AUX_LOSS_NAMES[t] for t in ("aux_loss", "seq_aux_loss", "global_aux_loss") if t in self.aux_coeffs]
-        if self.moe.moe_z_loss_coeff is not None:
-            names.append("z_loss")
-        return names
+        return self.moe.metric_names()
 
     @property
     def num_stats(self) -> int:
