@@ -290,8 +290,8 @@ def permutation_by_expert(
     """
     num_tokens = routing_map.shape[0]
     mask = routing_map.t().reshape(-1)  # [E * T], expert-major
-    # Stable sort puts the routed slots first, in expert-major order: no host sync.
-    order = torch.argsort((~mask).to(torch.int8), stable=True)[:num_out]
+    # Stable descending sort puts the routed slots first, in expert-major order: no host sync.
+    order = torch.argsort(mask.view(torch.uint8), descending=True, stable=True)[:num_out]
     token_idx = order % num_tokens
     slot_probs = probs.t().reshape(-1).index_select(0, order)
     tokens_per_expert = routing_map.sum(dim=0)
