@@ -301,7 +301,7 @@ def permutation_by_expert(
 def unpermute(expert_output: torch.Tensor, token_idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Sums each token's expert outputs: ``out[t] = sum of expert_output[i] with token_idx[i] == t``."""
     out = expert_output.new_zeros(num_tokens, expert_output.shape[-1])
-    return out.index_add(0, token_idx, expert_output)
+    return out.index_add_(0, token_idx, expert_output)  # in place: no copy of the zeros
 
 
 # ---------------------------------------------------------------------------- collectives
