@@ -106,33 +106,43 @@ class _ExpertLoop(torch.autograd.Function):
         ctx.saved = None
         counts, n = ctx.counts, len(ctx.counts)
         fc1, fc2 = weights[:n], weights[n:]
-        grad_act = act.new_empty(act.shape)
-        for g, w, x, o in zip(
-            grad_out.split_with_sizes(counts), fc2, act.split_with_sizes(counts), grad_act.split_with_sizes(counts)
-        ):
-            if g.shape[0]:
-                torch.mm(g, w, out=o)
-                accumulate_wgrad(w.main_grad, g, x)
+        # Each intermediate is dropped once its last use has run, as autograd frees saved tensors.
+        grad_act = _dgrad_wgrad(grad_out, act, fc2, counts, True)
+        del act
         grad_a = grad_act * pu
         grad_p = None
         if ctx.needs_input_grad[1]:
             grad_p = (grad_act * a).sum(-1, keepdim=True).to(probs.dtype).squeeze(-1)
+        del grad_act, a, pu
         if ctx.gated:
             gate, up = torch.chunk(inter, 2, dim=-1)
-            grad_inter = torch.cat([torch.ops.aten.silu_backward(grad_a * up, gate), grad_a * s], dim=-1)
+            grad_gate = torch.ops.aten.silu_backward(grad_a * up, gate)
+            del gate, up, inter
+            grad_up = grad_a * s
+            del grad_a, s
+            grad_inter = torch.cat([grad_gate, grad_up], dim=-1)
+            del grad_gate, grad_up
         elif inter.device.type == "cpu":
             grad_inter = _per_expert(torch.ops.aten.gelu_backward, counts, grad_a, inter)
+            del grad_a, inter
         else:
             grad_inter = torch.ops.aten.gelu_backward(grad_a, inter)
-        need_x = ctx.needs_input_grad[0]
-        grad_x = tokens.new_empty(tokens.shape) if need_x else None
-        outs = grad_x.split_with_sizes(counts) if need_x else [None] * n
-        for g, w, x, o in zip(grad_inter.split_with_sizes(counts), fc1, tokens.split_with_sizes(counts), outs):
-            if g.shape[0]:
-                if need_x:
-                    torch.mm(g, w, out=o)
-                accumulate_wgrad(w.main_grad, g, x)
+            del grad_a, inter
+        grad_x = _dgrad_wgrad(grad_inter, tokens, fc1, counts, ctx.needs_input_grad[0])
         return (grad_x, grad_p, None, None) + (None,) * (2 * n)
+
+
+def _dgrad_wgrad(grad_out, inputs, weights, counts: list[int], need_dgrad: bool):
+    """Per expert: ``main_grad += grad^T @ input`` and the input gradient ``grad @ weight``
+    written into that expert's rows of one buffer (returned; None without ``need_dgrad``)."""
+    dgrad = grad_out.new_empty((grad_out.shape[0], weights[0].shape[1])) if need_dgrad else None
+    outs = dgrad.split_with_sizes(counts) if need_dgrad else [None] * len(counts)
+    for g, w, x, o in zip(grad_out.split_with_sizes(counts), weights, inputs.split_with_sizes(counts), outs):
+        if g.shape[0]:
+            if o is not None:
+                torch.mm(g, w, out=o)
+            accumulate_wgrad(w.main_grad, g, x)
+    return dgrad
 
 
 def _per_expert(fn, counts: list[int], *tensors: torch.Tensor) -> torch.Tensor:
