@@ -6,7 +6,10 @@ Megatron the probability scales the activation (``act(fc1(x)) * p``) before fc2.
 
 ``SequentialMLP`` (``experts.local_experts.N.linear_fc1...``) slices the rows per
 expert, so it needs the counts on the host: either static (drop-and-pad) or read by
-the eager dispatch. ``GroupedMLP`` (``--moe-grouped-gemm``; ``experts.linear_fc1.weight``
+the eager dispatch. When its weights fuse their gradients into ``main_grad`` (under
+DDP) and have no biases, the loop is one autograd node (``_ExpertLoop``): GEMMs per
+expert, elementwise ops once, the same values as the per-module path with a fraction
+of its host work. ``GroupedMLP`` (``--moe-grouped-gemm``; ``experts.linear_fc1.weight``
 of shape ``[experts, out, in]``) runs one ``torch.nn.functional.grouped_mm`` per
 linear on CUDA with bf16, taking the counts as a device tensor (no host sync); elsewhere
 it falls back to the same per-expert loop, and so it does (saying so once) when the
@@ -29,7 +32,13 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from megatron.core.tensor_parallel.layers import resolve_device, shard_of, uses_sequence_parallel
+from megatron.core.tensor_parallel.layers import (
+    _fuses_wgrad,
+    accumulate_wgrad,
+    resolve_device,
+    shard_of,
+    uses_sequence_parallel,
+)
 from megatron.core.transformer.mlp import MLP
 
 
@@ -45,6 +54,101 @@ def _activate(intermediate: torch.Tensor, gated: bool) -> torch.Tensor:
         gate, up = torch.chunk(intermediate, 2, dim=-1)
         return F.silu(gate) * up
     return F.gelu(intermediate)
+
+
+class _ExpertLoop(torch.autograd.Function):
+    """The whole loop of expert MLPs as one autograd node, weight gradients fused into ``main_grad``.
+
+    Per expert ``i``: ``out_i = fc2_i(act(fc1_i(x_i)) * p_i)``, the GEMMs per expert (written
+    into slices of one buffer), the elementwise ops once over all rows: the activation, the
+    probability scaling and their backward act on each row alone, so they give the values
+    the per-expert module path gives (``SequentialMLP._expert`` through the linear layers'
+    ``LinearWithGradAccumulation``), and the backward runs the ops autograd runs for that
+    graph. GeLU on the CPU is the exception kept per expert: there the kernel's vectorised
+    and scalar tails differ and a contiguous tensor is one run of elements, so its split
+    points must stay where they were. One Python ``backward`` per layer replaces two per
+    expert plus an autograd node per elementwise op. Only for linears without biases whose
+    weights all fuse their gradient (``SequentialMLP._fused_weights``); the weights'
+    AccumulateGrad nodes still run (with no gradient), so DDP's hooks see them.
+    """
+
+    @staticmethod
+    def forward(ctx, tokens, probs, counts, gated, *weights):
+        n = len(counts)
+        fc1, fc2 = weights[:n], weights[n:]
+        rows = tokens.shape[0]
+        inter = tokens.new_empty((rows, fc1[0].shape[0]))
+        for x, w, o in zip(tokens.split_with_sizes(counts), fc1, inter.split_with_sizes(counts)):
+            if x.shape[0]:
+                torch.mm(x, w.t(), out=o)
+        pu = probs.unsqueeze(-1).to(inter.dtype)
+        if gated:
+            gate, up = torch.chunk(inter, 2, dim=-1)
+            s = F.silu(gate)
+            a = s * up
+        else:
+            s = None
+            a = _per_expert(F.gelu, counts, inter) if inter.device.type == "cpu" else F.gelu(inter)
+        act = a * pu
+        out = tokens.new_empty((rows, fc2[0].shape[0]))
+        for x, w, o in zip(act.split_with_sizes(counts), fc2, out.split_with_sizes(counts)):
+            if x.shape[0]:
+                torch.mm(x, w.t(), out=o)
+        ctx.counts, ctx.gated = counts, gated
+        ctx.saved = (inter, s, a, pu, act)
+        ctx.save_for_backward(tokens, probs, *weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        tokens, probs, *weights = ctx.saved_tensors
+        inter, s, a, pu, act = ctx.saved
+        ctx.saved = None
+        counts, n = ctx.counts, len(ctx.counts)
+        fc1, fc2 = weights[:n], weights[n:]
+        # Each intermediate is dropped once its last use has run, as autograd frees saved tensors.
+        grad_act = _dgrad_wgrad(grad_out, act, fc2, counts, True)
+        del act
+        grad_a = grad_act * pu
+        grad_p = None
+        if ctx.needs_input_grad[1]:
+            grad_p = (grad_act * a).sum(-1, keepdim=True).to(probs.dtype).squeeze(-1)
+        del grad_act, a, pu
+        if ctx.gated:
+            gate, up = torch.chunk(inter, 2, dim=-1)
+            grad_gate = torch.ops.aten.silu_backward(grad_a * up, gate)
+            del gate, up, inter
+            grad_up = grad_a * s
+            del grad_a, s
+            grad_inter = torch.cat([grad_gate, grad_up], dim=-1)
+            del grad_gate, grad_up
+        elif inter.device.type == "cpu":
+            grad_inter = _per_expert(torch.ops.aten.gelu_backward, counts, grad_a, inter)
+            del grad_a, inter
+        else:
+            grad_inter = torch.ops.aten.gelu_backward(grad_a, inter)
+            del grad_a, inter
+        grad_x = _dgrad_wgrad(grad_inter, tokens, fc1, counts, ctx.needs_input_grad[0])
+        return (grad_x, grad_p, None, None) + (None,) * (2 * n)
+
+
+def _dgrad_wgrad(grad_out, inputs, weights, counts: list[int], need_dgrad: bool):
+    """Per expert: ``main_grad += grad^T @ input`` and the input gradient ``grad @ weight``
+    written into that expert's rows of one buffer (returned; None without ``need_dgrad``)."""
+    dgrad = grad_out.new_empty((grad_out.shape[0], weights[0].shape[1])) if need_dgrad else None
+    outs = dgrad.split_with_sizes(counts) if need_dgrad else [None] * len(counts)
+    for g, w, x, o in zip(grad_out.split_with_sizes(counts), weights, inputs.split_with_sizes(counts), outs):
+        if g.shape[0]:
+            if o is not None:
+                torch.mm(g, w, out=o)
+            accumulate_wgrad(w.main_grad, g, x)
+    return dgrad
+
+
+def _per_expert(fn, counts: list[int], *tensors: torch.Tensor) -> torch.Tensor:
+    """``fn`` applied to each expert's rows of ``tensors``, the results concatenated."""
+    parts = zip(*(t.split_with_sizes(counts) for t in tensors))
+    return torch.cat([fn(*p) for p in parts], dim=0)
 
 
 def _as_host_counts(tokens_per_expert) -> list[int]:
@@ -134,9 +238,29 @@ class SequentialMLP(torch.nn.Module):
         out, _ = mlp.linear_fc2(act)
         return out
 
+    def _fused_weights(self) -> list[torch.Tensor] | None:
+        """fc1 then fc2 weights of every local expert, when ``_ExpertLoop`` applies (else None)."""
+        if not torch.is_grad_enabled():
+            return None
+        linears = self.__dict__.get("_linears")
+        if linears is None:  # the linear modules, fc1s then fc2s (a plain list: no second registration)
+            linears = [m.linear_fc1 for m in self.local_experts] + [m.linear_fc2 for m in self.local_experts]
+            self.__dict__["_linears"] = linears
+        weights = []
+        for linear in linears:
+            params = linear._parameters
+            weight = params["weight"]
+            if params.get("bias") is not None or not _fuses_wgrad(linear.gradient_accumulation_fusion, weight):
+                return None
+            weights.append(weight)
+        return weights
+
     def forward(self, tokens: torch.Tensor, tokens_per_expert, probs: torch.Tensor) -> torch.Tensor:
         """``tokens [N, h]`` (expert-major), ``tokens_per_expert`` (list or tensor), ``probs [N]`` -> ``[N, h]``."""
         counts = _as_host_counts(tokens_per_expert)
+        weights = self._fused_weights()
+        if weights is not None:
+            return _ExpertLoop.apply(tokens, probs, counts, self.gated, *weights)
         if len(counts) == 1:
             return self._expert(0, tokens, probs)
         outs = [

@@ -290,8 +290,8 @@ def permutation_by_expert(
     """
     num_tokens = routing_map.shape[0]
     mask = routing_map.t().reshape(-1)  # [E * T], expert-major
-    # Stable sort puts the routed slots first, in expert-major order: no host sync.
-    order = torch.argsort((~mask).to(torch.int8), stable=True)[:num_out]
+    # Stable descending sort puts the routed slots first, in expert-major order: no host sync.
+    order = torch.argsort(mask.view(torch.uint8), descending=True, stable=True)[:num_out]
     token_idx = order % num_tokens
     slot_probs = probs.t().reshape(-1).index_select(0, order)
     tokens_per_expert = routing_map.sum(dim=0)
@@ -301,7 +301,7 @@ def permutation_by_expert(
 def unpermute(expert_output: torch.Tensor, token_idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Sums each token's expert outputs: ``out[t] = sum of expert_output[i] with token_idx[i] == t``."""
     out = expert_output.new_zeros(num_tokens, expert_output.shape[-1])
-    return out.index_add(0, token_idx, expert_output)
+    return out.index_add_(0, token_idx, expert_output)  # in place: no copy of the zeros
 
 
 # ---------------------------------------------------------------------------- collectives

@@ -120,6 +120,8 @@ class MoETokenDispatcher:
         if self.dropping or needs_host_counts:
             counts = [int(c) for c in tokens_per_expert.tolist()]  # host sync, eager part
             n = sum(counts)
+            if n == num_slots:  # dropless: every slot is routed (a full slice would cost a copy in backward)
+                return permuted, slot_probs, counts, DispatchState(num_slots, n)
             return permuted[:n], slot_probs[:n], counts, DispatchState(num_slots, n)
         return permuted, slot_probs, tokens_per_expert, DispatchState(num_slots, num_slots)
 
@@ -195,8 +197,9 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
             x = moe_utils.all_gather_uneven(x, etp_sizes, self.etp_group)
             p = moe_utils.all_gather_uneven(p, etp_sizes, self.etp_group)
         order = [s * el + e for e in range(el) for s in range(sources)]  # source-major -> expert-major
-        x = torch.cat([x.split(recv_counts)[i] for i in order])
-        p = torch.cat([p.split(recv_counts)[i] for i in order])
+        x_parts, p_parts = x.split(recv_counts), p.split(recv_counts)
+        x = torch.cat([x_parts[i] for i in order])
+        p = torch.cat([p_parts[i] for i in order])
         expert_counts = [sum(recv_counts[s * el + e] for s in range(sources)) for e in range(el)]
         state = DispatchState(num_slots, n, input_splits, output_splits, recv_counts, etp_sizes)
         return x, p, expert_counts, state
