@@ -37,6 +37,8 @@ import torch.distributed.checkpoint as dcp
 
 from megatron.training import checkpointing as ckpt
 from megatron.training.logging_utils import print_rank_0
+from megatron.training.save_lock import remove_leftovers
+from megatron.training.train_state import get_rng_state, set_rng_state
 
 COMMON_FILENAME = "common.pt"
 METADATA_FILENAME = ".metadata"
@@ -127,7 +129,7 @@ def save(trainer) -> None:
         dist.broadcast_object_list(tmp_name, src=0)
     tmp_dir = os.path.join(save_dir, tmp_name[0])
 
-    rng = ckpt.get_rng_state(trainer.device.type == "cuda")
+    rng = get_rng_state(trainer.device.type == "cuda")
     rng_states = [rng]
     if trainer.pg.dp is not None:
         rng_states = [None] * trainer.pg.dp_size
@@ -152,7 +154,7 @@ def save(trainer) -> None:
             ckpt._write_file(common, os.path.join(tmp_dir, COMMON_FILENAME))
             ckpt._install(save_dir, tmp_dir, final_dir)
             ckpt._write_tracker(save_dir, iteration)
-            ckpt._remove_leftovers(save_dir)
+            remove_leftovers(save_dir)
 
     trainer.last_checkpointed_iteration = iteration
     if cfg.checkpoint.async_save:
@@ -322,7 +324,7 @@ def load(trainer, iteration_dir: str, iteration: int, release: bool) -> int:
     if not weights_only and not c.no_load_rng:
         states = common["rng_state"]
         chosen = states[trainer.pg.dp_rank] if len(states) == trainer.pg.dp_size else states[0]
-        ckpt.set_rng_state(chosen, include_cuda=trainer.device.type == "cuda")
+        set_rng_state(chosen, include_cuda=trainer.device.type == "cuda")
     trainer.last_checkpointed_iteration = None if weights_only else trainer.iteration
     print_rank_0(
         f"  successfully loaded checkpoint from {iteration_dir} at iteration {iteration}"

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from megatron.training import checkpointing
-from megatron.training.checkpointing import LOCK_FILENAME, SaveLock, read_tracker
+from megatron.training.checkpointing import read_tracker
+from megatron.training.save_lock import LOCK_FILENAME, SaveLock
 from tests.unit_tests.training.test_checkpointing import REPO, build, run
 
 _HOLDER = r"""
 import sys
-from megatron.training.checkpointing import SaveLock
+from megatron.training.save_lock import SaveLock
 with SaveLock(sys.argv[1]):
     print("locked", flush=True)
     sys.stdin.read()
