@@ -19,7 +19,8 @@ What is unusual:
 - Unknown flags exit through argparse as usual, with a "did you mean" suggestion.
 - Abbreviations are off (as in Megatron): ``--num-layer`` is an error, not a prefix match.
 
-Parsing fills the dataclasses and nothing else; ``RunConfig.validate()`` checks them.
+Parsing fills the dataclasses and nothing else; ``RunConfig.resolve()`` derives the rest and
+``RunConfig.validate()`` checks them.
 """
 
 import argparse
@@ -280,8 +281,8 @@ def _ignored_flags(values: dict[str, Any]) -> list[str]:
 def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     """Parses a command line into a ``RunConfig``.
 
-    Only fills the dataclasses: the caller runs ``RunConfig.validate()`` (after the
-    world size is known) and sets ``model.vocab_size`` from the tokenizer.
+    Only fills the dataclasses: the caller runs ``cfg = cfg.resolve(world_size)`` and
+    ``cfg.validate()``, sets ``model.vocab_size`` from the tokenizer and freezes it.
 
     Args:
         argv: Arguments without the program name; None reads ``sys.argv[1:]``.

@@ -64,7 +64,8 @@ class Trainer(IterationLogging):
     """One training run. ``pretrain()`` builds it from flags and calls ``train()``.
 
     Args:
-        cfg: The validated run configuration.
+        cfg: The resolved and validated run configuration; frozen once the tokenizer
+            has set the vocabulary size.
         pg: Process groups of this rank.
         model_provider: ``(cfg, vocab_size, pg, device) -> torch.nn.Module``.
         forward_step: ``(batch, model) -> (loss, metrics)``: the micro-batch's mean loss
@@ -90,7 +91,8 @@ class Trainer(IterationLogging):
         model_parallel_manual_seed(t.seed, tp_rank=pg.tp_rank, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.manual_seed_all(t.seed)
-        self.tokenizer = setup_tokenizer(cfg, pg)
+        self.tokenizer = setup_tokenizer(cfg, pg)  # the padded vocabulary size: the last derived value
+        cfg.freeze()  # from here on the config is read-only
         model = model_provider(cfg, cfg.model.vocab_size, pg, self.device)
         self.model = DistributedDataParallel(model, config=cfg.ddp, pg=pg)
         self.has_moe = bool(moe_hooks.moe_layers(model))
@@ -482,12 +484,11 @@ def build_trainer(
 
     The caller owns the process groups: ``parallel_state.destroy(trainer.pg)`` at the end.
     """
-    cfg = parse_args(argv)
+    cfg = parse_args(argv).resolve(parallel_state.world_size_from_env())
+    cfg.validate()
     use_cuda = torch.cuda.is_available() and not cfg.training.use_cpu
-    # Process groups first: the world size is needed to validate the batch sizes.
     pg = parallel_state.initialize(cfg.parallel, use_cuda=use_cuda)
     try:
-        cfg.validate()
         for line in logs.startup_lines(cfg):
             logs.print_rank_0(line)
         _set_determinism(cfg, use_cuda)

@@ -10,12 +10,12 @@ import dataclasses
 
 import torch
 
-from megatron.core.config_utils import flag_field, require
+from megatron.core.config_utils import Freezable, flag_field, require
 from megatron.core.transformer.moe.moe_config import MoEConfig
 
 
 @dataclasses.dataclass
-class TransformerConfig:
+class TransformerConfig(Freezable):
     """Shape, initialisation and regularisation of the transformer."""
 
     num_layers: int = 2

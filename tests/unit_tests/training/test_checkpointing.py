@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.config_utils import thawed_copy
 from megatron.training import checkpointing
 from megatron.training.checkpointing import get_checkpoint_name, read_tracker, tracker_path
 from megatron.training.train_state import TrainState
@@ -159,6 +160,7 @@ def test_loading_keeps_parameter_and_main_grad_storage(tmp_path):
     before = [
         (p.data_ptr(), p.main_grad.data_ptr(), m.data_ptr()) for p, m in zip(params, trainer.optimizer.main_params)
     ]
+    trainer.cfg = thawed_copy(trainer.cfg)  # the trainer's config is frozen; this test loads later
     trainer.cfg.checkpoint.load = str(tmp_path / "c")
     assert trainer.load_checkpoint() == 2
     after = [

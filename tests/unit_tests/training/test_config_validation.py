@@ -11,7 +11,7 @@ BASE = ["--mock-data", "--vocab-size", "64"]
 
 
 def validate(*argv):
-    cfg = parse_args(BASE + [str(a) for a in argv])
+    cfg = parse_args(BASE + [str(a) for a in argv]).resolve()
     cfg.validate()
     return cfg
 

@@ -10,7 +10,7 @@ parsed with ``ast`` and only list literals, integers, ``+`` and ``*`` are evalua
 import ast
 import dataclasses
 
-from megatron.core.config_utils import flag_field, require
+from megatron.core.config_utils import Freezable, flag_field, require
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
@@ -97,7 +97,7 @@ def _eval_list_expression(text: str) -> list:
 
 
 @dataclasses.dataclass
-class MoEConfig:
+class MoEConfig(Freezable):
     """Mixture of Experts: experts, router, load balancing, token dispatcher."""
 
     num_moe_experts: int | None = flag_field(None, flag="--num-experts")

@@ -102,8 +102,7 @@ def test_flags_reach_the_model_config():
         "--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 0.01 0.001 "
         "--moe-router-dtype fp64 --moe-token-dispatcher-type alltoall --moe-expert-capacity-factor 1.5 "
         "--moe-pad-expert-input-to-capacity --moe-grouped-gemm".split()
-    )
-    cfg.parallel.world_size = 1
+    ).resolve(world_size=1)
     cfg.validate()
     moe = cfg.model.moe
     assert moe is cfg.moe and moe.num_moe_experts == 8 and moe.moe_layer_pattern == [0, 1, 1, 1]
