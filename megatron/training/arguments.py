@@ -29,6 +29,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import re
 import sys
 import textwrap
 import types
@@ -278,6 +279,36 @@ def _ignored_flags(values: dict[str, Any]) -> list[str]:
     return out
 
 
+_DASH_VALUE = re.compile(r"^-[\d.]")
+
+
+def _attach_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--split -1,2,0`` -> ``--split=-1,2,0``.
+
+    argparse takes a value that starts with '-' and is not a plain number for a flag
+    and stops with "expected one argument"; attached to its flag, the value reaches
+    the flag's own check, whose error names the flag and the fix.
+    """
+    out, i = [], 0
+    while i < len(argv):
+        action = parser._option_string_actions.get(argv[i])
+        value = argv[i + 1] if i + 1 < len(argv) else None
+        if (
+            action is not None
+            and action.nargs is None
+            and action.option_strings
+            and value is not None
+            and _DASH_VALUE.match(value)
+            and value not in parser._option_string_actions
+        ):
+            out.append(f"{argv[i]}={value}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     """Parses a command line into a ``RunConfig``.
 
@@ -291,7 +322,9 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
         SystemExit: For unknown flags or malformed values (argparse's usual exit).
         ValueError: For known Megatron flags this trainer does not support.
     """
-    namespace = build_parser().parse_args(None if argv is None else list(argv))
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    namespace = parser.parse_args(_attach_dash_values(parser, argv))
     values = vars(namespace)
     _check_known_flags(values)
     config = RunConfig()

@@ -333,6 +333,23 @@ def refuse_non_finite(states: Mapping[str, Any], pg, iteration: int, save_dir: s
         )
 
 
+def _kept(save_dir: str) -> str:
+    tracker = tracker_path(save_dir)
+    if os.path.isfile(tracker):
+        return f"{tracker} still points at iteration {read_tracker(save_dir)[0]}"
+    return "no earlier checkpoint exists"
+
+
+def _failed_rank(pg, failed_here: bool) -> int | None:
+    """The lowest rank whose write failed (None: none did); a collective over all ranks."""
+    if not _distributed(pg):
+        return pg.rank if failed_here else None
+    flag = torch.tensor([pg.rank if failed_here else pg.world_size], dtype=torch.int64, device=pg.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    lowest = int(flag.item())
+    return None if lowest == pg.world_size else lowest
+
+
 def save_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> str:
     """Saves ``state`` at its train state's iteration into ``--save``. Call on every rank.
 
@@ -373,6 +390,7 @@ def save_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> str:
     path = os.path.join(tmp_dir, os.path.relpath(_rank_file(pg, save_dir, iteration), final_dir))
     others = {key: obj.state_dict() for key, obj in state.items() if key != TRAIN_STATE}
     refuse_non_finite(others, pg, iteration, save_dir)
+    error = None
     if pg.dp_rank == 0:
         # Megatron's order: version, counters, model, optimizer, scheduler, RNG, args.
         contents = {"checkpoint_version": CHECKPOINT_VERSION}
@@ -383,19 +401,26 @@ def save_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> str:
         contents.update({k: v for k, v in train.items() if k not in contents})
         try:
             _write_file(contents, path)
-        except (OSError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001 - any failed write must reach the other ranks
             shutil.rmtree(tmp_dir, ignore_errors=True)  # at once: a full disk must not fill up further
-            tracker = tracker_path(save_dir)
-            kept = (
-                f"{tracker} still points at iteration {read_tracker(save_dir)[0]}"
-                if os.path.isfile(tracker)
-                else "no earlier checkpoint exists"
+            where = f" on rank {pg.rank}" if pg.world_size > 1 else ""
+            error = RuntimeError(
+                f"saving iteration {iteration} failed{where}: {os_error_text(e, save_dir)}. The partial "
+                f"save was removed and {_kept(save_dir)}. Free space or point --save at another folder."
             )
-            raise RuntimeError(
-                f"saving iteration {iteration} failed: {os_error_text(e, save_dir)}. The partial save was "
-                f"removed and {kept}. Free space or point --save at another folder."
-            ) from e
-    _barrier(pg)  # every rank's file is on disk
+            error.__cause__ = e
+    # Every rank's file is on disk, or every rank learns which rank failed (no one waits
+    # in a barrier for a writer that gave up).
+    failed = _failed_rank(pg, error is not None)
+    if error is not None:
+        raise error
+    if failed is not None:
+        if pg.rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise RuntimeError(
+            f"saving iteration {iteration} failed on rank {failed} (its log says why); the partial save was "
+            f"removed and {_kept(save_dir)}."
+        )
 
     if pg.rank == 0:
         _install(save_dir, tmp_dir, final_dir)
