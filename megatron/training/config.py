@@ -393,7 +393,8 @@ class RunConfig(Freezable):
         """A copy of this config with every derived value computed, for a run of ``world_size`` processes.
 
         The only place derived values are set (but the padded vocabulary size, which
-        needs the tokenizer). Values the flags leave undefined (a batch size of 0, say)
+        needs the tokenizer); with ``--auto-detect-ckpt-format`` the format is the one of
+        the ``--load`` checkpoint. Values the flags leave undefined (a batch size of 0, say)
         stay as given for ``validate()`` to name; a hybrid pattern that cannot be parsed
         raises ``ValueError`` here.
         """
@@ -430,6 +431,11 @@ class RunConfig(Freezable):
         if d.tokenizer_type is None:
             # Megatron's pretrain_gpt.py: vocab and merge files mean GPT-2 BPE.
             d.tokenizer_type = "GPT2BPETokenizer" if d.vocab_file and d.merge_file else "NullTokenizer"
+        c = cfg.checkpoint
+        if c.auto_detect_ckpt_format and c.load:
+            from megatron.training.dist_checkpointing import detect_format  # reads the --load folder
+
+            c.ckpt_format = detect_format(c.load) or c.ckpt_format
         object.__setattr__(cfg, "_resolved", True)
         return cfg
 

@@ -10,9 +10,12 @@ Layout under ``--save DIR`` (folder and tracker names as the torch format and Me
 What is unusual:
 - Keys are layout-free: ``model.<parameter name>`` with the model's global names, so a
   later parallel layout can reshard (DCP stores the global shape of every tensor and
-  replicated tensors once). The optimizer state is flattened as
-  ``optimizer.optimizer.state.<index>.<moment>`` (``<index>``: the parameter's position
-  in the optimizer, which is the model's parameter order at DP-only layouts).
+  replicated tensors once). The optimizer state is keyed by parameter name too:
+  ``optimizer.state.<parameter name>.<moment>`` (``exp_avg``, ``exp_avg_sq``, ``step``)
+  and ``optimizer.main_params.<parameter name>`` (fp32 copies of bf16/fp16 weights), so
+  a model whose parameters come in another order loads the right state into each.
+  Checkpoints of the older positional layout (``optimizer.optimizer.state.<index>``)
+  still load.
 - Atomic like the torch format: DCP writes into ``iter_X.tmp-<pid>``; rank 0 renames it
   and then replaces the tracker, after every rank's files are written.
 - ``--async-save``: tensors are copied to the CPU at save time (training may then
@@ -53,7 +56,11 @@ def _distributed(trainer) -> bool:
     return trainer.pg.world_size > 1 and dist.is_available() and dist.is_initialized()
 
 
-def _tensor_state(trainer, *, with_optimizer: bool) -> dict[str, Any]:
+_POSITIONAL_PREFIX = "optimizer.optimizer.state."
+"""Keys of the older layout, whose optimizer state is keyed by position."""
+
+
+def _tensor_state(trainer, *, with_optimizer: bool, positional: bool = False) -> dict[str, Any]:
     state = {"model": trainer.model.state_dict()}
     if with_optimizer:
         opt = trainer.optimizer
@@ -63,8 +70,57 @@ def _tensor_state(trainer, *, with_optimizer: bool) -> dict[str, Any]:
             and trainer.cfg.optimizer.optimizer == "adam"
         ):
             opt._allocate_adam_state()  # a template for in-place loading (a fresh optimizer has no state yet)
-        state["optimizer"] = opt.state_dict()
+        state["optimizer"] = opt.state_dict() if positional else _named_optimizer_state(trainer)
     return state
+
+
+def _param_names(trainer) -> dict[int, str]:
+    """id(main param) -> the model's name of its parameter."""
+    names = {id(p): n for n, p in trainer.model.module.named_parameters()}
+    opt = trainer.optimizer
+    return {id(main): names[id(param)] for param, main in zip(opt.model_params, opt.main_params)}
+
+
+def _named_optimizer_state(trainer) -> dict[str, Any]:
+    """The optimizer's state with every per-parameter entry under the parameter's name.
+
+    The tensors are the optimizer's own (no copies), so DCP loads into them in place.
+    """
+    opt = trainer.optimizer
+    inner = opt.optimizer
+    names = _param_names(trainer)
+    state, groups = {}, []
+    for group in inner.param_groups:
+        groups.append(
+            {**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(m)] for m in group["params"]]}
+        )
+        for main in group["params"]:
+            if inner.state.get(main):
+                state[names[id(main)]] = dict(inner.state[main])
+    by_param = {id(param): main for param, main in zip(opt.model_params, opt.main_params)}
+    lowp = {names[id(by_param[id(p)])]: m.detach() for p, m in zip(opt._lowp_model, opt._lowp_main)}
+    return {
+        "state": state,
+        "param_groups": groups,
+        "main_params": lowp,
+        "grad_scaler": None if opt.grad_scaler is None else opt.grad_scaler.state_dict(),
+    }
+
+
+@torch.no_grad()
+def _finish_named_load(trainer, loaded: dict[str, Any]) -> None:
+    """After DCP loaded ``_named_optimizer_state``'s tensors in place: the rest of the optimizer."""
+    opt = trainer.optimizer
+    impl_keys = ("fused", "foreach", "capturable", "differentiable", "params")
+    saved_groups = loaded.get("param_groups") or []
+    if len(saved_groups) == len(opt.optimizer.param_groups):
+        for group, saved in zip(opt.optimizer.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k not in impl_keys})
+    opt._fused_lists = None
+    for param, main in zip(opt._lowp_model, opt._lowp_main):
+        param.copy_(main)  # main params were loaded in place
+    if opt.grad_scaler is not None and loaded.get("grad_scaler") is not None:
+        opt.grad_scaler.load_state_dict(loaded["grad_scaler"])
 
 
 def _to_cpu(value):
@@ -250,6 +306,19 @@ def restore_scheduler(trainer, saved: dict[str, Any]) -> None:
     sched.load_state_dict(saved)
 
 
+def detect_format(load_dir: str) -> str | None:
+    """The format of the checkpoint ``load_dir``'s tracker points at (None: no readable checkpoint)."""
+    load_dir = os.path.abspath(load_dir)
+    if not os.path.isfile(ckpt.tracker_path(load_dir)):
+        return None
+    try:
+        iteration, release = ckpt.read_tracker(load_dir)
+    except ValueError:
+        return None  # the loader names the corrupt tracker
+    iteration_dir = os.path.join(load_dir, ckpt.iteration_dir_name(iteration, release))
+    return "torch_dist" if is_torch_dist_checkpoint(iteration_dir) else "torch"
+
+
 def maybe_load(trainer) -> int | None:
     """``--load`` for torch_dist checkpoints, and the format check for both formats.
 
@@ -268,14 +337,13 @@ def maybe_load(trainer) -> int | None:
     iteration, release = ckpt.read_tracker(load_dir)
     iteration_dir = os.path.join(load_dir, ckpt.iteration_dir_name(iteration, release))
     found = "torch_dist" if is_torch_dist_checkpoint(iteration_dir) else "torch"
-    if found != c.ckpt_format:
-        if not c.auto_detect_ckpt_format:
-            raise ValueError(
-                f"--load {load_dir}: iteration {iteration} is a {found} checkpoint but --ckpt-format is "
-                f"{c.ckpt_format}; pass --ckpt-format {found} or --auto-detect-ckpt-format."
-            )
+    if found != c.ckpt_format:  # with --auto-detect-ckpt-format, RunConfig.resolve() already chose it
+        raise ValueError(
+            f"--load {load_dir}: iteration {iteration} is a {found} checkpoint but --ckpt-format is "
+            f"{c.ckpt_format}; pass --ckpt-format {found} or --auto-detect-ckpt-format."
+        )
+    if c.auto_detect_ckpt_format:
         print_rank_0(f"> --auto-detect-ckpt-format: loading (and saving) in {found} format")
-        c.ckpt_format = found
     if found == "torch":
         return None
     return load(trainer, iteration_dir, iteration, release)
@@ -291,9 +359,10 @@ def load(trainer, iteration_dir: str, iteration: int, release: bool) -> int:
     ckpt.check_config(common.get("config", {}), trainer.cfg, iteration_dir)
     weights_only = c.finetune or release
     with_optimizer = not weights_only and not c.no_load_optim
-    state = _tensor_state(trainer, with_optimizer=with_optimizer)
     reader = dcp.FileSystemReader(iteration_dir)
     found = set(reader.read_metadata().state_dict_metadata)
+    positional = any(k.startswith(_POSITIONAL_PREFIX) for k in found)
+    state = _tensor_state(trainer, with_optimizer=with_optimizer, positional=positional)
     expected = _flat_keys(state)
     _check_keys(c.dist_ckpt_strictness, expected, found, iteration_dir)
     missing = sorted(expected - found)
@@ -315,7 +384,10 @@ def load(trainer, iteration_dir: str, iteration: int, release: bool) -> int:
         trainer.iteration = int(common["iteration"])
         trainer.consumed_samples = int(common["consumed_samples"])
     if with_optimizer:
-        trainer.optimizer.load_state_dict(state["optimizer"])
+        if positional:
+            trainer.optimizer.load_state_dict(state["optimizer"])
+        else:
+            _finish_named_load(trainer, state["optimizer"])
         restore_scheduler(trainer, common["opt_param_scheduler"])
     else:
         trainer.optimizer.reload_model_params()  # fp32 main params from the loaded weights
