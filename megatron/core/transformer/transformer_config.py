@@ -137,7 +137,7 @@ class TransformerConfig(Freezable):
     """The MoE flags (their own group, ``RunConfig.moe``; the model reads them here)."""
 
     def finalize(self) -> "TransformerConfig":
-        """Fills derived fields. Idempotent; returns self."""
+        """Fills derived fields. Idempotent (a second call writes nothing); returns self."""
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if (
@@ -146,7 +146,7 @@ class TransformerConfig(Freezable):
             and self.hidden_size % self.num_attention_heads == 0
         ):
             self.kv_channels = self.hidden_size // self.num_attention_heads
-        if not self.group_query_attention:
+        if not self.group_query_attention and self.num_query_groups != self.num_attention_heads:
             self.num_query_groups = self.num_attention_heads
         elif self.num_query_groups is None:
             self.num_query_groups = 1  # Megatron's default: --group-query-attention alone is multi-query

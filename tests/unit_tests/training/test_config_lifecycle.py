@@ -98,6 +98,7 @@ def test_trainer_freezes_the_config_after_the_tokenizer(tiny_argv):
     try:
         cfg = trainer.cfg
         assert is_frozen(cfg) and cfg.model.vocab_size == 128
+        cfg.model.finalize()  # model builders finalize again: a resolved config needs no write
         with pytest.raises(dataclasses.FrozenInstanceError, match=r"OptimizerConfig\.lr"):
             cfg.optimizer.lr = 1.0
         with pytest.raises(dataclasses.FrozenInstanceError, match=r"TransformerConfig\.vocab_size"):

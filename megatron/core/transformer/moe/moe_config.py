@@ -200,7 +200,9 @@ class MoEConfig(Freezable):
             self.moe_ffn_hidden_size = model.ffn_hidden_size
         if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor < 0:
             self.moe_expert_capacity_factor = None  # Megatron: a negative factor means dropless
-        self.moe_layer_pattern = parse_moe_layer_freq(self.moe_layer_freq, model.num_layers)
+        pattern = parse_moe_layer_freq(self.moe_layer_freq, model.num_layers)
+        if self.moe_layer_pattern != pattern:  # a second call writes nothing (the config may be frozen)
+            self.moe_layer_pattern = pattern
         return self
 
     def validate(self, model, expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int = 1) -> None:
