@@ -5,20 +5,26 @@ Mamba, MLP, ...), which also sets the layer count. Without torchrun it runs as a
 of one; on a machine without CUDA it trains on the CPU.
 """
 
+import torch
+
 from megatron.core.models.gpt.loss import masked_mean_loss
-from megatron.core.models.hybrid.hybrid_model import build_hybrid_model, check_graph_scopes
+from megatron.core.models.hybrid.hybrid_model import build_hybrid_model, build_hybrid_stage_chunks, check_graph_scopes
 from megatron.training.training import pretrain
 
 
 def model_provider(cfg, vocab_size, pg, device):
-    """Builds the hybrid model (local layer specs) of this rank."""
+    """Builds the hybrid model (local layer specs) of this rank: with PP > 1 its stage, or
+    its chunks (one per '|' segment of the pattern it holds)."""
     if cfg.mamba.hybrid_layer_pattern is None:
         raise ValueError(
             "pretrain_hybrid.py needs --hybrid-layer-pattern (e.g. M*M-M*M-); for GPT use pretrain_gpt.py."
         )
     if cfg.cuda_graph.enabled:  # before anything is built, as the session will resolve them
         check_graph_scopes(cfg.cuda_graph.cuda_graph_scope, cfg.mamba, cfg.model)
-    return build_hybrid_model(cfg.model, cfg.mamba, vocab_size, pg=pg, device=device)
+    if pg.pp_size == 1:
+        return build_hybrid_model(cfg.model, cfg.mamba, vocab_size, pg=pg, device=device)
+    chunks = build_hybrid_stage_chunks(cfg.model, cfg.mamba, vocab_size, pg, device=device)
+    return chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
 
 
 def forward_step(batch, model):

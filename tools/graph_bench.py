@@ -16,13 +16,18 @@ against eager are measured in the same run. Per run:
   and the bytes of static buffers we hold strongly;
 * every loss, so a table row also says whether graphed losses equal eager's bit for bit.
 
+* MFU: TFLOP/s per GPU against a bf16 matmul peak measured at the start of the same
+  invocation (``bench_cuda_graphs.matmul_peak_tflops``), and the capture time.
+
+The configs, their modes and the FLOP count live in ``bench_cuda_graphs.py``.
+
 Usage:
-    python tools/graph_bench.py --out DIR                 # all configs and modes, table last
+    python tools/graph_bench.py --out DIR                 # dense8 and launch16, every mode, table last
+    python tools/graph_bench.py --configs moe hybrid --out DIR --dry-run   # the plan and its duration
     python tools/graph_bench.py --config dense8 --mode local:attn --json r.json   # one run
 """
 
 import argparse
-import itertools
 import json
 import os
 import statistics
@@ -30,21 +35,17 @@ import subprocess
 import sys
 import time
 
-CONFIGS = {
-    # 8 layers, hidden 1024, seq 2048: the config upstream Megatron's local graphs were measured on.
-    "dense8": "--num-layers 8 --hidden-size 1024 --ffn-hidden-size 4096 --num-attention-heads 16 "
-    "--seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 2 --global-batch-size 2",
-    # A launch-bound config: many small kernels, where graphs pay most.
-    "launch16": "--num-layers 16 --hidden-size 512 --ffn-hidden-size 2048 --num-attention-heads 8 "
-    "--seq-length 512 --max-position-embeddings 512 --micro-batch-size 1 --global-batch-size 1",
-}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_cuda_graphs as bcg  # noqa: E402
+
+CONFIGS = bcg.CONFIGS
 COMMON = (
     "--lr 1e-4 --min-lr 1e-5 --lr-decay-style constant --seed 1234 --tokenizer-type NullTokenizer "
     "--vocab-size 32001 --mock-data --bf16 --attention-dropout 0.0 --hidden-dropout 0.0 --log-interval 1000000"
 )
 # eager:expandable = eager with the allocator setting our graphs switch on by default;
 # lean = a plain-PyTorch loop on the same shapes (tools/lean_gpt.py), the host-speed yardstick.
-MODES = ["eager", "eager:expandable", "lean", "local:layer", "local:attn", "local:mlp", "local:attn+mlp", "mgc"]
+MODES = bcg.DENSE_MODES
 
 
 PIPELINED = 20  # steps timed back to back after the synced ones
@@ -63,7 +64,7 @@ def pipelined_ms(step) -> float:
 
 
 def mode_flags(mode: str) -> str:
-    if mode.startswith("eager") or mode == "mgc":
+    if mode.startswith("eager") or mode in ("mgc", "lean"):
         return ""
     scope = mode.split(":", 1)[1]
     scopes = "" if scope == "layer" else " ".join(scope.split("+"))
@@ -139,31 +140,38 @@ def wrap_with_make_graphed_callables(trainer):
     """The peer a user would pick: torch.cuda.make_graphed_callables over the layers."""
     import torch
 
-    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from megatron.core.transformer.cuda_graphs.regions import graphable_layers
+    from megatron.core.transformer.moe.moe_layer import MoETransformerLayer
 
     cfg = trainer.cfg.model
-    layers = [m for m in trainer.model.module.modules() if isinstance(m, TransformerLayer)]
-    if cfg.position_embedding_type == "rope":
-        raise SystemExit("mgc mode supports learned positions only (layers take one tensor)")
+    model = trainer.model.module
+    layers = graphable_layers(model)
+    if any(isinstance(layer, MoETransformerLayer) for layer in layers):
+        raise SystemExit("mgc mode: MoE layers read token counts on the host and cannot be captured whole")
     t = trainer.cfg.training
-    samples = tuple(
-        (
-            torch.randn(
-                cfg.seq_length,
-                t.micro_batch_size,
-                cfg.hidden_size,
-                dtype=cfg.params_dtype,
-                device=trainer.device,
-                requires_grad=True,
-            ),
+    rotary = getattr(model, "rotary_pos_emb", None)
+    rope = rotary(cfg.seq_length, trainer.device) if rotary is not None else None  # cached: one tensor
+
+    def sample():
+        hidden = torch.randn(
+            cfg.seq_length,
+            t.micro_batch_size,
+            cfg.hidden_size,
+            dtype=cfg.params_dtype,
+            device=trainer.device,
+            requires_grad=True,
         )
-        for _ in layers
-    )
+        return (hidden,) if rope is None else (hidden, rope)
+
+    samples = tuple(sample() for _ in layers)
     # allow_unused_input: with gradient-accumulation fusion the weights get no autograd grad.
     torch.cuda.make_graphed_callables(tuple(layers), samples, num_warmup_iters=3, allow_unused_input=True)
     for layer in layers:
         graphed = layer.forward
-        layer.forward = lambda hidden_states, rotary_pos_emb=None, _g=graphed: _g(hidden_states)
+        if rope is None:
+            layer.forward = lambda hidden_states, rotary_pos_emb=None, _g=graphed: _g(hidden_states)
+        else:
+            layer.forward = lambda hidden_states, rotary_pos_emb=None, _g=graphed: _g(hidden_states, rotary_pos_emb)
 
 
 def profile_steps(trainer, it, path: str, steps: int = 5) -> None:
@@ -210,7 +218,7 @@ def run_lean(config: str, iters: int, skip: int) -> dict:
     from megatron.training import logging_utils as logs
     from megatron.training.arguments import parse_args
 
-    cfg = parse_args(f"{CONFIGS[config]} {COMMON} --train-iters {iters + PIPELINED}".split())
+    cfg = parse_args(f"{CONFIGS[config]} {COMMON} --train-iters {iters + PIPELINED}".split()).resolve()
     tokenizer = build_tokenizer(cfg.data)  # the same padded vocabulary as ours
     cfg.model.vocab_size = vocab_size_with_padding(tokenizer.vocab_size, cfg.data.make_vocab_size_divisible_by)
     device = torch.device("cuda")
@@ -256,14 +264,21 @@ def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_p
         return run_lean(config, iters, skip)
 
     from megatron.core import parallel_state
-    from megatron.training import logging_utils as logs
     from megatron.training.training import build_trainer
 
     base = torch.cuda.device_memory_used() if torch.cuda.is_available() else 0
     # Data for the synced, pipelined and profiled steps.
-    argv = f"{CONFIGS[config]} {COMMON} --train-iters {iters + PIPELINED + 10} {mode_flags(mode)} {extra}".split()
+    argv = (
+        f"{CONFIGS[config]} {COMMON} --train-iters {iters + PIPELINED + 10} {mode_flags(mode)} "
+        f"{bcg.mode_extra(config, mode)} {extra}"
+    ).split()
+    providers = ()
+    if "--hybrid-layer-pattern" in argv:
+        import pretrain_hybrid
+
+        providers = (pretrain_hybrid.model_provider, pretrain_hybrid.forward_step)
     with PeakPoller(torch) as poller:
-        trainer = build_trainer(argv)
+        trainer = build_trainer(argv, *providers)
         if mode == "mgc":
             capture_start = time.perf_counter()
             wrap_with_make_graphed_callables(trainer)
@@ -296,17 +311,12 @@ def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_p
         outside = (total - free) - torch.cuda.memory_reserved()
     if profile_path:
         profile_steps(trainer, it, profile_path)
-    cfg = trainer.cfg
-    flops = logs.num_floating_point_operations(
-        cfg.model,
-        batch_size=cfg.training.global_batch_size,
-        seq_length=cfg.model.seq_length,
-        vocab_size=cfg.model.vocab_size,
-    )
+    flops = bcg.model_flops(trainer.cfg)
     ms = statistics.median(times[skip:])
     result = {
         "config": config,
         "mode": mode,
+        "baseline_mode": bcg.baseline_mode(config, mode),
         "ms_per_iter": ms,
         "ms_min": min(times[skip:]),
         "ms_max": max(times[skip:]),
@@ -343,28 +353,38 @@ def merge_runs(runs):
     return row
 
 
+def _baseline(r, by_mode):
+    """The eager row a row is compared with (same config; same model flags)."""
+    return by_mode.get((r["config"], r.get("baseline_mode", "eager")))
+
+
 def table(results):
     rows = []
-    eager = {r["config"]: r for r in results if r["mode"] == "eager"}
+    by_mode = {(r["config"], r["mode"]): r for r in results}
+    width = max([15] + [len(r["mode"]) for r in results])
     head = (
-        f"{'config':9} {'mode':15} {'ms/it':>7} {'x eager':>7} {'pipe ms':>7} {'TFLOP/s':>7} {'peak GiB':>8} "
-        f"{'mem vs eager':>12} {'steady vs':>10} {'pool MiB':>8} {'held MiB':>8} {'graphs':>6} {'loss==eager':>11}"
+        f"{'config':9} {'mode':{width}} {'ms/it':>7} {'x eager':>7} {'pipe ms':>7} {'TFLOP/s':>7} {'peak GiB':>8} "
+        f"{'mem vs eager':>12} {'steady vs':>10} {'pool MiB':>8} {'held MiB':>8} {'graphs':>6} {'MFU':>6} "
+        f"{'capture s':>9} {'loss==eager':>11}"
     )
     rows.append(head)
     rows.append("-" * len(head))
     for r in results:
-        e = eager.get(r["config"])
+        e = _baseline(r, by_mode)
         g = r.get("graphs") or {}
         same = "-" if e is None or r is e or r["mode"] == "lean" else str(r["losses"] == e["losses"])
+        mfu = r.get("mfu")
+        capture = g.get("capture_seconds")
         rows.append(
-            f"{r['config']:9} {r['mode']:15} {r['ms_per_iter']:7.2f} "
+            f"{r['config']:9} {r['mode']:{width}} {r['ms_per_iter']:7.2f} "
             f"{(r['ms_per_iter'] / e['ms_per_iter']) if e else float('nan'):7.3f} "
             f"{r.get('pipelined_ms_per_iter', float('nan')):7.2f} {r['tflops_per_gpu']:7.1f} "
             f"{r['peak_device_bytes'] / 2**30:8.3f} "
             f"{(100 * (r['peak_device_bytes'] - e['peak_device_bytes']) / e['peak_device_bytes']) if e else float('nan'):+11.2f}% "
             f"{(100 * (r['steady_peak_device_bytes'] - e['steady_peak_device_bytes']) / e['steady_peak_device_bytes']) if e else float('nan'):+9.2f}% "
             f"{g.get('pool_reserved_bytes', 0) / 2**20:8.1f} {g.get('strong_bytes', 0) / 2**20:8.1f} "
-            f"{g.get('graphs', 0):6d} {same:>11}"
+            f"{g.get('graphs', 0):6d} {'-' if mfu is None else f'{100 * mfu:5.1f}%':>6} "
+            f"{'-' if capture is None else f'{capture:.2f}':>9} {same:>11}"
         )
     for r in results:
         if len(r.get("ms_runs", ())) > 1:
@@ -372,12 +392,18 @@ def table(results):
                 f"{r['config']} {r['mode']}: ms/it of each run, in run order: "
                 + " ".join(f"{ms:.2f}" for ms in r["ms_runs"])
             )
+    peak = next((r.get("matmul_peak_tflops") for r in results if r.get("matmul_peak_tflops")), None)
+    if peak:
+        rows.append(
+            f"MFU: TFLOP/s per GPU / {peak:.0f} TFLOP/s, the bf16 matmul peak measured at the start of this run."
+        )
     rows.append(
         "loss==eager: bit for bit only where every kernel is deterministic; without "
         "--deterministic-mode dense8 eager differs from itself run to run (the GPU tests check "
         "parity in deterministic mode). lean: plain PyTorch on the same shapes (tools/lean_gpt.py). "
         "ms/it: one step with a device sync around it (the anchor's method); pipe ms: steps back to "
-        "back, one sync at the end (what the training log reports)."
+        "back, one sync at the end (what the training log reports). moe local:moe is compared with "
+        "eager:drop-and-pad (the same model flags)."
     )
     return "\n".join(rows)
 
@@ -386,8 +412,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS))
     parser.add_argument("--mode")
-    parser.add_argument("--configs", nargs="*", default=["dense8", "launch16"])
-    parser.add_argument("--modes", nargs="*", default=MODES)
+    parser.add_argument("--configs", nargs="*", default=["dense8", "launch16"], choices=sorted(CONFIGS))
+    parser.add_argument("--modes", nargs="*", default=None, help="default: each config's own list")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--skip", type=int, default=10, help="iterations left out of the timing median")
     parser.add_argument("--extra", default="", help="more flags for every run")
@@ -401,26 +427,58 @@ def main():
         help="all runs: run the mode list this many times, round robin (host speed drifts); "
         "a row then shows the median",
     )
+    parser.add_argument("--dry-run", action="store_true", help="print the runs and their estimated duration only")
+    parser.add_argument("--no-matmul-peak", action="store_true", help="skip the bf16 matmul peak (no MFU column)")
+    parser.add_argument("--matmul-peak", action="store_true", help=argparse.SUPPRESS)  # the peak's child process
     args = parser.parse_args()
+    if args.matmul_peak:
+        with open(args.json, "w") as f:
+            json.dump({"tflops": bcg.matmul_peak_tflops()}, f)
+        return
     if args.config:
         result = run_one(args.config, args.mode, args.iters, args.skip, args.extra, args.profile)
         with open(args.json, "w") as f:
             json.dump(result, f)
         return
+    runs_planned = bcg.plan(args.configs, args.modes, args.repeat)
+    print(bcg.describe_plan(runs_planned), flush=True)
+    if args.dry_run:
+        for rep, config, mode in runs_planned:
+            print(f"  {config} {mode}" + (f" (run {rep + 1})" if args.repeat > 1 else ""))
+        return
     os.makedirs(args.out, exist_ok=True)
+    peak = None if args.no_matmul_peak else run_matmul_peak(os.path.join(args.out, "matmul_peak"))
     runs = []
-    for rep, config, mode in itertools.product(range(args.repeat), args.configs, args.modes):
+    for rep, config, mode in runs_planned:
         name = f"{config}_{mode.replace(':', '_').replace('+', '_')}" + (f"_run{rep + 1}" if args.repeat > 1 else "")
         r = run_child(config, mode, args, os.path.join(args.out, name))
         if r is not None:
             runs.append(r)
+    bcg.add_mfu(runs, peak)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(runs, f, indent=1)
     grouped = {}
     for r in runs:
         grouped.setdefault((r["config"], r["mode"]), []).append(r)
     results = [merge_runs(group) if len(group) > 1 else group[0] for group in grouped.values()]
+    bcg.add_mfu(results, peak)
     print(table(results))
+
+
+def run_matmul_peak(stem: str):
+    """The bf16 matmul peak in a child process of its own (a clean device), or None."""
+    path, log = stem + ".json", stem + ".log"
+    with open(log, "w") as f:
+        rc = subprocess.call(
+            [sys.executable, __file__, "--matmul-peak", "--json", path], stdout=f, stderr=subprocess.STDOUT
+        )
+    if rc != 0:
+        print(f"matmul peak: failed (rc {rc}); see {log}; no MFU column", flush=True)
+        return None
+    with open(path) as f:
+        tflops = json.load(f)["tflops"]
+    print(f"bf16 matmul peak: {tflops:.0f} TFLOP/s", flush=True)
+    return tflops
 
 
 def run_child(config: str, mode: str, args, stem: str):

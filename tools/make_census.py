@@ -66,7 +66,6 @@ _NOT_YET_FLAGS = (
     "--defer-embedding-wgrad-compute",
     "--delay-wgrad-compute",
     "--save-retain-interval",
-    "--wandb-project",
     "--error-injection-rate",
     "--test-mode",
     "--no-use-layer-wise-param-layout",
@@ -141,10 +140,8 @@ def expectation(args: dict) -> str:
     if "--use-distributed-optimizer" in flags and flags & {"--save", "--load"}:
         return "not_yet"  # distributed-optimizer checkpoints
     expert_tp = args.get("--expert-tensor-parallel-size", args.get("--tensor-model-parallel-size", 1))
-    if "--num-experts" in flags and str(expert_tp) != "1":
-        return "not_yet"  # expert tensor parallelism
-    if "sinkhorn" in str(args.get("--moe-router-load-balancing-type", "")):
-        return "not_yet"
+    if "--num-experts" in flags and str(expert_tp) != "1" and "--disable-bias-linear" not in flags:
+        return "not_yet"  # expert biases split over expert tensor parallelism
     if args.get("--tokenizer-type") not in (None, "GPT2BPETokenizer", "NullTokenizer", "HuggingFaceTokenizer"):
         return "not_yet"
     if str(args.get("--rerun-mode", "disabled")) != "disabled":
@@ -193,6 +190,7 @@ def scale(args: dict) -> dict:
             continue  # an environment-specific value (e.g. --seed ${REPEAT}): the default is used
         else:
             out[flag] = value
+    _fit_pipeline_layers(args, out)
     micro = out.get("--micro-batch-size", 2)
     replicas = ep  # data-parallel replicas on the smallest world of the layout (TP x PP x EP)
     if "--global-batch-size" in args:
@@ -208,6 +206,23 @@ def scale(args: dict) -> dict:
     if out.get("--tokenizer-type") is None and "--vocab-file" not in out and "--vocab-size" not in out:
         out["--vocab-file"], out["--merge-file"] = "${ASSETS}/vocab.json", "${ASSETS}/merges.txt"
     return out
+
+
+def _fit_pipeline_layers(args: dict, out: dict) -> None:
+    """A pipelined config keeps its layout with few layers: one (or one per virtual stage) per
+    pipeline rank, and the uneven first/last stages scaled to that too."""
+    pp = int(args.get("--pipeline-model-parallel-size", 1))
+    if pp == 1 or "--num-layers" not in out:
+        return
+    vpp = 1
+    if "--num-virtual-stages-per-pipeline-rank" in args:
+        vpp = int(args["--num-virtual-stages-per-pipeline-rank"])
+    elif "--num-layers-per-virtual-pipeline-stage" in args:
+        out["--num-layers-per-virtual-pipeline-stage"] = 1  # one chunk per rank: the smallest that splits
+    for flag in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):
+        if flag in args:
+            out[flag] = vpp
+    out["--num-layers"] = pp * vpp
 
 
 def main() -> None:

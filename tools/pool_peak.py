@@ -7,7 +7,7 @@ prints what was live then: bytes and block count per allocation site (the innerm
 frames in this repository), and which capture (region, forward or backward) was running.
 
 Usage (on a GPU):
-    python tools/pool_peak.py --config dense8 --mode local:attn
+    python tools/pool_peak.py --config dense8 --mode local:attn [--extra "--deterministic-mode"]
 """
 
 import argparse
@@ -82,9 +82,11 @@ def main():
     parser.add_argument("--config", choices=sorted(CONFIGS), default="dense8")
     parser.add_argument("--mode", default="local:attn", help="a local:* mode of graph_bench.py")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--extra", default="", help="more training flags, e.g. --deterministic-mode")
     args = parser.parse_args()
 
-    trainer = build_trainer(f"{CONFIGS[args.config]} {COMMON} --train-iters 10 {mode_flags(args.mode)}".split())
+    argv = f"{CONFIGS[args.config]} {COMMON} --train-iters 10 {mode_flags(args.mode)} {args.extra}".split()
+    trainer = build_trainer(argv)
     device = torch.cuda.current_device()
     captures = []  # (trace length when the capture began, region, phase)
 

@@ -58,19 +58,20 @@ class ParallelConfig(Freezable):
     """Timeout of collective operations, in minutes."""
 
     num_layers_per_virtual_pipeline_stage: int | None = None
-    """Layers per virtual pipeline stage (not supported yet)."""
+    """Layers per virtual pipeline stage (model chunk) for the interleaved schedule; sets the virtual
+    stages per rank to layers per pipeline rank / this."""
 
     num_virtual_stages_per_pipeline_rank: int | None = None
-    """Virtual pipeline stages per pipeline rank (not supported yet)."""
+    """Virtual pipeline stages (model chunks) per pipeline rank, for the interleaved schedule."""
 
     pipeline_model_parallel_layout: str | None = None
     """Explicit layer layout over pipeline stages (not supported yet)."""
 
     decoder_first_pipeline_num_layers: int | None = None
-    """Layers on the first pipeline stage (not supported yet)."""
+    """Layers on the first pipeline stage (uneven pipelines); the other stages split the rest evenly."""
 
     decoder_last_pipeline_num_layers: int | None = None
-    """Layers on the last pipeline stage (not supported yet)."""
+    """Layers on the last pipeline stage (uneven pipelines); the other stages split the rest evenly."""
 
     account_for_embedding_in_pipeline_split: bool = False
     """Count the embedding as a layer when splitting over pipeline stages (not supported yet)."""
@@ -79,7 +80,8 @@ class ParallelConfig(Freezable):
     """Count the loss as a layer when splitting over pipeline stages (not supported yet)."""
 
     microbatch_group_size_per_virtual_pipeline_stage: int | None = None
-    """Micro-batches per virtual-stage group in the interleaved schedule (not supported yet)."""
+    """Consecutive micro-batches each model chunk runs in the interleaved schedule before the next
+    chunk's turn. Defaults to --pipeline-model-parallel-size."""
 
     overlap_p2p_communication_warmup_flush: bool = False
     """Overlap pipeline sends/receives in warm-up and flush (not supported yet)."""
@@ -101,6 +103,8 @@ class ParallelConfig(Freezable):
         """
         if self.expert_tensor_parallel_size is None:
             self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        if self.virtual_pipeline_model_parallel_size is None:  # a disagreeing pair is left for validate
+            self.virtual_pipeline_model_parallel_size = self.num_virtual_stages_per_pipeline_rank
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             warnings.warn(
                 "--sequence-parallel has no effect with --tensor-model-parallel-size 1; it is turned off.",
@@ -139,14 +143,7 @@ class ParallelConfig(Freezable):
         )
         for name in _PIPELINE_LAYOUT_FIELDS:  # flags of the pipeline work: parsed now, run later
             require(getattr(self, name) in (None, False), f"--{name.replace('_', '-')} is not supported yet; drop it.")
-        vpp = self.virtual_pipeline_model_parallel_size
-        if vpp is not None:
-            require(vpp >= 1, f"--virtual-pipeline-model-parallel-size must be >= 1, got {vpp}.")
-            require(
-                self.pipeline_model_parallel_size > 1,
-                "virtual pipeline stages need --pipeline-model-parallel-size > 1; drop the virtual-stage flag "
-                "or raise the pipeline size.",
-            )
+        self._validate_virtual_stages()
         tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
         model_parallel = tp * pp * cp
         require(
@@ -163,21 +160,97 @@ class ParallelConfig(Freezable):
             f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp}) = {expert_parallel}.",
         )
 
-    def validate_model(self, model) -> None:
-        """Checks the model shape against the layout (``model``: a finalized ``TransformerConfig``)."""
-        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        vpp = self.virtual_pipeline_model_parallel_size or 1
-        uneven = any(
-            getattr(self, name, None) is not None
-            for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+    def _validate_virtual_stages(self) -> None:
+        """The virtual-stage flags: one spelling at most, PP > 1, a sane group size."""
+        pp = self.pipeline_model_parallel_size
+        per_stage = self.num_layers_per_virtual_pipeline_stage
+        per_rank = self.num_virtual_stages_per_pipeline_rank
+        require(
+            per_stage is None or per_rank is None,
+            "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank both set the "
+            "virtual pipeline stages; give one of them.",
         )
-        if not uneven:
+        for name in (
+            "num_layers_per_virtual_pipeline_stage",
+            "num_virtual_stages_per_pipeline_rank",
+            "virtual_pipeline_model_parallel_size",
+        ):
+            value = getattr(self, name)
+            require(value is None or value >= 1, f"{_flag(name)} must be >= 1, got {value}.")
+        vpp = self.virtual_pipeline_model_parallel_size
+        if per_rank is not None:
             require(
-                model.num_layers % (pp * vpp) == 0,
-                f"--num-layers ({model.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})"
-                + (f" x virtual pipeline stages per rank ({vpp})" if vpp > 1 else "")
-                + "; change the layer count or the pipeline layout.",
+                vpp is None or vpp == per_rank,
+                f"--virtual-pipeline-model-parallel-size ({vpp}) and --num-virtual-stages-per-pipeline-rank "
+                f"({per_rank}) disagree; give one of them.",
             )
+        given = [
+            _flag(n)
+            for n in (
+                "virtual_pipeline_model_parallel_size",
+                "num_layers_per_virtual_pipeline_stage",
+                "num_virtual_stages_per_pipeline_rank",
+            )
+            if getattr(self, n) is not None
+        ]
+        if given:
+            require(
+                pp > 1,
+                f"virtual pipeline stages need --pipeline-model-parallel-size > 1; drop {given[0]} or raise "
+                "the pipeline size.",
+            )
+        group = self.microbatch_group_size_per_virtual_pipeline_stage
+        if group is not None:
+            require(
+                group >= pp,
+                f"--microbatch-group-size-per-virtual-pipeline-stage ({group}) must be at least "
+                f"--pipeline-model-parallel-size ({pp}).",
+            )
+        for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+            value = getattr(self, name)
+            if value is not None:
+                require(pp > 1, f"{_flag(name)} needs --pipeline-model-parallel-size > 1; drop it.")
+                require(value >= 1, f"{_flag(name)} must be >= 1, got {value}.")
+
+    def resolve_model(self, model, *, stages_from_pattern: bool = False) -> "ParallelConfig":
+        """Fills the virtual stages per rank from --num-layers-per-virtual-pipeline-stage and the
+        model's layer count (``model``: a finalized ``TransformerConfig``); returns self.
+
+        Layouts that do not split are left for ``validate_model`` to name.
+        """
+        from megatron.core.pipeline_parallel.layout import resolve_virtual_stages
+
+        if not stages_from_pattern:
+            resolve_virtual_stages(self, model.num_layers)
+        return self
+
+    def validate_model(self, model, *, stages_from_pattern: bool = False) -> None:
+        """Checks the model shape against the layout (``model``: a finalized ``TransformerConfig``;
+        after ``resolve_model``; reads only).
+
+        ``stages_from_pattern``: a hybrid pattern's '|' segments give the stages' layers.
+        """
+        from megatron.core.pipeline_parallel.layout import stage_layer_counts, virtual_stages_from_layers
+
+        tp = self.tensor_model_parallel_size
+        if stages_from_pattern:
+            given = [
+                _flag(n)
+                for n in (
+                    "num_layers_per_virtual_pipeline_stage",
+                    "decoder_first_pipeline_num_layers",
+                    "decoder_last_pipeline_num_layers",
+                )
+                if getattr(self, n) is not None
+            ]
+            require(
+                not given,
+                f"{', '.join(given)} cannot be combined with a --hybrid-layer-pattern whose '|' marks the pipeline "
+                "stages; drop it (the segments decide).",
+            )
+        else:
+            virtual_stages_from_layers(self, model.num_layers)
+            stage_layer_counts(self, model.num_layers)  # raises for layer counts that do not split
         require(
             model.num_attention_heads % tp == 0,
             f"--num-attention-heads ({model.num_attention_heads}) must be divisible by "
@@ -258,14 +331,9 @@ def expert_grid(config: ParallelConfig) -> dict[str, int]:
 
 
 _PIPELINE_LAYOUT_FIELDS = (
-    "num_layers_per_virtual_pipeline_stage",
-    "num_virtual_stages_per_pipeline_rank",
     "pipeline_model_parallel_layout",
-    "decoder_first_pipeline_num_layers",
-    "decoder_last_pipeline_num_layers",
     "account_for_embedding_in_pipeline_split",
     "account_for_loss_in_pipeline_split",
-    "microbatch_group_size_per_virtual_pipeline_stage",
     "overlap_p2p_communication_warmup_flush",
 )
 
@@ -279,14 +347,18 @@ class ProcessGroups:
         device: The device this rank computes on.
         dp, tp, pp, cp, ep: Data / tensor / pipeline / context / expert-parallel groups.
         mp: Model-parallel group (TP x PP), over which gradient norms are summed.
+        embd: Megatron's embedding group: the first and last pipeline stage of this
+            rank's pipeline (tied word embeddings sum their gradients over it); a group
+            of one on the other stages and without pipelining.
         expt_tp, expt_dp: Tensor- and data-parallel groups of the expert layers.
+        tp_ep: Expert tensor x expert parallel group (the allgather token dispatcher's).
         ranks: Group name -> the global ranks of this rank's group (``[rank]`` for a
             group of one); sizes and ranks within groups are read from it.
         sequence_parallel: The TP group also splits the sequence (``--sequence-parallel``
             with TP > 1): a property of the layout that every TP layer reads.
     """
 
-    GROUP_NAMES = ("tp", "cp", "dp", "pp", "mp", "ep", "expt_tp", "expt_dp")
+    GROUP_NAMES = ("tp", "cp", "dp", "pp", "mp", "ep", "expt_tp", "expt_dp", "embd", "tp_ep")
 
     def __init__(
         self,
@@ -311,8 +383,12 @@ class ProcessGroups:
                 setattr(self, name, groups.get(name))
         self.ranks: dict[str, list[int]] = {name: [rank] for name in self.GROUP_NAMES}
         if dp is not None and ranks is None:
-            # A bare data-parallel group (tests, DP-only callers): the whole world is DP.
+            # A bare data-parallel group (tests, DP-only callers): the whole world is DP,
+            # and with EP = 1 the expert layers' data-parallel group is the same group.
             self.ranks["dp"] = [dist.get_global_rank(dp, i) for i in range(dist.get_world_size(dp))]
+            if "expt_dp" not in groups and "ep" not in groups:
+                self.expt_dp = dp
+                self.ranks["expt_dp"] = list(self.ranks["dp"])
         self.ranks.update(ranks or {})
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
 
@@ -380,6 +456,10 @@ class ProcessGroups:
         return self._rank_in("expt_dp")
 
     @property
+    def tp_ep_size(self) -> int:
+        return self._size("tp_ep")
+
+    @property
     def mp_size(self) -> int:
         return self._size("mp")
 
@@ -431,7 +511,15 @@ def _wanted_groups(config: ParallelConfig) -> dict[str, tuple[dict[str, int], tu
         "ep": (expert, ("ep",)),
         "expt_tp": (expert, ("tp",)),
         "expt_dp": (expert, ("dp",)),
+        "tp_ep": (expert, ("tp", "ep")),
     }
+
+
+def embedding_groups(config: ParallelConfig) -> list[list[int]]:
+    """The first and last rank of every pipeline (PP > 1), Megatron's embedding groups."""
+    if config.pipeline_model_parallel_size == 1:
+        return []
+    return [[ranks[0], ranks[-1]] for ranks in rank_groups(dense_grid(config), ("pp",))]
 
 
 def grid_ranks(config: ParallelConfig, rank: int) -> dict[str, list[int]]:
@@ -439,6 +527,7 @@ def grid_ranks(config: ParallelConfig, rank: int) -> dict[str, list[int]]:
     out = {}
     for name, (grid, axes) in _wanted_groups(config).items():
         (out[name],) = [g for g in rank_groups(grid, axes) if rank in g]
+    out["embd"] = next((g for g in embedding_groups(config) if rank in g), [rank])
     return out
 
 
@@ -464,6 +553,11 @@ def build_groups(config: ParallelConfig, *, rank: int, world_size: int, device: 
             if key not in made:
                 made[key] = dist.new_group(list(ranks))
         handles[name] = made[tuple(own)]
+    for ranks in embedding_groups(config):  # after the grid's groups, on every rank alike
+        key = tuple(ranks)
+        if key not in made:
+            made[key] = dist.group.WORLD if len(ranks) == world_size else dist.new_group(list(ranks))
+    handles["embd"] = made[tuple(mine["embd"])] if len(mine["embd"]) > 1 else None
     dp = handles.pop("dp")
     return ProcessGroups(
         rank=rank,

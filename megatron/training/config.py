@@ -317,6 +317,18 @@ class LoggingConfig(Freezable):
     tensorboard_log_interval: int = 1
     """Iterations between TensorBoard writes of the per-iteration scalars."""
 
+    wandb_project: str = ""
+    """Weights & Biases project to log the TensorBoard scalars to (needs the wandb package); empty: none."""
+
+    wandb_exp_name: str = ""
+    """Weights & Biases run name (required with --wandb-project)."""
+
+    wandb_save_dir: str = ""
+    """Folder for the local Weights & Biases files (default: <--save>/wandb)."""
+
+    wandb_entity: str = ""
+    """Weights & Biases entity (user or team) that owns the project; empty: wandb's default."""
+
     logging_level: int | None = None
     """Python logging level of the trainer's loggers (e.g. 10 debug, 20 info, 40 error)."""
 
@@ -389,6 +401,23 @@ class RunConfig(Freezable):
     ignored_flags: list[str] = dataclasses.field(default_factory=list)
     """Given Megatron flags that are accepted with no effect (speed and I/O knobs), for the start-up line."""
 
+    def _validate_pipeline(self) -> None:
+        """What PP > 1 does not combine with yet."""
+        pp = self.parallel.pipeline_model_parallel_size
+        if pp == 1:
+            return
+        require(
+            not self.cuda_graph.enabled,
+            f"--cuda-graph-impl local with --pipeline-model-parallel-size {pp} is not supported yet; drop "
+            "--cuda-graph-impl or use --pipeline-model-parallel-size 1.",
+        )
+        c = self.checkpoint
+        require(
+            not ((c.save or c.load) and c.ckpt_format == "torch_dist"),
+            f"--ckpt-format torch_dist with --pipeline-model-parallel-size {pp} is not supported yet (its keys "
+            "would name stage-local layers); pass --ckpt-format torch, which saves one file per stage.",
+        )
+
     def resolve(self, world_size: int = 1) -> "RunConfig":
         """A copy of this config with every derived value computed, for a run of ``world_size`` processes.
 
@@ -406,6 +435,7 @@ class RunConfig(Freezable):
         cfg.model.params_dtype = cfg.precision.params_dtype
         cfg.parallel.world_size = world_size
         cfg.parallel.resolve()
+        cfg.parallel.resolve_model(cfg.model, stages_from_pattern=cfg.mamba.parsed_pattern is not None)
         cfg.cuda_graph.resolve()
         t = cfg.training
         if t.global_batch_size is None:
@@ -456,12 +486,14 @@ class RunConfig(Freezable):
         self.moe.validate(self.model, par.expert_model_parallel_size, etp)
         self.parallel.validate()
         require(
-            par.pipeline_model_parallel_size == 1,
-            f"--pipeline-model-parallel-size {par.pipeline_model_parallel_size} is not supported yet (the pipelined "
-            "schedules are still to come); use --pipeline-model-parallel-size 1 and tensor or data parallelism.",
+            not self.moe.enabled or par.tensor_model_parallel_size == 1 or par.sequence_parallel,
+            "--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel (as in Megatron): "
+            "each tensor-parallel rank then routes its own sequence shard, which the expert gradients assume.",
         )
-        self.parallel.validate_model(self.model)
         self.cuda_graph.validate()
+        self._validate_pipeline()  # what pipelines do not combine with yet, before the layer split
+        pattern = self.mamba.parsed_pattern
+        self.parallel.validate_model(self.model, stages_from_pattern=pattern is not None)
         require(
             not (self.cuda_graph.enabled and self.model.recompute_granularity),
             "--recompute-granularity with --cuda-graph-impl local is not supported yet: a recomputed layer would "
@@ -547,6 +579,11 @@ class RunConfig(Freezable):
             "one DP rank's optimizer state, each rank here holds a shard); drop --save/--load or the flag.",
         )
         require(
+            not (self.parallel.expert_model_parallel_size > 1 and (self.checkpoint.save or self.checkpoint.load)),
+            "--expert-model-parallel-size > 1 with --save/--load is not supported yet (the checkpoint formats hold "
+            "one expert-parallel rank's experts); drop --save/--load or use --expert-model-parallel-size 1.",
+        )
+        require(
             p.accumulate_allreduce_grads_in_fp32,
             "reduced-precision gradient buffers are not supported yet; main_grad is always fp32.",
         )
@@ -585,6 +622,15 @@ class RunConfig(Freezable):
                 "--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2).",
             )
         require(self.logging.log_interval >= 1, "--log-interval must be >= 1.")
+        lg = self.logging
+        if lg.wandb_project:
+            require(
+                lg.wandb_exp_name, f"--wandb-project {lg.wandb_project} needs --wandb-exp-name NAME (the run's name)."
+            )
+            require(
+                lg.wandb_save_dir or self.checkpoint.save,
+                "--wandb-project needs --wandb-save-dir DIR (or --save, whose wandb/ subfolder is the default).",
+            )
         c = self.checkpoint
         require(
             c.ckpt_format in ("torch", "torch_dist"),

@@ -269,10 +269,6 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
     "--profile-step-start": not_yet("--profile-step-start", VALUE),
     "--profile-step-end": not_yet("--profile-step-end", VALUE),
     "--use-pytorch-profiler": not_yet("--use-pytorch-profiler", SWITCH),
-    "--wandb-project": not_yet("--wandb-project", VALUE, "W&B", "use --tensorboard-dir or --metrics-file"),
-    "--wandb-exp-name": not_yet("--wandb-exp-name", VALUE, "W&B", "use --tensorboard-dir or --metrics-file"),
-    "--wandb-save-dir": not_yet("--wandb-save-dir", VALUE, "W&B", "use --tensorboard-dir or --metrics-file"),
-    "--wandb-entity": not_yet("--wandb-entity", VALUE, "W&B", "use --tensorboard-dir or --metrics-file"),
     **_family(_GATED_DELTA_NET, lambda f, n: not_yet(f, n, "linear / sparse attention variants")),
     # ---- not supported: outside this project.
     **_family(_FP8, lambda f, n: never(f, n, "FP8 training", "use --bf16")),

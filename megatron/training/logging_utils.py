@@ -11,6 +11,7 @@ Megatron's scalar names. Formatting is pure and CPU-testable; nothing here owns
 process groups.
 """
 
+import dataclasses
 import datetime
 import json
 import os
@@ -123,7 +124,8 @@ def format_memory_line(
         rank: Global rank printing the line.
         name: What the numbers are for, e.g. ``"(after 1 iterations)"``.
         allocated_mb, max_allocated_mb, reserved_mb, max_reserved_mb: Allocator statistics in MB.
-        extra: Further columns in MB (graph pool reserved/live bytes ...), in the given order.
+        extra: Further columns in MB (graph pool reserved/live bytes ...), in the given order;
+            an ``int`` is a count and prints as one (graphs, pipeline stage).
     """
     parts = [
         f"[Rank {rank}] {name} memory (MB)",
@@ -132,7 +134,9 @@ def format_memory_line(
         f"reserved: {reserved_mb:.2f}",
         f"max reserved: {max_reserved_mb:.2f}",
     ]
-    parts += [f"{key}: {value:.2f}" for key, value in (extra or {}).items()]
+    parts += [
+        f"{key}: {value}" if isinstance(value, int) else f"{key}: {value:.2f}" for key, value in (extra or {}).items()
+    ]
     return " | ".join(parts)
 
 
@@ -253,6 +257,42 @@ def _check_tensorboard_installed() -> None:
         ) from None
 
 
+def _import_wandb():
+    """The wandb module; module-level so tests can replace it."""
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError(
+            "--wandb-project needs the wandb package: pip install wandb (or drop --wandb-project and use "
+            "--tensorboard-dir or --metrics-file)."
+        ) from None
+    return wandb
+
+
+def wandb_settings(cfg) -> dict[str, Any] | None:
+    """``wandb.init`` keyword arguments from the --wandb-* flags (Megatron's), or None without --wandb-project.
+
+    The run's config is the resolved command line, one flat dict of field -> value.
+    """
+    lg = cfg.logging
+    if not lg.wandb_project:
+        return None
+    config = {}
+    for section in dataclasses.fields(cfg):
+        value = getattr(cfg, section.name)
+        if dataclasses.is_dataclass(value):
+            config.update({k: _jsonable(v) for k, v in dataclasses.asdict(value).items()})
+    settings = {
+        "dir": lg.wandb_save_dir or os.path.join(cfg.checkpoint.save, "wandb"),
+        "name": lg.wandb_exp_name,
+        "project": lg.wandb_project,
+        "config": config,
+    }
+    if lg.wandb_entity:
+        settings["entity"] = lg.wandb_entity
+    return settings
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.item()
@@ -273,15 +313,24 @@ class MetricsWriter:
         path: JSONL file to append to, or None.
         tensorboard_dir: TensorBoard log folder, or None.
         enabled_on_this_rank: Only this rank writes (Megatron: the last rank). Every
-            rank still checks that tensorboard is importable, so a missing package
-            fails the whole run at start, not one rank mid-run.
+            rank still checks that tensorboard (and wandb) is importable, so a missing
+            package fails the whole run at start, not one rank mid-run.
+        wandb: ``wandb.init`` keyword arguments (``wandb_settings``), or None. W&B gets
+            the records TensorBoard gets.
 
     Raises:
-        ValueError: ``tensorboard_dir`` is set but the tensorboard package is missing, or
+        ValueError: ``tensorboard_dir`` or ``wandb`` is set but its package is missing, or
             a path names a file where a folder belongs (or the reverse).
     """
 
-    def __init__(self, path: str | None, tensorboard_dir: str | None, *, enabled_on_this_rank: bool):
+    def __init__(
+        self,
+        path: str | None,
+        tensorboard_dir: str | None,
+        *,
+        enabled_on_this_rank: bool,
+        wandb: dict[str, Any] | None = None,
+    ):
         if tensorboard_dir is not None:
             if os.path.exists(tensorboard_dir) and not os.path.isdir(tensorboard_dir):
                 raise ValueError(
@@ -291,9 +340,11 @@ class MetricsWriter:
             _check_tensorboard_installed()
         if path is not None and os.path.isdir(path):
             raise ValueError(f"--metrics-file {path} is a folder; give a file path, e.g. {path}/metrics.jsonl.")
+        wandb_module = _import_wandb() if wandb is not None else None
         self.enabled = enabled_on_this_rank
         self._file = None
         self._tb = None
+        self._wandb = None
         if not self.enabled:
             return
         if path is not None:
@@ -303,6 +354,15 @@ class MetricsWriter:
             self._file = open(path, "a", encoding="utf-8")
         if tensorboard_dir is not None:
             self._tb = _make_summary_writer(tensorboard_dir)
+        if wandb_module is not None:
+            os.makedirs(wandb["dir"], exist_ok=True)
+            wandb_module.init(**wandb)
+            self._wandb = wandb_module
+
+    @property
+    def has_scalar_sink(self) -> bool:
+        """Whether this rank writes scalars to TensorBoard or W&B (the JSONL file aside)."""
+        return self._tb is not None or self._wandb is not None
 
     def write(
         self,
@@ -340,15 +400,23 @@ class MetricsWriter:
                 if samples is not None:
                     self._tb.add_scalar(f"{name} vs samples", value, samples)
             self._tb.flush()
+        if self._wandb is not None and tensorboard:
+            scalars = {name: value for name, value in values.items() if value is not None}
+            if samples is not None:
+                scalars["samples"] = samples
+            self._wandb.log(scalars, step=iteration)
 
     def close(self) -> None:
-        """Closes the file and the TensorBoard writer. Safe to call twice."""
+        """Closes the file, the TensorBoard writer and the W&B run. Safe to call twice."""
         if self._file is not None:
             self._file.close()
             self._file = None
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def __enter__(self) -> "MetricsWriter":
         return self

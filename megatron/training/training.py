@@ -20,6 +20,7 @@ The log line, TensorBoard scalars and memory line are ``training_log.py``'s.
 
 import atexit
 import contextlib
+import functools
 import gc
 import math
 import os
@@ -34,7 +35,8 @@ from megatron.core.distributed.distributed_data_parallel import DistributedDataP
 from megatron.core.models.gpt.loss import gpt_forward_step
 from megatron.core.optimizer.distrib_optimizer import build_optimizer
 from megatron.core.optimizer.lr_scheduler import build_scheduler
-from megatron.core.pipeline_parallel import schedules
+from megatron.core.pipeline_parallel import embedding_grads as pipeline_grads
+from megatron.core.pipeline_parallel import layout, p2p_communication, schedules
 from megatron.core.tensor_parallel.random import model_parallel_manual_seed
 from megatron.core.transformer import cuda_graphs
 from megatron.core.transformer.cuda_graphs.streams import side_stream
@@ -84,7 +86,7 @@ class Trainer(IterationLogging):
         self.pg = pg
         self.device = pg.device
         self.forward_step = forward_step
-        self.schedule = schedules.get_forward_backward_func(pg.pp_size)
+        self.schedule = self._schedule(cfg, pg)
         t = cfg.training
         # The same seed on every rank (layers draw full weights and keep their shard);
         # the tracker's per-TP-rank streams serve dropout inside TP regions.
@@ -95,6 +97,7 @@ class Trainer(IterationLogging):
         cfg.freeze()  # from here on the config is read-only
         model = model_provider(cfg, cfg.model.vocab_size, pg, self.device)
         self.model = DistributedDataParallel(model, config=cfg.ddp, pg=pg)
+        self.tied_embedding = pipeline_grads.TiedEmbeddingGrads(model, pg)
         self.has_moe = bool(moe_hooks.moe_layers(model))
         self.graphs = cuda_graphs.attach(model, cfg.cuda_graph, model_config=cfg.model, grad_sinks=[self.model])
         self.optimizer = build_optimizer(
@@ -114,7 +117,10 @@ class Trainer(IterationLogging):
             if cfg.checkpoint.load:
                 self.load_checkpoint()
             self.metrics = logs.MetricsWriter(
-                cfg.logging.metrics_file, cfg.logging.tensorboard_dir, enabled_on_this_rank=pg.is_last_rank
+                cfg.logging.metrics_file,
+                cfg.logging.tensorboard_dir,
+                enabled_on_this_rank=pg.is_last_rank,
+                wandb=logs.wandb_settings(cfg),
             )
         except BaseException:
             self.close()
@@ -131,6 +137,28 @@ class Trainer(IterationLogging):
         self.history: list[dict] = []
         self._consecutive_skips = 0  # fp16 overflows in a row
         self._save_attempted = self.last_checkpointed_iteration  # last iteration a save was tried at
+
+    @staticmethod
+    def _schedule(cfg: RunConfig, pg: parallel_state.ProcessGroups) -> Callable:
+        """The schedule of this layout; a pipelined one knows its exchange shape and dtype."""
+        chunks = layout.num_chunks(cfg.parallel)
+        schedule = schedules.get_forward_backward_func(pg.pp_size, chunks)
+        if pg.pp_size == 1:
+            return schedule
+        p2p_communication.warm_up_group(pg)
+        shape = p2p_communication.tensor_shape(
+            seq_length=cfg.model.seq_length,
+            micro_batch_size=cfg.training.micro_batch_size,
+            hidden_size=cfg.model.hidden_size,
+            pg=pg,
+        )
+        return functools.partial(
+            schedule,
+            pg=pg,
+            tensor_shape=shape,
+            dtype=cfg.model.params_dtype,
+            microbatch_group_size=cfg.parallel.microbatch_group_size_per_virtual_pipeline_stage,
+        )
 
     # ------------------------------------------------------------------ state
     def _lock_save_dir(self) -> save_lock.SaveLock | None:
@@ -253,7 +281,7 @@ class Trainer(IterationLogging):
         if self.pg.dp is not None:
             dist.all_reduce(tokens, group=self.pg.dp)
         factor = self.pg.dp_size / tokens.clamp(min=1.0)
-        self.model.grad_buffer.data.mul_(factor)
+        self.model.scale_grads(factor)
         return loss_sum * factor
 
     @contextlib.contextmanager
@@ -289,6 +317,7 @@ class Trainer(IterationLogging):
                 moe_hooks.set_aux_loss_scale(self.model, self.optimizer.get_loss_scale() / self.cfg.num_microbatches)
             loss = self.forward_backward(data_iterator)
             self.model.finish_grad_sync()
+            self.tied_embedding.allreduce(self.model)  # PP > 1: first and last stage sum their copies' grads
             if self.cfg.training.calculate_per_token_loss:
                 loss = self._divide_by_global_tokens(loss)
             # The mean loss before the step, so every rank's NaN guard sees the same value.
@@ -465,14 +494,35 @@ _STATIC_SCALE_WARN_AFTER = 10
 
 def default_model_provider(cfg: RunConfig, vocab_size: int, pg, device) -> torch.nn.Module:
     """The GPT model (``pretrain_gpt.py``'s provider)."""
-    from megatron.core.models.gpt.gpt_model import build_gpt_model
+    from megatron.core.models.gpt.gpt_model import build_gpt_model, build_gpt_stage_chunks
 
     if cfg.mamba.hybrid_layer_pattern is not None:
         raise ValueError(
             "--hybrid-layer-pattern describes a hybrid Mamba model, which pretrain_gpt.py does not build; "
             "run pretrain_hybrid.py with the same flags."
         )
-    return build_gpt_model(cfg.model, vocab_size, pg=pg, device=device)
+    if pg.pp_size == 1:
+        return build_gpt_model(cfg.model, vocab_size, pg=pg, device=device)
+    chunks = build_gpt_stage_chunks(
+        cfg.model, vocab_size, pg, layout.chunk_layers(cfg.parallel, cfg.model.num_layers, pg.pp_rank), device
+    )
+    return chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
+
+
+def _configure_nccl_for_graphs(cfg: RunConfig) -> None:
+    """NCCL_GRAPH_REGISTER=0 when graphs capture collectives under expandable segments
+    (``cuda_graphs/nccl_env.py``); logged once, by the process that will be rank 0."""
+    from megatron.core.transformer.cuda_graphs.nccl_env import configure_nccl_for_graphs
+
+    par = cfg.parallel
+    line = configure_nccl_for_graphs(
+        cfg.cuda_graph,
+        tensor_parallel=par.tensor_model_parallel_size,
+        expert_parallel=par.expert_model_parallel_size,
+        expert_tensor_parallel=par.expert_tensor_parallel_size,
+    )
+    if line is not None and os.environ.get("RANK", "0") == "0":
+        print(f"> {line}", flush=True)
 
 
 def build_trainer(
@@ -487,6 +537,8 @@ def build_trainer(
     cfg = parse_args(argv).resolve(parallel_state.world_size_from_env())
     cfg.validate()
     use_cuda = torch.cuda.is_available() and not cfg.training.use_cpu
+    if use_cuda:
+        _configure_nccl_for_graphs(cfg)  # before any NCCL communicator exists
     pg = parallel_state.initialize(cfg.parallel, use_cuda=use_cuda)
     try:
         for line in logs.startup_lines(cfg):

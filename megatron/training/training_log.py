@@ -20,9 +20,9 @@ class IterationLogging:
     """The ``Trainer``'s log methods (see the module docstring for what they read)."""
 
     def _log_tensorboard_iteration(self, loss, grad_norm) -> None:
-        """Megatron's per-iteration TensorBoard scalars (every --tensorboard-log-interval)."""
+        """Megatron's per-iteration TensorBoard (and W&B) scalars (every --tensorboard-log-interval)."""
         lg = self.cfg.logging
-        if lg.tensorboard_dir is None or self.iteration % lg.tensorboard_log_interval != 0:
+        if not self.metrics.has_scalar_sink or self.iteration % lg.tensorboard_log_interval != 0:
             return
         record = {
             "learning-rate": self.scheduler.get_lr(self.iteration),
@@ -133,7 +133,11 @@ class IterationLogging:
                 "graph pool reserved": s["pool_reserved_bytes"] / 2**20,
                 "graph pool live": s["pool_live_bytes"] / 2**20,
                 "graph buffers held": s["strong_bytes"] / 2**20,
+                "graphs": s["graphs"],
+                "graph capture (s)": s["capture_seconds"],
             }
+            if self.pg.pp_size > 1:
+                extra["pipeline rank"] = self.pg.pp_rank
         print(
             logs.format_memory_line(
                 self.pg.rank,
@@ -150,7 +154,7 @@ class IterationLogging:
     def _log_capture(self) -> None:
         if self.pg.dp_rank != 0:
             return
-        print(f"> {self.graphs.summary_line()}", flush=True)
+        print(f"> {self.graphs.summary_line(stage=(self.pg.pp_rank, self.pg.pp_size))}", flush=True)
 
 
 class LossWindow:

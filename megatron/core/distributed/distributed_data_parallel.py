@@ -36,6 +36,15 @@ bucket after the optimizer updated its shards. With ``overlap_param_gather`` tho
 all-gathers run asynchronously and a forward pre-hook on each module waits for the
 buckets of its parameters, so the gather overlaps the next forward.
 
+Expert parameters (``is_expert``, set by the MoE experts) live in a second buffer,
+``expert_grad_buffer``, bucketed the same way and reduced over the expert-data-parallel
+group (the ranks that hold the same experts) instead of the data-parallel group. Their
+gradient already sums every token routed to them from the whole expert-parallel group,
+so the buffer is summed over expert-DP and scaled by 1 / DP (the dense DP size, as
+Megatron): the result is the gradient of the DP-mean loss, like the dense one. With
+expert-DP = 1 only the scaling remains. Each buffer launches its own buckets in order;
+with the distributed optimizer the expert buffer is sharded over expert-DP.
+
 With sequence parallelism, parameters marked ``sequence_parallel`` (norms and biases
 on sequence shards) have partial gradients on each TP rank; ``finish_grad_sync`` sums
 them over TP after the DP reduction, in one all-reduce (Megatron does this in
@@ -69,11 +78,14 @@ class DistributedDataParallel(torch.nn.Module):
         config: ``DDPConfig`` (``overlap_grad_reduce``, ``ddp_bucket_size``,
             ``use_distributed_optimizer``, ``overlap_param_gather``).
         pg: Process groups; ``pg.dp`` is the data-parallel group (``None`` for DP = 1),
-            ``pg.tp`` the tensor-parallel group (sequence-parallel gradients).
+            ``pg.expt_dp`` the expert-data-parallel one, ``pg.tp`` the tensor-parallel
+            group (sequence-parallel gradients).
 
     Attributes:
         module: The wrapped model.
-        grad_buffer: The ``GradBuffer`` holding every ``main_grad``.
+        grad_buffer: The ``GradBuffer`` holding every dense ``main_grad``.
+        expert_grad_buffer: The ``GradBuffer`` of the expert parameters (``None``
+            without experts), reduced over ``pg.expt_dp``.
     """
 
     def __init__(self, module: torch.nn.Module, *, config, pg):
@@ -97,20 +109,41 @@ class DistributedDataParallel(torch.nn.Module):
         self.overlap_param_gather = self.use_distributed_optimizer and bool(
             getattr(config, "overlap_param_gather", False)
         )
+        dense = [p for p in params if not is_expert_param(p)]
+        expert = [p for p in params if is_expert_param(p)]
+        self.expt_dp_size = pg.expt_dp_size
         # Backward order: the last parameters get their gradients first.
         self.grad_buffer = GradBuffer(
-            list(reversed(params)),
+            list(reversed(dense)),
             bucket_size=bucket_size,
             device=device,
             shard_count=self.dp_size if self.use_distributed_optimizer else 1,
             param_buffer=self.use_distributed_optimizer,
         )
+        self.expert_grad_buffer = None
+        if expert:
+            self.expert_grad_buffer = GradBuffer(
+                list(reversed(expert)),
+                bucket_size=bucket_size,
+                device=device,
+                shard_count=self.expt_dp_size if self.use_distributed_optimizer else 1,
+                param_buffer=self.use_distributed_optimizer,
+            )
         self._sequence_parallel_params = [p for p in params if getattr(p, "sequence_parallel", False)]
 
         # NCCL averages natively; other backends get a pre-scale and a SUM.
-        self._use_avg_op = self.dp_group is not None and dist.get_backend(self.dp_group) == "nccl"
+        use_avg = self.dp_group is not None and dist.get_backend(self.dp_group) == "nccl"
+        self._syncs = [_BufferSync(self.grad_buffer, "dp", pg.dp_size, pg.dp_rank, 1.0 / self.dp_size, use_avg)]
+        if self.expert_grad_buffer is not None:
+            # Summed over expert-DP, scaled by 1 / DP: no AVG op gives that factor.
+            self._syncs.append(
+                _BufferSync(self.expert_grad_buffer, "expt_dp", pg.expt_dp_size, pg.expt_dp_rank, 1.0 / self.dp_size)
+            )
+        self._sync_of_id: dict[int, tuple] = {}  # id(param) -> (its _BufferSync, its bucket)
+        for sync in self._syncs:
+            for pid, bucket in sync.buffer.bucket_of_id.items():
+                self._sync_of_id[pid] = (sync, bucket)
         self._sync_enabled = True
-        self._next_bucket = 0  # first bucket not yet launched this sync
         self._params = params
         self._fold_plan = None  # how accumulate_grads folds; the same parameters every step
         self._hook_handles = []
@@ -140,8 +173,19 @@ class DistributedDataParallel(torch.nn.Module):
     # ------------------------------------------------------------------ buffer
 
     @property
+    def grad_buffers(self) -> list[GradBuffer]:
+        """The dense buffer, then the expert buffer if the model has experts."""
+        return [sync.buffer for sync in self._syncs]
+
+    @property
     def buckets(self) -> list[Bucket]:
-        return self.grad_buffer.buckets
+        """Every bucket: the dense buffer's, then the expert buffer's."""
+        return [bucket for sync in self._syncs for bucket in sync.buffer.buckets]
+
+    def scale_grads(self, factor) -> None:
+        """Multiplies every ``main_grad`` by ``factor`` (a number or a 0-d device tensor)."""
+        for buffer in self.grad_buffers:
+            buffer.data.mul_(factor)
 
     def zero_grad_buffer(self) -> None:
         """Zeroes every ``main_grad`` in place and starts a new gradient sync.
@@ -155,8 +199,9 @@ class DistributedDataParallel(torch.nn.Module):
                 bucket.handle.wait()
                 bucket.handle = None
             bucket.reset()
-        self._next_bucket = 0
-        self.grad_buffer.zero_()
+        for sync in self._syncs:
+            sync.next_bucket = 0
+            sync.buffer.zero_()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -220,13 +265,14 @@ class DistributedDataParallel(torch.nn.Module):
         """``register_grad_ready`` for many parameters written by the same work (one
         graph replay): each bucket they touch gets ``event`` once. Runs once per backward
         graph replay, so it keys by ``id`` (a tensor's ``__hash__`` is a Python call)."""
-        buckets = self.grad_buffer.bucket_of_id
+        of_id = self._sync_of_id
         touched = {}
         for param in params:
-            bucket = buckets.get(id(param))
-            if bucket is None:
+            found = of_id.get(id(param))
+            if found is None:
                 raise RuntimeError("register_grad_ready got a parameter that this DDP does not manage.")
-            touched[bucket.index] = bucket
+            bucket = found[1]
+            touched[id(bucket)] = bucket
             if self._sync_enabled:
                 if bucket.launched:
                     raise RuntimeError(
@@ -245,7 +291,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def manages(self, param: torch.nn.Parameter) -> bool:
         """Whether ``param``'s gradient lives in this DDP's buffer."""
-        return id(param) in self.grad_buffer.bucket_of_id
+        return id(param) in self._sync_of_id
 
     def mark_ready(self, params, event) -> None:
         """A backward graph completed ``params``' main_grads; ``event`` follows its replay."""
@@ -259,39 +305,43 @@ class DistributedDataParallel(torch.nn.Module):
     def add_grad_event(self, param: torch.nn.Parameter, event) -> None:
         """Makes ``param``'s bucket wait on ``event`` before it is read, without marking
         the parameter ready (part of its gradient is still to come, e.g. a tied weight)."""
-        bucket = self.grad_buffer.bucket_of_id.get(id(param))
-        if bucket is None:
+        found = self._sync_of_id.get(id(param))
+        if found is None:
             raise RuntimeError("add_grad_event got a parameter that this DDP does not manage.")
-        bucket.add_event(event)
+        found[1].add_event(event)
 
     # ------------------------------------------------------------------ reduction
 
-    def _launch(self, bucket: Bucket) -> None:
+    def _launch(self, sync: "_BufferSync", bucket: Bucket) -> None:
         bucket.wait_events()
         bucket.launched = True
-        if self.dp_group is None:
+        group = getattr(self.pg, sync.group_name)
+        if group is None:
+            if sync.scale != 1.0:  # expert-DP = 1 under DP > 1: the 1 / DP is all there is
+                bucket.data.mul_(sync.scale)
             return
-        if self._use_avg_op:
+        if sync.use_avg_op:
             op = dist.ReduceOp.AVG
         else:
-            bucket.data.mul_(1.0 / self.dp_size)
+            bucket.data.mul_(sync.scale)
             op = dist.ReduceOp.SUM
         if self.use_distributed_optimizer:
             # In place: this rank's shard of the bucket receives the reduced shard.
-            start, end = bucket.shard_range(self.pg.dp_rank, self.dp_size)
-            shard = self.grad_buffer.data[start:end]
-            bucket.handle = _reduce_scatter_single(shard, bucket.data, op=op, group=self.dp_group, async_op=True)
+            start, end = bucket.shard_range(sync.rank, sync.size)
+            shard = sync.buffer.data[start:end]
+            bucket.handle = _reduce_scatter_single(shard, bucket.data, op=op, group=group, async_op=True)
         else:
-            bucket.handle = dist.all_reduce(bucket.data, op=op, group=self.dp_group, async_op=True)
+            bucket.handle = dist.all_reduce(bucket.data, op=op, group=group, async_op=True)
 
     def _launch_in_order(self, only_ready: bool) -> None:
-        buckets = self.buckets
-        while self._next_bucket < len(buckets):
-            bucket = buckets[self._next_bucket]
-            if only_ready and not bucket.is_ready():
-                return
-            self._launch(bucket)
-            self._next_bucket += 1
+        for sync in self._syncs:
+            buckets = sync.buffer.buckets
+            while sync.next_bucket < len(buckets):
+                bucket = buckets[sync.next_bucket]
+                if only_ready and not bucket.is_ready():
+                    break
+                self._launch(sync, bucket)
+                sync.next_bucket += 1
 
     def start_grad_sync(self) -> None:
         """Launches the reduction of every bucket not launched yet (waiting its events)."""
@@ -333,17 +383,18 @@ class DistributedDataParallel(torch.nn.Module):
         """
         assert self.use_distributed_optimizer, "start_param_sync is for the distributed optimizer"
         self.finish_param_sync()  # never two gathers into the same memory
-        if self.dp_group is None:
-            return
-        rank = self.pg.dp_rank
-        for bucket in reversed(self.buckets):
-            size = bucket.numel // self.dp_size
-            shard = bucket.param_data[rank * size : (rank + 1) * size]
-            bucket.param_handle = _all_gather_single(
-                bucket.param_data, shard, group=self.dp_group, async_op=self.overlap_param_gather
-            )
-            if not self.overlap_param_gather:
-                bucket.param_handle = None
+        for sync in self._syncs:
+            group = getattr(self.pg, sync.group_name)
+            if group is None:
+                continue
+            for bucket in reversed(sync.buffer.buckets):
+                size = bucket.numel // sync.size
+                shard = bucket.param_data[sync.rank * size : (sync.rank + 1) * size]
+                bucket.param_handle = _all_gather_single(
+                    bucket.param_data, shard, group=group, async_op=self.overlap_param_gather
+                )
+                if not self.overlap_param_gather:
+                    bucket.param_handle = None
 
     def finish_param_sync(self, buckets=None) -> None:
         """Waits for the parameter all-gathers in flight (of ``buckets``, default all)."""
@@ -357,14 +408,15 @@ class DistributedDataParallel(torch.nn.Module):
         uses: its own, and those of its childless children (a parent may read a child's
         weight directly, as the embedding reads its position table)."""
         handles = []
-        of_id = self.grad_buffer.bucket_of_id
+        of_id = {pid: bucket for pid, (_sync, bucket) in self._sync_of_id.items()}
+        order = {id(bucket): i for i, bucket in enumerate(self.buckets)}
         for name, sub in module.named_modules():
             used = list(sub.parameters(recurse=False))
             if name:  # the root's leaves are its own modules, with hooks of their own
                 for child in sub.children():
                     if next(child.children(), None) is None:
                         used += list(child.parameters(recurse=False))
-            buckets = {of_id[id(p)].index: of_id[id(p)] for p in used if id(p) in of_id}
+            buckets = {order[id(of_id[id(p)])]: of_id[id(p)] for p in used if id(p) in of_id}
             if not buckets:
                 continue
             ordered = [buckets[i] for i in sorted(buckets)]
@@ -378,12 +430,31 @@ class DistributedDataParallel(torch.nn.Module):
     # ------------------------------------------------------------------ helpers
 
     def broadcast_params(self) -> None:
-        """Copies every parameter from DP rank 0 to the other DP ranks."""
-        if self.dp_group is None:
-            return
-        src = dist.get_global_rank(self.dp_group, 0)
+        """Copies every parameter from DP rank 0 to the other DP ranks (expert parameters
+        over the expert-DP group: other expert-parallel ranks hold other experts)."""
         for param in self.module.parameters():
-            dist.broadcast(param.data, src=src, group=self.dp_group)
+            group = self.pg.expt_dp if is_expert_param(param) else self.dp_group
+            if group is not None:
+                dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
+
+
+def is_expert_param(param: torch.nn.Parameter) -> bool:
+    """Whether ``param``'s gradient belongs to the expert-data-parallel buffer."""
+    return bool(getattr(param, "is_expert", False))
+
+
+class _BufferSync:
+    """One gradient buffer and how it is reduced: over which group of ``pg``, this
+    rank's place in it, the pre-scale, and the next bucket to launch this sync."""
+
+    def __init__(self, buffer: GradBuffer, group_name: str, size: int, rank: int, scale: float, use_avg_op=False):
+        self.buffer = buffer
+        self.group_name = group_name
+        self.size = size
+        self.rank = rank
+        self.scale = scale
+        self.use_avg_op = use_avg_op
+        self.next_bucket = 0
 
 
 # Low-precision gradients up to this many elements are upcast through scratch tensors

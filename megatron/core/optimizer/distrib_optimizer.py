@@ -21,13 +21,30 @@ from typing import Any
 
 import torch
 
+from megatron.core.distributed.distributed_data_parallel import is_expert_param
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer, _uses_weight_decay
 
 
 def counts_for_norm(param: torch.nn.Parameter, pg) -> bool:
     """Whether this rank adds ``param``'s gradient to the global norm: TP-split parameters
-    on every TP rank, replicated ones on TP rank 0 only (each TP rank holds a copy)."""
+    on every TP rank, replicated ones on TP rank 0 only (each TP rank holds a copy); never
+    the last pipeline stage's copy of a tied embedding (the first stage counts it).
+    Expert parameters are not split over TP (expert TP is 1), but TP ranks route their own
+    sequence shards, so they are summed over TP as part of expert-DP: each counts once
+    per expert-DP group, which the expert norm groups account for."""
+    if getattr(param, "shared_embedding", False):
+        return False
+    if is_expert_param(param):
+        return True
     return pg.tp_size == 1 or pg.tp_rank == 0 or bool(getattr(param, "tensor_model_parallel", False))
+
+
+def expert_norm_separate(pg) -> bool:
+    """Whether the expert gradients' squared norm needs groups of its own: under expert
+    parallelism other ranks hold other experts, which the dense groups (DP x MP) do not
+    cover once each. With EP = 1 (and TP = 1) an expert element is where a dense one
+    would be: one set of groups serves both."""
+    return pg.ep_size > 1 or pg.tp_size > 1
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
@@ -48,11 +65,51 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             raise ValueError("DistributedOptimizer needs DDP built with use_distributed_optimizer=True.")
         self.ddp = ddp
         self.shards: list[tuple[torch.nn.Parameter, int, int]] = []
-        buffer = ddp.grad_buffer
-        dp_size, dp_rank = pg.dp_size, pg.dp_rank
-        pieces, full_of, owned, norm_pieces = [], {}, [], []
+        pieces, full_of = [], {}
+        # Per buffer: (its owned shards, the owned gradients that count for the norm, pieces).
+        dense = self._shard(ddp.grad_buffer, pg.dp_rank, pg.dp_size, pg, pieces, full_of)
+        expert = None
+        if ddp.expert_grad_buffer is not None:
+            expert = self._shard(ddp.expert_grad_buffer, pg.expt_dp_rank, pg.expt_dp_size, pg, pieces, full_of)
+        if not pieces:
+            raise ValueError(
+                "this data-parallel rank owns no parameter elements: the model is too small for "
+                f"--use-distributed-optimizer over {pg.dp_size} ranks; drop the flag."
+            )
+        norm = {}
+        if expert is not None and expert_norm_separate(pg):
+            # Dense shards: one owner per element in DP x MP. Expert shards: one owner per
+            # element in expert-DP, distinct experts over EP (and PP).
+            norm["grad_norm_parts"] = [
+                (dense[1], (pg.mp, pg.dp)),
+                (expert[1], (pg.ep, pg.pp, pg.expt_dp)),
+            ]
+        else:
+            owned = dense[0] + (expert[0] if expert else [])
+            norm_pieces = dense[1] + (expert[1] if expert else [])
+            all_count = len(norm_pieces) == len(pieces)
+            norm = dict(
+                # Every owned element counts on TP rank 0: one reduction per bucket shard.
+                grad_buffers=owned if all_count else (),
+                grad_norm_tensors=None if all_count else norm_pieces,
+                grad_norm_groups=(pg.mp, pg.dp),
+            )
+        super().__init__(
+            pieces,
+            config=config,
+            precision=precision,
+            preallocate_state=preallocate_state,
+            uses_weight_decay=lambda piece: _uses_weight_decay(full_of[id(piece)]),
+            **norm,
+            **kwargs,
+        )
+
+    def _shard(self, buffer, rank: int, size: int, pg, pieces: list, full_of: dict):
+        """This rank's pieces of ``buffer`` (shard ``rank`` of ``size`` in every bucket),
+        appended to ``pieces``; returns ``(owned shards, owned gradients for the norm)``."""
+        owned, norm_pieces = [], []
         for bucket in buffer.buckets:
-            lo, hi = bucket.shard_range(dp_rank, dp_size)
+            lo, hi = bucket.shard_range(rank, size)
             owned.append(buffer.data[lo:hi])
             for param in bucket.params:
                 start, end = buffer.param_range(param)
@@ -66,24 +123,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 self.shards.append((param, a - start, b - start))
                 if counts_for_norm(param, pg):
                     norm_pieces.append(piece.main_grad)
-        if not pieces:
-            raise ValueError(
-                "this data-parallel rank owns no parameter elements: the model is too small for "
-                f"--use-distributed-optimizer over {dp_size} ranks; drop the flag."
-            )
-        all_count = len(norm_pieces) == len(pieces)
-        super().__init__(
-            pieces,
-            config=config,
-            precision=precision,
-            preallocate_state=preallocate_state,
-            # Every owned element counts on TP rank 0: one reduction per bucket shard.
-            grad_buffers=owned if all_count else (),
-            grad_norm_tensors=None if all_count else norm_pieces,
-            grad_norm_groups=(pg.mp, pg.dp),
-            uses_weight_decay=lambda piece: _uses_weight_decay(full_of[id(piece)]),
-            **kwargs,
-        )
+        return owned, norm_pieces
 
     @torch.no_grad()
     def step(self, skip: torch.Tensor | None = None) -> tuple[bool, torch.Tensor | None, int | None]:
@@ -118,7 +158,17 @@ def build_optimizer(ddp, *, pg, config, precision, preallocate_state: bool = Fal
             ddp, pg=pg, config=config, precision=precision, preallocate_state=preallocate_state, **kwargs
         )
     params = [p for p in ddp.module.parameters() if p.requires_grad]
-    if getattr(pg, "mp", None) is not None:
+    buffers = [b.data for b in ddp.grad_buffers]
+    if ddp.expert_grad_buffer is not None and expert_norm_separate(pg):
+        # Dense gradients are replicated over DP: summed over MP. Expert gradients are
+        # replicated over expert-DP only: summed over EP and PP, and over TP once per
+        # expert-DP group (TP ranks are expert-DP ranks there), so no TP sum for them.
+        dense = [p for p in dict.fromkeys(params) if not is_expert_param(p)]
+        dense_norm = [p.main_grad for p in dense if counts_for_norm(p, pg)]
+        if len(dense_norm) == len(dense):
+            dense_norm = [ddp.grad_buffer.data]
+        kwargs["grad_norm_parts"] = [(dense_norm, (pg.mp,)), ([ddp.expert_grad_buffer.data], (pg.ep, pg.pp))]
+    elif getattr(pg, "mp", None) is not None:
         kwargs["grad_norm_groups"] = (pg.mp,)
         if not all(counts_for_norm(p, pg) for p in params):
             kwargs["grad_norm_tensors"] = [p.main_grad for p in dict.fromkeys(params) if counts_for_norm(p, pg)]
@@ -127,6 +177,6 @@ def build_optimizer(ddp, *, pg, config, precision, preallocate_state: bool = Fal
         config=config,
         precision=precision,
         preallocate_state=preallocate_state,
-        grad_buffers=[ddp.grad_buffer.data],
+        grad_buffers=buffers,
         **kwargs,
     )

@@ -100,6 +100,9 @@ class MixedPrecisionOptimizer:
         grad_norm_tensors: The gradients whose squares this rank adds to the global norm,
             when not all of them (TP ranks but the first leave out replicated ones).
         grad_norm_groups: Process groups over which the squared norm is summed.
+        grad_norm_parts: Instead of the two above, ``[(tensors, groups), ...]``: parts of
+            the gradients whose squared norms are summed over different groups (dense
+            and expert gradients under expert parallelism); the global norm adds them.
         uses_weight_decay: ``param -> bool`` (default: 2-D and larger params decay).
     """
 
@@ -114,6 +117,7 @@ class MixedPrecisionOptimizer:
         skip_non_finite: bool = False,
         grad_norm_tensors: Sequence[torch.Tensor] | None = None,
         grad_norm_groups: Sequence[Any] = (),
+        grad_norm_parts: Sequence[tuple[Sequence[torch.Tensor], Sequence[Any]]] | None = None,
         uses_weight_decay: Callable[[torch.Tensor], bool] = _uses_weight_decay,
     ):
         self.config = config
@@ -169,6 +173,11 @@ class MixedPrecisionOptimizer:
         self.grad_buffers = self._check_grad_buffers(grad_buffers)
         self._norm_tensors = None if grad_norm_tensors is None else list(grad_norm_tensors)
         self._norm_groups = [g for g in grad_norm_groups if g is not None]
+        self._norm_parts = None
+        if grad_norm_parts is not None:
+            self._norm_parts = [(list(t), [g for g in groups if g is not None]) for t, groups in grad_norm_parts]
+            for _tensors, groups in self._norm_parts:  # fp16's overflow flag reaches every rank of each part
+                self._norm_groups += [g for g in groups if all(g is not h for h in self._norm_groups)]
         if preallocate_state and config.optimizer == "adam":
             self._allocate_adam_state()
 
@@ -273,7 +282,9 @@ class MixedPrecisionOptimizer:
         """
         # Every grad is a view into the DDP buffer(s), whose gaps stay zero: one reduction
         # over the flat buffer gives the same norm as one per tensor, in one kernel.
-        if self._norm_tensors is not None or self._norm_groups:
+        if self._norm_parts is not None:
+            total = self._norm_over_parts()
+        elif self._norm_tensors is not None or self._norm_groups:
             total = self._model_parallel_norm(grads)
         else:
             norms = torch._foreach_norm(self.grad_buffers or grads, 2)
@@ -287,6 +298,19 @@ class MixedPrecisionOptimizer:
                 coeff = torch.clamp(self.config.clip_grad / (total + 1e-6), max=1.0)
                 torch._foreach_mul_(grads, coeff)
         return total
+
+    def _norm_over_parts(self) -> torch.Tensor:
+        """sqrt of the sum over ``grad_norm_parts`` of each part's squares, summed over its groups."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for tensors, groups in self._norm_parts:
+            if tensors:
+                squares = torch.stack(list(torch._foreach_norm(tensors, 2))).square().sum()
+            else:
+                squares = torch.zeros((), dtype=torch.float32, device=self.device)
+            for group in groups:
+                dist.all_reduce(squares, group=group)
+            total = total + squares
+        return total.sqrt()
 
     def _model_parallel_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """sqrt of the squared norms of this rank's part, summed over ``grad_norm_groups``."""

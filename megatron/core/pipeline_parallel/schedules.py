@@ -12,9 +12,11 @@ flight, not per micro-batch. Without pipelining that is slot 0 for every micro-b
 
 Orders. :func:`one_f_one_b_order` and :func:`interleaved_order` give the sequence of
 forward and backward steps of one pipeline rank, as plain data (tested on the CPU,
-shared by the executors). The pipelined executors with communication come with
-pipeline parallelism; :func:`forward_backward_in_flight` runs a 1F1B order on one rank
-with several micro-batches in flight (the shape a pipeline stage sees).
+shared by the executors and the CUDA-graph slots). :func:`forward_backward_pipelining`
+runs them over the pipeline group (1F1B with one model chunk per rank, interleaved 1F1B
+with several); ``timetable.py`` decides which exchange carries each activation and
+gradient. :func:`forward_backward_in_flight` runs a 1F1B order on one rank with several
+micro-batches in flight (the shape a pipeline stage sees).
 """
 
 from __future__ import annotations
@@ -72,34 +74,96 @@ def one_f_one_b_order(num_microbatches: int, num_warmup: int) -> list[Step]:
     return order
 
 
-def interleaved_order(num_microbatches: int, pp_size: int, pp_rank: int, num_chunks: int) -> list[ChunkStep]:
+def one_f_one_b_warmup(pp_size: int, pp_rank: int) -> int:
+    """Megatron's warm-up forwards of 1F1B on ``pp_rank``: the stages after it."""
+    return pp_size - pp_rank - 1
+
+
+def interleaved_warmup(pp_size: int, pp_rank: int, num_chunks: int, microbatch_group_size: int | None = None) -> int:
+    """Megatron's warm-up forwards of interleaved 1F1B (before clamping to the total)."""
+    group = pp_size if microbatch_group_size is None else microbatch_group_size
+    return (pp_size - pp_rank - 1) * 2 + (num_chunks - 1) * group
+
+
+def schedule_table(num_microbatches: int, num_chunks: int, microbatch_group_size: int) -> list[tuple[int, int]]:
+    """``(chunk, micro-batch)`` of each forward, in order: groups of ``microbatch_group_size``
+    micro-batches run through chunk 0, then chunk 1, ...; the last group may be shorter."""
+    table = []
+    for start in range(0, num_microbatches, microbatch_group_size):
+        stop = min(start + microbatch_group_size, num_microbatches)
+        table += [(c, m) for c in range(num_chunks) for m in range(start, stop)]
+    return table
+
+
+def interleaved_order(
+    num_microbatches: int,
+    pp_size: int,
+    pp_rank: int,
+    num_chunks: int,
+    *,
+    microbatch_group_size: int | None = None,
+) -> list[ChunkStep]:
     """Interleaved 1F1B on ``pp_rank``: ``num_chunks`` model chunks (virtual stages) per rank.
 
-    Forwards visit chunk 0 for ``pp_size`` micro-batches, then chunk 1, ...; backwards
-    run the chunks in reverse. The warm-up is ``(pp_size - pp_rank - 1) * 2 + (num_chunks
-    - 1) * pp_size`` forwards, as Megatron's. The micro-batch count must be a multiple of
-    ``pp_size``.
+    Forwards visit chunk 0 for ``microbatch_group_size`` micro-batches (default
+    ``pp_size``, Megatron's ``--microbatch-group-size-per-virtual-pipeline-stage``), then
+    chunk 1, ...; backwards run the chunks in reverse. The warm-up is ``(pp_size - pp_rank
+    - 1) * 2 + (num_chunks - 1) * group`` forwards, as Megatron's. As Megatron, the group
+    must lie in ``[pp_size, num_microbatches]`` and the last group must be empty or at
+    least ``pp_size`` long.
     """
-    if num_microbatches % pp_size:
+    group = pp_size if microbatch_group_size is None else microbatch_group_size
+    if group < pp_size or group > num_microbatches:
+        raise ValueError(
+            f"the interleaved schedule needs --microbatch-group-size-per-virtual-pipeline-stage ({group}, default "
+            f"--pipeline-model-parallel-size) between --pipeline-model-parallel-size ({pp_size}) and the number of "
+            f"micro-batches ({num_microbatches}); change --global-batch-size or --micro-batch-size."
+        )
+    if 0 < num_microbatches % group < pp_size:
         raise ValueError(
             f"the interleaved schedule needs the number of micro-batches ({num_microbatches}) to be a multiple "
-            f"of --pipeline-model-parallel-size ({pp_size}); change --global-batch-size or --micro-batch-size."
+            f"of --microbatch-group-size-per-virtual-pipeline-stage ({group}, default "
+            f"--pipeline-model-parallel-size) or to leave a remainder of at least "
+            f"--pipeline-model-parallel-size ({pp_size}); change --global-batch-size or --micro-batch-size."
         )
-    total = num_microbatches * num_chunks
-    group = pp_size * num_chunks
+    table = schedule_table(num_microbatches, num_chunks, group)
+    total = len(table)
 
     def forward(k: int) -> ChunkStep:
-        return ("F", (k % group) // pp_size, (k // group) * pp_size + k % pp_size)
+        return ("F", *table[k])
 
     def backward(k: int) -> ChunkStep:
-        return ("B", num_chunks - 1 - (k % group) // pp_size, (k // group) * pp_size + k % pp_size)
+        c, m = table[k]
+        return ("B", num_chunks - 1 - c, m)
 
-    warmup = min((pp_size - pp_rank - 1) * 2 + (num_chunks - 1) * pp_size, total)
+    warmup = min(interleaved_warmup(pp_size, pp_rank, num_chunks, group), total)
     order = [forward(k) for k in range(warmup)]
     for k in range(warmup, total):
         order += [forward(k), backward(k - warmup)]
     order += [backward(k) for k in range(total - warmup, total)]
     return order
+
+
+def rank_order(
+    num_microbatches: int,
+    pp_size: int,
+    pp_rank: int,
+    num_chunks: int = 1,
+    *,
+    microbatch_group_size: int | None = None,
+    forward_only: bool = False,
+) -> list[ChunkStep]:
+    """The steps of ``pp_rank``: 1F1B for one chunk, interleaved 1F1B for several; forwards only
+    for evaluation (in the same forward order)."""
+    if num_chunks == 1:
+        if forward_only:
+            return [("F", 0, m) for m in range(num_microbatches)]
+        warmup = one_f_one_b_warmup(pp_size, pp_rank)
+        return [(p, 0, m) for p, m in one_f_one_b_order(num_microbatches, warmup)]
+    order = interleaved_order(
+        num_microbatches, pp_size, pp_rank, num_chunks, microbatch_group_size=microbatch_group_size
+    )
+    return [step for step in order if step[0] == "F"] if forward_only else order
 
 
 def _sum_into(total: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor], per_token_loss: bool) -> None:
@@ -236,11 +300,213 @@ def forward_backward_in_flight(
     return _results(loss_sum, metric_sum, num_microbatches, per_token_loss)
 
 
-def get_forward_backward_func(pp_size: int = 1, num_chunks: int = 1) -> Callable[..., Any]:
-    """The schedule for a pipeline layout (Megatron's name)."""
-    if pp_size > 1 or num_chunks > 1:
-        raise ValueError(
-            "--pipeline-model-parallel-size > 1 needs the pipelined schedules, which are not available yet; "
-            "use --pipeline-model-parallel-size 1."
+def default_stage_forward(batch: dict, model: torch.nn.Module) -> torch.Tensor:
+    """A pipeline stage before the last: the model on the batch's tokens and positions (the
+    received activation, set on the model, replaces the embedding after the first stage)."""
+    return model(batch["tokens"], batch.get("position_ids"))
+
+
+def deallocate_output(output: torch.Tensor) -> None:
+    """Frees a sent stage output's storage; its ``grad_fn`` stays for the backward
+    (Megatron's ``deallocate_pipeline_outputs``; :func:`custom_backward` runs it). A view
+    keeps its storage (its base would keep it alive anyway)."""
+    if output._base is not None:
+        return
+    output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
+
+
+def custom_backward(output: torch.Tensor, grad_output: torch.Tensor | None) -> None:
+    """Backward from ``output`` with ``grad_output`` without autograd's shape check (the
+    output's storage may have been freed by :func:`deallocate_output`)."""
+    if grad_output is None:
+        assert output.numel() == 1, "only a scalar output runs backward without a gradient"
+        grad_output = torch.ones_like(output, memory_format=torch.preserve_format)
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=(output,),
+        grad_tensors=(grad_output,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    return getattr(module, "module", module)
+
+
+def model_chunks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model chunks of this pipeline rank: a DDP-wrapped ``ModuleList`` holds one per
+    virtual stage; anything else is one chunk."""
+    inner = _unwrap(model)
+    return list(inner) if isinstance(inner, torch.nn.ModuleList) else [model]
+
+
+def forward_backward_pipelining(
+    *,
+    forward_step: ForwardStep,
+    next_batch: Callable[[], dict],
+    model: torch.nn.Module,
+    num_microbatches: int,
+    pg,
+    tensor_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    forward_only: bool = False,
+    scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+    graphs=None,
+    per_token_loss: bool = False,
+    microbatch_group_size: int | None = None,
+    stage_forward: Callable[[dict, torch.nn.Module], torch.Tensor] = default_stage_forward,
+    deallocate_pipeline_outputs: bool = True,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """1F1B (one chunk per rank) or interleaved 1F1B (several) over the pipeline group.
+
+    Every rank pulls every micro-batch (the stages read tokens for the sequence length,
+    the last one labels and mask). The loss, ``forward_step`` and the loss scaling run
+    on the last stage exactly as in :func:`forward_backward_no_pipelining`; the mean
+    loss (or the token sums with ``per_token_loss``) is then broadcast from the last
+    stage, so every rank returns the same loss. Other metrics stay on the last stage.
+    Gradients reduce only in the rank's last backward (``no_sync`` around the others).
+
+    Args:
+        pg: ``ProcessGroups`` (``pp`` group and neighbours).
+        tensor_shape: Shape of the activations stages exchange (``p2p_communication.tensor_shape``).
+        dtype: Their dtype.
+        microbatch_group_size: ``--microbatch-group-size-per-virtual-pipeline-stage``.
+        stage_forward: ``(batch, model) -> hidden states`` on stages before the last.
+        deallocate_pipeline_outputs: Free a stage output's storage once it is sent.
+        Others: as :func:`forward_backward_no_pipelining`.
+    """
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.pipeline_parallel.timetable import build_timetable
+
+    chunks = model_chunks(model)
+    for chunk in chunks:
+        if not callable(getattr(_unwrap(chunk), "set_input_tensor", None)):
+            raise ValueError(
+                f"{type(_unwrap(chunk)).__name__} has no set_input_tensor(tensor): a model chunk of a pipelined "
+                "run starts from the activation the schedule receives (Megatron's contract); build the model "
+                "from pre_process/post_process stages (GPTModel, HybridModel) or use "
+                "--pipeline-model-parallel-size 1."
+            )
+    num_chunks, pp, rank = len(chunks), pg.pp_size, pg.pp_rank
+    last_stage = pp * num_chunks - 1
+    orders = [
+        rank_order(
+            num_microbatches, pp, r, num_chunks, microbatch_group_size=microbatch_group_size, forward_only=forward_only
         )
-    return forward_backward_no_pipelining
+        for r in range(pp)
+    ]
+    ticks = build_timetable(orders, num_chunks)[rank]
+    comm = P2PCommunicator(pg, tuple(tensor_shape), dtype, pg.device)
+    if graphs is not None and not forward_only:
+        graphs.expect_microbatches(num_microbatches)
+    slots = [SlotAllocator(c, num_chunks) for c in range(num_chunks)]
+    last_backward = max((i for i, s in enumerate(orders[rank]) if s[0] == "B"), default=-1)
+    batches: dict[int, dict] = {}
+    inputs: dict[tuple[int, int], torch.Tensor] = {}  # received activations, by (chunk, mb)
+    outputs: dict[tuple[int, int], torch.Tensor] = {}  # this stage's outputs (or scaled losses)
+    grads: dict[tuple[int, int], torch.Tensor] = {}  # received output gradients
+    losses: dict[int, torch.Tensor] = {}
+    metric_sum: dict[str, torch.Tensor] = {}
+    done = 0
+
+    def forward(chunk: int, mb: int) -> torch.Tensor | None:
+        stage = chunk * pp + rank
+        if chunk == 0:
+            batches[mb] = next_batch()
+        batch = batches[mb] if chunk < num_chunks - 1 else batches.pop(mb)
+        module = chunks[chunk]
+        _unwrap(module).set_input_tensor(inputs.get((chunk, mb)) if stage > 0 else None)
+        slot = slots[chunk].acquire((chunk, mb))
+        with _in_slot(graphs, slot):
+            if stage == last_stage:
+                loss, metrics = forward_step(batch, module)
+            else:
+                output = stage_forward(batch, module)
+        if forward_only:
+            slots[chunk].release((chunk, mb))
+            inputs.pop((chunk, mb), None)
+        if stage != last_stage:
+            if not forward_only:
+                outputs[(chunk, mb)] = output
+            return output
+        if per_token_loss:
+            loss = _token_sum(loss, metrics)
+        if not forward_only:
+            scaled = loss if per_token_loss else _mean(loss, num_microbatches)
+            outputs[(chunk, mb)] = scale_loss(scaled) if scale_loss is not None else scaled
+        losses[mb] = loss.detach()
+        _sum_into(metric_sum, metrics, per_token_loss)
+        return None
+
+    def backward(chunk: int, mb: int, last: bool) -> torch.Tensor | None:
+        stage = chunk * pp + rank
+        sync = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
+        with sync:
+            custom_backward(outputs.pop((chunk, mb)), grads.pop((chunk, mb), None))
+        slots[chunk].release((chunk, mb))
+        received = inputs.pop((chunk, mb), None)
+        return received.grad if stage > 0 else None
+
+    for tick in ticks:
+        send_next = send_prev = None
+        sent_output = None
+        for phase, chunk, mb in tick.steps:
+            if phase == "F":
+                send_next = forward(chunk, mb)
+                sent_output = send_next
+            else:
+                send_prev = backward(chunk, mb, last=done == last_backward)
+            done += 1
+        if send_next is None and send_prev is None and tick.recv_prev is None and tick.recv_next is None:
+            continue
+        got_prev, got_next = comm.communicate(
+            send_next=send_next,
+            recv_prev=tick.recv_prev is not None,
+            send_prev=send_prev,
+            recv_next=tick.recv_next is not None,
+        )
+        if got_prev is not None:
+            inputs[tick.recv_prev] = got_prev
+        if got_next is not None:
+            grads[tick.recv_next] = got_next
+        if sent_output is not None and deallocate_pipeline_outputs and not forward_only:
+            deallocate_output(sent_output)
+    assert not outputs and not grads and not batches, "the pipeline schedule left work undone"
+
+    return _broadcast_results(losses, metric_sum, num_microbatches, per_token_loss, pg)
+
+
+def _broadcast_results(losses, metric_sum, n: int, per_token_loss: bool, pg):
+    """The last stage's results on every pipeline rank (one broadcast over the PP group)."""
+    if pg.is_pipeline_last_stage:
+        loss_sum = None
+        for mb in range(n):
+            loss_sum = losses[mb] if loss_sum is None else loss_sum + losses[mb]
+        loss, metrics = _results(loss_sum, metric_sum, n, per_token_loss)
+    else:
+        loss, metrics = None, {}
+    values = torch.zeros(2, dtype=torch.float64, device=pg.device)  # fp64: the fp32 loss and counts exactly
+    if loss is not None:
+        values[0] = loss.double()
+        if per_token_loss:
+            values[1] = metrics[NUM_TOKENS].double()
+    torch.distributed.broadcast(values, src=pg.pp_last_rank, group=pg.pp)
+    if loss is None:
+        loss = values[0].float()
+        if per_token_loss:
+            metrics = {NUM_TOKENS: values[1].long()}
+    return loss, metrics
+
+
+def get_forward_backward_func(pp_size: int = 1, num_chunks: int = 1) -> Callable[..., Any]:
+    """The schedule for a pipeline layout (Megatron's name): no pipelining at PP = 1, else
+    :func:`forward_backward_pipelining` (1F1B, interleaved with several chunks)."""
+    if pp_size == 1:
+        if num_chunks > 1:
+            raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size > 1.")
+        return forward_backward_no_pipelining
+    return forward_backward_pipelining

@@ -33,7 +33,7 @@ def test_interleaved_order_visits_chunks_in_groups_of_pp_size():
             assert order.index(("F", c, m)) < order.index(("B", c, m))
     warmup = next(i for i, (p, _, _) in enumerate(order) if p == "B") - 1
     assert warmup == (2 - 1 - 1) * 2 + (2 - 1) * 2
-    with pytest.raises(ValueError, match="multiple of --pipeline-model-parallel-size"):
+    with pytest.raises(ValueError, match="to be a multiple"):
         schedules.interleaved_order(3, 2, 0, 2)
 
 
@@ -93,6 +93,101 @@ def test_custom_forward_step_plugs_in_without_touching_the_trainer():
         assert torch.equal(a, b)
 
 
-def test_pipelined_layout_without_schedules_is_a_clear_error():
-    with pytest.raises(ValueError, match="pipelined schedules, which are not available yet"):
-        schedules.get_forward_backward_func(pp_size=2)
+def test_get_forward_backward_func_picks_the_pipelined_schedule():
+    assert schedules.get_forward_backward_func(1) is schedules.forward_backward_no_pipelining
+    assert schedules.get_forward_backward_func(2) is schedules.forward_backward_pipelining
+    assert schedules.get_forward_backward_func(2, 2) is schedules.forward_backward_pipelining
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size > 1"):
+        schedules.get_forward_backward_func(1, 2)
+
+
+# ---------------------------------------------------------------------- pipelined orders and timetable
+
+
+def test_warmup_counts_are_megatrons():
+    assert [schedules.one_f_one_b_warmup(4, r) for r in range(4)] == [3, 2, 1, 0]
+    # (PP - rank - 1) * 2 + (chunks - 1) * group, group defaulting to PP.
+    assert [schedules.interleaved_warmup(4, r, 2) for r in range(4)] == [10, 8, 6, 4]
+    assert schedules.interleaved_warmup(2, 0, 3, microbatch_group_size=3) == 2 + 6
+    for pp, chunks, m in [(2, 1, 4), (4, 1, 3), (2, 2, 4), (4, 2, 8), (2, 3, 6)]:
+        for rank in range(pp):
+            order = schedules.rank_order(m, pp, rank, chunks)
+            first_backward = next(i for i, s in enumerate(order) if s[0] == "B")
+            if chunks == 1:
+                want = min(schedules.one_f_one_b_warmup(pp, rank), m)
+            else:
+                want = min(schedules.interleaved_warmup(pp, rank, chunks), m * chunks)
+            # The warm-up forwards, then the first steady-state forward before the first backward.
+            assert first_backward == want + (1 if want < m * chunks else 0), (pp, chunks, m, rank)
+
+
+def test_schedule_table_follows_megatrons_example():
+    # Megatron's PP 2, 5 micro-batches, 2 chunks, groups of 3.
+    table = schedules.schedule_table(5, 2, 3)
+    assert [m for _, m in table] == [0, 1, 2, 0, 1, 2, 3, 4, 3, 4]
+    assert [c for c, _ in table] == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+    order = schedules.interleaved_order(5, 2, 0, 2, microbatch_group_size=3)
+    assert [(c, m) for p, c, m in order if p == "F"] == table
+    with pytest.raises(ValueError, match="remainder of at least"):
+        schedules.interleaved_order(4, 2, 0, 2, microbatch_group_size=3)
+    with pytest.raises(ValueError, match="between --pipeline-model-parallel-size"):
+        schedules.interleaved_order(4, 2, 0, 2, microbatch_group_size=5)
+
+
+@pytest.mark.parametrize("pp, chunks, m", [(2, 1, 1), (2, 1, 4), (3, 1, 5), (4, 1, 2), (2, 2, 2), (2, 2, 6),
+                                           (4, 2, 4), (4, 2, 8), (3, 3, 3), (2, 2, 4)])  # fmt: skip
+def test_timetable_keeps_each_order_and_pairs_every_exchange(pp, chunks, m):
+    from megatron.core.pipeline_parallel.timetable import build_timetable
+
+    orders = [schedules.rank_order(m, pp, r, chunks) for r in range(pp)]
+    table = build_timetable(orders, chunks)
+    assert len({len(t) for t in table}) == 1  # every rank has the same number of exchanges
+    last = pp * chunks - 1
+    for rank in range(pp):
+        assert [s for tick in table[rank] for s in tick.steps] == orders[rank]
+    for t in range(len(table[0])):
+        for rank in range(pp):
+            sent_fwd = [(c, mb) for p, c, mb in table[rank][t].steps if p == "F" and c * pp + rank < last]
+            sent_bwd = [(c, mb) for p, c, mb in table[rank][t].steps if p == "B" and c * pp + rank > 0]
+            nxt, prv = table[(rank + 1) % pp][t], table[(rank - 1) % pp][t]
+            # What this rank sends in exchange t is what its neighbours receive in exchange t.
+            assert [((c * pp + rank + 1) // pp, mb) for c, mb in sent_fwd] == ([nxt.recv_prev] if nxt.recv_prev else [])
+            assert [((c * pp + rank - 1) // pp, mb) for c, mb in sent_bwd] == ([prv.recv_next] if prv.recv_next else [])
+    if chunks == 1:  # 1F1B's memory bound: warm-up + 1 micro-batches in flight per rank
+        for rank in range(pp):
+            live = peak = 0
+            for p, _, _ in orders[rank]:
+                live += 1 if p == "F" else -1
+                peak = max(peak, live)
+            assert peak <= schedules.one_f_one_b_warmup(pp, rank) + 1
+
+
+def test_timetable_refuses_orders_that_cannot_run():
+    from megatron.core.pipeline_parallel.timetable import build_timetable
+
+    orders = [[("F", 0, 0), ("B", 0, 0)], [("B", 0, 0), ("F", 0, 0)]]  # the last stage's B before its F
+    with pytest.raises(ValueError, match="cannot run"):
+        build_timetable(orders, 1)
+
+
+def test_custom_backward_runs_on_a_freed_output():
+    w = torch.nn.Parameter(torch.randn(3, 3))
+    x = torch.randn(2, 3)
+    out = torch.tanh(x @ w)
+    grad = torch.randn_like(out)
+    want = torch.autograd.grad(torch.tanh(x @ w), w, grad)[0]
+    schedules.deallocate_output(out)
+    assert out.numel() == 1 and out.grad_fn is not None
+    schedules.custom_backward(out, grad)
+    assert torch.allclose(w.grad, want)
+
+
+def test_pipelined_schedule_needs_models_that_take_the_received_activation():
+    from megatron.core.parallel_state import ProcessGroups
+
+    pg = ProcessGroups(rank=0, world_size=2, device=torch.device("cpu"), ranks={"pp": [0, 1]})
+    with pytest.raises(ValueError, match="has no set_input_tensor"):
+        schedules.forward_backward_pipelining(
+            forward_step=None, next_batch=None, model=torch.nn.Linear(2, 2), num_microbatches=2, pg=pg,
+            tensor_shape=(4, 1, 2), dtype=torch.float32,
+        )  # fmt: skip

@@ -50,7 +50,19 @@ def test_repeat_runs_round_robin_and_merges_medians(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(
         sys,
         "argv",
-        ["graph_bench.py", "--configs", "dense8", "--modes", "eager", "lean", "--repeat", "3", "--out", str(tmp_path)],
+        [
+            "graph_bench.py",
+            "--configs",
+            "dense8",
+            "--modes",
+            "eager",
+            "lean",
+            "--repeat",
+            "3",
+            "--out",
+            str(tmp_path),
+            "--no-matmul-peak",
+        ],
     )
     graph_bench.main()
     assert [m for m, _ in order] == ["eager", "lean"] * 3  # alternating: drift hits both alike

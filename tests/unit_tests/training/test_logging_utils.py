@@ -284,3 +284,70 @@ def test_metrics_and_tensorboard_paths_of_the_wrong_kind(tmp_path):
         logging_utils.MetricsWriter(None, str(a_file), enabled_on_this_rank=True)
     with pytest.raises(ValueError, match=r"--metrics-file .* is a folder"):
         logging_utils.MetricsWriter(str(tmp_path), None, enabled_on_this_rank=True)
+
+
+class _FakeWandb:
+    """Stands for the wandb module: records init, log and finish."""
+
+    def __init__(self):
+        self.init_kwargs, self.logged, self.finished = None, [], False
+
+    def init(self, **kwargs):
+        self.init_kwargs = kwargs
+
+    def log(self, scalars, step):
+        self.logged.append((step, dict(scalars)))
+
+    def finish(self):
+        self.finished = True
+
+
+def test_wandb_gets_the_tensorboard_records_of_a_training_run(tmp_path, monkeypatch, tiny_argv):
+    from megatron.core import parallel_state
+    from megatron.training.training import build_trainer
+
+    fake = _FakeWandb()
+    monkeypatch.setattr(logging_utils, "_import_wandb", lambda: fake)
+    argv = tiny_argv(
+        f"--train-iters 3 --log-interval 1 --wandb-project proj --wandb-exp-name run1 --wandb-entity team "
+        f"--save {tmp_path}/ckpt --save-interval 100"
+    )
+    trainer = build_trainer(argv)
+    try:
+        history = trainer.train()
+    finally:
+        trainer.close()
+        parallel_state.destroy(trainer.pg)
+    assert fake.init_kwargs["project"] == "proj" and fake.init_kwargs["name"] == "run1"
+    assert fake.init_kwargs["entity"] == "team"
+    assert fake.init_kwargs["dir"] == f"{tmp_path}/ckpt/wandb" and (tmp_path / "ckpt" / "wandb").is_dir()
+    assert fake.init_kwargs["config"]["num_layers"] == 2 and fake.init_kwargs["config"]["wandb_project"] == "proj"
+    steps = [step for step, scalars in fake.logged if "lm loss" in scalars]
+    assert steps == [1, 2, 3]
+    losses = [scalars["lm loss"] for _, scalars in fake.logged if "lm loss" in scalars]
+    assert losses == pytest.approx([h["lm loss"] for h in history])
+    assert fake.finished
+
+
+def test_wandb_flag_errors_name_the_fix(tmp_path, monkeypatch, tiny_argv):
+    from megatron.training.arguments import parse_args
+
+    def validate(extra):
+        cfg = parse_args(tiny_argv("--train-iters 2", extra)).resolve(world_size=1)
+        cfg.validate()
+
+    with pytest.raises(ValueError, match="--wandb-project proj needs --wandb-exp-name"):
+        validate("--wandb-project proj")
+    with pytest.raises(ValueError, match="--wandb-project needs --wandb-save-dir DIR"):
+        validate("--wandb-project proj --wandb-exp-name r")
+    validate(f"--wandb-project proj --wandb-exp-name r --wandb-save-dir {tmp_path}")
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` fail
+    for enabled in (True, False):  # every rank checks
+        with pytest.raises(ValueError, match="pip install wandb"):
+            MetricsWriter(None, None, enabled_on_this_rank=enabled, wandb={"dir": str(tmp_path)})
+
+
+def test_memory_line_prints_counts_as_integers():
+    extra = {"graph pool reserved": 64.0, "graphs": 16, "graph capture (s)": 0.25, "pipeline rank": 1}
+    line = format_memory_line(0, "(after 1 iterations)", 1, 2, 3, 4, extra=extra)
+    assert line.endswith("| graph pool reserved: 64.00 | graphs: 16 | graph capture (s): 0.25 | pipeline rank: 1")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.transformer.cuda_graphs.session import GraphState
 from megatron.training import checkpointing
 from megatron.training.training import build_trainer
 from megatron.training.training_log import LossWindow
@@ -133,6 +134,6 @@ def test_guard_with_cuda_graphs_gpu(tmp_path, scope):
                           "--save", save)  # fmt: skip
     with pytest.raises(RuntimeError, match=r"non-finite lm loss or grad norm at iteration 2 .*up to iteration 5"):
         trainer.train()
-    assert trainer.graphs.state == "captured" and finite_weights(trainer)
+    assert trainer.graphs.state is GraphState.CAPTURED and finite_weights(trainer)
     assert all(torch.isfinite(m).all() for m in trainer.optimizer.main_params)
     assert not os.path.exists(checkpointing.tracker_path(str(save)))

@@ -37,6 +37,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.tensor_parallel.random import fork_if
 from megatron.core.transformer.cuda_graphs.regions import HeadRegion
+from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_block import TransformerBlock
 
 
@@ -170,6 +171,8 @@ class GPTModel(torch.nn.Module):
         share_embeddings_and_output_weights: bool = True,
         position_embedding_type: str = "learned_absolute",
         device=None,
+        num_layers: int | None = None,
+        layer_offset: int = 0,
     ):
         super().__init__()
         if position_embedding_type not in ("learned_absolute", "rope", "none"):
@@ -201,8 +204,16 @@ class GPTModel(torch.nn.Module):
         else:
             self.rotary_pos_emb = None
         self.decoder = TransformerBlock(
-            config, layer_spec, pg, pre_process=pre_process, post_process=post_process, device=device
+            config,
+            layer_spec,
+            pg,
+            num_layers=num_layers,
+            layer_offset=layer_offset,
+            pre_process=pre_process,
+            post_process=post_process,
+            device=device,
         )
+        self.input_tensor: torch.Tensor | None = None  # a later pipeline stage's input (set_input_tensor)
         self.output_layer = build_output_layer(
             config, vocab_size, pg, pre_process, post_process, share_embeddings_and_output_weights, device
         )
@@ -221,31 +232,42 @@ class GPTModel(torch.nn.Module):
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight if self.post_process else None
 
+    def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
+        """The activation a later pipeline stage starts from (``[s, b, h]``, received from
+        the previous stage); the schedule sets it before each forward (Megatron's name)."""
+        self.input_tensor = input_tensor
+
     def forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Runs the model.
+        """Runs the model (or this pipeline stage of it).
 
         Args:
-            input_ids: ``[b, s]`` token ids.
+            input_ids: ``[b, s]`` token ids (after the first stage only their length is read).
             position_ids: ``[b, s]`` positions for the learned table (default ``0..s-1``);
                 ignored by RoPE, which always uses ``0..s-1``.
             labels: ``[b, s]`` next-token targets, or None.
 
         Returns:
             ``logits [b, s, vocab]`` when ``labels`` is None, else the unreduced fp32
-            per-token loss ``[b, s]`` (mask it with ``masked_mean_loss``).
+            per-token loss ``[b, s]`` (mask it with ``masked_mean_loss``); on a stage
+            before the last, its hidden states ``[s, b, h]`` for the next stage.
         """
-        assert self.pre_process and self.post_process, "pipeline stages need the pipeline schedule's entry points"
         seq_len = input_ids.shape[1]
-        hidden_states = self.embedding(input_ids, position_ids)  # [s, b, h]
+        if self.pre_process:
+            hidden_states = self.embedding(input_ids, position_ids)  # [s, b, h]
+        else:
+            assert self.input_tensor is not None, "a later pipeline stage runs on the schedule's set_input_tensor"
+            hidden_states = self.input_tensor
         rotary_pos_emb = None
         if self.rotary_pos_emb is not None:
             rotary_pos_emb = self.rotary_pos_emb(seq_len, hidden_states.device)  # cached: same tensor every step
         hidden_states = self.decoder(hidden_states, rotary_pos_emb=rotary_pos_emb, final_norm=False)
+        if not self.post_process:
+            return hidden_states
         return self._postprocess(hidden_states, labels)
 
     def _postprocess(self, hidden_states: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -294,13 +316,61 @@ def build_gpt_model(config, vocab_size: int, pg=None, device=None) -> GPTModel:
     """
     if config.max_position_embeddings is None or config.kv_channels is None:
         config.finalize()
-    return GPTModel(
-        config,
-        get_gpt_decoder_layer_specs(config),
-        vocab_size,
-        config.max_position_embeddings,
-        pg,
+    return GPTModel(config, get_gpt_decoder_layer_specs(config), vocab_size, config.max_position_embeddings, pg,
+                    **_gpt_options(config), device=device)  # fmt: skip
+
+
+def _gpt_options(config) -> dict:
+    return dict(
         share_embeddings_and_output_weights=not config.untie_embeddings_and_output_weights,
         position_embedding_type=config.position_embedding_type,
-        device=device,
     )
+
+
+def build_gpt_stage_chunks(config, vocab_size: int, pg, chunk_layers, device=None) -> list[GPTModel]:
+    """This pipeline rank's model chunks (one per virtual stage) of the GPT model.
+
+    Initialisation does not depend on the layout: the chunks are built in model order and
+    every part another rank holds (embedding, layers, an untied output layer) is drawn and
+    dropped in its place, so the default generator hands each part the numbers a single
+    process would. A tied output layer on a last stage that lacks the embedding starts as
+    a copy of the embedding weight (``parallel_state``'s ``embd`` group keeps it in step).
+
+    Args:
+        config: Finalized ``TransformerConfig``.
+        vocab_size: Padded vocabulary size.
+        pg: ``ProcessGroups`` of this rank (``pp_rank``, ``pp_size``).
+        chunk_layers: ``(layer offset, layer count)`` of each chunk (``layout.chunk_layers``).
+        device: Device for the parameters.
+    """
+    if config.max_position_embeddings is None or config.kv_channels is None:
+        config.finalize()
+    specs = get_gpt_decoder_layer_specs(config)
+    specs = list(specs) if isinstance(specs, list | tuple) else [specs] * config.num_layers
+    options = _gpt_options(config)
+    device = resolve_device(device)
+    num_chunks, pp, rank = len(chunk_layers), pg.pp_size, pg.pp_rank
+    last_stage = pp * num_chunks - 1
+    chunks, next_layer, embedding_copy = [], 0, None
+    for c, (offset, count) in enumerate(chunk_layers):
+        stage = c * pp + rank
+        if c == 0 and stage != 0:  # the embedding is rank 0's: draw it in its place
+            skipped = LanguageModelEmbedding(
+                config, vocab_size, config.max_position_embeddings, options["position_embedding_type"], pg=pg,
+                device=device,
+            )  # fmt: skip
+            if stage + (num_chunks - 1) * pp == last_stage and options["share_embeddings_and_output_weights"]:
+                embedding_copy = skipped.word_embeddings.weight.detach()
+            del skipped
+        for layer in range(next_layer, offset):  # other ranks' layers before this chunk
+            build_module(specs[layer], config=config, layer_number=layer + 1, pg=pg, device=device)
+        chunk = GPTModel(
+            config, specs, vocab_size, config.max_position_embeddings, pg, pre_process=stage == 0,
+            post_process=stage == last_stage, num_layers=count, layer_offset=offset, device=device, **options,
+        )  # fmt: skip
+        if embedding_copy is not None and chunk.post_process:
+            with torch.no_grad():
+                chunk.output_layer.weight.copy_(embedding_copy)
+        chunks.append(chunk)
+        next_layer = offset + count
+    return chunks

@@ -16,7 +16,12 @@ import torch
 from megatron.core.models.common.rotary import RotaryEmbedding
 from megatron.core.models.gpt.gpt_model import GPTModel, LanguageModelEmbedding, build_output_layer
 from megatron.core.models.hybrid.hybrid_block import HybridStack
-from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern, select_pipeline_segment
+from megatron.core.models.hybrid.hybrid_layer_allocation import (
+    Symbols,
+    parse_hybrid_pattern,
+    select_pipeline_segment,
+    virtual_pipeline_size,
+)
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.layers import resolve_device
 from megatron.core.transformer.cuda_graphs import regions
@@ -118,23 +123,13 @@ class HybridModel(torch.nn.Module):
         self.output_layer = build_output_layer(
             config, vocab_size, pg, pre_process, post_process, share_embeddings_and_output_weights, device
         )
+        self.input_tensor: torch.Tensor | None = None  # a later pipeline stage's input (set_input_tensor)
 
     shared_embedding_or_output_weight = GPTModel.shared_embedding_or_output_weight
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``input_ids [b, s]`` -> per-token loss ``[b, s]`` (fp32), or logits ``[b, s, v]`` without labels."""
-        assert self.pre_process and self.post_process, "pipeline stages need the pipeline schedule's entry points"
-        hidden_states = self.embedding(input_ids, position_ids)  # [s, b, h]
-        rotary_pos_emb = None
-        if self.rotary_pos_emb is not None:
-            rotary_pos_emb = self.rotary_pos_emb(input_ids.shape[1], hidden_states.device)
-        hidden_states = self.decoder(hidden_states, rotary_pos_emb=rotary_pos_emb, final_norm=False)
-        return self._postprocess(hidden_states, labels)
+    set_input_tensor = GPTModel.set_input_tensor
+    # input_ids [b, s] -> per-token loss [b, s] (fp32), logits [b, s, v] without labels, or a
+    # stage's hidden states [s, b, h] before the last pipeline stage: the GPT model's path.
+    forward = GPTModel.forward
 
     def _postprocess(self, hidden_states: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Loss head: final norm -> output layer -> per-token cross entropy (one graphable region, ``graph_head``)."""
@@ -204,6 +199,51 @@ def build_hybrid_model(config, mamba_config, vocab_size: int, pg=None, device=No
         vp_stage=vp_stage,
         device=device,
     )
+
+
+def build_hybrid_stage_chunks(config, mamba_config, vocab_size: int, pg, device=None) -> list[HybridModel]:
+    """This pipeline rank's model chunks of the hybrid model (one per virtual stage).
+
+    As ``gpt_model.build_gpt_stage_chunks``: parts other ranks hold are drawn and dropped
+    in model order, so the weights do not depend on the layout, and a tied output layer
+    on the last stage starts as a copy of the embedding.
+    """
+    if config.max_position_embeddings is None or config.kv_channels is None:
+        config.finalize()
+    pattern = parse_hybrid_pattern(mamba_config.hybrid_layer_pattern)
+    pp, rank = pg.pp_size, pg.pp_rank
+    vpp = virtual_pipeline_size(pattern, pp) or 1
+    device = resolve_device(device)
+    tied = not config.untie_embeddings_and_output_weights
+    position = config.position_embedding_type
+
+    def segment(stage: int) -> tuple[str, int]:
+        return select_pipeline_segment(pattern, stage % pp, pp, stage // pp if vpp > 1 else None)
+
+    chunks, next_stage, embedding_copy = [], 0, None
+    for c in range(vpp):
+        stage = c * pp + rank
+        if c == 0 and stage != 0:  # rank 0's embedding, drawn in its place
+            skipped = LanguageModelEmbedding(config, vocab_size, config.max_position_embeddings, position, pg=pg,
+                                             device=device)  # fmt: skip
+            if rank == pp - 1 and tied:
+                embedding_copy = skipped.word_embeddings.weight.detach()
+            del skipped
+        for other in range(next_stage, stage):  # other ranks' layers before this chunk
+            layer_types, offset = segment(other)
+            HybridStack(config, mamba_config, layer_types, pg, layer_offset=offset, pre_process=False,
+                        post_process=False, device=device)  # fmt: skip
+        chunk = HybridModel(
+            config, mamba_config, vocab_size, config.max_position_embeddings, pg, pre_process=stage == 0,
+            post_process=stage == pp * vpp - 1, share_embeddings_and_output_weights=tied,
+            position_embedding_type=position, vp_stage=c if vpp > 1 else None, device=device,
+        )  # fmt: skip
+        if embedding_copy is not None and chunk.post_process:
+            with torch.no_grad():
+                chunk.output_layer.weight.copy_(embedding_copy)
+        chunks.append(chunk)
+        next_stage = stage + 1
+    return chunks
 
 
 def num_floating_point_operations(config, mamba_config, batch_size: int, seq_length: int, vocab_size: int) -> float:

@@ -44,7 +44,17 @@ keeps a strong reference for readers autograd cannot see:
 * an own grad_output is read by the region's backward graph only;
 * a buffer a communication op reads (a pipeline send of an output or of a dgrad) is
   kept until the event before which the op is waited on (``CommRead``); a dgrad that is
-  sent needs no copy.
+  sent needs no copy. ``until=None`` keeps the buffer for good, yet the op must still be
+  waited on before the slot's next micro-batch starts: a buffer kept for good may sit
+  in a block that a buffer released earlier in the cycle used, and the next
+  micro-batch writes that one first (the hostile pool test shows it);
+* the static input a pipeline receive writes into (``CommRecv``: the input of a chunk's
+  first graph, received into without a copy) is kept for good. The receive is posted
+  when the slot's previous micro-batch has finished its cycle and lands before the
+  forward; a block released inside the cycle may by then hold a buffer that lives past
+  the cycle (a frozen output, an output whose send is waited on late), which the
+  receive would overwrite. Autograd holds that input until the first graph's backward
+  anyway, so keeping it costs nothing in the cycle.
 """
 
 import dataclasses
@@ -107,6 +117,14 @@ class CommRead:
 
     key: tuple[str, int, int]
     until: tuple[str, int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CommRecv:
+    """A pipeline receive writes forward input ``key`` (``("input", region, i)``, a buffer
+    of its own) between the slot's cycles, before the region's forward replays."""
+
+    key: tuple[str, int, int]
 
 
 BufferKey = tuple[str, int, int]  # (kind, region, index)
@@ -187,13 +205,13 @@ def split_cycle(order: Sequence[Event]) -> list[Event]:
     return cycle
 
 
-def build_plan(cycle: Sequence[Event], regions: Sequence[RegionIO], comm: Sequence[CommRead] = ()) -> Plan:
+def build_plan(cycle: Sequence[Event], regions: Sequence[RegionIO], comm: Sequence[CommRead | CommRecv] = ()) -> Plan:
     """Computes aliasing and release points for every static buffer of one slot's cycle.
 
     Args:
         cycle: The events of one micro-batch of one slot, in execution order.
         regions: What recording learned of each region (index = ``Event.region``).
-        comm: Buffers that communication reads, and until when.
+        comm: Buffers that communication reads, and until when; inputs that receives write.
     """
     cycle = list(cycle)
     if len({e.slot for e in cycle}) > 1:
@@ -270,7 +288,15 @@ def build_plan(cycle: Sequence[Event], regions: Sequence[RegionIO], comm: Sequen
                 )
             else:
                 buffers[key] = BufferSpec(key, release_after=b, readers=[b], copy_out=True)
-    for read in comm:
+    for recv in [c for c in comm if isinstance(c, CommRecv)]:
+        spec = buffers.get(recv.key)
+        kind, r, i = recv.key
+        if kind != "input" or spec is None or spec.alias_of is not None or regions[r].inputs[i].kind != "own":
+            raise ValueError(
+                f"a pipeline receive writes {recv.key}, which is not a forward input of its own in this cycle"
+            )
+        spec.release_after = None
+    for read in [c for c in comm if isinstance(c, CommRead)]:
         spec = buffers.get(read.key)
         if spec is None or spec.alias_of is not None:
             raise ValueError(f"communication reads {read.key}, which is not a buffer of its own in this cycle")

@@ -34,6 +34,11 @@ class Recorder:
     def note_output(self, t: torch.Tensor, region: int, slot: int, index: int) -> None:
         self._outputs[id(t)] = (weakref.ref(t), region, slot, index)
 
+    def producer_of(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """(region, output index) when ``t`` is a graphed region's output, else None."""
+        hit = self._outputs.get(id(t))
+        return (hit[1], hit[3]) if hit is not None and hit[0]() is t else None
+
     def sources(self, region: int, args: tuple, slot: int) -> list[Source]:
         """Classifies every argument of ``region``'s first call (kept and returned)."""
         found = [

@@ -38,6 +38,8 @@ import torch
 
 VALID_SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
 WHOLE_LAYER = "layer"
+IMPLIED_REGIONS = ("moe_postprocess",)
+"""Regions no scope names: a ``RegionSpec`` with ``selected_by`` is graphed when that scope is."""
 
 Condition = Callable[[Any], "str | None"]
 """``condition(config) -> None`` when allowed under this config, else the reason (text)."""
@@ -48,12 +50,15 @@ class RegionSpec:
     """One graphable region of a layer class.
 
     Attributes:
-        name: Scope name (one of ``VALID_SCOPES``), or ``"layer"`` for a whole layer.
+        name: Scope name (one of ``VALID_SCOPES``), ``"layer"`` for a whole layer, or
+            one of ``IMPLIED_REGIONS`` (then ``selected_by`` is set).
         method: Name of the layer method that runs the region.
         requires: Scopes that must be selected together with this one.
         excludes: Scopes that cannot be selected together with this one.
         when: ``when(config)`` is None when the region exists under ``config``, else
             the reason it does not (shown to the user).
+        selected_by: For a region no scope names: the scope that selects it too (its
+            rules are that scope's; ``when`` still applies to the region itself).
     """
 
     name: str
@@ -61,6 +66,12 @@ class RegionSpec:
     requires: tuple[str, ...] = ()
     excludes: tuple[str, ...] = ()
     when: Condition | None = None
+    selected_by: str | None = None
+
+    @property
+    def scope(self) -> str:
+        """The ``--cuda-graph-scope`` name that selects this region."""
+        return self.selected_by or self.name
 
     def unavailable(self, config: Any) -> str | None:
         return None if self.when is None else self.when(config)
@@ -90,7 +101,9 @@ class GraphRegions:
     ):
         names = [s.name for s in specs]
         assert len(set(names)) == len(names), f"region declared twice: {names}"
-        assert all(n in VALID_SCOPES for n in names), f"unknown region name in {names}"
+        assert all(n in VALID_SCOPES or n in IMPLIED_REGIONS for n in names), f"unknown region name in {names}"
+        assert all((s.name in IMPLIED_REGIONS) == (s.selected_by is not None) for s in specs), names
+        assert all(s.scope in names for s in specs), f"selected_by names an undeclared region in {names}"
         assert set(whole) <= set(names), f"whole={whole} names undeclared regions"
         self.specs = tuple(specs)
         self.whole = tuple(whole)
@@ -172,7 +185,8 @@ def resolve(
     reasons: dict[str, list[str | None]] = {}  # scope -> per declaring class: None if available
     for _cls, regions in declared:
         for spec in regions.specs:
-            reasons.setdefault(spec.name, []).append(spec.unavailable(config))
+            if spec.selected_by is None:
+                reasons.setdefault(spec.name, []).append(spec.unavailable(config))
     for scope in scopes:
         if scope not in reasons:
             names = " ".join(sorted(reasons)) or "nothing"
@@ -215,7 +229,7 @@ def resolve(
         if whole_reason is None and set(regions.whole) <= set(scopes):
             plan[cls] = (WHOLE,)
             continue
-        plan[cls] = tuple(s for s in regions.specs if s.name in scopes and s.unavailable(config) is None)
+        plan[cls] = tuple(s for s in regions.specs if s.scope in scopes and s.unavailable(config) is None)
     return plan
 
 

@@ -2,7 +2,10 @@
 
 ``RecordBackward`` is an identity on a region's outputs during the eager recording
 iteration; its backward runs when the gradient for those outputs is complete, i.e.
-right before the region's own backward, which gives the backward order.
+right before the region's own backward, which gives the backward order. Its outputs
+share memory with the region's but are not autograd views of them, so a pipeline
+schedule may free a sent output's storage (Megatron's ``deallocate_pipeline_outputs``
+refuses views) in the recording iteration as after capture.
 
 ``GraphReplay`` runs a region's forward graph of one micro-batch slot and, in
 backward, the backward graph of the same slot (through the session, which checks the
@@ -20,7 +23,7 @@ class RecordBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, on_backward, *outputs):
         ctx.on_backward = on_backward
-        return tuple(o.view_as(o) for o in outputs)
+        return tuple(o.detach() for o in outputs)
 
     @staticmethod
     def backward(ctx, *grads):

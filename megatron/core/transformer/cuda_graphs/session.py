@@ -10,7 +10,12 @@ again after :meth:`GraphSession.close`). Model classes carry no capture code.
 - ``end_of_iteration()`` after iteration 1 builds one plan per slot and captures
   (``capture.py``). Later iterations replay; each replay must be the event the recorded
   iteration has next (cheap check: an index and a tuple compare), and an iteration must
-  replay all of it. Anything else raises instead of silently reading freed memory.
+  replay all of it, no more. The schedule says its micro-batch count (and which
+  schedule it is) before each iteration; a change after capture raises too. Anything
+  else raises instead of silently reading freed memory.
+- Pipeline receives: the schedule notes a received tensor while recording
+  (``note_receive``); after capture ``receive_buffer(slot)`` is the static input of the
+  slot's graph that reads it, to receive into without a copy.
 - Eval and no-grad calls always run eagerly.
 - Backward replays mark their parameters ready on the grad sinks (DDP buffers) with an
   event recorded after the replay.
@@ -27,7 +32,8 @@ import enum
 import time
 import types
 import warnings
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -38,6 +44,7 @@ from megatron.core.transformer.cuda_graphs.plan import (
     BWD,
     FWD,
     CommRead,
+    CommRecv,
     Event,
     Plan,
     RegionIO,
@@ -123,6 +130,11 @@ class GraphSession:
         self.slot = 0
         self.capture_seconds = 0.0
         self.recorded_microbatches: int | None = None
+        self.recorded_schedule: Hashable | None = None
+        self.received_inputs: set[tuple[int, int]] = set()  # (region, arg) a pipeline receive fills
+        self.sent_outputs: dict[tuple[int, int], tuple[str, int] | None] = {}  # (region, output) -> wait
+        self._receives: dict[int, weakref.ref] = {}  # recording: id -> received tensor
+        self._slot_at: dict[int, int] = {}  # slot -> cycle position of its last replayed event
         self._anchor: torch.Tensor | None = None
         self._positions: list[tuple[int, int]] = []  # per order index: (slot, cycle position)
         self._poison: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -187,20 +199,83 @@ class GraphSession:
         finally:
             self.slot = previous
 
-    def expect_microbatches(self, n: int) -> None:
-        """Called by the schedule before each training iteration with its micro-batch count."""
+    def expect_microbatches(self, n: int, schedule: Hashable | None = None) -> None:
+        """Called by the schedule before each training iteration with its micro-batch count.
+
+        ``schedule``: what else fixes the order of graph events and communication waits
+        (e.g. ``("interleaved", pp_size, pp_rank, num_chunks)``); compared like the count.
+        """
         if self.state is GraphState.RECORD:
             self.recorded_microbatches = n
+            self.recorded_schedule = schedule
         elif self.state is GraphState.CAPTURED and n != self.recorded_microbatches:
             raise ValueError(
                 f"CUDA graphs were captured for {self.recorded_microbatches} micro-batches per iteration, "
                 f"this iteration has {n}. The replay order is the recorded schedule's; keep the global "
                 "batch size fixed (no --rampup-batch-size) while graphs are on, or run with --cuda-graph-impl none."
             )
+        elif self.state is GraphState.CAPTURED and schedule != self.recorded_schedule:
+            raise ValueError(
+                f"CUDA graphs were captured under the schedule {self.recorded_schedule!r}, this iteration runs "
+                f"{schedule!r}. The replay order is the recorded schedule's; keep the pipeline layout and schedule "
+                "fixed while graphs are on, or run with --cuda-graph-impl none."
+            )
 
     def add_comm_read(self, slot: int, read: CommRead) -> None:
         """Declares that communication reads a buffer of ``slot`` (before capture)."""
         self.comm_reads.append((slot, read))
+
+    def note_receive(self, slot: int, tensor: torch.Tensor) -> None:
+        """Recording: ``tensor`` was received from another pipeline stage for ``slot``.
+
+        A graphed region that takes it as an input of its own gets a static input that
+        later receives write into (``receive_buffer``). A no-op outside recording.
+        """
+        if self.state is GraphState.RECORD:
+            self._receives[id(tensor)] = weakref.ref(tensor)
+
+    def note_send(self, tensor: torch.Tensor, until: tuple[str, int] | None = None) -> None:
+        """Recording: ``tensor`` is sent to another pipeline stage and read until the
+        send's wait. When it is a graphed region's output, that output buffer is kept
+        strong in every slot until ``until`` (a ``(phase, region)`` of the same cycle
+        before which the send is waited on; None: for good, the send then being waited
+        on before the slot's next micro-batch starts). A no-op outside recording."""
+        if self.state is not GraphState.RECORD:
+            return
+        key = self.recorder.producer_of(tensor)
+        if key is not None:
+            self.sent_outputs[key] = until
+
+    def receive_buffer(self, slot: int) -> torch.Tensor | None:
+        """After capture: the static input to receive ``slot``'s next input into, no copy.
+
+        None before capture, and when no graph of the slot reads a received tensor
+        directly (the receiver allocates then, and the replay copies). Ask only when the
+        slot's previous micro-batch has run its whole cycle (the receive lands in memory
+        the slot's graphs use until then).
+
+        Raises:
+            RuntimeError: the slot is in the middle of its cycle.
+        """
+        if self.state is not GraphState.CAPTURED:
+            return None
+        cycle = self.cycles.get(slot)
+        if cycle is None:
+            raise RuntimeError(f"CUDA graphs: no micro-batch slot {slot} was recorded (slots: {sorted(self.cycles)}).")
+        at = self._slot_at.get(slot)
+        if at is not None and at != len(cycle) - 1:
+            event = cycle[at]
+            raise RuntimeError(
+                f"CUDA graphs: a pipeline receive for slot {slot} while its previous micro-batch is in the middle "
+                f"of its cycle (last replayed: the {event.phase} graph of {self.regions[event.region].name}); "
+                "receive the next micro-batch's input only after the slot's backward has run."
+            )
+        regions = {e.region for e in cycle}
+        for r, i in sorted(self.received_inputs):
+            if r in regions:
+                plan = self.plans[slot]
+                return self.buffers[slot][plan.owner(("input", r, i))]
+        return None
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, region: GraphedRegion, args, kwargs):
@@ -229,6 +304,10 @@ class GraphSession:
         if region.arg_meta is None:
             region.arg_meta = arg_metadata(args)
             region.sources = self.recorder.sources(region.index, args, slot)
+            for i, a in enumerate(args):
+                ref = self._receives.get(id(a))
+                if ref is not None and ref() is a and region.sources[i].kind == "own":
+                    self.received_inputs.add((region.index, i))
         else:
             region.check_args(args)
         outs = region.note_call(args, region.fn(*args))
@@ -264,6 +343,13 @@ class GraphSession:
         return dgrads
 
     def _advance(self, event: Event, region: GraphedRegion) -> None:
+        if self.cursor == len(self.order):
+            raise RuntimeError(
+                f"CUDA graph replay past the recorded iteration: all {len(self.order)} recorded graph events have "
+                f"replayed, then came the {event.phase} graph of {region.name} in slot {event.slot}. More "
+                "micro-batches than recorded, or a schedule other than the recorded one; call end_of_iteration() "
+                "after every training iteration."
+            )
         expected = self.order[self.cursor]
         if event != expected:
             want = self.regions[expected.region]
@@ -273,7 +359,9 @@ class GraphSession:
                 f"got the {event.phase} graph of {region.name} in slot {event.slot}. Graphs are only correct "
                 "when replayed in the order the recording iteration ran; the schedule or the data flow changed."
             )
-        self.cursor = (self.cursor + 1) % len(self.order)
+        slot, position = self._positions[self.cursor]
+        self._slot_at[slot] = position
+        self.cursor += 1
 
     def _after_replay(self) -> None:
         """Debug mode: poison the buffers that died with the event that just replayed."""
@@ -285,12 +373,14 @@ class GraphSession:
         """Called after every training iteration: captures after the first."""
         if self.state is GraphState.RECORD and self.recorder.order:
             self.capture()
-        elif self.state is GraphState.CAPTURED and self.cursor != 0:
-            raise RuntimeError(
-                f"CUDA graphs: the iteration ended after {self.cursor} of the {len(self.order)} recorded graph "
-                "events; a forward without its backward, or a schedule other than the recorded one, breaks "
-                "buffer reuse."
-            )
+        elif self.state is GraphState.CAPTURED:
+            if self.cursor not in (0, len(self.order)):
+                raise RuntimeError(
+                    f"CUDA graphs: the iteration ended after {self.cursor} of the {len(self.order)} recorded graph "
+                    "events; a forward without its backward, or a schedule other than the recorded one, breaks "
+                    "buffer reuse."
+                )
+            self.cursor = 0
 
     # ------------------------------------------------------------------ plan and capture
     def make_plans(self) -> dict[int, Plan]:
@@ -298,10 +388,13 @@ class GraphSession:
         self.order = list(self.recorder.order)
         self.cycles = slot_cycles(self.order)
         ios = [RegionIO(r.name, list(r.sources), r.input_requires_grad, r.output_requires_grad) for r in self.regions]
-        self.plans = {
-            slot: build_plan(cycle, ios, [read for s, read in self.comm_reads if s == slot])
-            for slot, cycle in self.cycles.items()
-        }
+        self.plans = {}
+        for slot, cycle in self.cycles.items():
+            regions = {e.region for e in cycle}
+            comm: list[CommRead | CommRecv] = [read for s, read in self.comm_reads if s == slot]
+            comm += [CommRecv(("input", r, i)) for r, i in sorted(self.received_inputs) if r in regions]
+            comm += [CommRead(("output", r, j), until) for (r, j), until in self.sent_outputs.items() if r in regions]
+            self.plans[slot] = build_plan(cycle, ios, comm)
         positions = {slot: {(e.phase, e.region): i for i, e in enumerate(c)} for slot, c in self.cycles.items()}
         self._positions = [(e.slot, positions[e.slot][(e.phase, e.region)]) for e in self.order]
         return self.plans
@@ -321,6 +414,8 @@ class GraphSession:
         self._anchor = torch.zeros((), device=torch.cuda.current_device(), requires_grad=True)
         self.state = GraphState.CAPTURED
         self.cursor = 0
+        self._receives.clear()
+        self._slot_at.clear()
         self.capture_seconds = time.perf_counter() - start
 
     def _sink_lists(self) -> dict[tuple[int, int], list[tuple[GradSink, list, list]]]:
@@ -387,10 +482,16 @@ class GraphSession:
             ],
         }
 
-    def summary_line(self) -> str:
-        """The pools' log line in Megatron's ``|``-separated style."""
+    def summary_line(self, stage: tuple[int, int] | None = None) -> str:
+        """The pools' log line in Megatron's ``|``-separated style.
+
+        ``stage``: ``(pipeline rank, pipeline size)``; with more than one stage the line
+        names the stage (each stage captures, and logs, its own graphs).
+        """
         reserved, live = self.pool_stats()
         line = format_pool_summary(self.num_graphs(), reserved, live, self.strong_bytes(), self.capture_seconds)
+        if stage is not None and stage[1] > 1:
+            line = line.replace("graph pool |", f"graph pool | pipeline rank: {stage[0]} of {stage[1]} |", 1)
         return line if len(self.pools) <= 1 else f"{line} | slots: {len(self.pools)}"
 
     # ------------------------------------------------------------------ debug

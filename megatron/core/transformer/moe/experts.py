@@ -9,18 +9,27 @@ expert, so it needs the counts on the host: either static (drop-and-pad) or read
 the eager dispatch. ``GroupedMLP`` (``--moe-grouped-gemm``; ``experts.linear_fc1.weight``
 of shape ``[experts, out, in]``) runs one ``torch.nn.functional.grouped_mm`` per
 linear on CUDA with bf16, taking the counts as a device tensor (no host sync); elsewhere
-it falls back to the same per-expert loop.
+it falls back to the same per-expert loop, and so it does (saying so once) when the
+hidden or expert FFN size is not a multiple of 16 bytes, which the kernel's strides need.
 
 Every expert parameter is marked ``is_expert = True`` and ``allreduce = False``: its
 gradient belongs to the expert-data-parallel buffer, not the dense one.
+
+Layout-independent init: every rank draws the full weights of all ``num_experts``
+experts in a single process's order and keeps its local experts (expert parallelism)
+and, with expert tensor parallelism (ETP), its shard of each: fc1 split by output
+features (SwiGLU's gate and up halves split separately), fc2 by input features, as
+``tensor_parallel.layers`` does. The experts themselves communicate nothing: the token
+dispatcher all-gathers their inputs over ETP and sums the fc2 partial outputs.
 """
 
 import dataclasses
+import warnings
 
 import torch
 import torch.nn.functional as F
 
-from megatron.core.tensor_parallel.layers import resolve_device
+from megatron.core.tensor_parallel.layers import resolve_device, shard_of, uses_sequence_parallel
 from megatron.core.transformer.mlp import MLP
 
 
@@ -44,6 +53,35 @@ def _as_host_counts(tokens_per_expert) -> list[int]:
     return [int(c) for c in tokens_per_expert]
 
 
+def _local_range(num_local_experts: int, local_experts: range | None) -> range:
+    local = range(num_local_experts) if local_experts is None else local_experts
+    assert len(local) == num_local_experts, (local, num_local_experts)
+    return local
+
+
+def _num_drawn(config, local: range) -> int:
+    """How many experts' weights to draw: all of them, so the draws match one process's."""
+    total = getattr(getattr(config, "moe", None), "num_moe_experts", None) or local.stop
+    return max(total, local.stop)
+
+
+class _ExpertShard:
+    """Stands for a TP group in ``MLP``'s linears: the ETP size and rank, no group. The
+    linears then keep their shard of the full weight and run no collective."""
+
+    sequence_parallel = False
+    tp = None
+
+    def __init__(self, size: int, rank: int):
+        self.tp_size, self.tp_rank = size, rank
+
+
+def _mark_expert_tp(module: torch.nn.Module, etp_size: int) -> None:
+    # Split over ETP or replicated: what the gradient norm's bookkeeping reads.
+    for p in module.parameters():
+        p.tensor_model_parallel = etp_size > 1
+
+
 def expert_config(config, ffn_hidden_size: int):
     """A copy of ``config`` whose MLP hidden size is ``ffn_hidden_size``."""
     return dataclasses.replace(config, ffn_hidden_size=ffn_hidden_size)
@@ -56,19 +94,38 @@ class SequentialMLP(torch.nn.Module):
         config: Finalized ``TransformerConfig`` (``config.moe`` set).
         num_local_experts: Experts on this rank.
         device: Device for the parameters.
+        local_experts: Global indices of this rank's experts (default: the first ones).
+        etp_size, etp_rank: Expert-tensor-parallel size and this rank's index in it.
     """
 
     def needs_host_counts(self, tokens: torch.Tensor) -> bool:
         """The loop slices rows per expert: it needs the counts as Python ints."""
         return True
 
-    def __init__(self, config, num_local_experts: int, *, device=None):
+    def __init__(
+        self,
+        config,
+        num_local_experts: int,
+        *,
+        device=None,
+        local_experts: range | None = None,
+        etp_size: int = 1,
+        etp_rank: int = 0,
+    ):
         super().__init__()
         self.num_local_experts = num_local_experts
         self.gated = config.gated_linear_unit
         cfg = expert_config(config, config.moe.moe_ffn_hidden_size)
-        self.local_experts = torch.nn.ModuleList(MLP(cfg, None, device=device) for _ in range(num_local_experts))
+        local = _local_range(num_local_experts, local_experts)
+        shard = _ExpertShard(etp_size, etp_rank) if etp_size > 1 else None
+        kept = []
+        for i in range(_num_drawn(config, local)):
+            mlp = MLP(cfg, shard, device=device)  # drawn even when another rank keeps it
+            if i in local:
+                kept.append(mlp)
+        self.local_experts = torch.nn.ModuleList(kept)
         mark_expert_params(self)
+        _mark_expert_tp(self, etp_size)
 
     def _expert(self, i: int, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         mlp = self.local_experts[i]
@@ -93,16 +150,35 @@ class GroupedLinear(torch.nn.Module):
     """``num_experts`` linear layers of one shape as one ``[E, out, in]`` weight (and ``[E, out]`` bias)."""
 
     def __init__(
-        self, num_experts: int, in_features: int, out_features: int, *, bias: bool, std: float, config, device
+        self,
+        num_experts: int,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        std: float,
+        config,
+        device,
+        local: range | None = None,
+        shard_dim: int = 1,
+        stride: int = 1,
+        etp_size: int = 1,
+        etp_rank: int = 0,
     ):
+        """``in_features`` / ``out_features`` are the full sizes; with ETP the weight keeps this
+        rank's shard along ``shard_dim`` (1: output features, 2: input features)."""
         super().__init__()
-        self.weight = torch.nn.Parameter(
-            torch.empty(num_experts, out_features, in_features, device=device, dtype=config.params_dtype)
-        )
+        local = _local_range(num_experts, local)
         with torch.no_grad():
-            self.weight.normal_(0.0, std)
+            full = torch.empty(
+                _num_drawn(config, local), out_features, in_features, device=device, dtype=config.params_dtype
+            )
+            full.normal_(0.0, std)
+            weight = shard_of(full[local.start : local.stop], shard_dim, etp_size, etp_rank, stride)
+        self.weight = torch.nn.Parameter(weight.contiguous())
+        bias_size = out_features // etp_size if shard_dim == 1 else out_features
         self.bias = (
-            torch.nn.Parameter(torch.zeros(num_experts, out_features, device=device, dtype=config.params_dtype))
+            torch.nn.Parameter(torch.zeros(num_experts, bias_size, device=device, dtype=config.params_dtype))
             if bias
             else None
         )
@@ -113,6 +189,31 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
 
 
+def grouped_mm_shapes_conform(hidden_size: int, ffn_hidden_size: int, dtype: torch.dtype) -> bool:
+    """Whether every operand of the experts' grouped GEMMs (forward and backward) can have
+    the layout torch's kernel accepts: one unit stride and the other a multiple of 16
+    bytes. The operands' leading strides are the hidden size (tokens, fc1 weight) and the
+    expert FFN size (activations, fc2 weight), so both must be multiples of 16 bytes
+    (8 elements in bf16)."""
+    align = 16 // torch.empty((), dtype=dtype).element_size()
+    return hidden_size % align == 0 and ffn_hidden_size % align == 0
+
+
+_fallback_said = False
+
+
+def _say_fallback_once(hidden_size: int, ffn_hidden_size: int) -> None:
+    global _fallback_said
+    if not _fallback_said:
+        _fallback_said = True
+        warnings.warn(
+            f"--moe-grouped-gemm: torch's grouped GEMM needs --hidden-size ({hidden_size}) and the expert FFN size "
+            f"({ffn_hidden_size}) to be multiples of 8 in bf16 (16-byte strides); the experts run as a loop of "
+            "GEMMs instead, which reads the token counts on the host.",
+            stacklevel=3,
+        )
+
+
 class GroupedMLP(torch.nn.Module):
     """The local experts as grouped GEMMs over one ``[E, out, in]`` weight per linear.
 
@@ -120,9 +221,20 @@ class GroupedMLP(torch.nn.Module):
         config: Finalized ``TransformerConfig`` (``config.moe`` set).
         num_local_experts: Experts on this rank.
         device: Device for the parameters.
+        local_experts: Global indices of this rank's experts (default: the first ones).
+        etp_size, etp_rank: Expert-tensor-parallel size and this rank's index in it.
     """
 
-    def __init__(self, config, num_local_experts: int, *, device=None):
+    def __init__(
+        self,
+        config,
+        num_local_experts: int,
+        *,
+        device=None,
+        local_experts: range | None = None,
+        etp_size: int = 1,
+        etp_rank: int = 0,
+    ):
         super().__init__()
         device = resolve_device(device)
         self.num_local_experts = num_local_experts
@@ -132,20 +244,34 @@ class GroupedMLP(torch.nn.Module):
         out_std = std / (2.0 * config.num_layers) ** 0.5
         h = config.hidden_size
         bias = config.add_bias_linear
-        self.linear_fc1 = GroupedLinear(
-            num_local_experts, h, 2 * ffn if self.gated else ffn, bias=bias, std=std, config=config, device=device
-        )
-        self.linear_fc2 = GroupedLinear(num_local_experts, ffn, h, bias=bias, std=out_std, config=config, device=device)
+        self.hidden_size, self.ffn_hidden_size = h, ffn // etp_size  # this rank's shard of the FFN
+        self.last_path: str | None = None  # "grouped" or "loop": which one the last forward took
+        kw = dict(bias=bias, config=config, device=device, local=local_experts, etp_size=etp_size, etp_rank=etp_rank)
+        fc1_out, stride = (2 * ffn, 2) if self.gated else (ffn, 1)
+        self.linear_fc1 = GroupedLinear(num_local_experts, h, fc1_out, std=std, shard_dim=1, stride=stride, **kw)
+        self.linear_fc2 = GroupedLinear(num_local_experts, ffn, h, std=out_std, shard_dim=2, **kw)
         mark_expert_params(self)
+        _mark_expert_tp(self, etp_size)
+
+    def uses_grouped_mm(self, tokens: torch.Tensor) -> bool:
+        """Whether ``forward`` takes torch's grouped GEMM for these tokens (else the loop)."""
+        if not grouped_mm_available(tokens):
+            return False
+        if not grouped_mm_shapes_conform(self.hidden_size, self.ffn_hidden_size, tokens.dtype):
+            _say_fallback_once(self.hidden_size, self.ffn_hidden_size)
+            return False
+        return True
 
     def needs_host_counts(self, tokens: torch.Tensor) -> bool:
         """Only the fallback loop needs the counts on the host; grouped_mm takes them on the device."""
-        return not grouped_mm_available(tokens)
+        return not self.uses_grouped_mm(tokens)
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert, probs: torch.Tensor) -> torch.Tensor:
         """``tokens [N, h]`` (expert-major), ``tokens_per_expert`` (list or tensor), ``probs [N]`` -> ``[N, h]``."""
-        if grouped_mm_available(tokens):
+        if self.uses_grouped_mm(tokens):
+            self.last_path = "grouped"
             return self._grouped(tokens, tokens_per_expert, probs)
+        self.last_path = "loop"
         return self._loop(tokens, tokens_per_expert, probs)
 
     def _grouped(self, tokens, tokens_per_expert, probs):
@@ -163,13 +289,16 @@ class GroupedMLP(torch.nn.Module):
             counts = torch.tensor(tokens_per_expert, device=tokens.device)  # eager: read on the host already
             offs = torch.cumsum(counts, dim=0).to(torch.int32)
         fc1, fc2 = self.linear_fc1, self.linear_fc2
+        # Row-major tokens and activations, column-major (transposed) weights: each has a
+        # unit stride and a leading stride of h or ffn elements (grouped_mm_shapes_conform).
+        tokens = tokens.contiguous()
         intermediate = F.grouped_mm(tokens, fc1.weight.transpose(-2, -1), offs=offs)
         if fc1.bias is not None or fc2.bias is not None:
             row_expert = torch.repeat_interleave(experts, counts, output_size=tokens.shape[0])
         if fc1.bias is not None:
             intermediate = intermediate + fc1.bias.index_select(0, row_expert)
         act = _activate(intermediate, self.gated) * probs.unsqueeze(-1).to(intermediate.dtype)
-        out = F.grouped_mm(act, fc2.weight.transpose(-2, -1), offs=offs)
+        out = F.grouped_mm(act.contiguous(), fc2.weight.transpose(-2, -1), offs=offs)
         if fc2.bias is not None:
             out = out + fc2.bias.index_select(0, row_expert)
         return out
@@ -190,18 +319,21 @@ class SharedExpertMLP(MLP):
     """The shared experts: one MLP every token goes through, optionally gated per token.
 
     With ``--moe-shared-expert-gate`` the output is scaled by ``sigmoid(x @ gate_weight^T)``
-    (``shared_experts.gate_weight``, ``[1, h]``).
+    (``shared_experts.gate_weight``, ``[1, h]``). Split over the dense TP group like the MLP
+    (``pg``), with the input sequence-sharded under sequence parallelism.
     """
 
-    def __init__(self, config, *, device=None):
+    def __init__(self, config, pg=None, *, device=None):
         moe = config.moe
-        super().__init__(expert_config(config, moe.moe_shared_expert_intermediate_size), None, device=device)
+        super().__init__(expert_config(config, moe.moe_shared_expert_intermediate_size), pg, device=device)
         if moe.moe_shared_expert_gate:
             self.gate_weight = torch.nn.Parameter(
                 torch.empty(1, config.hidden_size, device=resolve_device(device), dtype=config.params_dtype)
             )
             with torch.no_grad():
                 self.gate_weight.normal_(0.0, config.init_method_std)
+            # Applied to a sequence shard: its gradient is partial on each TP rank.
+            self.gate_weight.sequence_parallel = uses_sequence_parallel(pg)
         else:
             self.gate_weight = None
 

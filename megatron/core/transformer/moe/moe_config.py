@@ -145,7 +145,8 @@ class MoEConfig(Freezable):
         default_factory=lambda: ["aux_loss"], nargs="+", choices=(*LOAD_BALANCING_TYPES, "sinkhorn")
     )
     """Load-balancing loss(es): aux_loss (per micro-batch), seq_aux_loss (per sequence),
-    global_aux_loss (over the global batch) or none; several may be combined."""
+    global_aux_loss (over the global batch) or none; several may be combined. sinkhorn
+    (alone): S-BASE routing, top-k over the Sinkhorn-balanced logits in training."""
 
     moe_aux_loss_coeff: list[float] = flag_field(default_factory=lambda: [0.0], nargs="+")
     """Coefficient of each load-balancing loss (one per --moe-router-load-balancing-type)."""
@@ -185,7 +186,12 @@ class MoEConfig(Freezable):
         coeffs = list(self.moe_aux_loss_coeff)
         if len(coeffs) == 1 and len(types) > 1:
             coeffs = coeffs * len(types)
-        return {t: c for t, c in zip(types, coeffs) if t != "none" and c > 0}
+        return {t: c for t, c in zip(types, coeffs) if t in AUX_LOSS_NAMES and c > 0}
+
+    @property
+    def sinkhorn(self) -> bool:
+        """``--moe-router-load-balancing-type sinkhorn``: Sinkhorn routing instead of top-k."""
+        return "sinkhorn" in self.moe_router_load_balancing_type
 
     @property
     def drop_and_pad(self) -> bool:
@@ -225,12 +231,20 @@ class MoEConfig(Freezable):
             f"--num-experts ({e}) must be divisible by --expert-model-parallel-size "
             f"({expert_model_parallel_size}); every expert-parallel rank holds the same number of experts.",
         )
-        require(
-            expert_tensor_parallel_size == 1,
-            f"expert tensor parallelism {expert_tensor_parallel_size} (--expert-tensor-parallel-size, which defaults "
-            "to --tensor-model-parallel-size) is not supported yet; pass --expert-tensor-parallel-size 1.",
-        )
         require(self.moe_ffn_hidden_size > 0, "--moe-ffn-hidden-size must be positive.")
+        etp = expert_tensor_parallel_size
+        if etp > 1:
+            require(
+                self.moe_ffn_hidden_size % etp == 0,
+                f"--moe-ffn-hidden-size ({self.moe_ffn_hidden_size}) must be divisible by "
+                f"--expert-tensor-parallel-size ({etp}, which defaults to --tensor-model-parallel-size).",
+            )
+            require(
+                not model.add_bias_linear,
+                f"biases in experts split over --expert-tensor-parallel-size {etp} (which defaults to "
+                "--tensor-model-parallel-size) are not supported yet; pass --disable-bias-linear "
+                "or --expert-tensor-parallel-size 1.",
+            )
         if self.moe_shared_expert_intermediate_size is not None:
             require(
                 self.moe_shared_expert_intermediate_size > 0,
@@ -239,12 +253,25 @@ class MoEConfig(Freezable):
         types = list(self.moe_router_load_balancing_type)
         for t in types:
             require(
-                t != "sinkhorn",
-                f"--moe-router-load-balancing-type sinkhorn is not supported yet; use one of {' '.join(LOAD_BALANCING_TYPES)}.",
+                t in LOAD_BALANCING_TYPES or t == "sinkhorn",
+                f"--moe-router-load-balancing-type {t} is not supported; use one of "
+                f"{' '.join(LOAD_BALANCING_TYPES)} sinkhorn.",
+            )
+        if self.sinkhorn:
+            require(
+                types == ["sinkhorn"],
+                "--moe-router-load-balancing-type sinkhorn replaces the top-k routing and cannot be combined "
+                f"with other types (got {' '.join(types)}).",
             )
             require(
-                t in LOAD_BALANCING_TYPES,
-                f"--moe-router-load-balancing-type {t} is not supported; use one of {' '.join(LOAD_BALANCING_TYPES)}.",
+                all(c == 0 for c in self.moe_aux_loss_coeff),
+                "Sinkhorn routing does not support aux loss: pass --moe-aux-loss-coeff 0 with "
+                "--moe-router-load-balancing-type sinkhorn.",
+            )
+            require(
+                self.moe_expert_capacity_factor is None,
+                "--moe-expert-capacity-factor only works with aux_loss, seq_aux_loss, global_aux_loss or none "
+                "load balancing, not sinkhorn.",
             )
         require(
             len(self.moe_aux_loss_coeff) in (1, len(types)),
@@ -253,7 +280,7 @@ class MoEConfig(Freezable):
         )
         require(all(c >= 0 for c in self.moe_aux_loss_coeff), "--moe-aux-loss-coeff must be >= 0.")
         require(self.moe_z_loss_coeff is None or self.moe_z_loss_coeff >= 0, "--moe-z-loss-coeff must be >= 0.")
-        if k == 1 and self.moe_router_score_function == "softmax":
+        if k == 1 and self.moe_router_score_function == "softmax" and not self.sinkhorn:
             require(
                 self.moe_router_pre_softmax,
                 "--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax "

@@ -29,9 +29,15 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 class MoELayer(torch.nn.Module):
     """Mixture of experts replacing the MLP.
 
+    With tensor parallelism the input is the TP rank's sequence shard (sequence
+    parallelism is required, as in Megatron): the router runs on the local tokens, the
+    shared experts are split over TP, and the routed experts over the expert-tensor-parallel
+    group (``pg.expt_tp``), with the token dispatcher moving tokens over ``pg.ep``,
+    ``pg.expt_tp`` and ``pg.tp_ep``.
+
     Args:
         config: Finalized ``TransformerConfig`` with ``config.moe`` enabled.
-        pg: ``ProcessGroups`` (``pg.dp`` for global_aux_loss, ``pg.ep`` as the EP group), or None.
+        pg: ``ProcessGroups`` (``pg.dp`` for global_aux_loss, the TP and expert groups), or None.
         ep_group: Expert-parallel group; overrides ``pg.ep`` (tests pass their own).
         device: Device for the parameters.
     """
@@ -41,18 +47,35 @@ class MoELayer(torch.nn.Module):
         moe = config.moe
         if not moe.enabled:
             raise ValueError("an MoE layer needs --num-experts N.")
+        if pg is not None and getattr(pg, "tp_size", 1) > 1 and not getattr(pg, "sequence_parallel", False):
+            raise ValueError(
+                "--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel (as in Megatron): "
+                "each tensor-parallel rank then routes its own sequence shard."
+            )
         self.config = config
         self.moe = moe
         if ep_group is None and pg is not None:
             ep_group = getattr(pg, "ep", None)
+        etp_group = getattr(pg, "expt_tp", None)
+        tp_ep_group = getattr(pg, "tp_ep", None)
         dp_group = None if pg is None else pg.dp
-        self.router = TopKRouter(config, dp_group, device=device)
-        self.token_dispatcher = build_token_dispatcher(moe, ep_group)
+        sp = bool(getattr(pg, "sequence_parallel", False))
+        self.router = TopKRouter(config, dp_group, tp_group=pg.tp if sp else None, device=device)
+        for p in self.router.parameters():  # replicated over TP, applied to a sequence shard
+            p.sequence_parallel = sp
+        self.token_dispatcher = build_token_dispatcher(moe, ep_group, etp_group, tp_ep_group)
         n_local = self.token_dispatcher.num_local_experts
         experts_cls = GroupedMLP if moe.moe_grouped_gemm else SequentialMLP
-        self.experts = experts_cls(config, n_local, device=device)
+        self.experts = experts_cls(
+            config,
+            n_local,
+            device=device,
+            local_experts=self.token_dispatcher.local_expert_indices,
+            etp_size=self.token_dispatcher.etp_size,
+            etp_rank=self.token_dispatcher.etp_rank,
+        )
         if moe.moe_shared_expert_intermediate_size is not None:
-            self.shared_experts = SharedExpertMLP(config, device=device)
+            self.shared_experts = SharedExpertMLP(config, pg, device=device)
         else:
             self.shared_experts = None
         device = resolve_device(device)
@@ -186,6 +209,11 @@ def reset_moe_state(model: torch.nn.Module) -> None:
 
 def _router_graphable(config) -> str | None:
     """Why no region may contain the router under ``config`` (None: it may)."""
+    if config.moe.sinkhorn:
+        return (
+            "--moe-router-load-balancing-type sinkhorn iterates until convergence, reading the error on the "
+            "host; use aux_loss, seq_aux_loss or none to graph the router"
+        )
     if "global_aux_loss" in config.moe.aux_loss_coeffs():
         return (
             "--moe-router-load-balancing-type global_aux_loss keeps the step's token counts in a buffer "
@@ -219,8 +247,10 @@ class MoETransformerLayer(TransformerLayer):
     whole-layer graph; see ``MoELayer.side_effect_buffers``).
 
     Graph regions: ``attn``; ``moe_router``, ``moe_preprocess`` (needs ``moe_router``),
-    with dispatch, experts, combine and postprocess eager; or ``moe``, the whole block,
-    with drop-and-pad only. ``attn moe`` captures the whole layer (drop-and-pad only).
+    with dispatch, experts and combine eager, and ``moe_postprocess`` graphed with
+    ``moe_preprocess`` (no scope of its own: it undoes that graph's permutation, reading
+    its ``token_idx``); or ``moe``, the whole block, with drop-and-pad only. ``attn moe``
+    captures the whole layer (drop-and-pad only).
     """
 
     graph_regions = GraphRegions(
@@ -232,6 +262,14 @@ class MoETransformerLayer(TransformerLayer):
             requires=("moe_router",),
             excludes=("moe",),
             when=_router_graphable,
+        ),
+        RegionSpec(
+            "moe_postprocess",
+            "_forward_moe_postprocess",
+            requires=("moe_router",),
+            excludes=("moe",),
+            when=_router_graphable,
+            selected_by="moe_preprocess",
         ),
         RegionSpec("moe", "_forward_moe", when=_block_graphable),
         whole=("attn", "moe"),

@@ -121,6 +121,58 @@ def topk_routing(
     return routing_probs, routing_map
 
 
+def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
+    """Sinkhorn-Knopp balancing of ``exp(cost)`` (S-BASE routing), Megatron's iteration.
+
+    Finds row scalings ``d0 [T]`` and column scalings ``d1 [E]`` such that
+    ``d0[:, None] * exp(cost) * d1`` has rows summing to ``1 / T`` and columns to ``1 / E``
+    (each step rescales the rows, then the columns), stopping once the column scalings
+    move by at most ``tol`` on average. Reads the error on the host every step: eager only.
+
+    Args:
+        cost: ``[T, E]`` logits.
+
+    Returns:
+        ``[T, E]`` the balanced matrix.
+    """
+    k = torch.exp(cost)
+    eps = 1e-8
+    d1 = torch.ones(k.shape[1], device=k.device, dtype=k.dtype)
+    while True:
+        d0 = (1.0 / k.shape[0]) / (k @ d1 + eps)
+        d1_new = (1.0 / k.shape[1]) / (d0 @ k + eps)
+        error = (d1_new - d1).abs().mean()
+        d1 = d1_new
+        if error <= tol:
+            break
+    return d0.unsqueeze(1) * k * d1
+
+
+def sinkhorn_routing(logits: torch.Tensor, topk: int, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``--moe-router-load-balancing-type sinkhorn``: Megatron's semantics.
+
+    Training selects each token's top-k experts from the Sinkhorn-balanced fp32 logits
+    (no gradient through the selection); evaluation from the scores. The probabilities
+    are the scores of the selected experts, not renormalised: ``sigmoid(logits)`` for
+    k = 1, the softmax over all experts for k > 1 (in fp32 at least, back in the logits' dtype).
+    The score function, pre-softmax, groups, scaling factor and expert bias do not apply.
+
+    Returns:
+        ``(probs [T, E], routing_map [T, E] bool)`` as ``topk_routing``.
+    """
+    if topk == 1:
+        scores = torch.sigmoid(logits)
+    else:
+        scores = torch.softmax(logits, dim=-1, dtype=_score_dtype(logits)).to(logits.dtype)
+    if training:
+        with torch.no_grad():
+            indices = sinkhorn(logits.detach().to(torch.float32)).topk(topk, dim=-1).indices
+    else:
+        indices = scores.topk(topk, dim=-1).indices
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
+    return scores * routing_map, routing_map
+
+
 def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(routing_map [T, E], scores [T, E] fp32 or fp64)`` the load-balancing losses are computed on:
     plain top-k over the normalised scores (no groups, no expert bias, no dropping)."""
@@ -319,3 +371,23 @@ def all_gather(x: torch.Tensor, group) -> torch.Tensor:
 def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     """Differentiable reduce-scatter (sum) along dim 0 (backward: all-gather)."""
     return _ReduceScatter.apply(x, group)
+
+
+def all_gather_uneven(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Differentiable all-gather along dim 0 of ``sizes[r]`` rows from each rank r, in rank order.
+
+    An all-to-all that sends this rank's rows to every rank (gloo has no uneven
+    all-gather); its backward returns each rank's gradient rows to their owner, where
+    the copies are summed: a reduce-scatter.
+    """
+    size = dist.get_world_size(group)
+    return all_to_all(x.repeat(size, *([1] * (x.dim() - 1))), sizes, [x.shape[0]] * size, group)
+
+
+def reduce_scatter_uneven(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Differentiable reduce-scatter (sum) along dim 0: rank r gets the sum over ranks of rows
+    ``[sum(sizes[:r]), sum(sizes[:r + 1]))`` (the adjoint of ``all_gather_uneven``)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    mine = sizes[rank]
+    parts = all_to_all(x, [mine] * size, sizes, group)
+    return parts.view(size, mine, *x.shape[1:]).sum(dim=0)

@@ -8,7 +8,11 @@ returned: the per-expert probabilities, the routing map, and a statistics vector
 expert for the expert-bias update). The auxiliary losses reach the gradient through
 ``AuxLossAutoScaler`` (see ``moe_utils``); none is stored.
 
-The one exception is ``global_aux_loss``: it balances over the global batch, so it
+With ``--moe-router-load-balancing-type sinkhorn`` the training-time selection runs
+Sinkhorn iterations until they converge, reading the error on the host each step, so
+such a router is eager only.
+
+The other exception is ``global_aux_loss``: it balances over the global batch, so it
 keeps the counts of the step's earlier micro-batches in a buffer (reset after each
 step) and all-reduces the counts over the data-parallel group; a layer using it
 declares no graph regions that contain the router.
@@ -29,6 +33,9 @@ class TopKRouter(torch.nn.Module):
     Args:
         config: Finalized ``TransformerConfig`` with ``config.moe`` set.
         dp_group: Data-parallel group (``global_aux_loss`` reduces counts over it).
+        tp_group: Tensor-parallel group under sequence parallelism (each TP rank routes its
+            sequence shard): the balancing losses count tokens over it, as Megatron does, so
+            the TP ranks' partial losses sum to the single-process loss.
         device: Device for the parameters.
 
     Attributes:
@@ -37,12 +44,14 @@ class TopKRouter(torch.nn.Module):
         aux_loss_scale: 0-dim fp32 buffer, d(objective)/d(aux loss); see ``set_aux_loss_scale``.
     """
 
-    def __init__(self, config, dp_group=None, *, device=None):
+    def __init__(self, config, dp_group=None, *, tp_group=None, device=None):
         super().__init__()
         moe = config.moe
         self.config = config
         self.moe = moe
         self.dp_group = dp_group
+        self.tp_group = tp_group
+        self.tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
         self.num_experts = moe.num_moe_experts
         self.topk = moe.moe_router_topk
         device = resolve_device(device)
@@ -105,20 +114,25 @@ class TopKRouter(torch.nn.Module):
         losses = []
         training = self.training and torch.is_grad_enabled()
         if moe.moe_z_loss_coeff is not None:
-            z = moe_utils.z_loss(logits, moe.moe_z_loss_coeff) if training else logits.new_zeros(())
+            # Each TP rank's mean over its shard: 1 / TP of it sums to the mean over all.
+            z_coeff = moe.moe_z_loss_coeff / self.tp_size
+            z = moe_utils.z_loss(logits, z_coeff) if training else logits.new_zeros(())
             if training:
                 logits = moe_utils.AuxLossAutoScaler.apply(logits, z, self.aux_loss_scale)
             z_value = z.detach() / moe.moe_z_loss_coeff if moe.moe_z_loss_coeff > 0 else z.detach()
-        probs, routing_map = moe_utils.topk_routing(
-            logits,
-            self.topk,
-            score_function=moe.moe_router_score_function,
-            pre_softmax=moe.moe_router_pre_softmax,
-            num_groups=moe.moe_router_num_groups,
-            group_topk=moe.moe_router_group_topk,
-            scaling_factor=moe.moe_router_topk_scaling_factor,
-            expert_bias=self.expert_bias,
-        )
+        if moe.sinkhorn:
+            probs, routing_map = moe_utils.sinkhorn_routing(logits, self.topk, self.training)
+        else:
+            probs, routing_map = moe_utils.topk_routing(
+                logits,
+                self.topk,
+                score_function=moe.moe_router_score_function,
+                pre_softmax=moe.moe_router_pre_softmax,
+                num_groups=moe.moe_router_num_groups,
+                group_topk=moe.moe_router_group_topk,
+                scaling_factor=moe.moe_router_topk_scaling_factor,
+                expert_bias=self.expert_bias,
+            )
         if moe.moe_expert_capacity_factor is not None:
             capacity = moe_utils.expert_capacity(
                 logits.shape[0], self.num_experts, self.topk, moe.moe_expert_capacity_factor
@@ -139,33 +153,41 @@ class TopKRouter(torch.nn.Module):
         if moe.moe_z_loss_coeff is not None:
             losses.append(z_value)
         counts = routing_map.sum(dim=0).to(torch.float32)
-        stats = torch.cat([torch.stack([v.float() for v in losses]), counts]) if losses else counts
+        if losses:
+            values = torch.stack([v.float() for v in losses])
+            if self.tp_group is not None and training:
+                dist.all_reduce(values, group=self.tp_group)  # the TP ranks' partial losses
+            stats = torch.cat([values, counts])
+        else:
+            stats = counts
         return probs, routing_map, stats
 
     def _apply_aux_losses(self, probs, aux_map, scores, seq_len):
         """Attaches each load-balancing loss to ``probs``; returns them without coefficients."""
         num_tokens = aux_map.shape[0]
+        tp = self.tp_size
         values = []
         for kind in ("aux_loss", "seq_aux_loss", "global_aux_loss"):
             coeff = self.aux_coeffs.get(kind)
             if coeff is None:
                 continue
             if kind == "aux_loss":
-                counts = aux_map.sum(dim=0).to(scores.dtype)
-                loss = moe_utils.switch_load_balancing_loss(scores, counts, num_tokens, self.topk, coeff)
+                counts = self._tp_sum(aux_map.sum(dim=0).to(scores.dtype))
+                loss = moe_utils.switch_load_balancing_loss(scores, counts, num_tokens * tp, self.topk, coeff)
             elif kind == "seq_aux_loss":
                 # Tokens are [s, b] in order: [s, b * E] columns are (sequence, expert) pairs.
                 batch = num_tokens // seq_len
                 s_scores = scores.reshape(seq_len, batch * self.num_experts)
                 s_counts = aux_map.reshape(seq_len, batch * self.num_experts).sum(dim=0).to(scores.dtype)
+                s_counts = self._tp_sum(s_counts)
                 loss = (
                     moe_utils.switch_load_balancing_loss(
-                        s_scores, s_counts, seq_len, self.topk, coeff, self.num_experts
+                        s_scores, s_counts, seq_len * tp, self.topk, coeff, self.num_experts
                     )
                     / batch
                 )
             else:
-                counts = aux_map.sum(dim=0).to(torch.float32)
+                counts = self._tp_sum(aux_map.sum(dim=0).to(torch.float32))
                 dp = 1
                 if self.dp_group is not None:
                     dist.all_reduce(counts, group=self.dp_group)
@@ -174,10 +196,18 @@ class TopKRouter(torch.nn.Module):
                     self.global_tokens_per_expert.add_(counts)
                     self.global_aux_steps.add_(1)
                 mean_counts = (self.global_tokens_per_expert / self.global_aux_steps).to(scores.dtype)
-                loss = moe_utils.switch_load_balancing_loss(scores, mean_counts, num_tokens * dp, self.topk, coeff)
+                loss = moe_utils.switch_load_balancing_loss(scores, mean_counts, num_tokens * dp * tp, self.topk, coeff)
             probs = moe_utils.AuxLossAutoScaler.apply(probs, loss, self.aux_loss_scale)
             values.append(loss.detach() / coeff)
         return probs, values
+
+    def _tp_sum(self, counts: torch.Tensor) -> torch.Tensor:
+        """Token counts summed over the TP ranks' sequence shards (no gradient flows through counts)."""
+        if self.tp_group is None:
+            return counts
+        counts = counts.detach().clone()
+        dist.all_reduce(counts, group=self.tp_group)
+        return counts
 
     # ------------------------------------------------------------------ between steps
     @torch.no_grad()
@@ -197,7 +227,7 @@ class TopKRouter(torch.nn.Module):
         """
         if self.expert_bias is None:
             return
-        counts = tokens_per_expert.to(torch.float32).clone()
+        counts = self._tp_sum(tokens_per_expert.to(torch.float32).clone())
         if group is not None:
             dist.all_reduce(counts, group=group)
         offset = counts.mean() - counts

@@ -67,7 +67,12 @@ def test_moe_layers_are_moe_blocks_without_attention():
         "pre_mlp_layernorm",
         "mlp",
     }
-    assert [s.name for s in MoEOnlyLayer.graph_regions.specs] == ["moe_router", "moe_preprocess", "moe"]
+    assert [s.name for s in MoEOnlyLayer.graph_regions.specs] == [
+        "moe_router",
+        "moe_preprocess",
+        "moe_postprocess",
+        "moe",
+    ]
     x = torch.randn(6, 2, H, requires_grad=True)
     out = stack(x)
     out.sum().backward()

@@ -51,7 +51,7 @@ def train(flags: str, iters: int, snapshot_at: int = 3):
         trainer.model.train()
         losses, grads = [], None
         for i in range(1, iters + 1):
-            loss, _, _ = trainer.train_step(it)
+            loss = trainer.train_step(it)[0]
             losses.append(loss.detach().clone())
             if i == snapshot_at:
                 grads = [p.main_grad.detach().clone() for p in trainer.model.module.parameters()]

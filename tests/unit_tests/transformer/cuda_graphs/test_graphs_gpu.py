@@ -7,13 +7,15 @@ Bitwise: the same kernels run eagerly and inside the graphs (deterministic mode,
 """
 
 import functools
+import gc
 import itertools
 
 import pytest
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel import schedules
+from megatron.core.pipeline_parallel import schedules, simulate
+from megatron.core.transformer.cuda_graphs.pool import use_expandable_segments
 from megatron.training.data import build_data_iterators
 from megatron.training.training import build_trainer
 
@@ -212,6 +214,96 @@ def test_micro_batches_in_flight_equal_sequential(scope, in_flight):
     assert session.captured and len(session.pools) == in_flight
     assert session.num_graphs() == 2 * n_regions * in_flight
     assert_same(sequential, graphed, f"{in_flight} in flight, scope {scope}")
+
+
+VPP_FLAGS = "--num-layers 4 --global-batch-size 8 --untie-embeddings-and-output-weights"  # 4 micro-batches
+"""Two chunks of two layers. Untied: a weight shared by two chunks gets its gradients in
+two backward steps under a pipeline (Megatron reduces them between stages), which is
+not the sequential sum."""
+
+
+def chunk_schedule(pp_rank: int):
+    """Rank ``pp_rank`` of a 2-stage pipeline with 2 virtual chunks, both chunks here."""
+    return functools.partial(simulate.forward_backward_chunks, num_chunks=2, pp_size=2, pp_rank=pp_rank)
+
+
+def check_chunk_session(session, pp_rank: int, num_microbatches: int = 4):
+    """Slots, graph count and chunk edges of a session captured under ``chunk_schedule``."""
+    order = simulate.rank_order("interleaved", num_microbatches, 2, pp_rank, 2)
+    in_flight = [simulate.max_in_flight(order, c) for c in range(2)]
+    assert session.captured and len(session.pools) == sum(in_flight) == len(session.cycles)
+    regions = [sorted({e.region for s, cyc in session.cycles.items() if s % 2 == c for e in cyc}) for c in range(2)]
+    assert all(len({e.region for e in cyc}) == len(regions[s % 2]) for s, cyc in session.cycles.items())
+    # One forward and one backward graph per region and slot, slots = micro-batches in flight.
+    assert session.num_graphs() == sum(2 * len(regions[c]) * in_flight[c] for c in range(2))
+    assert session.num_graphs() < 2 * len(session.regions) * num_microbatches
+    return regions
+
+
+@pytest.mark.parametrize("pp_rank", [0, 1])
+@pytest.mark.parametrize("scope", ["layer", "attn", "mlp"])
+def test_interleaved_chunks_equal_sequential(scope, pp_rank):
+    """Two model chunks in one process in a pipeline rank's interleaved order (VPP 2):
+    the chunk boundary goes through a "send" of chunk 0's last output and a receive
+    straight into chunk 1's first graph's static input, and the dgrad back; one graph
+    pair per region per micro-batch in flight of its chunk; bitwise equal to sequential."""
+    flags = f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 {VPP_FLAGS}"
+    sequential = train(flags, 6)
+    graphed = train(f"{flags} {graph_flags(scope)}", 6, schedule=chunk_schedule(pp_rank))
+    session = graphed[2].graphs
+    regions = check_chunk_session(session, pp_rank)
+    if scope == "mlp":  # eager attention reads the received tensor first: nothing to receive into
+        assert not session.received_inputs
+    else:
+        first = regions[1][0]
+        assert session.received_inputs == {(first, 0)}
+        for slot in session.cycles:
+            if slot % 2 == 1:
+                buffer = session.receive_buffer(slot)
+                region = session.regions[first].slots[slot]
+                assert buffer is not None and buffer.data_ptr() == region.replay_inputs[0][1].data_ptr()
+    assert_same(sequential, graphed, f"interleaved rank {pp_rank}, scope {scope}")
+
+
+@pytest.mark.parametrize("scope", ["layer", "attn"])
+def test_interleaved_chunks_with_deallocated_outputs_equal_sequential(scope):
+    """As above, with each sent chunk output's storage freed after the send (Megatron's
+    --deallocate-pipeline-outputs): neither the recording nor the replays need it."""
+    flags = f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 {VPP_FLAGS}"
+    sequential = train(flags, 6)
+    schedule = functools.partial(chunk_schedule(0), deallocate_pipeline_outputs=True)
+    graphed = train(f"{flags} {graph_flags(scope)}", 6, schedule=schedule)
+    check_chunk_session(graphed[2].graphs, 0)
+    assert_same(sequential, graphed, f"interleaved rank 0, deallocated outputs, scope {scope}")
+
+
+def peak_reserved(flags: str, iters: int, schedule):
+    """(train()'s result, peak bytes reserved above what was reserved before the run)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    result = train(flags, iters, schedule=schedule)
+    torch.cuda.synchronize()
+    return result, torch.cuda.max_memory_reserved() - base
+
+
+@pytest.mark.parametrize("pp_rank", [0, 1])
+def test_interleaved_chunks_peak_memory_within_2_percent(pp_rank):
+    """The same two-chunk schedule eager and graphed (whole layers): peak reserved
+    memory (graph pools included) at most 2% above eager's, bitwise equal."""
+    use_expandable_segments()  # both runs on the allocator settings graphs use
+    flags = f"{DENSE8} {COMMON} {NO_DROPOUT} --bf16 --global-batch-size 8 --untie-embeddings-and-output-weights"
+    eager, eager_peak = peak_reserved(flags, 6, chunk_schedule(pp_rank))
+    graphed, graphed_peak = peak_reserved(f"{flags} {graph_flags('layer')}", 6, chunk_schedule(pp_rank))
+    session = graphed[2].graphs
+    check_chunk_session(session, pp_rank)
+    assert_same(eager, graphed, f"interleaved rank {pp_rank}, dense8")
+    pools = {slot: pool.stats().reserved_bytes for slot, pool in session.pools.items()}
+    assert graphed_peak <= eager_peak * 1.02, (
+        f"rank {pp_rank}: graphed peak reserved {graphed_peak / 2**20:.0f} MiB > eager {eager_peak / 2**20:.0f} MiB "
+        f"+ 2%; pool reserved per slot (MiB): { {s: round(b / 2**20) for s, b in pools.items()} }"
+    )
 
 
 def test_changed_micro_batch_count_is_a_clear_error():

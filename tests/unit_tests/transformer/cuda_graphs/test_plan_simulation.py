@@ -106,25 +106,52 @@ def replay(cycle, regions, plan, block, temps, saves_inputs, cycles=2, comm=()):
     return replay_iteration(list(cycle), regions, {0: (cycle, plan, block, temps)}, saves_inputs, cycles, comm)
 
 
-def replay_iteration(order, regions, slots, saves_inputs, iterations=2, comm=()):
+def replay_iteration(
+    order, regions, slots, saves_inputs, iterations=2, comm=(), recv=(), recv_early=False, late_wait=False
+):
     """``replay`` over a recorded iteration that mixes micro-batch slots.
 
     ``slots[s] = (cycle, plan, block, temps)`` of slot s. After every event, eager code
     reads every live output of every slot (a micro-batch in flight keeps its outputs).
+    Block contents are labelled with the micro-batch (the slot's cycle count), so a
+    write meant for the next micro-batch is caught as well.
+
+    ``comm``: a send reads its buffer right before the event ``until`` names; with
+    ``until`` None at the latest moment allowed, right before the slot's next
+    micro-batch starts (and at the end); with ``late_wait`` later than allowed, right
+    before the producer writes the buffer again.
+    ``recv``: input keys a pipeline receive writes instead of the copy at the forward;
+    posted right after the slot's previous micro-batch finished its cycle, or with
+    ``recv_early`` right before that cycle's last event (a schedule that receives early).
     """
+    sent_late = {c.key for c in comm if c.until is None}
     sent = {c.key for c in comm}
     content, bad = {}, []
     at = {s: None for s in slots}  # slot -> cycle position of its last replayed event
+    gen = {s: 0 for s in slots}  # slot -> micro-batches it has started
+    sent_gen = {}  # (slot, key) -> micro-batch whose data a late-waited send reads
 
-    def write(s, key):
-        content[slots[s][2][key]] = (s, key)
+    def write(s, key, g=None):
+        content[slots[s][2][key]] = (s, key, gen[s] if g is None else g)
 
-    def read(s, key, when):
+    def read(s, key, when, g=None):
         _, plan, block, _ = slots[s]
         owner = plan.owner(key)
-        if content.get(block[owner]) != (s, owner):
+        want = (s, owner, gen[s] if g is None else g)
+        if content.get(block[owner]) != want:
             bad.append((when, s, key, content.get(block[owner])))
 
+    def post_receives(s, g):
+        plan = slots[s][1]
+        for key in recv:
+            if key in plan.buffers:
+                write(s, plan.owner(key), g)
+
+    def producer(key):
+        return (FWD if key[0] == "output" else BWD, key[1])
+
+    for s in slots:
+        post_receives(s, 1)  # each slot's first micro-batch
     for _ in range(iterations):
         for e in order:
             s = e.slot
@@ -134,9 +161,20 @@ def replay_iteration(order, regions, slots, saves_inputs, iterations=2, comm=())
             for c in comm:
                 if c.until == (e.phase, e.region):
                     read(s, c.key, f"send waited on before {e}")
+                elif c.until is None and (s, c.key) in sent_gen:
+                    due = producer(c.key) == (e.phase, e.region) if late_wait else pos == 0
+                    if due:
+                        g = sent_gen.pop((s, c.key))
+                        read(s, c.key, f"send of micro-batch {g} waited on before {e}", g)
+            if recv_early and pos == len(cycle) - 1:
+                post_receives(s, gen[s] + 1)
+            if pos == 0:
+                gen[s] += 1
             if e.phase == FWD:
                 for i, src in enumerate(io.inputs):
                     key = plan.owner(("input", e.region, i))
+                    if key in recv:
+                        continue  # the receive wrote it
                     if src.kind == "own" or (src.kind == "shared" and plan.buffers[key].readers[0] == pos):
                         write(s, key)  # the eager copy into the static input
                 # A graph may write its temporaries before its last read of an input.
@@ -164,6 +202,9 @@ def replay_iteration(order, regions, slots, saves_inputs, iterations=2, comm=())
                         write(s, ("grad_input", e.region, i))
                         if plan.buffers[("grad_input", e.region, i)].copy_out:
                             read(s, ("grad_input", e.region, i), f"copy-out after {e}")
+            for key in sent_late:
+                if producer(key) == (e.phase, e.region):
+                    sent_gen[s, key] = gen[s]
             at[s] = pos
             # Eager code between graphs: every region output is read by eager consumers
             # (final norm, eager MLP, logging) until the producer's backward runs.
@@ -187,6 +228,10 @@ def replay_iteration(order, regions, slots, saves_inputs, iterations=2, comm=())
                 for (kind, r, i), spec in plan.buffers.items():
                     if kind == "grad_input" and (kind, r, i) not in handed_off | sent and not spec.copy_out:
                         read(s, (kind, r, i), "eager after the cycle")
+                if not recv_early:
+                    post_receives(s, gen[s] + 1)
+    for (s, key), g in sent_gen.items():
+        read(s, key, "send waited on at the end", g)
     return bad
 
 

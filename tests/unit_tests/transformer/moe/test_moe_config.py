@@ -64,7 +64,23 @@ def _validate(ep=1, etp=1, **moe):
         (dict(num_moe_experts=6, moe_router_num_groups=4, moe_router_group_topk=2), 1, "divisible by --moe-router"),
         (dict(num_moe_experts=4, moe_router_enable_expert_bias=True), 1, "--moe-router-score-function sigmoid"),
         (dict(num_moe_experts=4, moe_router_topk=1), 1, "--moe-router-pre-softmax"),
-        (dict(num_moe_experts=4, etp=2), 1, "expert tensor parallelism 2 .--expert-tensor-parallel-size"),
+        (dict(num_moe_experts=4, etp=2), 1, "biases in experts split over --expert-tensor-parallel-size 2"),
+        (dict(num_moe_experts=4, etp=3), 1, "--moe-ffn-hidden-size .32. must be divisible by --expert-tensor"),
+        (
+            dict(num_moe_experts=4, moe_router_load_balancing_type=["sinkhorn", "aux_loss"]),
+            1,
+            "cannot be combined with other types",
+        ),
+        (
+            dict(num_moe_experts=4, moe_router_load_balancing_type=["sinkhorn"], moe_aux_loss_coeff=[0.01]),
+            1,
+            "Sinkhorn routing does not support aux loss: pass --moe-aux-loss-coeff 0",
+        ),
+        (
+            dict(num_moe_experts=4, moe_router_load_balancing_type=["sinkhorn"], moe_expert_capacity_factor=1.0),
+            1,
+            "--moe-expert-capacity-factor only works with",
+        ),
         (
             dict(num_moe_experts=4, moe_router_load_balancing_type=["aux_loss", "z"], moe_aux_loss_coeff=[0.1, 0.1]),
             1,
@@ -108,3 +124,36 @@ def test_flags_reach_the_model_config():
     assert moe is cfg.moe and moe.num_moe_experts == 8 and moe.moe_layer_pattern == [0, 1, 1, 1]
     assert moe.aux_loss_coeffs() == {"aux_loss": 0.01, "seq_aux_loss": 0.001}
     assert moe.moe_router_dtype == "fp64" and moe.drop_and_pad and moe.moe_grouped_gemm
+
+
+def _tp2_moe(*extra):
+    flags = (
+        "--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 --micro-batch-size 1 "
+        "--global-batch-size 1 --num-experts 4 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 1 --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 32"
+    ).split()
+    cfg = parse_args(flags + list(extra)).resolve(world_size=2)
+    cfg.validate()
+    return cfg
+
+
+def test_moe_with_tensor_parallelism_needs_sequence_parallel():
+    with pytest.raises(
+        ValueError, match="--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel"
+    ):
+        _tp2_moe()
+    assert _tp2_moe("--sequence-parallel").parallel.sequence_parallel
+
+
+def test_expert_parallel_checkpoints_are_refused_until_supported(tmp_path):
+    flags = (
+        "--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 --micro-batch-size 1 "
+        "--global-batch-size 2 --num-experts 4 --expert-model-parallel-size 2 --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 32"
+    ).split()
+    for extra in (["--save", str(tmp_path)], ["--load", str(tmp_path)]):
+        cfg = parse_args(flags + extra).resolve(world_size=2)
+        with pytest.raises(ValueError, match="--expert-model-parallel-size > 1 with --save/--load"):
+            cfg.validate()
+    cfg = parse_args(flags).resolve(world_size=2)
+    cfg.validate()

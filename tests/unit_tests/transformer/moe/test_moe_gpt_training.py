@@ -61,3 +61,11 @@ def test_moe_gpt_drop_and_pad_alltoall_grouped_trains():
 def test_experts_must_divide_across_expert_parallel_ranks():
     with pytest.raises(ValueError, match="--num-experts .4. must be divisible by --expert-model-parallel-size .3."):
         parse_args(FLAGS + ["--expert-model-parallel-size", "3"]).resolve(world_size=6).validate()
+
+
+def test_moe_gpt_trains_with_sinkhorn_top1():
+    trainer = pretrain(
+        FLAGS + "--train-iters 6 --log-interval 3 --moe-router-load-balancing-type sinkhorn --moe-router-topk 1".split()
+    )
+    losses = [h["lm loss"] for h in trainer.history]
+    assert losses[-1] < losses[0]

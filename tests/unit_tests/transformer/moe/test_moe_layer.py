@@ -130,6 +130,10 @@ def test_dropless_router_and_preprocess_have_no_host_sync():
     assert outs[0].shape == (6 * 2 * 2, 8)  # T * k rows: static
     with pytest.raises(AssertionError, match="host sync"), _no_host_sync():
         layer.dispatch_experts_combine(*outs[:2], outs[3], 12)  # the loop of experts reads the counts
+    combined = layer.dispatch_experts_combine(*outs[:2], outs[3], 12)
+    with _no_host_sync():  # the postprocess region reads nothing on the host either
+        out = layer.postprocess(combined, outs[2], x.shape)
+    assert out.shape == x.shape
 
 
 def _moe_transformer_layer(**kw):
@@ -214,7 +218,7 @@ PAD = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True
 def test_region_declarations_resolve():
     both = [TransformerLayer, MoETransformerLayer]
     assert _plan(["attn", "moe_router", "moe_preprocess"], [MoETransformerLayer]) == {
-        "MoETransformerLayer": ["attn", "moe_router", "moe_preprocess"]
+        "MoETransformerLayer": ["attn", "moe_router", "moe_preprocess", "moe_postprocess"]
     }
     assert _plan(["moe_router"], both) == {"TransformerLayer": [], "MoETransformerLayer": ["moe_router"]}
     assert _plan(["moe"], [MoETransformerLayer], **PAD) == {"MoETransformerLayer": ["moe"]}
@@ -246,15 +250,17 @@ def test_region_validation_errors(scopes, classes, moe, message):
         _plan(scopes, classes, **moe)
 
 
-def _grouped_pair(dtype, device, counts_kind):
+def _grouped_pair(dtype, device, counts_kind, hidden=8, ffn=12):
     torch.manual_seed(3)
-    cfg = make_config(dtype=dtype, moe_grouped_gemm=True, gated_linear_unit=True, add_bias_linear=True)
+    cfg = make_config(
+        dtype=dtype, hidden=hidden, ffn=ffn, moe_grouped_gemm=True, gated_linear_unit=True, add_bias_linear=True
+    )
     experts = GroupedMLP(cfg, 4, device=device)
     with torch.no_grad():
         experts.linear_fc1.bias.normal_()
         experts.linear_fc2.bias.normal_()
     counts = [3, 0, 5, 2] if counts_kind == "ragged" else [4, 4, 4, 4]
-    tokens = torch.randn(sum(counts), 8, dtype=dtype, device=device)
+    tokens = torch.randn(sum(counts), hidden, dtype=dtype, device=device)
     probs = torch.rand(sum(counts), dtype=dtype, device=device)
     return experts, tokens, counts, probs
 
@@ -274,12 +280,32 @@ def test_grouped_mm_path_matches_the_loop_on_cpu_forward(counts_kind):
     torch.testing.assert_close(tensor_counts, loop, rtol=1e-5, atol=1e-5)
 
 
+def test_grouped_mm_needs_16_byte_strides():
+    from megatron.core.transformer.moe.experts import grouped_mm_shapes_conform
+
+    assert grouped_mm_shapes_conform(1024, 4096, torch.bfloat16)
+    assert grouped_mm_shapes_conform(16, 24, torch.bfloat16)
+    assert not grouped_mm_shapes_conform(8, 12, torch.bfloat16)  # 24-byte activation rows
+    assert not grouped_mm_shapes_conform(12, 16, torch.bfloat16)
+    assert grouped_mm_shapes_conform(12, 16, torch.float32)  # 4-byte elements: multiples of 4
+    cfg = make_config(dtype=torch.bfloat16, hidden=8, ffn=12, moe_grouped_gemm=True)
+    experts = GroupedMLP(cfg, 4)
+    assert (experts.hidden_size, experts.ffn_hidden_size) == (8, 12)
+    x = torch.zeros(3, 8, dtype=torch.bfloat16)
+    assert not experts.uses_grouped_mm(x) and experts.needs_host_counts(x)  # CPU: the loop
+    out = experts(x, [1, 0, 2, 0], torch.ones(3, dtype=torch.bfloat16))
+    assert experts.last_path == "loop" and out.shape == (3, 8)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("counts_kind", ["ragged", "static"])
 def test_grouped_mm_path_matches_the_loop_on_cuda_bf16(counts_kind):
-    experts, tokens, counts, probs = _grouped_pair(torch.bfloat16, "cuda", counts_kind)
+    """Shapes the kernel accepts (16-byte strides): the grouped path runs and matches the loop."""
+    experts, tokens, counts, probs = _grouped_pair(torch.bfloat16, "cuda", counts_kind, hidden=16, ffn=24)
     tokens.requires_grad_()
+    assert experts.uses_grouped_mm(tokens) and not experts.needs_host_counts(tokens)
     out = experts(tokens, torch.tensor(counts, device="cuda") if counts_kind == "ragged" else counts, probs)
+    assert experts.last_path == "grouped"
     ref = experts._loop(tokens, counts, probs)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)  # bf16 GEMMs, different kernels
     g = torch.randn_like(out)
@@ -287,6 +313,22 @@ def test_grouped_mm_path_matches_the_loop_on_cuda_bf16(counts_kind):
     want = torch.autograd.grad(ref, [tokens, experts.linear_fc1.weight, experts.linear_fc2.bias], g)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.gpu
+def test_grouped_mm_falls_back_to_the_loop_for_unaligned_shapes_on_cuda(recwarn):
+    """hidden 8, ffn 12 in bf16: 24-byte activation rows, which the kernel refuses: the loop runs."""
+    from megatron.core.transformer.moe import experts as experts_module
+
+    experts_module._fallback_said = False
+    experts, tokens, counts, probs = _grouped_pair(torch.bfloat16, "cuda", "ragged")
+    assert not experts.uses_grouped_mm(tokens) and experts.needs_host_counts(tokens)
+    out = experts(tokens, counts, probs)
+    assert experts.last_path == "loop"
+    torch.testing.assert_close(out, experts._loop(tokens, counts, probs), rtol=0, atol=0)
+    experts(tokens, counts, probs)
+    said = [w for w in recwarn.list if "--moe-grouped-gemm" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in recwarn.list]
 
 
 @pytest.mark.gpu

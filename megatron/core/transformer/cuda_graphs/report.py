@@ -1,0 +1,520 @@
+"""Graph memory per layer and region: what the pool holds against what eager must keep.
+
+:func:`eager_report` describes a run from its configuration alone (the analytic
+activation budgets of ``activations.py``, static input/output sizes from the shapes);
+:func:`graphed_report` adds what a captured :class:`GraphSession` really holds: pool
+growth at each region's captures, bytes of static buffers held strongly and released
+through weak references, and the pool's reserved / live bytes from an allocator
+snapshot filtered by the pool id. :func:`check_budgets` turns the report into a
+memory-regression check whose limits come from the analytic budgets; a violation names
+the region and the excess. Tables, JSON and a PNG chart render either report.
+
+What is unusual here: a region's pool growth is read from the pool's reserved bytes
+recorded after every capture event (``SlotGraphs.pool_reserved_after``), so the pool
+memory a region *caused* is attributed even though one pool is shared by all of them.
+The checks are two, because they catch different regressions:
+
+* cumulative pool growth, in capture order, against the sum of the activation budgets
+  of the regions captured so far (plus their static inputs and outputs and one
+  backward's temporaries): catches regions whose saved tensors or temporaries grow;
+* bytes still held strongly after capture, per region, against what the region must
+  keep (wgrad buffers of shared parameters; outputs of regions without a backward):
+  catches a release plan that keeps static buffers (the pre-weak-reference design).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from megatron.core.transformer.cuda_graphs import regions as regions_lib
+from megatron.core.transformer.cuda_graphs.activations import (
+    Kernels,
+    Shapes,
+    flash_dq_accumulator_bytes,
+    layer_part_kinds,
+    num_slots,
+    region_activation_bytes,
+)
+
+__all__ = [
+    "RegionMemory",
+    "LayerMemory",
+    "MemoryReport",
+    "BudgetExceeded",
+    "eager_report",
+    "graphed_report",
+    "check_budgets",
+    "format_table",
+    "plot_layers",
+]
+
+_MIB = 2**20
+TEMPORARIES_FACTOR = 2
+"""A backward's temporaries, as a multiple of the largest region's activations: the
+gradients of its saved tensors (at most as many bytes as they) plus kernel workspaces
+(flash attention's fp32 dQ accumulator, split over the SMs in deterministic mode)."""
+
+SEGMENT_SLACK = 22 * _MIB
+"""Allocator granularity on top of the budget: the pool reserves whole segments (a
+20 MiB large-pool segment or expandable-segment growth step, a 2 MiB small-pool one)."""
+
+
+@dataclasses.dataclass
+class RegionMemory:
+    """One graph region (or, eager-only, one region the scopes would graph)."""
+
+    name: str
+    layer: str
+    scope: str
+    kinds: tuple[str, ...]
+    activation_bytes: int
+    static_input_bytes: int
+    static_output_bytes: int
+    slot: int = 0
+    pool_reserved_growth_bytes: int | None = None
+    pool_live_after_fwd_delta_bytes: int | None = None
+    strong_bytes: int | None = None
+    weak_bytes: int | None = None
+    must_keep_bytes: int = 0
+    """What the region legitimately keeps after capture (shared wgrads, outputs without backward)."""
+
+
+@dataclasses.dataclass
+class LayerMemory:
+    """One layer: what eager keeps for backward, and where a graphed run keeps it."""
+
+    name: str
+    eager_bytes: int
+    graphed_pool_bytes: int | None
+    eager_part_bytes: int
+    """Analytic activations of the layer's parts that stay eager in the graphed run."""
+
+    @property
+    def graphed_bytes(self) -> int | None:
+        return None if self.graphed_pool_bytes is None else self.graphed_pool_bytes + self.eager_part_bytes
+
+
+@dataclasses.dataclass
+class MemoryReport:
+    argv: list[str]
+    mode: str
+    """``graphed`` or ``eager-only``."""
+    note: str
+    regions: list[RegionMemory]
+    layers: list[LayerMemory]
+    totals: dict[str, Any]
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        for layer, row in zip(data["layers"], self.layers):
+            layer["graphed_bytes"] = row.graphed_bytes
+        return json.dumps(data, indent=1)
+
+
+class BudgetExceeded(AssertionError):
+    """A graph memory figure above its analytic budget (the message names the region)."""
+
+
+# ---------------------------------------------------------------------- analytic side
+def _element(sh: Shapes) -> int:
+    return sh.element_bytes
+
+
+def static_io_bytes(kinds: Sequence[str], sh: Shapes) -> tuple[int, int]:
+    """(input, output) bytes of a region's static buffers, from the shapes."""
+    t, h, e = sh.tokens, sh.hidden, _element(sh)
+    hidden = t * h * e
+    first, last = kinds[0], kinds[-1]
+    if first == "postprocess":
+        return hidden + t * 8, t * 4  # hidden + labels -> fp32 per-token loss
+    if first == "moe_preprocess":
+        m = num_slots(sh)
+        return hidden + t * sh.experts * 5, m * h * e + m * 12 + sh.experts * 8
+    inp = hidden + (sh.seq * sh.kv_channels * 4 if sh.rope and "attn" in kinds else 0)
+    if last == "moe_router":
+        out = 2 * hidden if sh.shared_ffn else hidden
+        return inp, out + t * sh.experts * 5
+    return inp, hidden
+
+
+def _layer_classes(cfg) -> list[type]:
+    if cfg.mamba.hybrid_layer_pattern is not None:
+        from megatron.core.models.hybrid.hybrid_model import pattern_layer_classes
+
+        return pattern_layer_classes(cfg.mamba)
+    from megatron.core.transformer.moe.moe_layer import MoETransformerLayer
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    if cfg.moe.enabled:
+        return [MoETransformerLayer if flag else TransformerLayer for flag in cfg.moe.moe_layer_pattern]
+    return [TransformerLayer] * cfg.model.num_layers
+
+
+def _kinds(scope: str, layer_class: type) -> tuple[str, ...]:
+    return layer_part_kinds(layer_class) if scope == regions_lib.WHOLE_LAYER else (scope,)
+
+
+def _activation(kinds: Sequence[str], sh: Shapes, k: Kernels) -> int:
+    return sum(region_activation_bytes(kind, sh, k) for kind in kinds)
+
+
+def _eager_parts(layer_class: type, graphed: Sequence[str]) -> tuple[str, ...]:
+    """Kinds of ``layer_class`` that run eagerly when ``graphed`` scopes are captured."""
+    parts = layer_part_kinds(layer_class)
+    if regions_lib.WHOLE_LAYER in graphed:
+        return ()
+    rest = []
+    for part in parts:
+        if part in graphed:
+            continue
+        if part == "moe":  # router / preprocess graphed: the experts and unpermute stay eager
+            if "moe_router" in graphed:
+                rest.append("moe_experts")
+                if "moe_preprocess" not in graphed:
+                    rest.append("moe_preprocess")
+                continue
+        rest.append(part)
+    return tuple(rest)
+
+
+def planned_regions(cfg) -> list[tuple[str, type, str]]:
+    """``(layer name, layer class, scope)`` of every region the config graphs, in forward order
+    (the loss head last, as ``attach`` routes it). Pure: nothing is built."""
+    classes = _layer_classes(cfg)
+    g = cfg.cuda_graph
+    selected = regions_lib.resolve(g.cuda_graph_scope, classes, cfg.model)
+    out = []
+    for i, cls in enumerate(classes):
+        for spec in selected[cls]:
+            out.append((f"decoder.layers.{i}", cls, spec.name))
+    if g.cuda_graph_postprocess and classes and regions_lib.head_follows(selected[classes[-1]], classes[-1]):
+        out.append(("", None, "postprocess"))
+    return out
+
+
+def eager_report(cfg, kernels: Kernels, argv: Sequence[str] = (), note: str = "", sm_count: int = 132) -> MemoryReport:
+    """The analytic report of a validated ``RunConfig`` (``model.vocab_size`` padded).
+
+    ``sm_count`` (default: an H200's 132) sizes flash attention's deterministic-mode
+    backward temporaries in the totals."""
+    sh = Shapes.from_config(cfg)
+    classes = _layer_classes(cfg)
+    planned = planned_regions(cfg) if cfg.cuda_graph.enabled else []
+    rows = []
+    for layer, cls, scope in planned:
+        kinds = ("postprocess",) if cls is None else _kinds(scope, cls)
+        inp, out = static_io_bytes(kinds, sh)
+        name = f"{layer}.{scope}" if layer else scope
+        rows.append(RegionMemory(name, layer or "postprocess", scope, kinds, _activation(kinds, sh, kernels), inp, out))
+    layers = []
+    by_layer: dict[str, list[str]] = {}
+    for layer, _, scope in planned:
+        by_layer.setdefault(layer or "postprocess", []).append(scope)
+    for i, cls in enumerate(classes):
+        name = f"decoder.layers.{i}"
+        eager = _activation(layer_part_kinds(cls), sh, kernels)
+        graphed = by_layer.get(name)
+        rest = _eager_parts(cls, graphed) if graphed else layer_part_kinds(cls)
+        layers.append(LayerMemory(name, eager, None, _activation(rest, sh, kernels) if rest else 0))
+    head = region_activation_bytes("postprocess", sh, kernels)
+    layers.append(LayerMemory("postprocess", head, None, 0 if "postprocess" in by_layer else head))
+    totals = {
+        "eager_activation_bytes": sum(row.eager_bytes for row in layers),
+        "graphed_activation_bytes": sum(r.activation_bytes for r in rows),
+        "regions": len(rows),
+    }
+    if any("attn" in layer_part_kinds(cls) for cls in classes):
+        # One attention backward's fp32 dQ accumulator: a temporary at the pool's peak
+        # (attn graphed) or at the eager cache's (attn eager); deterministic mode splits it.
+        deterministic = bool(cfg.training.deterministic_mode)
+        totals["attn_bwd_dq_accumulator_bytes"] = flash_dq_accumulator_bytes(
+            sh, deterministic=deterministic, sm_count=sm_count
+        )
+        totals["attn_bwd_dq_accumulator_splits"] = (
+            (sm_count + sh.micro_batch * sh.heads - 1) // (sh.micro_batch * sh.heads) if deterministic else 1
+        )
+    return MemoryReport(list(argv), "eager-only", note, rows, layers, totals)
+
+
+# ---------------------------------------------------------------------- measured side
+def _nbytes(t) -> int:
+    return int(t.untyped_storage().nbytes())
+
+
+def _meta_bytes(metas) -> int:
+    total = 0
+    for m in metas:
+        shape = getattr(m, "shape", None)
+        if shape is None:
+            continue  # a non-tensor argument
+        n = 1
+        for d in shape:
+            n *= int(d)
+        total += n * _dtype_bytes(m.dtype)
+    return total
+
+
+def _dtype_bytes(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def graphed_report(
+    session,
+    cfg,
+    kernels: Kernels,
+    argv: Sequence[str] = (),
+    segments: list[dict] | None = None,
+    note: str = "",
+    sm_count: int | None = None,
+) -> MemoryReport:
+    """The report of a captured ``session`` of the run ``cfg`` describes.
+
+    Args:
+        session: A captured ``GraphSession`` (regions, cycles, buffers, pools).
+        cfg: The run's validated ``RunConfig``.
+        kernels: Kernel facts of the device (``Kernels.probe``).
+        argv: The command line, for the record.
+        segments: An allocator snapshot (``torch.cuda.memory_snapshot()``); taken here
+            when None. Only our pools' segments are counted.
+        sm_count: SMs of the device (default: read from the pool's device).
+    """
+    import torch
+
+    from megatron.core.transformer.cuda_graphs.pool import pool_stats_from_segments
+    from megatron.core.transformer.cuda_graphs.weak import is_weak_ref
+
+    if sm_count is None:
+        device = next(iter(session.pools.values())).device
+        sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    base = eager_report(cfg, kernels, argv, sm_count=sm_count)
+    sh = Shapes.from_config(cfg)
+    if segments is None:
+        from megatron.core.transformer.cuda_graphs.pool import _snapshot_segments
+
+        segments = _snapshot_segments()
+    growth: dict[tuple[int, int], int] = {}
+    live_fwd: dict[tuple[int, int], int] = {}
+    for slot, cycle in session.cycles.items():
+        reserved = live = 0
+        for event in cycle:
+            graphs = session.regions[event.region].slots[slot]
+            r = graphs.pool_reserved_after.get(event.phase, reserved)
+            li = graphs.pool_live_after.get(event.phase, live)
+            key = (event.region, slot)
+            growth[key] = growth.get(key, 0) + r - reserved
+            if event.phase == "fwd":
+                live_fwd[key] = li - live
+            reserved, live = r, li
+    strong: dict[tuple[int, int], dict[int, int]] = {}
+    weak: dict[tuple[int, int], dict[int, int]] = {}
+    for slot, buffers in session.buffers.items():
+        for key, t in buffers.items():
+            if t is None:
+                continue
+            owner = (key[1], slot)  # ("shared", -1, group): the shared inputs' row
+            (weak if is_weak_ref(t) else strong).setdefault(owner, {})[t.data_ptr()] = _nbytes(t)
+    rows = []
+    for region in session.regions:
+        module = region.module
+        scope = region.name.rsplit(".", 1)[-1]
+        layer = region.name.rsplit(".", 1)[0] if "." in region.name else region.name
+        if scope == "postprocess":
+            kinds = ("postprocess",)
+        elif region.method_name == "forward":
+            scope, kinds = regions_lib.WHOLE_LAYER, layer_part_kinds(type(module))
+        else:
+            kinds = (scope,)
+        inp = _meta_bytes(region.arg_meta or ())
+        out = _meta_bytes(region.output_meta)
+        for slot, graphs in sorted(region.slots.items()):
+            key = (region.index, slot)
+            held = dict(strong.get(key, {}))
+            for g in graphs.shared_grads:
+                if g is not None:
+                    held[g.data_ptr()] = _nbytes(g)
+            keep = sum(_nbytes(p) for p in region.shared_params)
+            if not region.has_backward:
+                keep += out
+            rows.append(
+                RegionMemory(
+                    region.name,
+                    layer,
+                    scope,
+                    kinds,
+                    _activation(kinds, sh, kernels),
+                    inp,
+                    out,
+                    slot,
+                    growth.get(key),
+                    live_fwd.get(key),
+                    sum(held.values()),
+                    sum(weak.get(key, {}).values()),
+                    keep,
+                )
+            )
+    for slot in session.buffers:
+        shared = (-1, slot)
+        if shared in strong or shared in weak:
+            rows.append(
+                RegionMemory(
+                    "shared inputs",
+                    "shared",
+                    "shared",
+                    (),
+                    0,
+                    0,
+                    0,
+                    slot,
+                    None,
+                    None,
+                    sum(strong.get(shared, {}).values()),
+                    sum(weak.get(shared, {}).values()),
+                )
+            )
+    pool_growth: dict[str, int] = {}
+    for row in rows:
+        if row.pool_reserved_growth_bytes is not None:
+            pool_growth[row.layer] = pool_growth.get(row.layer, 0) + row.pool_reserved_growth_bytes
+    layers = [
+        LayerMemory(layer.name, layer.eager_bytes, pool_growth.get(layer.name, 0), layer.eager_part_bytes)
+        for layer in base.layers
+    ]
+    reserved = live = 0
+    for pool in session.pools.values():
+        s = pool_stats_from_segments(segments, pool.handle, pool.device)
+        reserved += s.reserved_bytes
+        live += s.live_bytes
+    totals = dict(base.totals)
+    totals.update(
+        {
+            "graphed_activation_bytes": sum(r.activation_bytes for r in rows if r.slot == 0),
+            "regions": len(session.regions),
+            "graphs": session.num_graphs(),
+            "slots": len(session.pools),
+            "pool_reserved_bytes": reserved,
+            "pool_live_bytes": live,
+            "strong_bytes": sum(r.strong_bytes or 0 for r in rows),
+            "weak_bytes": sum(r.weak_bytes or 0 for r in rows),
+            "capture_seconds": float(session.capture_seconds),
+        }
+    )
+    return MemoryReport(list(argv), "graphed", note, rows, layers, totals)
+
+
+# ---------------------------------------------------------------------- budgets
+def check_budgets(report: MemoryReport, *, tolerance: float = 0.10, slack_bytes: int = SEGMENT_SLACK) -> None:
+    """Raises :class:`BudgetExceeded` naming every region over its analytic budget.
+
+    Args:
+        report: A ``graphed`` report.
+        tolerance: Relative allowance on the pool-growth budget (allocator rounding).
+        slack_bytes: Absolute allowance on it (segment granularity).
+    """
+    if report.mode != "graphed":
+        raise ValueError("check_budgets needs a graphed report (a captured session), not an eager-only one")
+    problems = []
+    by_slot: dict[int, list[RegionMemory]] = {}
+    for row in report.regions:
+        if row.pool_reserved_growth_bytes is not None:
+            by_slot.setdefault(row.slot, []).append(row)
+    for slot, rows in sorted(by_slot.items()):
+        temporaries = TEMPORARIES_FACTOR * max(r.activation_bytes for r in rows)
+        budget = grown = 0
+        for row in rows:  # forward order; each row's growth covers its forward and backward captures
+            budget += row.activation_bytes + row.static_input_bytes + row.static_output_bytes
+            grown += row.pool_reserved_growth_bytes
+            limit = (1 + tolerance) * budget + temporaries + slack_bytes
+            if grown > limit:
+                problems.append(
+                    f"{row.name} (slot {slot}): the pool grew to {grown / _MIB:.1f} MiB by its captures, over the "
+                    f"analytic budget of the regions so far ({limit / _MIB:.1f} MiB = {1 + tolerance:.2f} x "
+                    f"{budget / _MIB:.1f} MiB activations and static buffers + {temporaries / _MIB:.1f} MiB "
+                    f"backward temporaries + {slack_bytes / _MIB:.1f} MiB segments) by {(grown - limit) / _MIB:.1f} MiB"
+                )
+                break  # later regions inherit the excess; name the first
+    for row in report.regions:
+        if row.strong_bytes is None:
+            continue
+        if row.strong_bytes > row.must_keep_bytes:
+            problems.append(
+                f"{row.name} (slot {row.slot}): {row.strong_bytes / _MIB:.2f} MiB of static buffers held strongly "
+                f"after capture, {row.must_keep_bytes / _MIB:.2f} MiB allowed (shared wgrads, outputs without a "
+                f"backward): {(row.strong_bytes - row.must_keep_bytes) / _MIB:.2f} MiB too much"
+            )
+    if problems:
+        raise BudgetExceeded("graph memory over budget:\n  " + "\n  ".join(problems))
+
+
+# ---------------------------------------------------------------------- rendering
+def _mib(value) -> str:
+    return "-" if value is None else f"{value / _MIB:.1f}"
+
+
+def format_table(report: MemoryReport) -> str:
+    """The report as text: a header, one line per region, one per layer, the totals."""
+    lines = [f"CUDA graph memory report ({report.mode})"]
+    if report.note:
+        lines.append(report.note)
+    head = (
+        f"{'region':34} {'slot':>4} {'act MiB':>8} {'in MiB':>7} {'out MiB':>7} {'pool+ MiB':>9} "
+        f"{'fwd live+':>9} {'strong':>7} {'weak':>7}"
+    )
+    lines += ["", head, "-" * len(head)]
+    for r in report.regions:
+        lines.append(
+            f"{r.name[-34:]:34} {r.slot:4d} {_mib(r.activation_bytes):>8} {_mib(r.static_input_bytes):>7} "
+            f"{_mib(r.static_output_bytes):>7} {_mib(r.pool_reserved_growth_bytes):>9} "
+            f"{_mib(r.pool_live_after_fwd_delta_bytes):>9} {_mib(r.strong_bytes):>7} {_mib(r.weak_bytes):>7}"
+        )
+    head = f"{'layer':34} {'eager MiB':>10} {'graphed MiB':>12} {'in pool':>9} {'eager part':>10}"
+    lines += ["", head, "-" * len(head)]
+    for layer in report.layers:
+        lines.append(
+            f"{layer.name:34} {_mib(layer.eager_bytes):>10} {_mib(layer.graphed_bytes):>12} "
+            f"{_mib(layer.graphed_pool_bytes):>9} {_mib(layer.eager_part_bytes):>10}"
+        )
+    lines.append("")
+    lines.append(
+        " | ".join(
+            f"{k}: {_mib(v)} MiB" if k.endswith("_bytes") else f"{k}: {v:.2f}" if isinstance(v, float) else f"{k}: {v}"
+            for k, v in report.totals.items()
+        )
+    )
+    lines.append(
+        "act: analytic activations eager keeps for the region's backward; pool+: pool growth at its captures; "
+        "fwd live+: pool live bytes added by its forward capture; strong/weak: its static buffers held / "
+        "released after capture."
+    )
+    return "\n".join(lines)
+
+
+def plot_layers(report: MemoryReport, path: str) -> None:
+    """A PNG bar chart of eager vs graphed memory per layer (matplotlib, imported here)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [layer.name.replace("decoder.layers.", "L") for layer in report.layers]
+    eager = [layer.eager_bytes / _MIB for layer in report.layers]
+    x = range(len(names))
+    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(names) + 2), 4))
+    width = 0.4 if report.mode == "graphed" else 0.8
+    ax.bar([i - width / 2 if report.mode == "graphed" else i for i in x], eager, width, label="eager (analytic)")
+    if report.mode == "graphed":
+        pool = [(layer.graphed_pool_bytes or 0) / _MIB for layer in report.layers]
+        rest = [layer.eager_part_bytes / _MIB for layer in report.layers]
+        ax.bar([i + width / 2 for i in x], pool, width, label="graphed: pool growth")
+        ax.bar([i + width / 2 for i in x], rest, width, bottom=pool, label="graphed: eager parts (analytic)")
+    ax.set_xticks(list(x), names, rotation=90, fontsize=7)
+    ax.set_ylabel("MiB")
+    ax.set_title(f"activation memory per layer ({report.mode})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
