@@ -80,10 +80,8 @@ PARALLEL_LAYOUT_FLAGS = (
     "--expert-tensor-parallel-size",
     "--pipeline-model-parallel-size",
     "--sequence-parallel",
-    "--use-distributed-optimizer",
     "--num-layers-per-virtual-pipeline-stage",
     "--num-virtual-stages-per-pipeline-rank",
-    "--overlap-param-gather",
     "--overlap-param-gather-with-optimizer-step",
     "--use-tp-pp-dp-mapping",
     "--num-distributed-optimizer-instances",
@@ -137,8 +135,8 @@ def expectation(args: dict) -> str:
         return "not_yet"
     if str(args.get("--pipeline-model-parallel-size", 1)) != "1" or flags & set(_NOT_YET_FLAGS):
         return "not_yet"
-    if "--use-distributed-optimizer" in flags and flags & {"--save", "--load"}:
-        return "not_yet"  # distributed-optimizer checkpoints
+    if str(args.get("--expert-model-parallel-size", 1)) != "1" and flags & {"--save", "--load"}:
+        return "not_yet"  # expert-parallel checkpoints
     expert_tp = args.get("--expert-tensor-parallel-size", args.get("--tensor-model-parallel-size", 1))
     if "--num-experts" in flags and str(expert_tp) != "1" and "--disable-bias-linear" not in flags:
         return "not_yet"  # expert biases split over expert tensor parallelism

@@ -574,11 +574,6 @@ class RunConfig(Freezable):
             "--overlap-param-gather needs --use-distributed-optimizer; add it or drop --overlap-param-gather.",
         )
         require(
-            not (self.ddp.use_distributed_optimizer and (self.checkpoint.save or self.checkpoint.load)),
-            "--use-distributed-optimizer with --save/--load is not supported yet (the checkpoint formats hold "
-            "one DP rank's optimizer state, each rank here holds a shard); drop --save/--load or the flag.",
-        )
-        require(
             not (self.parallel.expert_model_parallel_size > 1 and (self.checkpoint.save or self.checkpoint.load)),
             "--expert-model-parallel-size > 1 with --save/--load is not supported yet (the checkpoint formats hold "
             "one expert-parallel rank's experts); drop --save/--load or use --expert-model-parallel-size 1.",

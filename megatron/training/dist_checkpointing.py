@@ -8,14 +8,14 @@ Layout under ``--save DIR`` (folder and tracker names as the torch format and Me
     DIR/iter_0000100/common.pt                 iteration, consumed samples, scheduler, RNG, config
 
 What is unusual:
-- Keys are layout-free: ``model.<parameter name>`` with the model's global names, so a
-  later parallel layout can reshard (DCP stores the global shape of every tensor and
-  replicated tensors once). The optimizer state is keyed by parameter name too:
-  ``optimizer.state.<parameter name>.<moment>`` (``exp_avg``, ``exp_avg_sq``, ``step``)
-  and ``optimizer.main_params.<parameter name>`` (fp32 copies of bf16/fp16 weights), so
-  a model whose parameters come in another order loads the right state into each.
-  Checkpoints of the older positional layout (``optimizer.optimizer.state.<index>``)
-  still load.
+- Keys are layout-free (``sharded_state.py``): ``model.<name>`` and
+  ``optimizer.state.<exp_avg|exp_avg_sq|step|fp32_param>.<name>`` with the name of the
+  one-process model (layers by global layer number), each tensor at its full shape.
+  Every rank writes the rectangles of the full tensors it owns (TP blocks, the
+  distributed optimizer's flat ranges cut into rectangles; replicas once) and reads
+  what it holds, so a checkpoint saved at one TP x PP x DP layout, with or without
+  ``--use-distributed-optimizer``, loads at any other. The check of the saving run's
+  flags therefore leaves out the parallel sizes.
 - Atomic like the torch format: DCP writes into ``iter_X.tmp-<pid>``; rank 0 renames it
   and then replaces the tracker, after every rank's files are written.
 - ``--async-save``: tensors are copied to the CPU at save time (training may then
@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from megatron.training import checkpointing as ckpt
+from megatron.training import sharded_state
 from megatron.training.logging_utils import print_rank_0
 from megatron.training.save_lock import remove_leftovers
 from megatron.training.train_state import get_rng_state, set_rng_state
@@ -56,81 +57,41 @@ def _distributed(trainer) -> bool:
     return trainer.pg.world_size > 1 and dist.is_available() and dist.is_initialized()
 
 
-_POSITIONAL_PREFIX = "optimizer.optimizer.state."
-"""Keys of the older layout, whose optimizer state is keyed by position."""
+def _model_chunks(trainer):
+    """The unwrapped model (or its virtual-pipeline chunks) whose names the keys use."""
+    model = trainer.model
+    if isinstance(model, (list, tuple)):
+        return [getattr(m, "module", m) for m in model]
+    return getattr(model, "module", model)
 
 
-def _tensor_state(trainer, *, with_optimizer: bool, positional: bool = False) -> dict[str, Any]:
-    state = {"model": trainer.model.state_dict()}
+def _entries(trainer, *, with_optimizer: bool) -> list[sharded_state.Entry]:
+    chunks = _model_chunks(trainer)
+    if isinstance(trainer.model, (list, tuple)):
+        for m in trainer.model:
+            m.finish_param_sync()
+    else:
+        trainer.model.finish_param_sync()  # a parameter gather in flight would race the read
+    entries = sharded_state.model_entries(chunks, trainer.pg)
     if with_optimizer:
-        opt = trainer.optimizer
-        if (
-            not opt.optimizer.state
-            and hasattr(opt, "_allocate_adam_state")
-            and trainer.cfg.optimizer.optimizer == "adam"
-        ):
-            opt._allocate_adam_state()  # a template for in-place loading (a fresh optimizer has no state yet)
-        state["optimizer"] = opt.state_dict() if positional else _named_optimizer_state(trainer)
-    return state
+        entries += sharded_state.optimizer_entries(trainer.optimizer, chunks, trainer.pg)
+    return entries
 
 
-def _param_names(trainer) -> dict[int, str]:
-    """id(main param) -> the model's name of its parameter."""
-    names = {id(p): n for n, p in trainer.model.module.named_parameters()}
-    opt = trainer.optimizer
-    return {id(main): names[id(param)] for param, main in zip(opt.model_params, opt.main_params)}
+def _written_copies(entries: list[sharded_state.Entry]) -> list[sharded_state.Entry]:
+    """The entries this rank writes, with CPU copies of their chunks (training may change the live tensors)."""
+    out = []
+    for e in entries:
+        if e.write:
+            chunks = [sharded_state.Chunk(c.offsets, c.sizes, c.view.detach().to("cpu", copy=True)) for c in e.chunks]
+            out.append(sharded_state.Entry(e.key, e.full_shape, chunks, True))
+    return out
 
 
-def _named_optimizer_state(trainer) -> dict[str, Any]:
-    """The optimizer's state with every per-parameter entry under the parameter's name.
-
-    The tensors are the optimizer's own (no copies), so DCP loads into them in place.
-    """
-    opt = trainer.optimizer
-    inner = opt.optimizer
-    names = _param_names(trainer)
-    state, groups = {}, []
-    for group in inner.param_groups:
-        groups.append(
-            {**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(m)] for m in group["params"]]}
-        )
-        for main in group["params"]:
-            if inner.state.get(main):
-                state[names[id(main)]] = dict(inner.state[main])
-    by_param = {id(param): main for param, main in zip(opt.model_params, opt.main_params)}
-    lowp = {names[id(by_param[id(p)])]: m.detach() for p, m in zip(opt._lowp_model, opt._lowp_main)}
-    return {
-        "state": state,
-        "param_groups": groups,
-        "main_params": lowp,
-        "grad_scaler": None if opt.grad_scaler is None else opt.grad_scaler.state_dict(),
-    }
-
-
-@torch.no_grad()
-def _finish_named_load(trainer, loaded: dict[str, Any]) -> None:
-    """After DCP loaded ``_named_optimizer_state``'s tensors in place: the rest of the optimizer."""
-    opt = trainer.optimizer
-    impl_keys = ("fused", "foreach", "capturable", "differentiable", "params")
-    saved_groups = loaded.get("param_groups") or []
-    if len(saved_groups) == len(opt.optimizer.param_groups):
-        for group, saved in zip(opt.optimizer.param_groups, saved_groups):
-            group.update({k: v for k, v in saved.items() if k not in impl_keys})
-    opt._fused_lists = None
-    for param, main in zip(opt._lowp_model, opt._lowp_main):
-        param.copy_(main)  # main params were loaded in place
-    if opt.grad_scaler is not None and loaded.get("grad_scaler") is not None:
-        opt.grad_scaler.load_state_dict(loaded["grad_scaler"])
-
-
-def _to_cpu(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
+def _check_finite(trainer, entries: list[sharded_state.Entry]) -> None:
+    """Refuses (on every rank) to save non-finite state, as the torch format does."""
+    written = {e.key + str(i): c.view for e in entries if e.write for i, c in enumerate(e.chunks)}
+    ckpt.refuse_non_finite({"state": written}, trainer.pg, trainer.iteration, trainer.cfg.checkpoint.save)
 
 
 class _AsyncSave:
@@ -198,14 +159,17 @@ def save(trainer) -> None:
         "rng_state": rng_states,
         "config": ckpt.config_to_dict(cfg),
     }
-    tensors = _tensor_state(trainer, with_optimizer=True)
+    entries = _entries(trainer, with_optimizer=True)
+    _check_finite(trainer, entries)
+    common["optimizer"] = {"grad_scaler": _grad_scaler_state(trainer.optimizer)}
     is_rank0 = trainer.pg.rank == 0
     distributed = _distributed(trainer)
 
-    def write(state, group):
+    def write(entries, group):
+        planner = sharded_state.ChunkSavePlanner(entries)
         with warnings.catch_warnings():  # DCP warns that a world of one saves "in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save(state, checkpoint_id=tmp_dir, process_group=group, no_dist=not distributed)
+            dcp.save({}, checkpoint_id=tmp_dir, planner=planner, process_group=group, no_dist=not distributed)
         if is_rank0:  # DCP's coordinator (rank 0) returns only after every rank's files are written
             ckpt._write_file(common, os.path.join(tmp_dir, COMMON_FILENAME))
             ckpt._install(save_dir, tmp_dir, final_dir)
@@ -215,12 +179,12 @@ def save(trainer) -> None:
     trainer.last_checkpointed_iteration = iteration
     if cfg.checkpoint.async_save:
         group = _async_group(trainer)
-        state = _to_cpu(tensors)  # training goes on changing the live tensors
+        copies = _written_copies(entries)  # training goes on changing the live tensors
         errors: list = []
 
         def run():
             try:
-                write(state, group)
+                write(copies, group)
             except BaseException as e:  # noqa: BLE001 - re-raised by wait_for_pending_save
                 errors.append(e)
 
@@ -229,7 +193,7 @@ def save(trainer) -> None:
         _pending = _AsyncSave(thread, iteration, errors)
         print_rank_0(f"  scheduled async save of iteration {iteration:7d} ({time.perf_counter() - start:.2f} s)")
         return
-    write(tensors, None)
+    write(entries, None)
     if distributed:
         dist.barrier()  # nobody goes on before the tracker points at this save
     print_rank_0(
@@ -257,15 +221,32 @@ def _check_keys(strictness: str, expected: set[str], found: set[str], path: str)
     print_rank_0("WARNING: " + message)
 
 
-def _flat_keys(state: dict[str, Any], prefix: str = "") -> set[str]:
-    keys = set()
-    for k, v in state.items():
-        name = f"{prefix}{k}"
-        if isinstance(v, dict):
-            keys |= _flat_keys(v, name + ".")
-        elif isinstance(v, torch.Tensor):
-            keys.add(name)
-    return keys
+_FP32_PREFIX = f"{sharded_state.OPTIMIZER_PREFIX}{sharded_state.FP32_PARAM}."
+
+
+def _grad_scaler_state(optimizer):
+    scaler = getattr(optimizer, "grad_scaler", None)
+    return None if scaler is None else scaler.state_dict()
+
+
+def _all_keys(trainer, keys: set[str]) -> set[str]:
+    """The union of every rank's keys (pipeline stages hold different ones)."""
+    if not _distributed(trainer):
+        return keys
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(keys))
+    return set().union(*map(set, gathered))
+
+
+def _check_shapes(entries: list[sharded_state.Entry], metadata, path: str) -> None:
+    for e in entries:
+        md = metadata.state_dict_metadata.get(e.key)
+        if md is not None and tuple(md.size) != tuple(e.full_shape):
+            raise ValueError(
+                f"checkpoint {path}: {e.key} has shape {tuple(md.size)}, this model's is {tuple(e.full_shape)}. "
+                "Pass the model flags of the saving run (with TP the padded vocabulary follows "
+                "--make-vocab-size-divisible-by x --tensor-model-parallel-size)."
+            )
 
 
 def _read_common(path: str) -> dict[str, Any]:
@@ -356,15 +337,25 @@ def load(trainer, iteration_dir: str, iteration: int, release: bool) -> int:
     c = trainer.cfg.checkpoint
     print_rank_0(f"loading checkpoint from {iteration_dir} (torch_dist)")
     common = _read_common(os.path.join(iteration_dir, COMMON_FILENAME))
-    ckpt.check_config(common.get("config", {}), trainer.cfg, iteration_dir)
+    saved_config = dict(common.get("config", {}))
+    saved_config.pop("parallel", None)  # layout-free: any TP x PP x DP reads it
+    ckpt.check_config(saved_config, trainer.cfg, iteration_dir)
     weights_only = c.finetune or release
     with_optimizer = not weights_only and not c.no_load_optim
     reader = dcp.FileSystemReader(iteration_dir)
-    found = set(reader.read_metadata().state_dict_metadata)
-    positional = any(k.startswith(_POSITIONAL_PREFIX) for k in found)
-    state = _tensor_state(trainer, with_optimizer=with_optimizer, positional=positional)
-    expected = _flat_keys(state)
-    _check_keys(c.dist_ckpt_strictness, expected, found, iteration_dir)
+    metadata = reader.read_metadata()
+    found = set(metadata.state_dict_metadata)
+    if with_optimizer:
+        if any(k.startswith("optimizer.optimizer.") for k in found):
+            raise ValueError(
+                f"checkpoint {iteration_dir} keys its optimizer state by position (an older version of this "
+                "trainer); load it with --no-load-optim (weights only), or with the trainer that saved it."
+            )
+        trainer.optimizer.allocate_state(trainer.optimizer.state_names())  # DCP reads in place
+    entries = _entries(trainer, with_optimizer=with_optimizer)
+    expected = {e.key for e in entries}
+    relevant = found if with_optimizer else {k for k in found if k.startswith(sharded_state.MODEL_PREFIX)}
+    _check_keys(c.dist_ckpt_strictness, _all_keys(trainer, expected), relevant, iteration_dir)
     missing = sorted(expected - found)
     tolerate = c.dist_ckpt_strictness in ("log_all", "return_all", "ignore_all")
     if missing and not tolerate:
@@ -373,10 +364,16 @@ def load(trainer, iteration_dir: str, iteration: int, release: bool) -> int:
             "pass the saving run's flags, --no-load-optim for weights only, or --dist-ckpt-strictness log_all "
             "to keep this run's values where the checkpoint has none."
         )
-    planner = dcp.DefaultLoadPlanner(allow_partial_load=bool(missing))
+    present = [e for e in entries if e.key in found]
+    _check_shapes(present, metadata, iteration_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=reader, planner=planner, no_dist=not _distributed(trainer))
+        dcp.load(
+            {},
+            storage_reader=reader,
+            planner=sharded_state.ChunkLoadPlanner(present),
+            no_dist=not _distributed(trainer),
+        )
 
     if weights_only:
         trainer.iteration, trainer.consumed_samples = 0, 0
@@ -384,10 +381,13 @@ def load(trainer, iteration_dir: str, iteration: int, release: bool) -> int:
         trainer.iteration = int(common["iteration"])
         trainer.consumed_samples = int(common["consumed_samples"])
     if with_optimizer:
-        if positional:
-            trainer.optimizer.load_state_dict(state["optimizer"])
-        else:
-            _finish_named_load(trainer, state["optimizer"])
+        if not any(e.key in found for e in entries if e.key.startswith(_FP32_PREFIX)):
+            trainer.optimizer.reload_model_params()  # no fp32 copies saved (a tolerated fp32 checkpoint)
+        trainer.optimizer.after_state_load()  # fp32 main params into the model params
+        scaler = getattr(trainer.optimizer, "grad_scaler", None)
+        saved_scaler = common.get("optimizer", {}).get("grad_scaler")
+        if scaler is not None and saved_scaler is not None:
+            scaler.load_state_dict(saved_scaler)
         restore_scheduler(trainer, common["opt_param_scheduler"])
     else:
         trainer.optimizer.reload_model_params()  # fp32 main params from the loaded weights

@@ -276,7 +276,7 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
     **_family(_MTP, lambda f, n: never(f, n, "multi-token prediction")),
     **_family(_CP, lambda f, n: never(f, n, "context parallelism")),
     **_family(_TP_OVERLAP, lambda f, n: never(f, n, "TE userbuffers / TP communication overlap")),
-    **_family(_FSDP, lambda f, n: never(f, n, "FSDP", "use --use-distributed-optimizer when it lands, or plain DP")),
+    **_family(_FSDP, lambda f, n: never(f, n, "FSDP", "use --use-distributed-optimizer or plain DP")),
     **_family(_INFERENCE, lambda f, n: never(f, n, "inference", "this is a training script")),
     **_family(_RL, lambda f, n: never(f, n, "RL")),
     **_family(_DISTILL, lambda f, n: never(f, n, "knowledge distillation")),

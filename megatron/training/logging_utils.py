@@ -11,7 +11,6 @@ Megatron's scalar names. Formatting is pure and CPU-testable; nothing here owns
 process groups.
 """
 
-import dataclasses
 import datetime
 import json
 import os
@@ -269,24 +268,19 @@ def _import_wandb():
     return wandb
 
 
-def wandb_settings(cfg) -> dict[str, Any] | None:
+def wandb_settings(cfg, run_config: dict[str, Any]) -> dict[str, Any] | None:
     """``wandb.init`` keyword arguments from the --wandb-* flags (Megatron's), or None without --wandb-project.
 
-    The run's config is the resolved command line, one flat dict of field -> value.
+    ``run_config`` is the run's config as plain nested dicts (``checkpointing.config_to_dict``).
     """
     lg = cfg.logging
     if not lg.wandb_project:
         return None
-    config = {}
-    for section in dataclasses.fields(cfg):
-        value = getattr(cfg, section.name)
-        if dataclasses.is_dataclass(value):
-            config.update({k: _jsonable(v) for k, v in dataclasses.asdict(value).items()})
     settings = {
         "dir": lg.wandb_save_dir or os.path.join(cfg.checkpoint.save, "wandb"),
         "name": lg.wandb_exp_name,
         "project": lg.wandb_project,
-        "config": config,
+        "config": run_config,
     }
     if lg.wandb_entity:
         settings["entity"] = lg.wandb_entity

@@ -120,7 +120,7 @@ class Trainer(IterationLogging):
                 cfg.logging.metrics_file,
                 cfg.logging.tensorboard_dir,
                 enabled_on_this_rank=pg.is_last_rank,
-                wandb=logs.wandb_settings(cfg),
+                wandb=logs.wandb_settings(cfg, checkpointing.config_to_dict(cfg)),
             )
         except BaseException:
             self.close()
@@ -206,9 +206,7 @@ class Trainer(IterationLogging):
 
     def save_checkpoint(self) -> str | None:
         """Saves the run at the current iteration into ``--save`` (``--ckpt-format``)."""
-        if self.cfg.checkpoint.ckpt_format == "torch_dist":  # sharded: dist_checkpointing.py
-            states = {k: v.state_dict() for k, v in self.checkpoint_state().items() if k != checkpointing.TRAIN_STATE}
-            checkpointing.refuse_non_finite(states, self.pg, self.iteration, self.cfg.checkpoint.save)
+        if self.cfg.checkpoint.ckpt_format == "torch_dist":  # sharded: dist_checkpointing.py (refuses NaN too)
             dist_checkpointing.save(self)
             return None
         path = checkpointing.save_checkpoint(self.checkpoint_state(), self.cfg, self.pg)

@@ -13,6 +13,16 @@ or, with ``--overlap-param-gather``, overlapped with the next forward.
 The gradient norm sums each rank's squares over DP and the model-parallel group;
 weight decay follows the *full* parameter's shape (a shard is always 1-D).
 
+Checkpoints: ``state_pieces`` (the layout-free ``torch_dist`` format) gives each
+shard with the flat range of its parameter. For the legacy ``torch`` format,
+``state_dict`` gathers the shards over DP into exactly what the non-distributed
+optimizer of the same model-parallel rank would hold (torch's optimizer state dict,
+indexed in its parameter order), so DP rank 0 writes one file per model-parallel rank
+as without the flag, and ``load_state_dict`` takes this rank's shards out of such a
+file: legacy checkpoints move between DP sizes and in and out of
+``--use-distributed-optimizer``. (Megatron writes a per-rank ``distrib_optim.pt``
+instead, tied to its DP size.)
+
 ``build_optimizer`` picks this class or the plain one and hands either the norm
 bookkeeping that model parallelism needs.
 """
@@ -20,9 +30,14 @@ bookkeeping that model parallelism needs.
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.distributed.distributed_data_parallel import is_expert_param
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer, _uses_weight_decay
+
+# torch >= 2.10 renamed the single-tensor all-gather; the old name warns.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_IMPL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
 def counts_for_norm(param: torch.nn.Parameter, pg) -> bool:
@@ -60,10 +75,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             the parameter this rank owns.
     """
 
+    sharded_over_dp = True
+
     def __init__(self, ddp, *, pg, config, precision, preallocate_state: bool = False, **kwargs):
         if not ddp.use_distributed_optimizer:
             raise ValueError("DistributedOptimizer needs DDP built with use_distributed_optimizer=True.")
         self.ddp = ddp
+        self.pg = pg
         self.shards: list[tuple[torch.nn.Parameter, int, int]] = []
         pieces, full_of = [], {}
         # Per buffer: (its owned shards, the owned gradients that count for the norm, pieces).
@@ -82,7 +100,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             # element in expert-DP, distinct experts over EP (and PP).
             norm["grad_norm_parts"] = [
                 (dense[1], (pg.mp, pg.dp)),
-                (expert[1], (pg.ep, pg.pp, pg.expt_dp)),
+                (expert[1], (pg.ep, pg.expt_tp, pg.pp, pg.expt_dp)),
             ]
         else:
             owned = dense[0] + (expert[0] if expert else [])
@@ -134,6 +152,127 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self.ddp.start_param_sync()
         return success, grad_norm, num_zeros
 
+    def _piece_range(self, index: int) -> tuple[torch.nn.Parameter, int, int]:
+        return self.shards[index]
+
+    # ------------------------------------------------------------------ legacy (torch format) checkpoints
+
+    def _full_order(self) -> list[torch.nn.Parameter]:
+        """The non-distributed optimizer's parameter order: decay group, then no-decay group."""
+        params = list(dict.fromkeys(p for p in self.ddp.module.parameters() if p.requires_grad))
+        return [p for p in params if _uses_weight_decay(p)] + [p for p in params if not _uses_weight_decay(p)]
+
+    def _lowp_order(self) -> list[torch.nn.Parameter]:
+        """Model order of the bf16/fp16 parameters (the non-distributed ``main_params`` list)."""
+        params = dict.fromkeys(p for p in self.ddp.module.parameters() if p.requires_grad)
+        return [p for p in params if p.dtype in (torch.bfloat16, torch.float16)]
+
+    def _gather_flat(self, pieces_of) -> torch.Tensor:
+        """One fp32 tensor laid out like the grad buffer, every DP rank's shards filled in.
+
+        ``pieces_of(i)`` gives this rank's flat tensor for piece ``i``.
+        """
+        buffer = self.ddp.grad_buffer
+        flat = torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.data.device)
+        for i, (param, start, end) in enumerate(self.shards):
+            at = buffer.param_range(param)[0] + start
+            flat[at : at + end - start].copy_(pieces_of(i).reshape(-1))
+        if self.pg.dp is not None:
+            rank, size = self.pg.dp_rank, self.pg.dp_size
+            for bucket in buffer.buckets:
+                lo, hi = bucket.shard_range(rank, size)
+                _all_gather_single(flat[bucket.offset : bucket.offset + bucket.numel], flat[lo:hi], group=self.pg.dp)
+        return flat
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole state of this model-parallel rank, gathered over DP (a collective: call on every rank).
+
+        Laid out as ``MixedPrecisionOptimizer.state_dict`` of the same parameters.
+        """
+        buffer = self.ddp.grad_buffer
+        order = self._full_order()
+        pieces = self.state_pieces()
+        # Every rank steps every piece, so all ranks hold the same state names.
+        names = sorted({k for piece in pieces for k, v in piece.state.items() if torch.is_tensor(v)})
+        flats = {k: self._gather_flat(lambda i, k=k: pieces[i].state[k]) for k in names if k != "step"}
+        steps = None
+        if "step" in names:
+            index = {id(p): i for i, p in enumerate(order)}
+            steps = torch.zeros(len(order), dtype=torch.float32, device=buffer.data.device)
+            for piece in pieces:
+                steps[index[id(piece.param)]] = piece.state["step"].to(steps.device, torch.float32)
+            if self.pg.dp is not None:
+                dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=self.pg.dp)
+        lowp = self._lowp_order()
+        main_flat = self._gather_flat(lambda i: pieces[i].main) if lowp else None
+
+        def of(flat, param):
+            start, end = buffer.param_range(param)
+            return flat[start:end].view(param.shape).clone()
+
+        state = {}
+        if names:
+            for i, param in enumerate(order):
+                entry = {k: of(flat, param) for k, flat in flats.items()}
+                if steps is not None:
+                    entry["step"] = steps[i].cpu().clone()
+                state[i] = entry
+        template = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        groups, first = [], 0
+        for decays in (True, False):
+            members = [i for i, p in enumerate(order) if _uses_weight_decay(p) == decays]
+            if members:
+                group = dict(template, weight_decay=self.config.weight_decay if decays else 0.0)
+                groups.append(dict(group, params=list(range(first, first + len(members)))))
+                first += len(members)
+        return {
+            "optimizer": {"state": state, "param_groups": groups},
+            "main_params": [of(main_flat, p) for p in lowp],
+            "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Takes this rank's shards out of a state in ``state_dict``'s (the non-distributed) layout."""
+        order = self._full_order()
+        saved = state["optimizer"]
+        saved_count = sum(len(g["params"]) for g in saved["param_groups"])
+        lowp = self._lowp_order()
+        if saved_count != len(order) or len(state["main_params"]) != len(lowp):
+            raise ValueError(
+                f"optimizer checkpoint holds {saved_count} parameters ({len(state['main_params'])} bf16/fp16) but "
+                f"this model has {len(order)} ({len(lowp)}): it was saved with another model or precision; load it "
+                "with the saving run's model flags and --bf16/--fp16 setting, or pass --no-load-optim."
+            )
+        index = {id(p): i for i, p in enumerate(order)}
+        lowp_index = {id(p): i for i, p in enumerate(lowp)}
+        names = sorted({k for entry in saved["state"].values() for k in entry})
+        self.allocate_state(names)
+        pieces = self.state_pieces()
+        for piece in pieces:
+            for name, value in saved["state"].get(index[id(piece.param)], {}).items():
+                value = torch.as_tensor(value)
+                if value.dim() == 0:  # step
+                    piece.state[name].copy_(value)
+                else:
+                    piece.state[name].copy_(value.reshape(-1)[piece.start : piece.end])
+            if piece.fp32_copy:
+                value = state["main_params"][lowp_index[id(piece.param)]]
+                piece.main.copy_(value.reshape(-1)[piece.start : piece.end])
+        # Hyper-parameters by group kind (this rank may hold pieces of one kind only).
+        kinds = {}
+        for group in saved["param_groups"]:
+            if group["params"]:
+                kinds[_uses_weight_decay(order[group["params"][0]])] = group
+        piece_of = {id(piece.main): piece for piece in pieces}
+        for group in self.optimizer.param_groups:
+            decays = _uses_weight_decay(piece_of[id(group["params"][0])].param)
+            if decays in kinds:
+                group.update({k: v for k, v in kinds[decays].items() if k != "params" and k not in _IMPL_KEYS})
+        self.after_state_load()
+        if self.grad_scaler is not None and state.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+
     def state_numel(self) -> int:
         """Elements of optimizer state (moments) and fp32 main copies held by this rank."""
         total = sum(m.numel() for m in self._lowp_main)
@@ -161,13 +300,16 @@ def build_optimizer(ddp, *, pg, config, precision, preallocate_state: bool = Fal
     buffers = [b.data for b in ddp.grad_buffers]
     if ddp.expert_grad_buffer is not None and expert_norm_separate(pg):
         # Dense gradients are replicated over DP: summed over MP. Expert gradients are
-        # replicated over expert-DP only: summed over EP and PP, and over TP once per
-        # expert-DP group (TP ranks are expert-DP ranks there), so no TP sum for them.
+        # replicated over expert-DP only: summed over EP, expert TP (the shards) and PP;
+        # with expert TP = 1 the TP ranks are expert-DP ranks, so no TP sum for them.
         dense = [p for p in dict.fromkeys(params) if not is_expert_param(p)]
         dense_norm = [p.main_grad for p in dense if counts_for_norm(p, pg)]
         if len(dense_norm) == len(dense):
             dense_norm = [ddp.grad_buffer.data]
-        kwargs["grad_norm_parts"] = [(dense_norm, (pg.mp,)), ([ddp.expert_grad_buffer.data], (pg.ep, pg.pp))]
+        kwargs["grad_norm_parts"] = [
+            (dense_norm, (pg.mp,)),
+            ([ddp.expert_grad_buffer.data], (pg.ep, pg.expt_tp, pg.pp)),
+        ]
     elif getattr(pg, "mp", None) is not None:
         kwargs["grad_norm_groups"] = (pg.mp,)
         if not all(counts_for_norm(p, pg) for p in params):

@@ -31,7 +31,7 @@ Unusual choices:
 """
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -75,6 +75,27 @@ def _unscale_and_check(grads: list[torch.Tensor], inv_scale: torch.Tensor, found
     flags = torch.stack([torch.logical_not(torch.isfinite(g).all()) for g in grads])
     found_inf.copy_(flags.any().to(found_inf.dtype).reshape(found_inf.shape))
     torch._foreach_mul_(grads, inv_scale)
+
+
+class StatePiece(NamedTuple):
+    """What the optimizer holds for (a flat range of) one model parameter.
+
+    Attributes:
+        param: The model parameter (this rank's TP shard of it, whole).
+        start: First flat element of ``param`` covered.
+        end: One past the last one.
+        main: The optimized fp32 tensor (``end - start`` elements).
+        fp32_copy: ``main`` is an fp32 copy of a bf16/fp16 parameter (else it is the
+            parameter's own memory).
+        state: The inner optimizer's live state dict of ``main`` (moments, ``step``).
+    """
+
+    param: torch.nn.Parameter
+    start: int
+    end: int
+    main: torch.Tensor
+    fp32_copy: bool
+    state: dict
 
 
 class MixedPrecisionOptimizer:
@@ -202,19 +223,38 @@ class MixedPrecisionOptimizer:
         reserved for nothing, which raises the graphed run's peak. Eager runs keep
         torch's lazy allocation (it is the cheaper one for them).
         """
+        self.allocate_state(self.state_names(), only_empty=True)
+
+    def state_names(self) -> list[str]:
+        """The state the inner optimizer keeps per tensor once it has stepped."""
+        if self.config.optimizer == "adam":
+            amsgrad = any(group.get("amsgrad") for group in self.optimizer.param_groups)
+            return ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+        return ["momentum_buffer"] if self.config.sgd_momentum else []
+
+    def allocate_state(self, names: Iterable[str], *, only_empty: bool = False) -> None:
+        """Creates the named state entries that are missing (zeros; ``step`` 0-d, where torch keeps it).
+
+        A loader calls this before copying a checkpoint's state in place. With
+        ``only_empty`` a tensor whose state exists already is left alone.
+        """
+        names = list(names)
         for group in self.optimizer.param_groups:
             on_device = group.get("fused") or group.get("capturable")
             for p in group["params"]:
                 state = self.optimizer.state[p]
-                if state:
+                if only_empty and state:
                     continue
-                state["step"] = (
-                    torch.zeros((), dtype=torch.float32, device=p.device) if on_device else torch.tensor(0.0)
-                )
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if group.get("amsgrad"):
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                for name in names:
+                    if name in state:
+                        continue
+                    if name == "step":
+                        state[name] = (
+                            torch.zeros((), dtype=torch.float32, device=p.device) if on_device else torch.tensor(0.0)
+                        )
+                    else:
+                        state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        self._fused_lists = None
 
     def _check_grad_buffers(self, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Flat buffers that hold every ``main_grad`` (and zeros elsewhere): the gradient
@@ -449,6 +489,34 @@ class MixedPrecisionOptimizer:
         return groups, all_steps
 
     # ------------------------------------------------------------------ checkpoints
+
+    sharded_over_dp = False
+    """Whether each data-parallel rank holds only its part of the state (the distributed optimizer)."""
+
+    def _piece_range(self, index: int) -> tuple[torch.nn.Parameter, int, int]:
+        """``(model param, start, end)`` of ``model_params[index]``: here the whole parameter."""
+        param = self.model_params[index]
+        return param, 0, param.numel()
+
+    def state_pieces(self) -> list[StatePiece]:
+        """What this rank optimizes, per model parameter (range), with its live state.
+
+        The layout-free checkpoint (``training/sharded_state.py``) keys these by the
+        parameter's name; copying into ``main`` and ``state`` in place and then calling
+        ``after_state_load`` restores the optimizer.
+        """
+        pieces = []
+        for i, (own, main) in enumerate(zip(self.model_params, self.main_params)):
+            param, start, end = self._piece_range(i)
+            pieces.append(StatePiece(param, start, end, main, main is not own, self.optimizer.state[main]))
+        return pieces
+
+    @torch.no_grad()
+    def after_state_load(self) -> None:
+        """After state was copied in place: fp32 main params into the model params, caches reset."""
+        self._fused_lists = None
+        for param, main in zip(self._lowp_model, self._lowp_main):
+            param.copy_(main)
 
     @torch.no_grad()
     def reload_model_params(self) -> None:

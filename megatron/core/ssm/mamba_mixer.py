@@ -229,6 +229,8 @@ class MambaMixer(torch.nn.Module):
         for p in (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D):
             p.tensor_model_parallel = True
             p.partition_dim = 0
+        for p in (self.conv1d.weight, self.conv1d.bias):  # rank-local [x, B, C] channels
+            p.partition_sizes = self._split_sizes()[1:4]
         if self.norm is not None:
             self.norm.weight.tensor_model_parallel = True
             self.norm.weight.partition_dim = 0

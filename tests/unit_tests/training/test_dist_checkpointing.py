@@ -39,8 +39,12 @@ def test_keys_are_global_parameter_names(tmp_path):
 
     pretrain(FLAGS + ["--save", str(tmp_path), "--train-iters", "2"])
     keys = set(dcp.FileSystemReader(str(tmp_path / "iter_0000002")).read_metadata().state_dict_metadata)
-    assert "model.decoder.layers.0.self_attention.linear_qkv.weight" in keys
-    assert any(k.startswith("optimizer.state.decoder.") and k.endswith(".exp_avg") for k in keys)
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert "model." + name in keys
+    # The optimizer state by parameter name (layout-free), with the fp32 copies of the bf16 weights.
+    for what in ("exp_avg", "exp_avg_sq", "step", "fp32_param"):
+        assert f"optimizer.state.{what}.{name}" in keys
+    assert not [k for k in keys if not k.startswith(("model.", "optimizer.state."))]
 
 
 def test_format_mismatch_needs_auto_detect(tmp_path):
@@ -107,8 +111,8 @@ def test_optimizer_state_is_keyed_by_parameter_name(tmp_path):
 
     saved = pretrain(FLAGS + ["--save", str(tmp_path), "--train-iters", "2"])
     keys = set(dcp.FileSystemReader(str(tmp_path / "iter_0000002")).read_metadata().state_dict_metadata)
-    assert "optimizer.state.decoder.layers.0.self_attention.linear_qkv.weight.exp_avg" in keys
-    assert "optimizer.main_params.embedding.word_embeddings.weight" in keys
+    assert "optimizer.state.exp_avg.decoder.layers.0.self_attention.linear_qkv.weight" in keys
+    assert "optimizer.state.fp32_param.embedding.word_embeddings.weight" in keys
 
     loaded = build_trainer(FLAGS + ["--load", str(tmp_path), "--train-iters", "2"], model_provider=_reordered_gpt)
     parallel_state.destroy(loaded.pg)

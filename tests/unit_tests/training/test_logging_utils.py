@@ -321,7 +321,8 @@ def test_wandb_gets_the_tensorboard_records_of_a_training_run(tmp_path, monkeypa
     assert fake.init_kwargs["project"] == "proj" and fake.init_kwargs["name"] == "run1"
     assert fake.init_kwargs["entity"] == "team"
     assert fake.init_kwargs["dir"] == f"{tmp_path}/ckpt/wandb" and (tmp_path / "ckpt" / "wandb").is_dir()
-    assert fake.init_kwargs["config"]["num_layers"] == 2 and fake.init_kwargs["config"]["wandb_project"] == "proj"
+    run_config = fake.init_kwargs["config"]
+    assert run_config["model"]["num_layers"] == 2 and run_config["logging"]["wandb_project"] == "proj"
     steps = [step for step, scalars in fake.logged if "lm loss" in scalars]
     assert steps == [1, 2, 3]
     losses = [scalars["lm loss"] for _, scalars in fake.logged if "lm loss" in scalars]

@@ -1,7 +1,7 @@
 """Analytic activation memory: what eager keeps for backward, per graph region, from the shapes.
 
 For every region kind (``attn``, ``mlp``, ``layer``, ``postprocess``, ``moe_router``,
-``moe_preprocess``, ``moe``, ``mamba``) the bytes of the tensors autograd saves between
+``moe_preprocess``, ``moe_postprocess``, ``moe``, ``mamba``) the bytes of the tensors autograd saves between
 the region's forward and its backward are a sum of shape products (tokens ``T = s * b``,
 hidden ``h``, heads, FFN width, vocabulary, experts ...). These budgets are what a graph
 region legitimately puts into the graph pool; the memory report prints them beside what
@@ -43,7 +43,7 @@ __all__ = [
     "KINDS",
 ]
 
-KINDS = ("attn", "mlp", "layer", "postprocess", "moe_router", "moe_preprocess", "moe", "mamba")
+KINDS = ("attn", "mlp", "layer", "postprocess", "moe_router", "moe_preprocess", "moe_postprocess", "moe", "mamba")
 _I64, _F32 = 8, 4
 
 
@@ -273,6 +273,12 @@ def _preprocess(sh: Shapes, k: Kernels) -> int:
     return 3 * num_slots(sh) * _I64  # the permutation's token and slot indices (index_select, gathers)
 
 
+def _postprocess_moe(sh: Shapes, k: Kernels) -> int:
+    """Unpermute, shared-expert add, bias-dropout-add: only the dropout mask is its own (the
+    unpermute's backward reads the preprocess's token indices, counted there)."""
+    return _dropout_mask(sh, k)
+
+
 def _experts(sh: Shapes, k: Kernels) -> int:
     """Dispatch, experts, combine, unpermute (the eager middle of the MoE block)."""
     m, e = num_slots(sh), sh.element_bytes
@@ -305,6 +311,7 @@ _FORMULAS = {
     "postprocess": _head,
     "moe_router": _router,
     "moe_preprocess": _preprocess,
+    "moe_postprocess": _postprocess_moe,
     "mamba": _mamba,
 }
 

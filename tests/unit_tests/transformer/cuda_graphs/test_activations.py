@@ -14,6 +14,18 @@ from megatron.core import parallel_state
 from megatron.core.transformer.cuda_graphs.activations import Kernels, Shapes, region_activation_bytes
 from megatron.training.training import build_trainer
 
+
+@pytest.fixture(autouse=True)
+def default_algorithms():
+    """The formulas model the default kernels; a run with --deterministic-mode earlier in the
+    process leaves torch's deterministic algorithms on (a process-wide setting), and those
+    save other tensors (e.g. for index_add)."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
 BASE = (
     "--num-layers 1 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
     "--micro-batch-size 2 --global-batch-size 2 --tokenizer-type NullTokenizer --vocab-size 64 --mock-data "
