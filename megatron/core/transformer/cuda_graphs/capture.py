@@ -2,9 +2,10 @@
 
 Runs once, at the end of the recording iteration:
 
-1. Warm up each region on sample data (one pass also finds its parameters). Real
-   backwards run, so fused wgrads land in ``main_grad``: a host copy restores it, and
-   the RNG states are restored too, so capture changes no number of the run.
+1. Warm up each region of every slot on sample data (one pass also finds its
+   parameters). Real backwards run, so fused wgrads land in ``main_grad``: a host copy
+   restores it, and the RNG states are restored too, so capture changes no number of
+   the run.
 2. For each slot, walk its cycle: allocate the static inputs the plan gives a buffer of
    their own (into the slot's pool, on the capture stream), capture the forward or
    backward graph, and right after each event turn the buffers whose last reader it was
@@ -45,6 +46,13 @@ def sample_tensor(meta: TensorMeta) -> torch.Tensor:
     return t.requires_grad_(meta.requires_grad)
 
 
+def warmup_order(cycles: dict[int, list[Event]]) -> list[int]:
+    """Every region of every slot once, by first forward: the regions warmed up (and whose
+    parameters are found) before capture. With model chunks (VPP) a slot's cycle holds
+    only its own chunk's regions, so no single cycle names them all."""
+    return list({e.region: None for cycle in cycles.values() for e in cycle if e.phase == FWD})
+
+
 def capture_all(
     regions: list[GraphedRegion],
     cycles: dict[int, list[Event]],
@@ -52,8 +60,7 @@ def capture_all(
     warmup_steps: int,
 ) -> tuple[dict[int, GraphPool], dict[int, Buffers]]:
     """Captures every slot's cycle; returns each slot's pool and static buffers."""
-    first_slot = min(cycles)
-    fwd_order = [regions[e.region] for e in cycles[first_slot] if e.phase == FWD]
+    fwd_order = [regions[r] for r in warmup_order(cycles)]
     pools: dict[int, GraphPool] = {}
     all_buffers: dict[int, Buffers] = {}
     # Capture where the training runs, unless that is the default stream (which cannot

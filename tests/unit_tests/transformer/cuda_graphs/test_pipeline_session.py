@@ -27,6 +27,7 @@ from megatron.core.models.gpt.loss import gpt_forward_step
 from megatron.core.parallel_state import ProcessGroups
 from megatron.core.pipeline_parallel import simulate
 from megatron.core.transformer import cuda_graphs
+from megatron.core.transformer.cuda_graphs import capture
 from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
 from megatron.core.transformer.cuda_graphs.plan import BWD, FWD, OWN, Event
 from megatron.core.transformer.cuda_graphs.session import GraphSession, GraphState
@@ -149,6 +150,9 @@ def test_slots_follow_the_schedule_and_bound_the_graph_count(layout):
                 spec = plan.buffers[("input", first, 0)]
                 assert spec.release_after is None and spec.alias_of is None
     assert session.received_inputs == {(regions[c][0], 0) for c in range(1, chunks)}
+    # Capture warms up (and finds the parameters of) every chunk's regions, not only
+    # those of the first slot, which are one chunk's.
+    assert capture.warmup_order(session.cycles) == [r for c in range(chunks) for r in regions[c]]
     # ... and every chunk but the last sends its last graph's output, kept for good.
     assert set(session.sent_outputs) == {(regions[c][-1], 0) for c in range(chunks - 1)}
     for s, plan in session.plans.items():
