@@ -63,7 +63,7 @@ def analytic_config(train_args):
     from megatron.training.arguments import parse_args
     from megatron.training.data import setup_tokenizer
 
-    cfg = parse_args(list(train_args))
+    cfg = parse_args(list(train_args)).resolve(parallel_state.world_size_from_env())
     pg = parallel_state.initialize(cfg.parallel, use_cuda=False)
     try:
         cfg.validate()

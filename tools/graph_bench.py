@@ -218,7 +218,7 @@ def run_lean(config: str, iters: int, skip: int) -> dict:
     from megatron.training import logging_utils as logs
     from megatron.training.arguments import parse_args
 
-    cfg = parse_args(f"{CONFIGS[config]} {COMMON} --train-iters {iters + PIPELINED}".split())
+    cfg = parse_args(f"{CONFIGS[config]} {COMMON} --train-iters {iters + PIPELINED}".split()).resolve()
     tokenizer = build_tokenizer(cfg.data)  # the same padded vocabulary as ours
     cfg.model.vocab_size = vocab_size_with_padding(tokenizer.vocab_size, cfg.data.make_vocab_size_divisible_by)
     device = torch.device("cuda")

@@ -22,11 +22,11 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from megatron.core.config_utils import flag_field, require
+from megatron.core.config_utils import Freezable, flag_field, require
 
 
 @dataclasses.dataclass
-class ParallelConfig:
+class ParallelConfig(Freezable):
     """Parallel layout. The data-parallel size is derived: world / (TP * PP * CP)."""
 
     tensor_model_parallel_size: int = 1
@@ -95,11 +95,36 @@ class ParallelConfig:
     expert_data_parallel_size: int = flag_field(1, no_flag=True)
     """Derived: world size / (expert TP * EP * PP)."""
 
-    def validate(self) -> None:
-        """Raises ``ValueError`` for layouts that cannot be built; fills the derived sizes.
+    def resolve(self) -> "ParallelConfig":
+        """Fills the derived sizes from ``world_size`` (where the layout allows); returns self.
 
         ``--sequence-parallel`` with TP = 1 is turned off with a warning (Megatron's behaviour).
+        Layouts that cannot be built are left for ``validate`` to name.
         """
+        if self.expert_tensor_parallel_size is None:
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        if self.virtual_pipeline_model_parallel_size is None:  # a disagreeing pair is left for validate
+            self.virtual_pipeline_model_parallel_size = self.num_virtual_stages_per_pipeline_rank
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            warnings.warn(
+                "--sequence-parallel has no effect with --tensor-model-parallel-size 1; it is turned off.",
+                stacklevel=2,
+            )
+            self.sequence_parallel = False
+        model_parallel = (
+            self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        )
+        if model_parallel >= 1 and self.world_size % model_parallel == 0:
+            self.data_parallel_size = self.world_size // model_parallel
+        expert_parallel = (
+            self.expert_tensor_parallel_size * self.expert_model_parallel_size * self.pipeline_model_parallel_size
+        )
+        if expert_parallel >= 1 and self.world_size % expert_parallel == 0:
+            self.expert_data_parallel_size = self.world_size // expert_parallel
+        return self
+
+    def validate(self) -> None:
+        """Raises ``ValueError`` for layouts that cannot be built (after ``resolve``; reads only)."""
         for name in (
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
@@ -112,21 +137,13 @@ class ParallelConfig:
             self.context_parallel_size == 1,
             f"--context-parallel-size {self.context_parallel_size} is not supported yet; use --context-parallel-size 1.",
         )
-        if self.expert_tensor_parallel_size is None:
-            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
         require(
-            self.expert_tensor_parallel_size >= 1,
+            self.expert_tensor_parallel_size is not None and self.expert_tensor_parallel_size >= 1,
             f"--expert-tensor-parallel-size must be >= 1, got {self.expert_tensor_parallel_size}.",
         )
         for name in _PIPELINE_LAYOUT_FIELDS:  # flags of the pipeline work: parsed now, run later
             require(getattr(self, name) in (None, False), f"--{name.replace('_', '-')} is not supported yet; drop it.")
         self._validate_virtual_stages()
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            warnings.warn(
-                "--sequence-parallel has no effect with --tensor-model-parallel-size 1; it is turned off.",
-                stacklevel=2,
-            )
-            self.sequence_parallel = False
         tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
         model_parallel = tp * pp * cp
         require(
@@ -135,7 +152,6 @@ class ParallelConfig:
             f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}) = {model_parallel}; "
             "launch a multiple of that many processes or change the sizes.",
         )
-        self.data_parallel_size = self.world_size // model_parallel
         etp, ep = self.expert_tensor_parallel_size, self.expert_model_parallel_size
         expert_parallel = etp * ep * pp
         require(
@@ -143,7 +159,6 @@ class ParallelConfig:
             f"world size {self.world_size} is not divisible by --expert-tensor-parallel-size ({etp}) x "
             f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp}) = {expert_parallel}.",
         )
-        self.expert_data_parallel_size = self.world_size // expert_parallel
 
     def _validate_virtual_stages(self) -> None:
         """The virtual-stage flags: one spelling at most, PP > 1, a sane group size."""
@@ -169,7 +184,6 @@ class ParallelConfig:
                 f"--virtual-pipeline-model-parallel-size ({vpp}) and --num-virtual-stages-per-pipeline-rank "
                 f"({per_rank}) disagree; give one of them.",
             )
-            vpp = per_rank
         given = [
             _flag(n)
             for n in (
@@ -185,7 +199,6 @@ class ParallelConfig:
                 f"virtual pipeline stages need --pipeline-model-parallel-size > 1; drop {given[0]} or raise "
                 "the pipeline size.",
             )
-        self.virtual_pipeline_model_parallel_size = vpp  # --num-layers-per-virtual-pipeline-stage: validate_model
         group = self.microbatch_group_size_per_virtual_pipeline_stage
         if group is not None:
             require(
@@ -199,13 +212,25 @@ class ParallelConfig:
                 require(pp > 1, f"{_flag(name)} needs --pipeline-model-parallel-size > 1; drop it.")
                 require(value >= 1, f"{_flag(name)} must be >= 1, got {value}.")
 
+    def resolve_model(self, model, *, stages_from_pattern: bool = False) -> "ParallelConfig":
+        """Fills the virtual stages per rank from --num-layers-per-virtual-pipeline-stage and the
+        model's layer count (``model``: a finalized ``TransformerConfig``); returns self.
+
+        Layouts that do not split are left for ``validate_model`` to name.
+        """
+        from megatron.core.pipeline_parallel.layout import resolve_virtual_stages
+
+        if not stages_from_pattern:
+            resolve_virtual_stages(self, model.num_layers)
+        return self
+
     def validate_model(self, model, *, stages_from_pattern: bool = False) -> None:
-        """Checks the model shape against the layout (``model``: a finalized ``TransformerConfig``);
-        resolves the virtual stages per rank from --num-layers-per-virtual-pipeline-stage.
+        """Checks the model shape against the layout (``model``: a finalized ``TransformerConfig``;
+        after ``resolve_model``; reads only).
 
         ``stages_from_pattern``: a hybrid pattern's '|' segments give the stages' layers.
         """
-        from megatron.core.pipeline_parallel.layout import resolve_virtual_stages, stage_layer_counts
+        from megatron.core.pipeline_parallel.layout import stage_layer_counts, virtual_stages_from_layers
 
         tp = self.tensor_model_parallel_size
         if stages_from_pattern:
@@ -224,7 +249,7 @@ class ParallelConfig:
                 "stages; drop it (the segments decide).",
             )
         else:
-            resolve_virtual_stages(self, model.num_layers)
+            virtual_stages_from_layers(self, model.num_layers)
             stage_layer_counts(self, model.num_layers)  # raises for layer counts that do not split
         require(
             model.num_attention_heads % tp == 0,
@@ -545,18 +570,25 @@ def build_groups(config: ParallelConfig, *, rank: int, world_size: int, device: 
     )
 
 
+def world_size_from_env() -> int:
+    """Number of processes of this run (torchrun's WORLD_SIZE; 1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def initialize(config: ParallelConfig, *, use_cuda: bool) -> ProcessGroups:
     """Builds process groups from torchrun's environment.
 
     Args:
-        config: Parallel layout; ``world_size`` and the derived sizes are filled in.
+        config: Parallel layout, resolved and validated for this world
+            (``world_size_from_env()``); it is only read.
         use_cuda: Compute on CUDA (NCCL) or on the CPU (gloo).
     """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = world_size_from_env()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    config.world_size = world_size
-    config.validate()
+    assert config.world_size == world_size, (
+        f"the parallel config was resolved for {config.world_size} processes, but WORLD_SIZE is {world_size}"
+    )
     if use_cuda:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

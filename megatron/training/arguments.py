@@ -19,7 +19,8 @@ What is unusual:
 - Unknown flags exit through argparse as usual, with a "did you mean" suggestion.
 - Abbreviations are off (as in Megatron): ``--num-layer`` is an error, not a prefix match.
 
-Parsing fills the dataclasses and nothing else; ``RunConfig.validate()`` checks them.
+Parsing fills the dataclasses and nothing else; ``RunConfig.resolve()`` derives the rest and
+``RunConfig.validate()`` checks them.
 """
 
 import argparse
@@ -28,6 +29,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import re
 import sys
 import textwrap
 import types
@@ -277,11 +279,41 @@ def _ignored_flags(values: dict[str, Any]) -> list[str]:
     return out
 
 
+_DASH_VALUE = re.compile(r"^-[\d.]")
+
+
+def _attach_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--split -1,2,0`` -> ``--split=-1,2,0``.
+
+    argparse takes a value that starts with '-' and is not a plain number for a flag
+    and stops with "expected one argument"; attached to its flag, the value reaches
+    the flag's own check, whose error names the flag and the fix.
+    """
+    out, i = [], 0
+    while i < len(argv):
+        action = parser._option_string_actions.get(argv[i])
+        value = argv[i + 1] if i + 1 < len(argv) else None
+        if (
+            action is not None
+            and action.nargs is None
+            and action.option_strings
+            and value is not None
+            and _DASH_VALUE.match(value)
+            and value not in parser._option_string_actions
+        ):
+            out.append(f"{argv[i]}={value}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     """Parses a command line into a ``RunConfig``.
 
-    Only fills the dataclasses: the caller runs ``RunConfig.validate()`` (after the
-    world size is known) and sets ``model.vocab_size`` from the tokenizer.
+    Only fills the dataclasses: the caller runs ``cfg = cfg.resolve(world_size)`` and
+    ``cfg.validate()``, sets ``model.vocab_size`` from the tokenizer and freezes it.
 
     Args:
         argv: Arguments without the program name; None reads ``sys.argv[1:]``.
@@ -290,7 +322,9 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
         SystemExit: For unknown flags or malformed values (argparse's usual exit).
         ValueError: For known Megatron flags this trainer does not support.
     """
-    namespace = build_parser().parse_args(None if argv is None else list(argv))
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    namespace = parser.parse_args(_attach_dash_values(parser, argv))
     values = vars(namespace)
     _check_known_flags(values)
     config = RunConfig()

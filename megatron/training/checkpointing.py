@@ -32,10 +32,8 @@ What is unusual:
   a mismatch names the file and every differing field.
 - Loading never replaces parameter or ``main_grad`` storage (``copy_`` into the
   existing tensors), so CUDA graphs captured afterwards read the loaded weights.
-- One run per ``--save`` folder: ``SaveLock`` holds ``DIR/save.lock`` (host and pid
-  of the holder) for the whole run; a second run refuses to start and names the
-  holder. A lock whose holder is provably gone (same host, pid not running) is
-  removed; so are temporary folders of killed saves, and only while holding the lock.
+- One run per ``--save`` folder: ``save_lock.SaveLock`` holds ``DIR/save.lock`` for
+  the whole run; temporary folders of killed saves are removed only while holding it.
 - A save that fails (full disk, I/O error) removes its temporary folder at once and
   says why ("no space left on DIR"); the tracker keeps pointing at the previous save.
 - ``--no-load-optim`` keeps the LR schedule at the loaded iteration (Megatron restarts
@@ -44,29 +42,25 @@ What is unusual:
 
 import dataclasses
 import enum
-import errno
 import glob
-import json
 import os
-import random
 import shutil
-import socket
 import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron.training.logging_utils import print_rank_0
+from megatron.training.save_lock import os_error_text, remove_leftovers
+from megatron.training.train_state import TrainState
 
 CHECKPOINT_VERSION = 1
 """Format version written into every file; loading a newer one is refused."""
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILENAME = "model_optim_rng.pt"
-LOCK_FILENAME = "save.lock"
 
 # Model fields that decide parameter shapes or how the weights are used. A checkpoint
 # saved with other values cannot be loaded (or would silently compute something else).
@@ -113,40 +107,6 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-@dataclasses.dataclass
-class TrainState:
-    """Counters of the loop and this rank's RNG streams, as one ``Stateful``.
-
-    ``state_dict`` reads the RNG generators at the time of the call and
-    ``load_state_dict`` restores them (when the state holds them: ``--no-load-rng``
-    drops the entry).
-    """
-
-    iteration: int = 0
-    consumed_samples: int = 0
-    skipped_iters: int = 0
-    nan_iters: int = 0
-    include_cuda_rng: bool = False
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "iteration": self.iteration,
-            "consumed_samples": self.consumed_samples,
-            "skipped_iterations": self.skipped_iters,
-            "nan_iterations": self.nan_iters,
-            "rng_state": get_rng_state(self.include_cuda_rng),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.iteration = int(state["iteration"])
-        self.consumed_samples = int(state["consumed_samples"])
-        # Files written before the counters were saved lack them.
-        self.skipped_iters = int(state.get("skipped_iterations", 0))
-        self.nan_iters = int(state.get("nan_iterations", 0))
-        if state.get("rng_state") is not None:
-            set_rng_state(state["rng_state"], include_cuda=self.include_cuda_rng)
 
 
 class LoadedCheckpoint(NamedTuple):
@@ -257,47 +217,6 @@ def check_config(saved: dict[str, Any], cfg, path: str) -> None:
         )
 
 
-# ---------------------------------------------------------------------- RNG
-
-
-def get_rng_state(include_cuda: bool) -> dict[str, Any]:
-    """Python, numpy, torch CPU (and the current CUDA device's) generator states, as plain values."""
-    version, internal, gauss = random.getstate()
-    algorithm, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
-    state = {
-        "random_rng_state": [version, list(internal), gauss],
-        "np_rng_state": {
-            "algorithm": str(algorithm),
-            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),  # uint32 values fit in int64
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached_gaussian),
-        },
-        "torch_rng_state": torch.get_rng_state(),
-        "cuda_rng_state": torch.cuda.get_rng_state() if include_cuda else None,
-    }
-    return state
-
-
-def set_rng_state(state: dict[str, Any], include_cuda: bool) -> None:
-    """Restores what ``get_rng_state`` returned."""
-    version, internal, gauss = state["random_rng_state"]
-    random.setstate((version, tuple(internal), gauss))
-    np_state = state["np_rng_state"]
-    np.random.set_state(
-        (
-            np_state["algorithm"],
-            np_state["keys"].numpy().astype(np.uint32),
-            np_state["pos"],
-            np_state["has_gauss"],
-            np_state["cached_gaussian"],
-        )
-    )
-    torch.set_rng_state(state["torch_rng_state"])
-    if include_cuda and state.get("cuda_rng_state") is not None:
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
-
-
 # ---------------------------------------------------------------------- file helpers
 
 
@@ -347,22 +266,6 @@ def _install(checkpoints_dir: str, tmp_dir: str, final_dir: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _remove_leftovers(checkpoints_dir: str) -> None:
-    """Deletes folders of saves that were killed midway (the tracker never points at them).
-
-    Only while this process holds the folder's ``SaveLock``: then any other writer has
-    ended (it held the lock before us and released it, or was found dead).
-    """
-    if checkpoints_dir not in _HELD_LOCKS:
-        return
-    mine = str(os.getpid())
-    for path in glob.glob(os.path.join(checkpoints_dir, "iter_*.tmp-*")) + glob.glob(
-        os.path.join(checkpoints_dir, "iter_*.old-*")
-    ):
-        if path.rsplit("-", 1)[-1] != mine and os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-
-
 def _distributed(pg) -> bool:
     return pg.world_size > 1 and dist.is_available() and dist.is_initialized()
 
@@ -378,188 +281,6 @@ def _train_state(state: Mapping[str, Stateful]) -> TrainState:
     for key, obj in state.items():
         assert isinstance(obj, Stateful), f"{key!r} has no state_dict/load_state_dict"
     return train_state
-
-
-# ---------------------------------------------------------------------- the save lock
-
-_HELD_LOCKS: dict[str, "SaveLock"] = {}  # absolute --save folder -> the lock this process holds
-
-
-def _pid_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
-
-
-def _read_holder(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            holder = json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return {}  # unreadable or half-written: held by someone unknown
-    return holder if isinstance(holder, dict) else {}
-
-
-def _describe(holder: dict[str, Any]) -> str:
-    if not holder:
-        return "an unknown run (the lock file cannot be read)"
-    since = holder.get("started")
-    when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else ""
-    return f"host {holder.get('host')!r}, pid {holder.get('pid')}{when}"
-
-
-def check_save_dir(save_dir: str) -> str:
-    """Makes sure ``--save`` is a folder this process can write to (created if missing).
-
-    Returns:
-        The absolute path.
-
-    Raises:
-        ValueError: It is a file, or it cannot be created or written.
-    """
-    path = os.path.abspath(save_dir)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"--save {save_dir} is a file, not a folder; point --save at a folder (created if missing).")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--save {save_dir} cannot be created ({e.strerror}); pass a folder you can write to.") from e
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"--save {save_dir} is not writable; pass a folder you can write to.")
-    return path
-
-
-class SaveLock:
-    """``DIR/save.lock``: one run at a time saves into a ``--save`` folder.
-
-    The file holds the holder's host and pid as JSON, created with ``O_EXCL`` so two
-    runs cannot both take it. A lock left by a process that no longer runs on this host
-    is removed; one from another host is trusted (its process cannot be checked from
-    here), and the error says which file to delete once that run is known to be gone.
-    Taking it again in the same process is allowed (tests build several trainers).
-    """
-
-    def __init__(self, save_dir: str):
-        self.save_dir = os.path.abspath(save_dir)
-        self.path = os.path.join(self.save_dir, LOCK_FILENAME)
-        self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
-        self.held = False
-
-    def _mine(self, holder: dict[str, Any] | None) -> bool:
-        return bool(holder) and holder.get("host") == self.holder["host"] and holder.get("pid") == self.holder["pid"]
-
-    def _create(self) -> bool:
-        try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        except OSError as e:
-            raise ValueError(
-                f"--save {self.save_dir}: cannot create {self.path} ({_os_error_text(e, self.save_dir)})."
-            ) from e
-        try:
-            os.write(fd, json.dumps(self.holder).encode("utf-8"))
-            os.fsync(fd)
-        except OSError as e:
-            os.close(fd)
-            os.remove(self.path)
-            raise ValueError(
-                f"--save {self.save_dir}: cannot write {self.path} ({_os_error_text(e, self.save_dir)})."
-            ) from e
-        os.close(fd)
-        return True
-
-    def _remove_stale(self, holder: dict[str, Any]) -> None:
-        """Removes the lock of a dead process, unless another run replaced it meanwhile."""
-        aside = f"{self.path}.stale-{os.getpid()}"
-        try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return  # someone else removed it first
-        if _read_holder(aside) != holder:  # a live run took the lock between our read and rename
-            try:
-                os.link(aside, self.path)  # put it back, unless yet another run holds it now
-            except FileExistsError:
-                pass
-        os.remove(aside)
-        print_rank_0(f"> removed the stale lock {self.path} of {_describe(holder)} (that process has ended)")
-
-    def acquire(self) -> "SaveLock":
-        """Takes the lock.
-
-        Raises:
-            ValueError: Another run holds it (the message names host and pid), or the
-                folder cannot be written.
-        """
-        check_save_dir(self.save_dir)
-        for _ in range(5):
-            if self._create():
-                break
-            holder = _read_holder(self.path)
-            if holder is None:
-                continue  # released in the meantime
-            if self._mine(holder):
-                break
-            stale = (
-                holder.get("host") == self.holder["host"]
-                and isinstance(holder.get("pid"), int)
-                and not _pid_running(holder["pid"])
-            )
-            if not stale:
-                raise ValueError(
-                    f"--save {self.save_dir} is in use by another run ({_describe(holder)}): two runs saving into "
-                    "one folder destroy each other's checkpoints. Stop that run or pick another --save folder; if "
-                    f"that run is gone (e.g. its machine crashed), delete {self.path}."
-                )
-            self._remove_stale(holder)
-        else:
-            raise ValueError(f"--save {self.save_dir}: could not take {self.path}; another run keeps replacing it.")
-        self.held = True
-        _HELD_LOCKS[self.save_dir] = self
-        return self
-
-    def release(self) -> None:
-        """Removes the lock file if this process holds it. Safe to call twice."""
-        if not self.held:
-            return
-        self.held = False
-        _HELD_LOCKS.pop(self.save_dir, None)
-        if self._mine(_read_holder(self.path)):
-            try:
-                os.remove(self.path)
-            except FileNotFoundError:
-                pass
-
-    def __enter__(self) -> "SaveLock":
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-def _os_error_text(e: BaseException, folder: str) -> str:
-    """'no space left on DIR' for a full disk, else the OS's own words."""
-    chain, seen = e, set()
-    while chain is not None and id(chain) not in seen:
-        seen.add(id(chain))
-        if isinstance(chain, OSError) and chain.errno in (errno.ENOSPC, errno.EDQUOT):
-            return f"no space left on {folder}"
-        if isinstance(chain, OSError) and chain.strerror:
-            return f"{chain.strerror}: {chain.filename or folder}"
-        chain = chain.__cause__ or chain.__context__
-    try:
-        st = os.statvfs(folder)
-        if st.f_bavail == 0:
-            return f"no space left on {folder}"
-    except OSError:
-        pass
-    return f"{type(e).__name__}: {e}"
 
 
 # ---------------------------------------------------------------------- save
@@ -612,6 +333,23 @@ def refuse_non_finite(states: Mapping[str, Any], pg, iteration: int, save_dir: s
         )
 
 
+def _kept(save_dir: str) -> str:
+    tracker = tracker_path(save_dir)
+    if os.path.isfile(tracker):
+        return f"{tracker} still points at iteration {read_tracker(save_dir)[0]}"
+    return "no earlier checkpoint exists"
+
+
+def _failed_rank(pg, failed_here: bool) -> int | None:
+    """The lowest rank whose write failed (None: none did); a collective over all ranks."""
+    if not _distributed(pg):
+        return pg.rank if failed_here else None
+    flag = torch.tensor([pg.rank if failed_here else pg.world_size], dtype=torch.int64, device=pg.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    lowest = int(flag.item())
+    return None if lowest == pg.world_size else lowest
+
+
 def save_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> str:
     """Saves ``state`` at its train state's iteration into ``--save``. Call on every rank.
 
@@ -652,6 +390,7 @@ def save_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> str:
     path = os.path.join(tmp_dir, os.path.relpath(_rank_file(pg, save_dir, iteration), final_dir))
     others = {key: obj.state_dict() for key, obj in state.items() if key != TRAIN_STATE}
     refuse_non_finite(others, pg, iteration, save_dir)
+    error = None
     if pg.dp_rank == 0:
         # Megatron's order: version, counters, model, optimizer, scheduler, RNG, args.
         contents = {"checkpoint_version": CHECKPOINT_VERSION}
@@ -662,24 +401,31 @@ def save_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> str:
         contents.update({k: v for k, v in train.items() if k not in contents})
         try:
             _write_file(contents, path)
-        except (OSError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001 - any failed write must reach the other ranks
             shutil.rmtree(tmp_dir, ignore_errors=True)  # at once: a full disk must not fill up further
-            tracker = tracker_path(save_dir)
-            kept = (
-                f"{tracker} still points at iteration {read_tracker(save_dir)[0]}"
-                if os.path.isfile(tracker)
-                else "no earlier checkpoint exists"
+            where = f" on rank {pg.rank}" if pg.world_size > 1 else ""
+            error = RuntimeError(
+                f"saving iteration {iteration} failed{where}: {os_error_text(e, save_dir)}. The partial "
+                f"save was removed and {_kept(save_dir)}. Free space or point --save at another folder."
             )
-            raise RuntimeError(
-                f"saving iteration {iteration} failed: {_os_error_text(e, save_dir)}. The partial save was "
-                f"removed and {kept}. Free space or point --save at another folder."
-            ) from e
-    _barrier(pg)  # every rank's file is on disk
+            error.__cause__ = e
+    # Every rank's file is on disk, or every rank learns which rank failed (no one waits
+    # in a barrier for a writer that gave up).
+    failed = _failed_rank(pg, error is not None)
+    if error is not None:
+        raise error
+    if failed is not None:
+        if pg.rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise RuntimeError(
+            f"saving iteration {iteration} failed on rank {failed} (its log says why); the partial save was "
+            f"removed and {_kept(save_dir)}."
+        )
 
     if pg.rank == 0:
         _install(save_dir, tmp_dir, final_dir)
         _write_tracker(save_dir, iteration)
-        _remove_leftovers(save_dir)
+        remove_leftovers(save_dir)
     _barrier(pg)  # nobody goes on (or exits) before the tracker points at this save
     print_rank_0(
         f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir} "

@@ -3,15 +3,23 @@
 One small dataclass per concern; ``megatron.training.arguments`` generates the flags.
 ``RunConfig`` bundles every concern (model, parallel and cuda-graph configs live with
 the core code they configure) and runs the cross-concern checks.
+
+A run's config goes through four steps, once each: ``parse_args`` fills the
+dataclasses; ``RunConfig.resolve(world_size)`` returns a copy with every derived value
+computed (defaults that depend on other flags, the data-parallel sizes, the dtype, the
+iteration count); ``validate()`` only reads and raises ``ValueError`` naming the flag;
+the trainer sets the padded vocabulary size from the tokenizer and calls ``freeze()``,
+after which assigning a field raises.
 """
 
+import copy
 import dataclasses
 import math
 import warnings
 
 import torch
 
-from megatron.core.config_utils import flag_field, require
+from megatron.core.config_utils import Freezable, flag_field, freeze, require
 from megatron.core.datasets.builder import parse_split
 from megatron.core.parallel_state import ParallelConfig
 from megatron.core.ssm.mamba_config import MambaConfig
@@ -22,7 +30,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 @dataclasses.dataclass
-class TrainingConfig:
+class TrainingConfig(Freezable):
     """Batch sizes, iteration count and determinism."""
 
     micro_batch_size: int = 2
@@ -83,7 +91,7 @@ class TrainingConfig:
 
 
 @dataclasses.dataclass
-class OptimizerConfig:
+class OptimizerConfig(Freezable):
     """Optimizer and learning-rate schedule."""
 
     optimizer: str = flag_field("adam", choices=("adam", "sgd", "muon", "dist_muon"))
@@ -149,7 +157,7 @@ class OptimizerConfig:
 
 
 @dataclasses.dataclass
-class PrecisionConfig:
+class PrecisionConfig(Freezable):
     """Mixed precision and loss scaling."""
 
     bf16: bool = False
@@ -189,7 +197,7 @@ class PrecisionConfig:
 
 
 @dataclasses.dataclass
-class DDPConfig:
+class DDPConfig(Freezable):
     """Data-parallel gradient reduction."""
 
     overlap_grad_reduce: bool = False
@@ -210,7 +218,7 @@ class DDPConfig:
 
 
 @dataclasses.dataclass
-class DataConfig:
+class DataConfig(Freezable):
     """Data and tokenizer."""
 
     mock_data: bool = False
@@ -266,7 +274,7 @@ class DataConfig:
 
 
 @dataclasses.dataclass
-class LoggingConfig:
+class LoggingConfig(Freezable):
     """Logging, metrics and TensorBoard."""
 
     log_interval: int = 100
@@ -326,7 +334,7 @@ class LoggingConfig:
 
 
 @dataclasses.dataclass
-class CheckpointConfig:
+class CheckpointConfig(Freezable):
     """Saving and loading checkpoints."""
 
     save: str | None = None
@@ -375,7 +383,7 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass
-class RunConfig:
+class RunConfig(Freezable):
     """Every concern of one run, as parsed from the command line."""
 
     model: TransformerConfig = dataclasses.field(default_factory=TransformerConfig)
@@ -410,15 +418,68 @@ class RunConfig:
             "would name stage-local layers); pass --ckpt-format torch, which saves one file per stage.",
         )
 
-    def validate(self) -> None:
-        """Checks each concern, then the rules that span several of them.
+    def resolve(self, world_size: int = 1) -> "RunConfig":
+        """A copy of this config with every derived value computed, for a run of ``world_size`` processes.
 
-        Needs ``parallel.world_size`` set (``finalize_world``) for the batch checks.
+        The only place derived values are set (but the padded vocabulary size, which
+        needs the tokenizer); with ``--auto-detect-ckpt-format`` the format is the one of
+        the ``--load`` checkpoint. Values the flags leave undefined (a batch size of 0, say)
+        stay as given for ``validate()`` to name; a hybrid pattern that cannot be parsed
+        raises ``ValueError`` here.
         """
-        self._warn_ignored_flags()
-        self.model.moe = self.moe  # the model reads its MoE flags as config.moe
-        self.mamba.validate(self.model, self.parallel)  # before finalize: the hybrid pattern sets --num-layers
-        self.model.finalize()
+        cfg = copy.deepcopy(self)
+        cfg._warn_ignored_flags()  # on the flags as given, before defaults fill them in
+        cfg.model.moe = cfg.moe  # the model reads its MoE flags as config.moe
+        cfg.mamba.resolve(cfg.model, cfg.parallel)  # before finalize: the hybrid pattern sets --num-layers
+        cfg.model.finalize()
+        cfg.model.params_dtype = cfg.precision.params_dtype
+        cfg.parallel.world_size = world_size
+        cfg.parallel.resolve()
+        cfg.parallel.resolve_model(cfg.model, stages_from_pattern=cfg.mamba.parsed_pattern is not None)
+        cfg.cuda_graph.resolve()
+        t = cfg.training
+        if t.global_batch_size is None:
+            t.global_batch_size = t.micro_batch_size * cfg.parallel.data_parallel_size
+        require(  # the iteration count derives from one of them
+            t.train_iters is None or t.train_samples is None,
+            "--train-iters and --train-samples cannot both be set; pick one.",
+        )
+        if t.train_samples is not None:
+            if t.train_samples >= 1 and t.global_batch_size >= 1:
+                t.train_iters = max(1, t.train_samples // t.global_batch_size)
+        elif t.train_iters is None:
+            t.train_iters = 100
+        if cfg.ddp.overlap_param_gather and cfg.cuda_graph.enabled:
+            # A graph replay bypasses the forward pre-hooks that wait for each bucket's gather.
+            warnings.warn(
+                "--overlap-param-gather is off with CUDA graphs: parameters are gathered right after "
+                "the optimizer step instead.",
+                stacklevel=2,
+            )
+            cfg.ddp.overlap_param_gather = False
+        d = cfg.data
+        if d.tokenizer_type is None:
+            # Megatron's pretrain_gpt.py: vocab and merge files mean GPT-2 BPE.
+            d.tokenizer_type = "GPT2BPETokenizer" if d.vocab_file and d.merge_file else "NullTokenizer"
+        c = cfg.checkpoint
+        if c.auto_detect_ckpt_format and c.load:
+            from megatron.training.dist_checkpointing import detect_format  # reads the --load folder
+
+            c.ckpt_format = detect_format(c.load) or c.ckpt_format
+        object.__setattr__(cfg, "_resolved", True)
+        return cfg
+
+    def freeze(self) -> "RunConfig":
+        """Makes this config read-only (every concern in it); returns self."""
+        return freeze(self)
+
+    def validate(self) -> None:
+        """Checks each concern, then the rules that span several of them. Reads only.
+
+        Call on the config ``resolve()`` returned.
+        """
+        assert self.__dict__.get("_resolved"), "validate() checks a resolved config: call cfg = cfg.resolve(world_size)"
+        self.mamba.validate(self.model, self.parallel)
         self.model.validate()
         par = self.parallel
         etp = par.expert_tensor_parallel_size or par.tensor_model_parallel_size
@@ -440,11 +501,8 @@ class RunConfig:
         )
         p, t, o = self.precision, self.training, self.optimizer
         require(not (p.bf16 and p.fp16), "--bf16 and --fp16 cannot be combined; pick one.")
-        self.model.params_dtype = p.params_dtype
         require(t.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {t.micro_batch_size}.")
         dp = self.parallel.data_parallel_size
-        if t.global_batch_size is None:
-            t.global_batch_size = t.micro_batch_size * dp
         require(
             t.global_batch_size >= 1,
             f"--global-batch-size must be >= 1, got {t.global_batch_size}; drop it for --micro-batch-size x "
@@ -456,18 +514,11 @@ class RunConfig:
             f"({t.micro_batch_size}) x data-parallel size ({dp}).",
         )
         require(
-            t.train_iters is None or t.train_samples is None,
-            "--train-iters and --train-samples cannot both be set; pick one.",
-        )
-        require(
             t.rampup_batch_size is None,
             "--rampup-batch-size is not supported yet; drop it (the global batch size is constant).",
         )
         if t.train_samples is not None:
             require(t.train_samples >= 1, f"--train-samples must be >= 1, got {t.train_samples}.")
-            t.train_iters = max(1, t.train_samples // t.global_batch_size)
-        elif t.train_iters is None:
-            t.train_iters = 100
         require(t.train_iters >= 1, f"--train-iters must be >= 1, got {t.train_iters}.")
         require(
             not (t.train_samples is None and (o.lr_warmup_samples or o.lr_decay_samples is not None)),
@@ -522,14 +573,6 @@ class RunConfig:
             not self.ddp.overlap_param_gather or self.ddp.use_distributed_optimizer,
             "--overlap-param-gather needs --use-distributed-optimizer; add it or drop --overlap-param-gather.",
         )
-        if self.ddp.overlap_param_gather and self.cuda_graph.enabled:
-            # A graph replay bypasses the forward pre-hooks that wait for each bucket's gather.
-            warnings.warn(
-                "--overlap-param-gather is off with CUDA graphs: parameters are gathered right after "
-                "the optimizer step instead.",
-                stacklevel=2,
-            )
-            self.ddp.overlap_param_gather = False
         require(
             not (self.parallel.expert_model_parallel_size > 1 and (self.checkpoint.save or self.checkpoint.load)),
             "--expert-model-parallel-size > 1 with --save/--load is not supported yet (the checkpoint formats hold "
@@ -549,9 +592,6 @@ class RunConfig:
             "--decoupled-lr is not supported yet (the optimizer has no separate embedding/output group); drop it.",
         )
         d = self.data
-        if d.tokenizer_type is None:
-            # Megatron's pretrain_gpt.py: vocab and merge files mean GPT-2 BPE.
-            d.tokenizer_type = "GPT2BPETokenizer" if d.vocab_file and d.merge_file else "NullTokenizer"
         require(
             d.mock_data or d.data_path,
             "no training data: pass --mock-data for synthetic documents, or --data-path PREFIX.",

@@ -17,11 +17,15 @@ from megatron.core.tokenizers import build_tokenizer, vocab_size_with_padding
 
 
 def setup_tokenizer(cfg, pg):
-    """Builds the tokenizer and sets the padded vocabulary size on the model config."""
+    """Builds the tokenizer and sets the padded vocabulary size on the model config.
+
+    The one value set after ``RunConfig.resolve()``: it needs the tokenizer's files.
+    On a frozen config that already holds the same size nothing is written.
+    """
     tokenizer = build_tokenizer(cfg.data)
-    cfg.model.vocab_size = vocab_size_with_padding(
-        tokenizer.vocab_size, cfg.data.make_vocab_size_divisible_by, pg.tp_size
-    )
+    padded = vocab_size_with_padding(tokenizer.vocab_size, cfg.data.make_vocab_size_divisible_by, pg.tp_size)
+    if cfg.model.vocab_size != padded:
+        cfg.model.vocab_size = padded
     return tokenizer
 
 

@@ -41,6 +41,8 @@ import torch.distributed.checkpoint as dcp
 from megatron.training import checkpointing as ckpt
 from megatron.training import sharded_state
 from megatron.training.logging_utils import print_rank_0
+from megatron.training.save_lock import remove_leftovers
+from megatron.training.train_state import get_rng_state, set_rng_state
 
 COMMON_FILENAME = "common.pt"
 METADATA_FILENAME = ".metadata"
@@ -144,7 +146,7 @@ def save(trainer) -> None:
         dist.broadcast_object_list(tmp_name, src=0)
     tmp_dir = os.path.join(save_dir, tmp_name[0])
 
-    rng = ckpt.get_rng_state(trainer.device.type == "cuda")
+    rng = get_rng_state(trainer.device.type == "cuda")
     rng_states = [rng]
     if trainer.pg.dp is not None:
         rng_states = [None] * trainer.pg.dp_size
@@ -172,7 +174,7 @@ def save(trainer) -> None:
             ckpt._write_file(common, os.path.join(tmp_dir, COMMON_FILENAME))
             ckpt._install(save_dir, tmp_dir, final_dir)
             ckpt._write_tracker(save_dir, iteration)
-            ckpt._remove_leftovers(save_dir)
+            remove_leftovers(save_dir)
 
     trainer.last_checkpointed_iteration = iteration
     if cfg.checkpoint.async_save:
@@ -285,6 +287,19 @@ def restore_scheduler(trainer, saved: dict[str, Any]) -> None:
     sched.load_state_dict(saved)
 
 
+def detect_format(load_dir: str) -> str | None:
+    """The format of the checkpoint ``load_dir``'s tracker points at (None: no readable checkpoint)."""
+    load_dir = os.path.abspath(load_dir)
+    if not os.path.isfile(ckpt.tracker_path(load_dir)):
+        return None
+    try:
+        iteration, release = ckpt.read_tracker(load_dir)
+    except ValueError:
+        return None  # the loader names the corrupt tracker
+    iteration_dir = os.path.join(load_dir, ckpt.iteration_dir_name(iteration, release))
+    return "torch_dist" if is_torch_dist_checkpoint(iteration_dir) else "torch"
+
+
 def maybe_load(trainer) -> int | None:
     """``--load`` for torch_dist checkpoints, and the format check for both formats.
 
@@ -303,14 +318,13 @@ def maybe_load(trainer) -> int | None:
     iteration, release = ckpt.read_tracker(load_dir)
     iteration_dir = os.path.join(load_dir, ckpt.iteration_dir_name(iteration, release))
     found = "torch_dist" if is_torch_dist_checkpoint(iteration_dir) else "torch"
-    if found != c.ckpt_format:
-        if not c.auto_detect_ckpt_format:
-            raise ValueError(
-                f"--load {load_dir}: iteration {iteration} is a {found} checkpoint but --ckpt-format is "
-                f"{c.ckpt_format}; pass --ckpt-format {found} or --auto-detect-ckpt-format."
-            )
+    if found != c.ckpt_format:  # with --auto-detect-ckpt-format, RunConfig.resolve() already chose it
+        raise ValueError(
+            f"--load {load_dir}: iteration {iteration} is a {found} checkpoint but --ckpt-format is "
+            f"{c.ckpt_format}; pass --ckpt-format {found} or --auto-detect-ckpt-format."
+        )
+    if c.auto_detect_ckpt_format:
         print_rank_0(f"> --auto-detect-ckpt-format: loading (and saving) in {found} format")
-        c.ckpt_format = found
     if found == "torch":
         return None
     return load(trainer, iteration_dir, iteration, release)
@@ -382,7 +396,7 @@ def load(trainer, iteration_dir: str, iteration: int, release: bool) -> int:
     if not weights_only and not c.no_load_rng:
         states = common["rng_state"]
         chosen = states[trainer.pg.dp_rank] if len(states) == trainer.pg.dp_size else states[0]
-        ckpt.set_rng_state(chosen, include_cuda=trainer.device.type == "cuda")
+        set_rng_state(chosen, include_cuda=trainer.device.type == "cuda")
     trainer.last_checkpointed_iteration = None if weights_only else trainer.iteration
     print_rank_0(
         f"  successfully loaded checkpoint from {iteration_dir} at iteration {iteration}"

@@ -13,18 +13,17 @@ non-finite loss or grad norm skips the update on the device and is counted there
 the host learns of it at the next log line or save (one read) and stops the run,
 naming the iteration where it began. Saves refuse non-finite state, so the tracker
 only ever points at finite weights. ``--save`` is locked for the run
-(``checkpointing.SaveLock``); ``ExitConditions`` turns SIGTERM
+(``save_lock.SaveLock``); ``exit_conditions.ExitConditions`` turns SIGTERM
 (``--exit-signal-handler``) or ``--exit-duration-in-mins`` into save-and-exit-0.
+The log line, TensorBoard scalars and memory line are ``training_log.py``'s.
 """
 
 import atexit
 import contextlib
-import datetime
 import functools
 import gc
 import math
 import os
-import signal
 import time
 from collections.abc import Callable, Sequence
 
@@ -42,11 +41,14 @@ from megatron.core.tensor_parallel.random import model_parallel_manual_seed
 from megatron.core.transformer import cuda_graphs
 from megatron.core.transformer.cuda_graphs.streams import side_stream
 from megatron.core.transformer.moe import moe_layer as moe_hooks
-from megatron.training import checkpointing, dist_checkpointing
+from megatron.training import checkpointing, dist_checkpointing, save_lock
 from megatron.training import logging_utils as logs
 from megatron.training.arguments import parse_args
 from megatron.training.config import RunConfig
 from megatron.training.data import build_data_iterators, setup_tokenizer
+from megatron.training.exit_conditions import ExitConditions
+from megatron.training.train_state import TrainState
+from megatron.training.training_log import IterationLogging, LossWindow
 
 
 def _set_determinism(cfg: RunConfig, use_cuda: bool) -> None:
@@ -60,11 +62,12 @@ def _set_determinism(cfg: RunConfig, use_cuda: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-class Trainer:
+class Trainer(IterationLogging):
     """One training run. ``pretrain()`` builds it from flags and calls ``train()``.
 
     Args:
-        cfg: The validated run configuration.
+        cfg: The resolved and validated run configuration; frozen once the tokenizer
+            has set the vocabulary size.
         pg: Process groups of this rank.
         model_provider: ``(cfg, vocab_size, pg, device) -> torch.nn.Module``.
         forward_step: ``(batch, model) -> (loss, metrics)``: the micro-batch's mean loss
@@ -90,7 +93,8 @@ class Trainer:
         model_parallel_manual_seed(t.seed, tp_rank=pg.tp_rank, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.manual_seed_all(t.seed)
-        self.tokenizer = setup_tokenizer(cfg, pg)
+        self.tokenizer = setup_tokenizer(cfg, pg)  # the padded vocabulary size: the last derived value
+        cfg.freeze()  # from here on the config is read-only
         model = model_provider(cfg, cfg.model.vocab_size, pg, self.device)
         self.model = DistributedDataParallel(model, config=cfg.ddp, pg=pg)
         self.tied_embedding = pipeline_grads.TiedEmbeddingGrads(model, pg)
@@ -106,7 +110,7 @@ class Trainer:
         )
         samples = t.global_batch_size if t.train_samples is not None else None  # schedule in samples
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, t.train_iters, samples_per_iteration=samples)
-        self.state = checkpointing.TrainState(include_cuda_rng=self.device.type == "cuda")
+        self.state = TrainState(include_cuda_rng=self.device.type == "cuda")
         self.last_checkpointed_iteration: int | None = None
         self.save_lock = self._lock_save_dir()
         try:
@@ -157,14 +161,14 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ state
-    def _lock_save_dir(self) -> checkpointing.SaveLock | None:
+    def _lock_save_dir(self) -> save_lock.SaveLock | None:
         """Rank 0 takes ``--save``'s lock; every rank raises if it could not."""
         if not self.cfg.checkpoint.save:
             return None
         lock, error = None, [None]
         if self.pg.rank == 0:
             try:
-                lock = checkpointing.SaveLock(self.cfg.checkpoint.save).acquire()
+                lock = save_lock.SaveLock(self.cfg.checkpoint.save).acquire()
                 atexit.register(lock.release)  # an exception that escapes pretrain()
             except ValueError as e:
                 error = [str(e)]
@@ -341,7 +345,7 @@ class Trainer:
             train_iter, valid_iter = build_data_iterators(cfg, self.tokenizer, self.pg, self.consumed_samples)
         self.model.train()
         history = []
-        self._window = _LossWindow(self.device)
+        self._window = LossWindow(self.device)
         exits = ExitConditions(t, self.pg, start_time=self.start_time)
         last_time = self._sync_time()
         window_skipped = 0
@@ -476,243 +480,14 @@ class Trainer:
         self.metrics.write(self.iteration, tb, samples=self.consumed_samples, jsonl=False)
         return loss
 
-    def _log_tensorboard_iteration(self, loss, grad_norm) -> None:
-        """Megatron's per-iteration TensorBoard (and W&B) scalars (every --tensorboard-log-interval)."""
-        lg = self.cfg.logging
-        if not self.metrics.has_scalar_sink or self.iteration % lg.tensorboard_log_interval != 0:
-            return
-        record = {
-            "learning-rate": self.scheduler.get_lr(self.iteration),
-            "batch-size": self.cfg.training.global_batch_size,
-            "lm loss": float(loss),
-            "loss-scale": float(self.optimizer.get_loss_scale()),
-        }
-        if grad_norm is not None:
-            record["grad-norm"] = float(grad_norm)
-        self.metrics.write(self.iteration, record, samples=self.consumed_samples, jsonl=False)
-
     def _sync_time(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    # ------------------------------------------------------------------ logging
-    def _log_iteration(self, grad_norm, elapsed_ms, *, skipped_count: int = 0) -> dict:
-        """Prints the iteration line for the window since the last one and records it.
-
-        The loss is the mean over the window's finite iterations (nan when none was);
-        with the NaN guard on, a window with a non-finite iteration ends the run after
-        its line is printed.
-        """
-        cfg, t = self.cfg, self.cfg.training
-        moe_losses = {}
-        if self.has_moe:  # Megatron's names (load_balancing_loss, z_loss, ...), mean per micro-batch
-            micro_batches = cfg.num_microbatches * self._window.iterations
-            moe_losses = {
-                k: v.item() for k, v in moe_hooks.collect_moe_metrics(self.model, micro_batches, self.pg.dp).items()
-            }
-        loss_value, nan_now, first_nan = self._window.read_and_reset()
-        self.nan_iters += nan_now
-        grad_value = None if grad_norm is None else float(grad_norm)
-        lr = self.scheduler.get_lr(self.iteration)
-        throughput = None
-        if cfg.logging.log_throughput:
-            flops = logs.num_floating_point_operations(
-                cfg.model,
-                batch_size=t.global_batch_size,
-                seq_length=cfg.model.seq_length,
-                vocab_size=cfg.model.vocab_size,
-            )
-            throughput = logs.throughput_tflops_per_gpu(flops, elapsed_ms / 1000.0, self.pg.world_size)
-        loss_scale = float(self.optimizer.get_loss_scale())
-        num_zeros = None
-        if cfg.logging.log_num_zeros_in_grad:
-            num_zeros = logs.count_zeros(getattr(p, "main_grad", p.grad) for p in self.model.parameters())
-        params_norm = None
-        if cfg.logging.log_params_norm:
-            norms = torch._foreach_norm([p.detach() for p in self.optimizer.main_params], 2)
-            params_norm = torch.linalg.vector_norm(torch.stack(list(norms)), 2).item()
-        line = logs.format_iteration_line(
-            iteration=self.iteration,
-            train_iters=t.train_iters,
-            consumed_samples=self.consumed_samples,
-            elapsed_ms=elapsed_ms,
-            lr=lr,
-            global_batch_size=t.global_batch_size,
-            losses={"lm loss": loss_value, **moe_losses},
-            loss_scale=loss_scale,
-            grad_norm=grad_value,
-            skipped_iters=skipped_count,
-            nan_iters=nan_now,
-            num_zeros=num_zeros,
-            throughput_tflops=throughput,
-            params_norm=params_norm,
-            timestamp=datetime.datetime.now(),
-        )
-        logs.print_last_rank(line)
-        record = {
-            "lm loss": loss_value,
-            "learning-rate": lr,
-            "grad-norm": grad_value,
-            "loss-scale": loss_scale,
-            "iteration-time": elapsed_ms / 1000.0,
-            "batch-size": t.global_batch_size,
-            **moe_losses,
-        }
-        if throughput is not None:
-            record["throughput"] = throughput
-        if params_norm is not None:
-            record["params-norm"] = params_norm
-        if num_zeros is not None:
-            record["num-zeros"] = num_zeros
-        if cfg.logging.log_memory_to_tensorboard:
-            record.update(self._memory_record())
-        per_iteration = ("lm loss", "learning-rate", "grad-norm", "loss-scale", "batch-size")
-        self.metrics.write(self.iteration, record, samples=self.consumed_samples, tensorboard=False)
-        tb_extra = {k: v for k, v in record.items() if k not in per_iteration and k != "iteration-time"}
-        if cfg.logging.log_timers_to_tensorboard:
-            tb_extra["iteration-time"] = record["iteration-time"]
-        self.metrics.write(self.iteration, tb_extra, samples=self.consumed_samples, jsonl=False)
-        if nan_now and cfg.ddp.check_for_nan_in_loss_and_grad:
-            raise self._nan_error(nan_now, first_nan)
-        return dict(record, iteration=self.iteration)
-
-    def _memory_record(self) -> dict[str, float]:
-        record = logs.memory_metrics(logs.memory_stats_mb(self.device))
-        if self.graphs.captured:
-            s = self.graphs.stats()
-            record["graph-pool-reserved-bytes"] = s["pool_reserved_bytes"]
-            record["graph-pool-live-bytes"] = s["pool_live_bytes"]
-        return record
-
-    def _log_memory(self) -> None:
-        if self.device.type != "cuda" or self.pg.dp_rank != 0:
-            return
-        mem = logs.memory_stats_mb(self.device)
-        extra = {}
-        if self.graphs.captured:
-            s = self.graphs.stats()
-            extra = {
-                "graph pool reserved": s["pool_reserved_bytes"] / 2**20,
-                "graph pool live": s["pool_live_bytes"] / 2**20,
-                "graph buffers held": s["strong_bytes"] / 2**20,
-                "graphs": s["graphs"],
-                "graph capture (s)": s["capture_seconds"],
-            }
-            if self.pg.pp_size > 1:
-                extra["pipeline rank"] = self.pg.pp_rank
-        print(
-            logs.format_memory_line(
-                self.pg.rank,
-                f"(after {self.iteration} iterations)",
-                mem["allocated_mb"],
-                mem["max_allocated_mb"],
-                mem["reserved_mb"],
-                mem["max_reserved_mb"],
-                extra=extra,
-            ),
-            flush=True,
-        )
-
-    def _log_capture(self) -> None:
-        if self.pg.dp_rank != 0:
-            return
-        print(f"> {self.graphs.summary_line(stage=(self.pg.pp_rank, self.pg.pp_size))}", flush=True)
-
 
 _STATIC_SCALE_WARN_AFTER = 10
 """Consecutive fp16 overflows with a static --loss-scale before the run warns."""
-
-
-class _LossWindow:
-    """Device-side sums of the iterations since the last log line (no host sync to add).
-
-    Holds the sum and count of finite losses and the count of non-finite iterations of
-    the window, and the first non-finite iteration since the run started; one host read
-    fetches them.
-    """
-
-    def __init__(self, device: torch.device):
-        # float64: counts and iteration numbers stay exact.
-        self._acc = torch.zeros(3, dtype=torch.float64, device=device)  # [finite sum, finite count, nan count]
-        self._first_nan = torch.full((), math.inf, dtype=torch.float64, device=device)
-        self.iterations = 0
-
-    def add(self, loss: torch.Tensor, non_finite: torch.Tensor, iteration: int) -> None:
-        finite = torch.isfinite(loss)
-        bad = non_finite.to(torch.float64)
-        self._acc += torch.stack([torch.where(finite, loss, 0.0).double(), finite.double(), bad])
-        # Scalars reach the kernels as arguments: no host-to-device copy, no sync.
-        candidate = torch.minimum(self._first_nan, torch.full_like(self._first_nan, float(iteration)))
-        torch.where(bad > 0, candidate, self._first_nan, out=self._first_nan)
-        self.iterations += 1
-
-    def _read(self) -> tuple[float, int, int, int]:
-        loss_sum, finite, nan, first = torch.cat([self._acc, self._first_nan.reshape(1)]).tolist()
-        return loss_sum, int(finite), int(nan), int(first) if math.isfinite(first) else 0
-
-    def read_nan(self) -> tuple[int, int]:
-        """(non-finite iterations of this window, first non-finite iteration or 0)."""
-        _, _, nan, first = self._read()
-        return nan, first
-
-    def read_and_reset(self) -> tuple[float, int, int]:
-        """(mean finite loss, nan if none; non-finite iterations; first non-finite iteration or 0)."""
-        loss_sum, finite, nan, first = self._read()
-        self._acc.zero_()
-        self.iterations = 0
-        return (loss_sum / finite if finite else float("nan")), nan, first
-
-
-class ExitConditions:
-    """``--exit-signal-handler`` and ``--exit-duration-in-mins``: when the loop should stop.
-
-    Inside the context, SIGTERM (Megatron's default ``--exit-signal``) only sets a flag;
-    the loop asks ``reason()`` after each iteration, saves and returns, so the process
-    exits 0. With several ranks the decision is taken together (one all-reduce per
-    iteration, only when one of the flags is set), so every rank stops at the same
-    iteration.
-    """
-
-    def __init__(self, training_config, pg: parallel_state.ProcessGroups, *, start_time: float):
-        self.handle_signal = training_config.exit_signal_handler
-        self.duration_s = (
-            None if training_config.exit_duration_in_mins is None else training_config.exit_duration_in_mins * 60.0
-        )
-        self.pg = pg
-        self._start = start_time  # time.monotonic() when the run began
-        self._received = False
-        self._previous = None
-        self._decided: str | None = None
-
-    def __enter__(self) -> "ExitConditions":
-        if self.handle_signal:
-            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.handle_signal and self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-
-    def _on_signal(self, signum, frame) -> None:
-        self._received = True
-
-    def reason(self) -> str | None:
-        """Why the run should stop now (None: go on); the same answer on every rank."""
-        if self._decided is not None or (not self.handle_signal and self.duration_s is None):
-            return self._decided
-        signalled = self._received
-        timed_out = self.duration_s is not None and time.monotonic() - self._start > self.duration_s
-        if self.pg.world_size > 1 and dist.is_available() and dist.is_initialized():
-            flags = torch.tensor([int(signalled), int(timed_out)], dtype=torch.int32, device=self.pg.device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            signalled, timed_out = (bool(v) for v in flags.tolist())
-        if signalled:
-            self._decided = "SIGTERM received (--exit-signal-handler)"
-        elif timed_out:
-            self._decided = f"--exit-duration-in-mins {self.duration_s / 60.0:g} reached"
-        return self._decided
 
 
 def default_model_provider(cfg: RunConfig, vocab_size: int, pg, device) -> torch.nn.Module:
@@ -757,14 +532,13 @@ def build_trainer(
 
     The caller owns the process groups: ``parallel_state.destroy(trainer.pg)`` at the end.
     """
-    cfg = parse_args(argv)
+    cfg = parse_args(argv).resolve(parallel_state.world_size_from_env())
+    cfg.validate()
     use_cuda = torch.cuda.is_available() and not cfg.training.use_cpu
     if use_cuda:
         _configure_nccl_for_graphs(cfg)  # before any NCCL communicator exists
-    # Process groups first: the world size is needed to validate the batch sizes.
     pg = parallel_state.initialize(cfg.parallel, use_cuda=use_cuda)
     try:
-        cfg.validate()
         for line in logs.startup_lines(cfg):
             logs.print_rank_0(line)
         _set_determinism(cfg, use_cuda)

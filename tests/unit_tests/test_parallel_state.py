@@ -13,7 +13,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 def layout(world, **sizes) -> ParallelConfig:
-    cfg = ParallelConfig(world_size=world, **sizes)
+    cfg = ParallelConfig(world_size=world, **sizes).resolve()
     cfg.validate()
     return cfg
 

@@ -16,21 +16,20 @@ from __future__ import annotations
 from megatron.core.config_utils import require
 
 
-def resolve_virtual_stages(parallel, num_layers: int) -> int | None:
-    """Fills ``parallel.virtual_pipeline_model_parallel_size`` from
-    ``--num-layers-per-virtual-pipeline-stage`` and returns it (None: no interleaving)."""
+def virtual_stages_from_layers(parallel, num_layers: int) -> int | None:
+    """The virtual stages per rank that ``--num-layers-per-virtual-pipeline-stage`` gives (None: the
+    flag is not set); raises ``ValueError`` where it does not fit the layout. Reads only."""
     per_stage = parallel.num_layers_per_virtual_pipeline_stage
     pp = parallel.pipeline_model_parallel_size
     if per_stage is None:
-        return parallel.virtual_pipeline_model_parallel_size
-    uneven = _uneven(parallel)
+        return None
     require(
-        not uneven,
+        not _uneven(parallel),
         "--num-layers-per-virtual-pipeline-stage cannot be combined with --decoder-first-pipeline-num-layers / "
         "--decoder-last-pipeline-num-layers; give --num-virtual-stages-per-pipeline-rank instead.",
     )
     require(
-        num_layers % (per_stage * pp) == 0,
+        per_stage >= 1 and num_layers % (per_stage * pp) == 0,
         f"--num-layers ({num_layers}) must be divisible by --num-layers-per-virtual-pipeline-stage ({per_stage}) x "
         f"--pipeline-model-parallel-size ({pp}).",
     )
@@ -41,8 +40,21 @@ def resolve_virtual_stages(parallel, num_layers: int) -> int | None:
         f"--virtual-pipeline-model-parallel-size ({given}) disagrees with --num-layers-per-virtual-pipeline-stage "
         f"({per_stage}), which gives {vpp} virtual stages per rank; give one of them.",
     )
-    parallel.virtual_pipeline_model_parallel_size = vpp
     return vpp
+
+
+def resolve_virtual_stages(parallel, num_layers: int) -> int | None:
+    """Fills ``parallel.virtual_pipeline_model_parallel_size`` from
+    ``--num-layers-per-virtual-pipeline-stage`` where it is unset and the layers split, and returns
+    the virtual stages per rank (None: no interleaving). Layouts that do not fit are left as given
+    for ``virtual_stages_from_layers`` to name."""
+    try:
+        vpp = virtual_stages_from_layers(parallel, num_layers)
+    except ValueError:
+        return parallel.virtual_pipeline_model_parallel_size
+    if vpp is not None and parallel.virtual_pipeline_model_parallel_size is None:
+        parallel.virtual_pipeline_model_parallel_size = vpp
+    return parallel.virtual_pipeline_model_parallel_size
 
 
 def _uneven(parallel) -> bool:

@@ -2,10 +2,11 @@
 
 Field names, flags and defaults are Megatron's (upstream keeps them in
 ``TransformerConfig``; here they are their own concern, so a GPT run carries none of
-them). ``validate()`` resolves the deprecated ``--hybrid-override-pattern``, sets
+them). ``resolve()`` takes the deprecated ``--hybrid-override-pattern``, sets
 ``--num-layers`` from the pattern (the pattern wins, with a warning when the two
-differ, as in Megatron), derives the virtual pipeline size from the ``|`` segments,
-and checks the Mamba sizes only when the pattern has Mamba layers.
+differ, as in Megatron) and derives the virtual pipeline size from the ``|``
+segments; ``validate()`` then only reads, and checks the Mamba sizes only when the
+pattern has Mamba layers.
 """
 
 import dataclasses
@@ -13,7 +14,7 @@ import warnings
 
 import torch
 
-from megatron.core.config_utils import flag_field, require
+from megatron.core.config_utils import Freezable, flag_field, require
 from megatron.core.models.hybrid.hybrid_layer_allocation import (
     HybridPattern,
     Symbols,
@@ -25,7 +26,7 @@ MAMBA_EXPAND = 2  # Megatron's fixed expansion: d_inner = 2 * hidden size (unles
 
 
 @dataclasses.dataclass
-class MambaConfig:
+class MambaConfig(Freezable):
     """Hybrid Mamba/attention models: the layer pattern and the Mamba mixer's sizes."""
 
     hybrid_layer_pattern: str | None = None
@@ -79,24 +80,58 @@ class MambaConfig:
     def ssm_states_dtype(self) -> torch.dtype | None:
         return {None: None, "fp32": torch.float32, "bf16": torch.bfloat16}[self.mamba_training_ssm_states_dtype]
 
-    def validate(self, model=None, parallel=None) -> None:
-        """Resolves the pattern flags and checks the Mamba sizes; raises ``ValueError`` naming the flag.
+    def resolve(self, model=None, parallel=None) -> "MambaConfig":
+        """Resolves the pattern flags into the run's configs; returns self.
 
         Args:
-            model: The run's ``TransformerConfig``: ``num_layers`` is set from the pattern;
-                ``hidden_size`` gives the default head count.
-            parallel: The run's ``ParallelConfig``: the TP size must divide heads and groups,
-                and the virtual pipeline size is derived from the segments.
+            model: The run's ``TransformerConfig``: ``num_layers`` is set from the pattern.
+            parallel: The run's ``ParallelConfig``: the virtual pipeline size is derived
+                from the segments (when not given).
+
+        Raises:
+            ValueError: The pattern cannot be parsed or split over the pipeline stages.
         """
-        if self.hybrid_override_pattern is not None:
-            require(
-                self.hybrid_layer_pattern is None or self.hybrid_layer_pattern == self.hybrid_override_pattern,
-                "--hybrid-override-pattern and --hybrid-layer-pattern cannot both be given; "
-                "--hybrid-override-pattern is deprecated: keep only --hybrid-layer-pattern.",
-            )
+        if self.hybrid_override_pattern is not None and self.hybrid_layer_pattern in (
+            None,
+            self.hybrid_override_pattern,
+        ):
             warnings.warn("--hybrid-override-pattern is deprecated; use --hybrid-layer-pattern.", stacklevel=2)
             self.hybrid_layer_pattern = self.hybrid_override_pattern
             self.hybrid_override_pattern = None
+        if self.hybrid_override_pattern is not None:
+            return self  # both given and different: validate() names them
+        parsed = self.parsed_pattern
+        if parsed is None:
+            return self
+        if model is not None:
+            default_layers = next(f.default for f in dataclasses.fields(model) if f.name == "num_layers")
+            if model.num_layers not in (default_layers, parsed.num_layers):
+                warnings.warn(
+                    f"--hybrid-layer-pattern is set; ignoring --num-layers ({model.num_layers}) and using the "
+                    f"layer count of the pattern ({parsed.num_layers}).",
+                    stacklevel=2,
+                )
+            model.num_layers = parsed.num_layers
+        if parallel is not None and parallel.virtual_pipeline_model_parallel_size is None:
+            vpp = virtual_pipeline_size(parsed, parallel.pipeline_model_parallel_size)
+            parallel.virtual_pipeline_model_parallel_size = vpp
+        return self
+
+    def validate(self, model=None, parallel=None) -> None:
+        """Checks the pattern flags and the Mamba sizes (after ``resolve``; reads only).
+
+        Args:
+            model: The run's ``TransformerConfig``: ``hidden_size`` gives the default head count.
+            parallel: The run's ``ParallelConfig``: the TP size must divide heads and groups.
+
+        Raises:
+            ValueError: Naming the flag.
+        """
+        require(
+            self.hybrid_override_pattern is None,
+            "--hybrid-override-pattern and --hybrid-layer-pattern cannot both be given; "
+            "--hybrid-override-pattern is deprecated: keep only --hybrid-layer-pattern.",
+        )
         parsed = self.parsed_pattern
         if parsed is None:
             return
@@ -108,24 +143,20 @@ class MambaConfig:
                 "(and the other MoE flags); or use M, * and - layers.",
             )
         if model is not None:
-            default_layers = next(f.default for f in dataclasses.fields(model) if f.name == "num_layers")
-            if model.num_layers not in (default_layers, parsed.num_layers):
-                warnings.warn(
-                    f"--hybrid-layer-pattern is set; ignoring --num-layers ({model.num_layers}) and using the "
-                    f"layer count of the pattern ({parsed.num_layers}).",
-                    stacklevel=2,
-                )
-            model.num_layers = parsed.num_layers
+            require(
+                model.num_layers == parsed.num_layers,
+                f"--num-layers ({model.num_layers}) differs from the layer count of --hybrid-layer-pattern "
+                f"({parsed.num_layers}); resolve() sets it from the pattern.",
+            )
         if parallel is not None:
             vpp = virtual_pipeline_size(parsed, parallel.pipeline_model_parallel_size)
             given = parallel.virtual_pipeline_model_parallel_size
             require(
-                given is None or given == vpp,
+                given == vpp,
                 f"--virtual-pipeline-model-parallel-size {given} disagrees with --hybrid-layer-pattern, whose "
                 f"{parsed.num_segments} segments on --pipeline-model-parallel-size "
                 f"{parallel.pipeline_model_parallel_size} give {vpp}; drop the flag (the '|' segments decide).",
             )
-            parallel.virtual_pipeline_model_parallel_size = vpp
         if parsed.count(Symbols.MAMBA):
             self._validate_mamba_sizes(model, parallel)
 

@@ -10,12 +10,12 @@ import dataclasses
 
 import torch
 
-from megatron.core.config_utils import flag_field, require
+from megatron.core.config_utils import Freezable, flag_field, require
 from megatron.core.transformer.moe.moe_config import MoEConfig
 
 
 @dataclasses.dataclass
-class TransformerConfig:
+class TransformerConfig(Freezable):
     """Shape, initialisation and regularisation of the transformer."""
 
     num_layers: int = 2
@@ -137,7 +137,7 @@ class TransformerConfig:
     """The MoE flags (their own group, ``RunConfig.moe``; the model reads them here)."""
 
     def finalize(self) -> "TransformerConfig":
-        """Fills derived fields. Idempotent; returns self."""
+        """Fills derived fields. Idempotent (a second call writes nothing); returns self."""
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if (
@@ -146,7 +146,7 @@ class TransformerConfig:
             and self.hidden_size % self.num_attention_heads == 0
         ):
             self.kv_channels = self.hidden_size // self.num_attention_heads
-        if not self.group_query_attention:
+        if not self.group_query_attention and self.num_query_groups != self.num_attention_heads:
             self.num_query_groups = self.num_attention_heads
         elif self.num_query_groups is None:
             self.num_query_groups = 1  # Megatron's default: --group-query-attention alone is multi-query

@@ -8,7 +8,7 @@ from megatron.training.arguments import parse_args
 
 
 def _parallel(world=2, **kw):
-    cfg = ParallelConfig(world_size=world, **kw)
+    cfg = ParallelConfig(world_size=world, **kw).resolve()
     cfg.validate()
     return cfg
 
@@ -86,7 +86,7 @@ def test_uneven_first_and_last_stages_split_the_rest_evenly():
 def test_layer_counts_that_do_not_split_name_the_flags(world, sizes, num_layers, needle):
     cfg = _parallel(world, **sizes)
     with pytest.raises(ValueError) as info:
-        layout.resolve_virtual_stages(cfg, num_layers)
+        layout.virtual_stages_from_layers(cfg, num_layers)
         layout.stage_layer_counts(cfg, num_layers)
     assert needle in str(info.value)
 
@@ -132,9 +132,7 @@ def test_bad_pipeline_layouts_name_the_flags(world, sizes, needle):
 def _run_config(extra: str):
     flags = "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
     flags += "--micro-batch-size 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 255 "
-    cfg = parse_args((flags + extra).split())
-    cfg.parallel.world_size = 2
-    return cfg
+    return parse_args((flags + extra).split()).resolve(world_size=2)
 
 
 @pytest.mark.parametrize(

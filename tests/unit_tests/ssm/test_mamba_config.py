@@ -8,6 +8,13 @@ from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
+def check(mc: MambaConfig, model=None, parallel=None) -> MambaConfig:
+    """What RunConfig does with the Mamba flags: resolve, then validate."""
+    mc.resolve(model, parallel)
+    mc.validate(model, parallel)
+    return mc
+
+
 def test_megatron_defaults():
     mc = MambaConfig()
     assert (mc.mamba_state_dim, mc.mamba_head_dim, mc.mamba_num_groups, mc.mamba_num_heads) == (128, 64, 8, None)
@@ -18,31 +25,31 @@ def test_megatron_defaults():
 def test_pattern_sets_the_layer_count_and_the_alias_is_deprecated():
     model = TransformerConfig(hidden_size=1024, num_attention_heads=16)
     mc = MambaConfig(hybrid_layer_pattern="M*M-M*M-")
-    mc.validate(model, ParallelConfig())
+    check(mc, model, ParallelConfig())
     assert model.num_layers == 8
     model = TransformerConfig(hidden_size=1024, num_attention_heads=16, num_layers=5)
     mc = MambaConfig(hybrid_override_pattern="M*M-")
     with pytest.warns(UserWarning) as record:
-        mc.validate(model, ParallelConfig())
+        check(mc, model, ParallelConfig())
     messages = " ".join(str(w.message) for w in record)
     assert "--hybrid-override-pattern is deprecated" in messages and "ignoring --num-layers (5)" in messages
     assert mc.hybrid_layer_pattern == "M*M-" and model.num_layers == 4
     with pytest.raises(ValueError, match="--hybrid-override-pattern and --hybrid-layer-pattern"):
-        MambaConfig(hybrid_layer_pattern="M*", hybrid_override_pattern="MM").validate()
+        check(MambaConfig(hybrid_layer_pattern="M*", hybrid_override_pattern="MM"))
 
 
 def test_segments_give_the_virtual_pipeline_size():
     parallel = ParallelConfig(pipeline_model_parallel_size=2)
-    MambaConfig(hybrid_layer_pattern="M*|M-|M*|M-").validate(TransformerConfig(hidden_size=1024), parallel)
+    check(MambaConfig(hybrid_layer_pattern="M*|M-|M*|M-"), TransformerConfig(hidden_size=1024), parallel)
     assert parallel.virtual_pipeline_model_parallel_size == 2
     parallel = ParallelConfig(pipeline_model_parallel_size=2)
-    MambaConfig(hybrid_layer_pattern="M*|M-").validate(TransformerConfig(hidden_size=1024), parallel)
+    check(MambaConfig(hybrid_layer_pattern="M*|M-"), TransformerConfig(hidden_size=1024), parallel)
     assert parallel.virtual_pipeline_model_parallel_size is None
     with pytest.raises(ValueError, match="3 pipeline segments.*--pipeline-model-parallel-size"):
-        MambaConfig(hybrid_layer_pattern="M|M|M").validate(TransformerConfig(hidden_size=1024), parallel)
+        check(MambaConfig(hybrid_layer_pattern="M|M|M"), TransformerConfig(hidden_size=1024), parallel)
     parallel = ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=3)
     with pytest.raises(ValueError, match="--virtual-pipeline-model-parallel-size 3"):
-        MambaConfig(hybrid_layer_pattern="M*|M-|M*|M-").validate(TransformerConfig(hidden_size=1024), parallel)
+        check(MambaConfig(hybrid_layer_pattern="M*|M-|M*|M-"), TransformerConfig(hidden_size=1024), parallel)
 
 
 @pytest.mark.parametrize(
@@ -61,16 +68,16 @@ def test_segments_give_the_virtual_pipeline_size():
 def test_mamba_size_errors_name_the_flag(kw, hidden, tp, needle):
     mc = MambaConfig(hybrid_layer_pattern="M*", **kw)
     with pytest.raises(ValueError, match=needle):
-        mc.validate(TransformerConfig(hidden_size=hidden), ParallelConfig(tensor_model_parallel_size=tp))
+        check(mc, TransformerConfig(hidden_size=hidden), ParallelConfig(tensor_model_parallel_size=tp))
 
 
 def test_mamba_sizes_are_not_checked_without_mamba_layers():
-    MambaConfig(hybrid_layer_pattern="*-*-", mamba_num_groups=3).validate(TransformerConfig(hidden_size=64))
+    check(MambaConfig(hybrid_layer_pattern="*-*-", mamba_num_groups=3), TransformerConfig(hidden_size=64))
 
 
 def test_moe_symbol_needs_the_moe_flags():
     with pytest.raises(ValueError, match="--hybrid-layer-pattern 'M\\*E-'.*'E' \\(MoE\\) layers need --num-experts"):
-        MambaConfig(hybrid_layer_pattern="M*E-").validate(TransformerConfig(hidden_size=1024))
+        check(MambaConfig(hybrid_layer_pattern="M*E-"), TransformerConfig(hidden_size=1024))
     model = TransformerConfig(hidden_size=1024, moe=MoEConfig(num_moe_experts=4))
-    MambaConfig(hybrid_layer_pattern="M*E-").validate(model)
+    check(MambaConfig(hybrid_layer_pattern="M*E-"), model)
     assert model.num_layers == 4

@@ -20,7 +20,7 @@ HAVE_TRITON = importlib.util.find_spec("triton") is not None
 def _pg(rank, world, sequence_parallel=False):
     from megatron.core.parallel_state import ParallelConfig, build_groups
 
-    cfg = ParallelConfig(world_size=world, tensor_model_parallel_size=2, sequence_parallel=sequence_parallel)
+    cfg = ParallelConfig(world_size=world, tensor_model_parallel_size=2, sequence_parallel=sequence_parallel).resolve()
     cfg.validate()
     return build_groups(cfg, rank=rank, world_size=world, device=torch.device("cpu"))
 

@@ -46,8 +46,7 @@ def test_plan_round_robin_filters_and_estimate():
 
 
 def _cfg(flags):
-    cfg = parse_args(f"{flags} {graph_bench.COMMON}".split())
-    cfg.parallel.world_size = 1
+    cfg = parse_args(f"{flags} {graph_bench.COMMON}".split()).resolve(world_size=1)
     cfg.validate()
     cfg.model.vocab_size = 32128
     return cfg

@@ -133,7 +133,7 @@ def test_lists_are_not_shared_between_parses():
 
 
 def test_anchor_command_line_parses_and_validates():
-    cfg = parse_args(ANCHOR)
+    cfg = parse_args(ANCHOR).resolve()
     cfg.validate()
     assert cfg.model.hidden_size == 1024 and cfg.optimizer.min_lr == 1e-5
     assert cfg.cuda_graph.cuda_graph_impl == "local" and cfg.cuda_graph.cuda_graph_scope == ["attn", "mlp"]
@@ -155,9 +155,8 @@ def test_anchor_command_line_parses_and_validates():
     ],
 )
 def test_validate_errors(argv, needle):
-    cfg = parse_args(BASE + argv)
     with pytest.raises(ValueError) as info:
-        cfg.validate()
+        parse_args(BASE + argv).resolve().validate()
     assert needle in str(info.value)
 
 

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.config_utils import thawed_copy
 from megatron.training import checkpointing
 from megatron.training.checkpointing import get_checkpoint_name, read_tracker, tracker_path
+from megatron.training.train_state import TrainState
 from megatron.training.training import build_trainer, pretrain
 from tests.unit_tests.dist_utils import run_distributed
 
@@ -158,6 +160,7 @@ def test_loading_keeps_parameter_and_main_grad_storage(tmp_path):
     before = [
         (p.data_ptr(), p.main_grad.data_ptr(), m.data_ptr()) for p, m in zip(params, trainer.optimizer.main_params)
     ]
+    trainer.cfg = thawed_copy(trainer.cfg)  # the trainer's config is frozen; this test loads later
     trainer.cfg.checkpoint.load = str(tmp_path / "c")
     assert trainer.load_checkpoint() == 2
     after = [
@@ -387,7 +390,7 @@ def test_save_and_load_any_stateful_objects(tmp_path):
     cfg = parse_args(["--mock-data", "--save", str(tmp_path), "--load", str(tmp_path)])
     pg = parallel_state.ProcessGroups.single(torch.device("cpu"))
     model = torch.nn.Linear(3, 2)
-    train = checkpointing.TrainState(iteration=7, consumed_samples=56, skipped_iters=1, nan_iters=2)
+    train = TrainState(iteration=7, consumed_samples=56, skipped_iters=1, nan_iters=2)
     state = {"model": model, "optimizer": _Counter(3), "opt_param_scheduler": _Counter(4), "train_state": train}
     torch.manual_seed(5)
     expected_draw = torch.rand(3)
@@ -405,7 +408,7 @@ def test_save_and_load_any_stateful_objects(tmp_path):
     fresh_model = torch.nn.Linear(3, 2)
     weight_ptr = fresh_model.weight.data_ptr()
     fresh = {"model": fresh_model, "optimizer": _Counter(), "opt_param_scheduler": _Counter(), "train_state": None}
-    fresh["train_state"] = checkpointing.TrainState()
+    fresh["train_state"] = TrainState()
     torch.manual_seed(99)
     loaded = checkpointing.load_checkpoint(fresh, cfg, pg)
     assert loaded.iteration == 7 and loaded.loaded == {"model", "optimizer", "opt_param_scheduler", "train_state"}

@@ -11,7 +11,7 @@ BASE = ["--mock-data", "--vocab-size", "64"]
 
 
 def validate(*argv):
-    cfg = parse_args(BASE + [str(a) for a in argv])
+    cfg = parse_args(BASE + [str(a) for a in argv]).resolve()
     cfg.validate()
     return cfg
 
@@ -26,6 +26,9 @@ def validate(*argv):
         (["--exit-interval", "0"], "--exit-interval must be >= 1, got 0"),
         (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins must be positive"),
         (["--split", "0,100,0"], "--split 0,100,0 gives the train split no data"),
+        # A value with a leading '-' reaches the --split check (argparse alone says "expected one argument").
+        (["--split", "-1,2,0"], "--split '-1,2,0' needs up to three non-negative weights"),
+        (["--split", "-1"], "--split '-1' needs up to three non-negative weights"),
         (["--eval-iters", "5", "--split", "100,0,0"], "--eval-iters 5 needs validation data"),
         (["--global-batch-size", "0"], "--global-batch-size must be >= 1, got 0"),
         (["--ffn-hidden-size", "0"], "--ffn-hidden-size must be positive, got 0"),

@@ -90,3 +90,46 @@ def test_data_parallel_async_save_and_resume(tmp_path):
     for full, resumed in results:
         assert resumed == full[2:]
     assert (tmp_path / "c" / "latest_checkpointed_iteration.txt").read_text() == "4"
+
+
+def _reordered_gpt(cfg, vocab_size, pg, device):
+    """The GPT model with its submodules registered in another order: every parameter keeps
+    its name, but the parameter order (and so the optimizer's) changes."""
+    from megatron.training.training import default_model_provider
+
+    model = default_model_provider(cfg, vocab_size, pg, device)
+    first = next(iter(model._modules))
+    model._modules[first] = model._modules.pop(first)  # registered last now
+    return model
+
+
+def test_optimizer_state_is_keyed_by_parameter_name(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from megatron.core import parallel_state
+    from megatron.training.training import build_trainer
+
+    saved = pretrain(FLAGS + ["--save", str(tmp_path), "--train-iters", "2"])
+    keys = set(dcp.FileSystemReader(str(tmp_path / "iter_0000002")).read_metadata().state_dict_metadata)
+    assert "optimizer.state.exp_avg.decoder.layers.0.self_attention.linear_qkv.weight" in keys
+    assert "optimizer.state.fp32_param.embedding.word_embeddings.weight" in keys
+
+    loaded = build_trainer(FLAGS + ["--load", str(tmp_path), "--train-iters", "2"], model_provider=_reordered_gpt)
+    parallel_state.destroy(loaded.pg)
+    order = lambda t: [n for n, _ in t.model.module.named_parameters()]  # noqa: E731
+    assert order(loaded) != order(saved) and sorted(order(loaded)) == sorted(order(saved))
+
+    def by_name(trainer):
+        opt = trainer.optimizer
+        names = {id(p): n for n, p in trainer.model.module.named_parameters()}
+        out = {}
+        for param, main in zip(opt.model_params, opt.main_params):
+            st = opt.optimizer.state[main]
+            out[names[id(param)]] = (main, st["exp_avg"], st["exp_avg_sq"], param)
+        return out
+
+    a, b = by_name(saved), by_name(loaded)
+    assert a.keys() == b.keys()
+    for name in a:
+        for x, y in zip(a[name], b[name]):
+            assert torch.equal(x, y), name

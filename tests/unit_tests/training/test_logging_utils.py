@@ -334,8 +334,7 @@ def test_wandb_flag_errors_name_the_fix(tmp_path, monkeypatch, tiny_argv):
     from megatron.training.arguments import parse_args
 
     def validate(extra):
-        cfg = parse_args(tiny_argv("--train-iters 2", extra))
-        cfg.parallel.world_size = 1
+        cfg = parse_args(tiny_argv("--train-iters 2", extra)).resolve(world_size=1)
         cfg.validate()
 
     with pytest.raises(ValueError, match="--wandb-project proj needs --wandb-exp-name"):

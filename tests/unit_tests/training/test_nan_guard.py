@@ -10,7 +10,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.cuda_graphs.session import GraphState
 from megatron.training import checkpointing
-from megatron.training.training import _LossWindow, build_trainer
+from megatron.training.training import build_trainer
+from megatron.training.training_log import LossWindow
 
 FLAGS = (
     "--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
@@ -32,7 +33,7 @@ def finite_weights(trainer):
 
 
 def test_loss_window_averages_finite_iterations_only():
-    w = _LossWindow(torch.device("cpu"))
+    w = LossWindow(torch.device("cpu"))
     for it, value in enumerate([1.0, float("nan"), 3.0, float("inf")], start=1):
         loss = torch.tensor(value)
         w.add(loss, ~torch.isfinite(loss), it)

@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from megatron.training import checkpointing
-from megatron.training.checkpointing import LOCK_FILENAME, SaveLock, read_tracker
+from megatron.training.checkpointing import read_tracker
+from megatron.training.save_lock import LOCK_FILENAME, SaveLock
+from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.training.test_checkpointing import REPO, build, run
 
 _HOLDER = r"""
 import sys
-from megatron.training.checkpointing import SaveLock
+from megatron.training.save_lock import SaveLock
 with SaveLock(sys.argv[1]):
     print("locked", flush=True)
     sys.stdin.read()
@@ -125,3 +127,57 @@ def test_full_disk_names_the_folder_and_removes_the_partial_save(tmp_path, monke
         trainer.save_checkpoint()
     assert sorted(os.listdir(c)) == ["iter_0000004", "latest_checkpointed_iteration.txt"]  # no temp folder
     assert read_tracker(str(c)) == (4, False)
+
+
+class _Plain:
+    """A ``Stateful`` holding one number."""
+
+    def __init__(self, value=0):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+def _save_fails_on_rank_1(rank, world, save_dir):
+    import time
+
+    from megatron.core.parallel_state import ParallelConfig, build_groups
+    from megatron.training.arguments import parse_args
+    from megatron.training.train_state import TrainState
+
+    layout = ParallelConfig(world_size=world, tensor_model_parallel_size=2).resolve()
+    pg = build_groups(layout, rank=rank, world_size=world, device=torch.device("cpu"))
+    cfg = parse_args(["--mock-data", "--vocab-size", "64", "--save", save_dir, "--ckpt-format", "torch"])
+    state = {
+        "model": torch.nn.Linear(2, 2),
+        "optimizer": _Plain(1),
+        "opt_param_scheduler": _Plain(2),
+        "train_state": TrainState(iteration=3),
+    }
+    if rank == 1:  # both ranks write a file (TP = 2); this one's disk is full
+
+        def full_disk(contents, path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        checkpointing._write_file = full_disk
+    start = time.monotonic()
+    try:
+        checkpointing.save_checkpoint(state, cfg, pg)
+    except RuntimeError as e:
+        return str(e), time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+def test_a_failed_save_on_one_rank_stops_every_rank_naming_it(tmp_path):
+    # Without the exchange, rank 0 would wait in the barrier until the collective timeout.
+    c = tmp_path / "c"
+    results = run_distributed(_save_fails_on_rank_1, 2, str(c), timeout=60)
+    (msg0, took0), (msg1, took1) = results
+    assert msg1 is not None and f"saving iteration 3 failed on rank 1: no space left on {c}" in msg1
+    assert msg0 is not None and "saving iteration 3 failed on rank 1 (its log says why)" in msg0
+    assert "no earlier checkpoint exists" in msg0 and max(took0, took1) < 30
+    assert sorted(os.listdir(c)) == []  # no temp folder, no tracker

@@ -2,12 +2,12 @@
 
 import dataclasses
 
-from megatron.core.config_utils import flag_field, require
+from megatron.core.config_utils import Freezable, flag_field, require
 from megatron.core.transformer.cuda_graphs.regions import check_scope_names
 
 
 @dataclasses.dataclass
-class CudaGraphConfig:
+class CudaGraphConfig(Freezable):
     """Partial CUDA graphs: which regions of each layer are captured and how."""
 
     cuda_graph_impl: str = flag_field("none", choices=("none", "local", "transformer_engine", "full_iteration"))
@@ -42,18 +42,23 @@ class CudaGraphConfig:
     cuda_graph_debug_replays: int = 2
     """With --cuda-graph-debug: how many replays of each region are checked against eager."""
 
+    def resolve(self) -> "CudaGraphConfig":
+        """Normalises the scope list (a string splits; Megatron's ``full`` is the whole layer); returns self."""
+        if isinstance(self.cuda_graph_scope, str):
+            self.cuda_graph_scope = self.cuda_graph_scope.split()
+        if self.cuda_graph_scope == ["full"]:
+            self.cuda_graph_scope = []
+        return self
+
     def validate(self) -> None:
-        """Raises ``ValueError`` for an unknown impl or scope name."""
+        """Raises ``ValueError`` for an unknown impl or scope name (after ``resolve``; reads only)."""
         require(
             self.cuda_graph_impl in ("none", "local"),
             f"--cuda-graph-impl {self.cuda_graph_impl} is not supported yet; use --cuda-graph-impl local "
             "(partial graphs, the centrepiece of this trainer) or none.",
         )
-        if isinstance(self.cuda_graph_scope, str):
-            self.cuda_graph_scope = self.cuda_graph_scope.split()
-        if self.cuda_graph_scope == ["full"]:
-            self.cuda_graph_scope = []
-        check_scope_names(self.cuda_graph_scope)
+        scope = self.cuda_graph_scope.split() if isinstance(self.cuda_graph_scope, str) else self.cuda_graph_scope
+        check_scope_names([] if list(scope) == ["full"] else scope)
         require(
             self.cuda_graph_warmup_steps >= 0,
             f"--cuda-graph-warmup-steps must be >= 0, got {self.cuda_graph_warmup_steps}.",

@@ -10,7 +10,7 @@ parsed with ``ast`` and only list literals, integers, ``+`` and ``*`` are evalua
 import ast
 import dataclasses
 
-from megatron.core.config_utils import flag_field, require
+from megatron.core.config_utils import Freezable, flag_field, require
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
@@ -97,7 +97,7 @@ def _eval_list_expression(text: str) -> list:
 
 
 @dataclasses.dataclass
-class MoEConfig:
+class MoEConfig(Freezable):
     """Mixture of Experts: experts, router, load balancing, token dispatcher."""
 
     num_moe_experts: int | None = flag_field(None, flag="--num-experts")
@@ -214,7 +214,9 @@ class MoEConfig:
             self.moe_ffn_hidden_size = model.ffn_hidden_size
         if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor < 0:
             self.moe_expert_capacity_factor = None  # Megatron: a negative factor means dropless
-        self.moe_layer_pattern = parse_moe_layer_freq(self.moe_layer_freq, model.num_layers)
+        pattern = parse_moe_layer_freq(self.moe_layer_freq, model.num_layers)
+        if self.moe_layer_pattern != pattern:  # a second call writes nothing (the config may be frozen)
+            self.moe_layer_pattern = pattern
         return self
 
     def validate(self, model, expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int = 1) -> None:

@@ -46,6 +46,7 @@ def test_mamba_scope_on_a_pattern_without_mamba_names_both_flags():
 
 def test_the_model_exposes_its_layers_and_loss_head_to_the_session():
     cfg = TransformerConfig(hidden_size=32, num_attention_heads=4, seq_length=8)
+    PATTERN.resolve(cfg)
     PATTERN.validate(cfg)
     model = build_hybrid_model(cfg.finalize(), PATTERN, 64, device="cpu")
     layers = graphable_layers(model)
@@ -82,6 +83,7 @@ def test_session_records_the_selected_regions_of_a_hybrid_model(scopes, regions)
     from megatron.training.config import DDPConfig
 
     cfg = TransformerConfig(hidden_size=32, num_attention_heads=4, seq_length=8, hidden_dropout=0.0)
+    PATTERN.resolve(cfg)
     PATTERN.validate(cfg)
     torch.manual_seed(0)
     model = build_hybrid_model(cfg.finalize(), PATTERN, 64, device="cpu")

@@ -25,6 +25,7 @@ def configs(pattern="M*M-M*M-", **kw):
     mc = MambaConfig(hybrid_layer_pattern=pattern, mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2)
     base = dict(hidden_size=32, num_attention_heads=4, seq_length=16, hidden_dropout=0.0, attention_dropout=0.0)
     cfg = TransformerConfig(**{**base, **kw})
+    mc.resolve(cfg)
     mc.validate(cfg)
     cfg.finalize()
     cfg.validate()

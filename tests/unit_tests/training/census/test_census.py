@@ -56,8 +56,7 @@ def _world(args: dict) -> int:
 
 
 def _validate(argv, world: int = 1):
-    cfg = parse_args(argv)
-    cfg.parallel.world_size = world
+    cfg = parse_args(argv).resolve(world_size=world)
     cfg.validate()
     return cfg
 

@@ -118,8 +118,7 @@ def test_flags_reach_the_model_config():
         "--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 0.01 0.001 "
         "--moe-router-dtype fp64 --moe-token-dispatcher-type alltoall --moe-expert-capacity-factor 1.5 "
         "--moe-pad-expert-input-to-capacity --moe-grouped-gemm".split()
-    )
-    cfg.parallel.world_size = 1
+    ).resolve(world_size=1)
     cfg.validate()
     moe = cfg.model.moe
     assert moe is cfg.moe and moe.num_moe_experts == 8 and moe.moe_layer_pattern == [0, 1, 1, 1]
@@ -133,8 +132,7 @@ def _tp2_moe(*extra):
         "--global-batch-size 1 --num-experts 4 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 1 --mock-data "
         "--tokenizer-type NullTokenizer --vocab-size 32"
     ).split()
-    cfg = parse_args(flags + list(extra))
-    cfg.parallel.world_size = 2
+    cfg = parse_args(flags + list(extra)).resolve(world_size=2)
     cfg.validate()
     return cfg
 
@@ -154,10 +152,8 @@ def test_expert_parallel_checkpoints_are_refused_until_supported(tmp_path):
         "--tokenizer-type NullTokenizer --vocab-size 32"
     ).split()
     for extra in (["--save", str(tmp_path)], ["--load", str(tmp_path)]):
-        cfg = parse_args(flags + extra)
-        cfg.parallel.world_size = 2
+        cfg = parse_args(flags + extra).resolve(world_size=2)
         with pytest.raises(ValueError, match="--expert-model-parallel-size > 1 with --save/--load"):
             cfg.validate()
-    cfg = parse_args(flags)
-    cfg.parallel.world_size = 2
+    cfg = parse_args(flags).resolve(world_size=2)
     cfg.validate()

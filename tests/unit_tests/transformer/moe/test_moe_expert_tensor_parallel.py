@@ -42,7 +42,7 @@ SEQ, BATCH, HIDDEN = 8, 2, 8
 def _groups(world, sizes):
     from megatron.core import parallel_state
 
-    cfg = parallel_state.ParallelConfig(world_size=world, sequence_parallel=True, **sizes)
+    cfg = parallel_state.ParallelConfig(world_size=world, sequence_parallel=True, **sizes).resolve()
     cfg.validate()
     import torch.distributed as dist
 

@@ -60,9 +60,7 @@ def test_moe_gpt_drop_and_pad_alltoall_grouped_trains():
 
 def test_experts_must_divide_across_expert_parallel_ranks():
     with pytest.raises(ValueError, match="--num-experts .4. must be divisible by --expert-model-parallel-size .3."):
-        cfg = parse_args(FLAGS + ["--expert-model-parallel-size", "3"])
-        cfg.parallel.world_size = 6
-        cfg.validate()
+        parse_args(FLAGS + ["--expert-model-parallel-size", "3"]).resolve(world_size=6).validate()
 
 
 def test_moe_gpt_trains_with_sinkhorn_top1():

@@ -54,8 +54,7 @@ def test_experts_not_divisible_by_expert_parallel_size_is_refused():
     ):
         from megatron.training.arguments import parse_args
 
-        cfg = parse_args(f"{BASE} {MOE} --expert-model-parallel-size 3".split())
-        cfg.parallel.world_size = 3
+        cfg = parse_args(f"{BASE} {MOE} --expert-model-parallel-size 3".split()).resolve(world_size=3)
         cfg.validate()
 
 

@@ -1,0 +1,197 @@
+"""The trainer's iteration logging: Megatron's log line, TensorBoard scalars, memory line.
+
+``IterationLogging`` is a mixin of ``training.Trainer``: its methods read the trainer's
+``cfg``, ``pg``, ``device``, ``model``, ``optimizer``, ``scheduler``, ``graphs``,
+``metrics``, counters (``iteration``, ``consumed_samples``, ``nan_iters``) and the loss
+window ``_window``. ``LossWindow`` keeps the window's sums on the device, so adding an
+iteration needs no host sync; the log line reads it once.
+"""
+
+import datetime
+import math
+
+import torch
+
+from megatron.core.transformer.moe import moe_layer as moe_hooks
+from megatron.training import logging_utils as logs
+
+
+class IterationLogging:
+    """The ``Trainer``'s log methods (see the module docstring for what they read)."""
+
+    def _log_tensorboard_iteration(self, loss, grad_norm) -> None:
+        """Megatron's per-iteration TensorBoard (and W&B) scalars (every --tensorboard-log-interval)."""
+        lg = self.cfg.logging
+        if not self.metrics.has_scalar_sink or self.iteration % lg.tensorboard_log_interval != 0:
+            return
+        record = {
+            "learning-rate": self.scheduler.get_lr(self.iteration),
+            "batch-size": self.cfg.training.global_batch_size,
+            "lm loss": float(loss),
+            "loss-scale": float(self.optimizer.get_loss_scale()),
+        }
+        if grad_norm is not None:
+            record["grad-norm"] = float(grad_norm)
+        self.metrics.write(self.iteration, record, samples=self.consumed_samples, jsonl=False)
+
+    def _log_iteration(self, grad_norm, elapsed_ms, *, skipped_count: int = 0) -> dict:
+        """Prints the iteration line for the window since the last one and records it.
+
+        The loss is the mean over the window's finite iterations (nan when none was);
+        with the NaN guard on, a window with a non-finite iteration ends the run after
+        its line is printed.
+        """
+        cfg, t = self.cfg, self.cfg.training
+        moe_losses = {}
+        if self.has_moe:  # Megatron's names (load_balancing_loss, z_loss, ...), mean per micro-batch
+            micro_batches = cfg.num_microbatches * self._window.iterations
+            moe_losses = {
+                k: v.item() for k, v in moe_hooks.collect_moe_metrics(self.model, micro_batches, self.pg.dp).items()
+            }
+        loss_value, nan_now, first_nan = self._window.read_and_reset()
+        self.nan_iters += nan_now
+        grad_value = None if grad_norm is None else float(grad_norm)
+        lr = self.scheduler.get_lr(self.iteration)
+        throughput = None
+        if cfg.logging.log_throughput:
+            flops = logs.num_floating_point_operations(
+                cfg.model,
+                batch_size=t.global_batch_size,
+                seq_length=cfg.model.seq_length,
+                vocab_size=cfg.model.vocab_size,
+            )
+            throughput = logs.throughput_tflops_per_gpu(flops, elapsed_ms / 1000.0, self.pg.world_size)
+        loss_scale = float(self.optimizer.get_loss_scale())
+        num_zeros = None
+        if cfg.logging.log_num_zeros_in_grad:
+            num_zeros = logs.count_zeros(getattr(p, "main_grad", p.grad) for p in self.model.parameters())
+        params_norm = None
+        if cfg.logging.log_params_norm:
+            norms = torch._foreach_norm([p.detach() for p in self.optimizer.main_params], 2)
+            params_norm = torch.linalg.vector_norm(torch.stack(list(norms)), 2).item()
+        line = logs.format_iteration_line(
+            iteration=self.iteration,
+            train_iters=t.train_iters,
+            consumed_samples=self.consumed_samples,
+            elapsed_ms=elapsed_ms,
+            lr=lr,
+            global_batch_size=t.global_batch_size,
+            losses={"lm loss": loss_value, **moe_losses},
+            loss_scale=loss_scale,
+            grad_norm=grad_value,
+            skipped_iters=skipped_count,
+            nan_iters=nan_now,
+            num_zeros=num_zeros,
+            throughput_tflops=throughput,
+            params_norm=params_norm,
+            timestamp=datetime.datetime.now(),
+        )
+        logs.print_last_rank(line)
+        record = {
+            "lm loss": loss_value,
+            "learning-rate": lr,
+            "grad-norm": grad_value,
+            "loss-scale": loss_scale,
+            "iteration-time": elapsed_ms / 1000.0,
+            "batch-size": t.global_batch_size,
+            **moe_losses,
+        }
+        if throughput is not None:
+            record["throughput"] = throughput
+        if params_norm is not None:
+            record["params-norm"] = params_norm
+        if num_zeros is not None:
+            record["num-zeros"] = num_zeros
+        if cfg.logging.log_memory_to_tensorboard:
+            record.update(self._memory_record())
+        per_iteration = ("lm loss", "learning-rate", "grad-norm", "loss-scale", "batch-size")
+        self.metrics.write(self.iteration, record, samples=self.consumed_samples, tensorboard=False)
+        tb_extra = {k: v for k, v in record.items() if k not in per_iteration and k != "iteration-time"}
+        if cfg.logging.log_timers_to_tensorboard:
+            tb_extra["iteration-time"] = record["iteration-time"]
+        self.metrics.write(self.iteration, tb_extra, samples=self.consumed_samples, jsonl=False)
+        if nan_now and cfg.ddp.check_for_nan_in_loss_and_grad:
+            raise self._nan_error(nan_now, first_nan)
+        return dict(record, iteration=self.iteration)
+
+    def _memory_record(self) -> dict[str, float]:
+        record = logs.memory_metrics(logs.memory_stats_mb(self.device))
+        if self.graphs.captured:
+            s = self.graphs.stats()
+            record["graph-pool-reserved-bytes"] = s["pool_reserved_bytes"]
+            record["graph-pool-live-bytes"] = s["pool_live_bytes"]
+        return record
+
+    def _log_memory(self) -> None:
+        if self.device.type != "cuda" or self.pg.dp_rank != 0:
+            return
+        mem = logs.memory_stats_mb(self.device)
+        extra = {}
+        if self.graphs.captured:
+            s = self.graphs.stats()
+            extra = {
+                "graph pool reserved": s["pool_reserved_bytes"] / 2**20,
+                "graph pool live": s["pool_live_bytes"] / 2**20,
+                "graph buffers held": s["strong_bytes"] / 2**20,
+                "graphs": s["graphs"],
+                "graph capture (s)": s["capture_seconds"],
+            }
+            if self.pg.pp_size > 1:
+                extra["pipeline rank"] = self.pg.pp_rank
+        print(
+            logs.format_memory_line(
+                self.pg.rank,
+                f"(after {self.iteration} iterations)",
+                mem["allocated_mb"],
+                mem["max_allocated_mb"],
+                mem["reserved_mb"],
+                mem["max_reserved_mb"],
+                extra=extra,
+            ),
+            flush=True,
+        )
+
+    def _log_capture(self) -> None:
+        if self.pg.dp_rank != 0:
+            return
+        print(f"> {self.graphs.summary_line(stage=(self.pg.pp_rank, self.pg.pp_size))}", flush=True)
+
+
+class LossWindow:
+    """Device-side sums of the iterations since the last log line (no host sync to add).
+
+    Holds the sum and count of finite losses and the count of non-finite iterations of
+    the window, and the first non-finite iteration since the run started; one host read
+    fetches them.
+    """
+
+    def __init__(self, device: torch.device):
+        # float64: counts and iteration numbers stay exact.
+        self._acc = torch.zeros(3, dtype=torch.float64, device=device)  # [finite sum, finite count, nan count]
+        self._first_nan = torch.full((), math.inf, dtype=torch.float64, device=device)
+        self.iterations = 0
+
+    def add(self, loss: torch.Tensor, non_finite: torch.Tensor, iteration: int) -> None:
+        finite = torch.isfinite(loss)
+        bad = non_finite.to(torch.float64)
+        self._acc += torch.stack([torch.where(finite, loss, 0.0).double(), finite.double(), bad])
+        # Scalars reach the kernels as arguments: no host-to-device copy, no sync.
+        candidate = torch.minimum(self._first_nan, torch.full_like(self._first_nan, float(iteration)))
+        torch.where(bad > 0, candidate, self._first_nan, out=self._first_nan)
+        self.iterations += 1
+
+    def _read(self) -> tuple[float, int, int, int]:
+        loss_sum, finite, nan, first = torch.cat([self._acc, self._first_nan.reshape(1)]).tolist()
+        return loss_sum, int(finite), int(nan), int(first) if math.isfinite(first) else 0
+
+    def read_nan(self) -> tuple[int, int]:
+        """(non-finite iterations of this window, first non-finite iteration or 0)."""
+        _, _, nan, first = self._read()
+        return nan, first
+
+    def read_and_reset(self) -> tuple[float, int, int]:
+        """(mean finite loss, nan if none; non-finite iterations; first non-finite iteration or 0)."""
+        loss_sum, finite, nan, first = self._read()
+        self._acc.zero_()
+        self.iterations = 0
+        return (loss_sum / finite if finite else float("nan")), nan, first
