@@ -98,7 +98,8 @@ class Trainer(IterationLogging):
         model = model_provider(cfg, cfg.model.vocab_size, pg, self.device)
         self.model = DistributedDataParallel(model, config=cfg.ddp, pg=pg)
         self.tied_embedding = pipeline_grads.TiedEmbeddingGrads(model, pg)
-        self.has_moe = bool(moe_hooks.moe_layers(model))
+        # Every stage when the model has experts: the MoE log values are reduced over the stages.
+        self.has_moe = cfg.moe.enabled or bool(moe_hooks.moe_layers(model))
         self.graphs = cuda_graphs.attach(model, cfg.cuda_graph, model_config=cfg.model, grad_sinks=[self.model])
         self.optimizer = build_optimizer(
             self.model,

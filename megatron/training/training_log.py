@@ -45,9 +45,10 @@ class IterationLogging:
         moe_losses = {}
         if self.has_moe:  # Megatron's names (load_balancing_loss, z_loss, ...), mean per micro-batch
             micro_batches = cfg.num_microbatches * self._window.iterations
-            moe_losses = {
-                k: v.item() for k, v in moe_hooks.collect_moe_metrics(self.model, micro_batches, self.pg.dp).items()
-            }
+            metrics = moe_hooks.collect_moe_metrics(
+                self.model, micro_batches, self.pg.dp, pp_group=self.pg.pp, names=cfg.moe.metric_names()
+            )
+            moe_losses = {k: v.item() for k, v in metrics.items()}
         loss_value, nan_now, first_nan = self._window.read_and_reset()
         self.nan_iters += nan_now
         grad_value = None if grad_norm is None else float(grad_norm)

@@ -34,6 +34,7 @@ HYBRID = (
     "--lr-decay-style constant --train-iters 12 --mock-data --vocab-size 64 --tokenizer-type NullTokenizer "
     "--num-workers 0 --hidden-dropout 0.0 --attention-dropout 0.0 --log-interval 1 --eval-iters 0 --seed 7"
 )
+MOE = "--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --moe-token-dispatcher-type alltoall"
 RTOL = 1e-5
 PP2 = "--pipeline-model-parallel-size 2"
 TWO_RANK = {
@@ -80,7 +81,11 @@ def _run(argv, hybrid=False):
     weights = _global_weights(trainer) if trainer.pg.tp_size == 1 else None
     trainer.history = trainer.train()
     parallel_state.destroy(trainer.pg)
-    return {"curves": [(r["lm loss"], r["grad-norm"]) for r in trainer.history], "weights": weights}
+    return {
+        "curves": [(r["lm loss"], r["grad-norm"]) for r in trainer.history],
+        "aux": [r.get("load_balancing_loss") for r in trainer.history],
+        "weights": weights,
+    }
 
 
 def _rank_runs(rank, world_size, argvs):
@@ -102,6 +107,7 @@ def single(data_cache):
         "tied": _argv("", data_cache),
         "untied": _argv("--untie-embeddings-and-output-weights", data_cache),
         "hybrid": _argv("--hybrid-layer-pattern M*M-", data_cache, HYBRID),  # '|' needs PP > 1
+        "moe": _argv(MOE, data_cache),
     }
     return run_distributed(_rank_runs, 1, argvs)[0]
 
@@ -114,6 +120,7 @@ def two_rank_runs(data_cache, tmp_path_factory):
     argvs["pp2_first_half"][argvs["pp2_first_half"].index("--train-iters") + 1] = "10"
     argvs["pp2_resumed"] = _argv(f"{PP2} --load {save}", data_cache)
     argvs["hybrid_pp2"] = _argv(PP2 + " --hybrid-layer-pattern M*|M-", data_cache, HYBRID)
+    argvs["moe_pp2"] = _argv(f"{PP2} {MOE}", data_cache)
     return run_distributed(_rank_runs, 2, argvs, timeout=400)
 
 
@@ -190,3 +197,15 @@ def test_tp2_pp2_dp2_distributed_optimizer_matches_single_process(single, data_c
     runs = run_distributed(_rank_runs, 8, {"tp2_pp2_dp2": argv}, timeout=900)
     for rank, r in enumerate(runs):
         _assert_close(r["tp2_pp2_dp2"]["curves"], single["tied"]["curves"], f"TP=2 x PP=2 x DP=2 (rank {rank})")
+
+
+def test_moe_stages_match_single_process_with_the_aux_loss_of_every_stage(single, two_rank_runs):
+    """MoE layers on both stages: the logged load-balancing loss is the mean over all MoE
+    layers, reduced over the stages (Megatron's tracker), not the last stage's own."""
+    want = single["moe"]
+    assert all(a is not None and a > 0 for a in want["aux"])
+    for rank, runs in enumerate(two_rank_runs):
+        got = runs["moe_pp2"]
+        _assert_close(got["curves"], want["curves"], f"MoE PP=2 (rank {rank})")
+        for i, (a, b) in enumerate(zip(got["aux"], want["aux"], strict=True)):
+            assert abs(a - b) <= RTOL * abs(b), f"MoE PP=2 rank {rank}, iteration {i + 1}: aux {a} vs {b}"
