@@ -403,12 +403,6 @@ class RunConfig:
             f"--cuda-graph-impl local with --pipeline-model-parallel-size {pp} is not supported yet; drop "
             "--cuda-graph-impl or use --pipeline-model-parallel-size 1.",
         )
-        c = self.checkpoint
-        require(
-            not ((c.save or c.load) and c.ckpt_format == "torch_dist"),
-            f"--ckpt-format torch_dist with --pipeline-model-parallel-size {pp} is not supported yet (its keys "
-            "would name stage-local layers); pass --ckpt-format torch, which saves one file per stage.",
-        )
 
     def validate(self) -> None:
         """Checks each concern, then the rules that span several of them.

@@ -60,7 +60,8 @@ def _model_chunks(trainer):
     model = trainer.model
     if isinstance(model, (list, tuple)):
         return [getattr(m, "module", m) for m in model]
-    return getattr(model, "module", model)
+    model = getattr(model, "module", model)
+    return list(model) if isinstance(model, torch.nn.ModuleList) else model  # virtual-pipeline chunks
 
 
 def _entries(trainer, *, with_optimizer: bool) -> list[sharded_state.Entry]:
