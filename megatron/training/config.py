@@ -525,11 +525,6 @@ class RunConfig:
             )
             self.ddp.overlap_param_gather = False
         require(
-            not (self.parallel.expert_model_parallel_size > 1 and (self.checkpoint.save or self.checkpoint.load)),
-            "--expert-model-parallel-size > 1 with --save/--load is not supported yet (the checkpoint formats hold "
-            "one expert-parallel rank's experts); drop --save/--load or use --expert-model-parallel-size 1.",
-        )
-        require(
             p.accumulate_allreduce_grads_in_fp32,
             "reduced-precision gradient buffers are not supported yet; main_grad is always fp32.",
         )
