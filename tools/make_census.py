@@ -50,8 +50,6 @@ _OUT_OF_SCOPE_PREFIXES = (
 # Flags of features with open issues here (expect: not_yet).
 _NOT_YET_FLAGS = (
     "--is-hybrid-model",
-    "--num-layers-per-virtual-pipeline-stage",
-    "--num-virtual-stages-per-pipeline-rank",
     "--spec",
     "--experimental-attention-variant",
     "--use-mup",
@@ -72,6 +70,10 @@ _NOT_YET_FLAGS = (
     "--apply-wd-to-qk-layernorm",
     "--decoupled-lr",
     "--overlap-moe-expert-parallel-comm",
+    "--overlap-param-gather-with-optimizer-step",
+    "--overlap-p2p-communication-warmup-flush",
+    "--account-for-embedding-in-pipeline-split",
+    "--account-for-loss-in-pipeline-split",
 )
 # Parallel-layout flags; dropping them (sizes 1) gives the single-device variant.
 PARALLEL_LAYOUT_FLAGS = (
@@ -133,10 +135,10 @@ def expectation(args: dict) -> str:
         return "unsupported"
     if args.get("--optimizer") == "muon":
         return "not_yet"
-    if str(args.get("--pipeline-model-parallel-size", 1)) != "1" or flags & set(_NOT_YET_FLAGS):
+    if flags & set(_NOT_YET_FLAGS):
         return "not_yet"
-    if str(args.get("--expert-model-parallel-size", 1)) != "1" and flags & {"--save", "--load"}:
-        return "not_yet"  # expert-parallel checkpoints
+    if str(args.get("--pipeline-model-parallel-size", 1)) != "1" and args.get("--cuda-graph-impl") == "local":
+        return "not_yet"  # CUDA graphs with pipeline parallelism
     expert_tp = args.get("--expert-tensor-parallel-size", args.get("--tensor-model-parallel-size", 1))
     if "--num-experts" in flags and str(expert_tp) != "1" and "--disable-bias-linear" not in flags:
         return "not_yet"  # expert biases split over expert tensor parallelism

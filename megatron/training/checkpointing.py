@@ -5,8 +5,12 @@ Layout under ``--save DIR`` (what Megatron's ``--ckpt-format torch`` writes)::
     DIR/latest_checkpointed_iteration.txt                 "100"
     DIR/iter_0000100/mp_rank_00/model_optim_rng.pt        TP rank 00, PP = 1
     DIR/iter_0000100/mp_rank_00_000/model_optim_rng.pt    TP rank 00, PP rank 000 (PP > 1)
+    DIR/iter_0000100/mp_rank_00_000_001/...               ... EP rank 001 (EP > 1; no PP part at PP = 1)
 
-One file per model-parallel rank, written by data-parallel rank 0 of that slice. It
+One file per model-parallel rank, written by data-parallel rank 0 of that slice (with
+EP > 1: expert-data-parallel rank 0 of each EP rank; every file holds the dense weights
+and its EP rank's experts, as Megatron). A checkpoint saved at another EP size is
+merged by global expert index at load (``torch_experts.py``). It
 holds only plain Python values and tensors, so it loads with
 ``torch.load(weights_only=True)``: model state dict, optimizer state, LR-scheduler
 state, RNG states (one entry per data-parallel rank, as Megatron), iteration,
@@ -86,6 +90,7 @@ _FLAG_NAMES = {
     "add_bias_linear": "--disable-bias-linear",
     "vocab_size": "the tokenizer / --vocab-size / --make-vocab-size-divisible-by",
     "num_query_groups": "--num-query-groups / --group-query-attention",
+    "num_moe_experts": "--num-experts",
 }
 
 
@@ -145,24 +150,37 @@ def get_checkpoint_name(
     tp_rank: int = 0,
     pp_rank: int = 0,
     pp_size: int = 1,
+    ep_rank: int = 0,
+    ep_size: int = 1,
     release: bool = False,
 ) -> str:
     """Path of one model-parallel rank's file.
 
     Returns:
         ``DIR/iter_XXXXXXX/mp_rank_{tp:02d}/model_optim_rng.pt`` for PP = 1, and
-        ``.../mp_rank_{tp:02d}_{pp:03d}/...`` when ``pp_size > 1``.
+        ``.../mp_rank_{tp:02d}_{pp:03d}/...`` when ``pp_size > 1``, with ``_{ep:03d}``
+        appended when ``ep_size > 1``.
     """
     rank_dir = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    if ep_size > 1:
+        rank_dir += f"_{ep_rank:03d}"
     return os.path.join(checkpoints_dir, iteration_dir_name(iteration, release), rank_dir, CHECKPOINT_FILENAME)
 
 
 def _rank_file(pg, checkpoints_dir: str, iteration: int, release: bool = False) -> str:
     tp_rank = getattr(pg, "tp_rank", 0)
     pp_rank = getattr(pg, "pp_rank", 0)
+    ep_size = getattr(pg, "ep_size", 1)
+    ep_rank = pg.ep_rank if ep_size > 1 else 0
     return get_checkpoint_name(
-        checkpoints_dir, iteration, tp_rank=tp_rank, pp_rank=pp_rank, pp_size=pg.pp_size, release=release
-    )
+        checkpoints_dir, iteration, tp_rank=tp_rank, pp_rank=pp_rank, pp_size=pg.pp_size, ep_rank=ep_rank,
+        ep_size=ep_size, release=release,
+    )  # fmt: skip
+
+
+def _writes_file(pg) -> bool:
+    """One writer per file: DP rank 0 of the model-parallel slice, with EP > 1 expert-DP rank 0."""
+    return pg.expt_dp_rank == 0 if getattr(pg, "ep_size", 1) > 1 else pg.dp_rank == 0
 
 
 # ---------------------------------------------------------------------- plain config
@@ -201,10 +219,11 @@ def check_config(saved: dict[str, Any], cfg, path: str) -> None:
     current = config_to_dict(cfg)
     diffs = []
     checks = [("model", n) for n in MODEL_CHECK_FIELDS] + [("parallel", n) for n in PARALLEL_CHECK_FIELDS]
+    checks.append(("moe", "num_moe_experts"))
     if cfg.model.position_embedding_type == "learned_absolute":
         checks.append(("model", "max_position_embeddings"))  # the size of the position table
     for concern, name in checks:
-        if name not in saved.get(concern, {}):
+        if name not in saved.get(concern, {}) or name not in current.get(concern, {}):
             continue  # a field the saving version did not have
         old, new = saved[concern][name], current[concern][name]
         if old != new:
@@ -391,7 +410,7 @@ def save_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> str:
     others = {key: obj.state_dict() for key, obj in state.items() if key != TRAIN_STATE}
     refuse_non_finite(others, pg, iteration, save_dir)
     error = None
-    if pg.dp_rank == 0:
+    if _writes_file(pg):
         # Megatron's order: version, counters, model, optimizer, scheduler, RNG, args.
         contents = {"checkpoint_version": CHECKPOINT_VERSION}
         contents.update({k: train[k] for k in ("iteration", "consumed_samples")})
@@ -499,6 +518,9 @@ def find_checkpoint(cfg, pg, checkpoints_dir: str) -> tuple[str, int, bool] | No
         )
     iteration, release = read_tracker(checkpoints_dir)
     path = _rank_file(pg, checkpoints_dir, iteration, release)
+    other_ep = _other_ep_files(pg, checkpoints_dir, iteration, release)
+    if not os.path.isfile(path) and other_ep:
+        path = other_ep[0]  # saved at another EP size: load_checkpoint merges the EP files
     if not os.path.isfile(path):
         # A save that re-wrote this iteration may have been killed between its two renames.
         rel = os.path.relpath(path, os.path.join(checkpoints_dir, iteration_dir_name(iteration, release)))
@@ -510,6 +532,21 @@ def find_checkpoint(cfg, pg, checkpoints_dir: str) -> tuple[str, int, bool] | No
             )
         path = aside[-1]
     return path, iteration, release
+
+
+def _other_ep_files(pg, checkpoints_dir: str, iteration: int, release: bool) -> list[str]:
+    """This TP/PP rank's files of a checkpoint saved at another EP size (EP-rank order), or []."""
+    from megatron.training import torch_experts
+
+    where = dict(tp_rank=getattr(pg, "tp_rank", 0), pp_rank=getattr(pg, "pp_rank", 0), pp_size=pg.pp_size)
+    rank_dir = os.path.dirname(get_checkpoint_name(checkpoints_dir, iteration, release=release, **where))
+    saved = torch_experts.saved_ep_size(os.path.dirname(rank_dir), os.path.basename(rank_dir))
+    if saved is None or saved == getattr(pg, "ep_size", 1):
+        return []
+    return [
+        get_checkpoint_name(checkpoints_dir, iteration, ep_rank=e, ep_size=saved, release=release, **where)
+        for e in range(saved)
+    ]
 
 
 def _load_file(path: str) -> dict[str, Any]:
@@ -558,6 +595,12 @@ def load_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> LoadedCheckpoint 
     print_rank_0(f"loading checkpoint from {load_dir} at iteration {iteration}")
     contents = _load_file(path)
     check_config(contents.get("config", {}), cfg, path)
+    other_ep = _other_ep_files(pg, load_dir, iteration, release)
+    if other_ep:
+        from megatron.training import torch_experts
+
+        files = [contents] + [_load_file(p) for p in other_ep[1:]]
+        contents = torch_experts.merge(files, state[MODEL], cfg.moe.num_moe_experts, pg)
 
     try:
         state[MODEL].load_state_dict(contents[MODEL], strict=True)  # copies into the existing tensors

@@ -411,12 +411,6 @@ class RunConfig(Freezable):
             f"--cuda-graph-impl local with --pipeline-model-parallel-size {pp} is not supported yet; drop "
             "--cuda-graph-impl or use --pipeline-model-parallel-size 1.",
         )
-        c = self.checkpoint
-        require(
-            not ((c.save or c.load) and c.ckpt_format == "torch_dist"),
-            f"--ckpt-format torch_dist with --pipeline-model-parallel-size {pp} is not supported yet (its keys "
-            "would name stage-local layers); pass --ckpt-format torch, which saves one file per stage.",
-        )
 
     def resolve(self, world_size: int = 1) -> "RunConfig":
         """A copy of this config with every derived value computed, for a run of ``world_size`` processes.
@@ -572,11 +566,6 @@ class RunConfig(Freezable):
         require(
             not self.ddp.overlap_param_gather or self.ddp.use_distributed_optimizer,
             "--overlap-param-gather needs --use-distributed-optimizer; add it or drop --overlap-param-gather.",
-        )
-        require(
-            not (self.parallel.expert_model_parallel_size > 1 and (self.checkpoint.save or self.checkpoint.load)),
-            "--expert-model-parallel-size > 1 with --save/--load is not supported yet (the checkpoint formats hold "
-            "one expert-parallel rank's experts); drop --save/--load or use --expert-model-parallel-size 1.",
         )
         require(
             p.accumulate_allreduce_grads_in_fp32,

@@ -13,9 +13,9 @@ What is unusual:
   one-process model (layers by global layer number), each tensor at its full shape.
   Every rank writes the rectangles of the full tensors it owns (TP blocks, the
   distributed optimizer's flat ranges cut into rectangles; replicas once) and reads
-  what it holds, so a checkpoint saved at one TP x PP x DP layout, with or without
-  ``--use-distributed-optimizer``, loads at any other. The check of the saving run's
-  flags therefore leaves out the parallel sizes.
+  what it holds, so a checkpoint saved at one TP x PP (x VPP) x EP x DP layout, with or
+  without ``--use-distributed-optimizer``, loads at any other. The check of the saving
+  run's flags therefore leaves out the parallel sizes.
 - Atomic like the torch format: DCP writes into ``iter_X.tmp-<pid>``; rank 0 renames it
   and then replaces the tracker, after every rank's files are written.
 - ``--async-save``: tensors are copied to the CPU at save time (training may then
@@ -62,7 +62,8 @@ def _model_chunks(trainer):
     model = trainer.model
     if isinstance(model, (list, tuple)):
         return [getattr(m, "module", m) for m in model]
-    return getattr(model, "module", model)
+    model = getattr(model, "module", model)
+    return list(model) if isinstance(model, torch.nn.ModuleList) else model  # virtual-pipeline chunks
 
 
 def _entries(trainer, *, with_optimizer: bool) -> list[sharded_state.Entry]:

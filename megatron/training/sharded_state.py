@@ -243,7 +243,7 @@ def tensor_layouts(modules, pg) -> list[tuple[torch.Tensor, TensorLayout]]:
         modules: The model (unwrapped), or its chunks (virtual pipeline stages).
         pg: This rank's ``ProcessGroups``.
     """
-    chunks = list(modules) if isinstance(modules, Sequence) else [modules]
+    chunks = list(modules) if isinstance(modules, (Sequence, torch.nn.ModuleList)) else [modules]
     out, seen = [], set()
     for chunk in chunks:
         renames, grouped = _module_renames(chunk)

@@ -167,22 +167,36 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         params = dict.fromkeys(p for p in self.ddp.module.parameters() if p.requires_grad)
         return [p for p in params if p.dtype in (torch.bfloat16, torch.float16)]
 
-    def _gather_flat(self, pieces_of) -> torch.Tensor:
-        """One fp32 tensor laid out like the grad buffer, every DP rank's shards filled in.
+    def _buffer_of(self, param: torch.nn.Parameter):
+        """The gradient buffer holding ``param`` (expert parameters: the expert-DP buffer)."""
+        expert = self.ddp.expert_grad_buffer
+        return expert if expert is not None and is_expert_param(param) else self.ddp.grad_buffer
+
+    def _gather_flat(self, pieces_of) -> dict[int, torch.Tensor]:
+        """Per gradient buffer (by ``id``), one fp32 tensor laid out like it, with every
+        rank's shards filled in: the dense buffer's over DP, the expert buffer's over expert-DP.
 
         ``pieces_of(i)`` gives this rank's flat tensor for piece ``i``.
         """
-        buffer = self.ddp.grad_buffer
-        flat = torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.data.device)
+        groups = [(self.ddp.grad_buffer, self.pg.dp, self.pg.dp_rank, self.pg.dp_size)]
+        if self.ddp.expert_grad_buffer is not None:
+            groups.append((self.ddp.expert_grad_buffer, self.pg.expt_dp, self.pg.expt_dp_rank, self.pg.expt_dp_size))
+        flats = {
+            id(buffer): torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.data.device)
+            for buffer, *_ in groups
+        }
         for i, (param, start, end) in enumerate(self.shards):
+            buffer = self._buffer_of(param)
             at = buffer.param_range(param)[0] + start
-            flat[at : at + end - start].copy_(pieces_of(i).reshape(-1))
-        if self.pg.dp is not None:
-            rank, size = self.pg.dp_rank, self.pg.dp_size
+            flats[id(buffer)][at : at + end - start].copy_(pieces_of(i).reshape(-1))
+        for buffer, group, rank, size in groups:
+            if group is None or size == 1:
+                continue
+            flat = flats[id(buffer)]
             for bucket in buffer.buckets:
                 lo, hi = bucket.shard_range(rank, size)
-                _all_gather_single(flat[bucket.offset : bucket.offset + bucket.numel], flat[lo:hi], group=self.pg.dp)
-        return flat
+                _all_gather_single(flat[bucket.offset : bucket.offset + bucket.numel], flat[lo:hi], group=group)
+        return flats
 
     def state_dict(self) -> dict[str, Any]:
         """The whole state of this model-parallel rank, gathered over DP (a collective: call on every rank).
@@ -206,14 +220,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         lowp = self._lowp_order()
         main_flat = self._gather_flat(lambda i: pieces[i].main) if lowp else None
 
-        def of(flat, param):
-            start, end = buffer.param_range(param)
-            return flat[start:end].view(param.shape).clone()
+        def of(per_buffer, param):
+            owner = self._buffer_of(param)
+            start, end = owner.param_range(param)
+            return per_buffer[id(owner)][start:end].view(param.shape).clone()
 
         state = {}
         if names:
             for i, param in enumerate(order):
-                entry = {k: of(flat, param) for k, flat in flats.items()}
+                entry = {k: of(per_buffer, param) for k, per_buffer in flats.items()}
                 if steps is not None:
                     entry["step"] = steps[i].cpu().clone()
                 state[i] = entry

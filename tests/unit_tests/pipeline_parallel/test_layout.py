@@ -139,13 +139,17 @@ def _run_config(extra: str):
     "extra, needle",
     [
         ("--pipeline-model-parallel-size 2 --cuda-graph-impl local", "--cuda-graph-impl local with --pipeline"),
-        ("--pipeline-model-parallel-size 2 --save /tmp/x", "--ckpt-format torch_dist with --pipeline-model"),
         ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3", "must be divisible by"),
     ],
 )
 def test_run_config_refuses_what_pipelines_do_not_combine_with(extra, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         _run_config(extra).validate()
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_pipelines_save_in_both_checkpoint_formats(ckpt_format):
+    _run_config(f"--pipeline-model-parallel-size 2 --save /tmp/x --load /tmp/x --ckpt-format {ckpt_format}").validate()
 
 
 def test_run_config_accepts_pipelines():

@@ -117,3 +117,73 @@ def test_layers_are_keyed_by_global_layer_number_and_the_tied_copy_by_the_embedd
     assert not entries["model." + sharded_state.TIED_EMBEDDING].write
     # Virtual-pipeline chunks: a list of modules gives one name space.
     assert "decoder.layers.2.linear.weight" in sharded_state.model_layouts([_Stage()], _pg())
+
+
+# ---------------------------------------------------------------------- whole models, per stage
+
+GPT = (
+    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+    "--micro-batch-size 2 --global-batch-size 8 --train-iters 2 --mock-data --tokenizer-type NullTokenizer "
+    "--vocab-size 63 --seed 7"
+)
+HYBRID = (
+    "--hidden-size 32 --num-attention-heads 4 --mamba-state-dim 8 --mamba-head-dim 8 --mamba-num-groups 2 "
+    "--position-embedding-type none --normalization RMSNorm --disable-bias-linear --seq-length 16 "
+    "--micro-batch-size 2 --global-batch-size 8 --train-iters 2 --mock-data --vocab-size 64 "
+    "--tokenizer-type NullTokenizer --seed 7"
+)
+
+
+def _stage_entries(flags: str, pp: int) -> dict[str, list]:
+    """Every stage's model entries (fake groups: building needs no collectives):
+    ``{key: [(pp rank, writes, first chunk's tensor), ...]}``."""
+    from megatron.core.models.gpt.gpt_model import build_gpt_model, build_gpt_stage_chunks
+    from megatron.core.models.hybrid.hybrid_model import build_hybrid_model, build_hybrid_stage_chunks
+    from megatron.core.parallel_state import ProcessGroups
+    from megatron.core.pipeline_parallel import layout
+    from megatron.training.arguments import parse_args
+
+    out: dict[str, list] = {}
+    for rank in range(pp):
+        cfg = parse_args((flags + (f" --pipeline-model-parallel-size {pp}" if pp > 1 else "")).split())
+        cfg.parallel.world_size = pp
+        cfg.validate()
+        pg = ProcessGroups(rank=rank, world_size=pp, device=torch.device("cpu"), ranks={"pp": list(range(pp))})
+        vocab = 64  # a padded vocabulary size
+        torch.manual_seed(7)
+        if cfg.mamba.hybrid_layer_pattern is not None:
+            model = (
+                build_hybrid_model(cfg.model, cfg.mamba, vocab, pg=pg)
+                if pp == 1
+                else build_hybrid_stage_chunks(cfg.model, cfg.mamba, vocab, pg)
+            )
+        elif pp == 1:
+            model = build_gpt_model(cfg.model, vocab, pg=pg)
+        else:
+            chunks = layout.chunk_layers(cfg.parallel, cfg.model.num_layers, rank)
+            model = build_gpt_stage_chunks(cfg.model, vocab, pg, chunks)
+        for e in sharded_state.model_entries(model, pg):
+            out.setdefault(e.key, []).append((rank, e.write, e.chunks[0].view.detach().clone()))
+    return out
+
+
+@pytest.mark.parametrize(
+    "one_process, staged",
+    [
+        (GPT, GPT + " --num-layers-per-virtual-pipeline-stage 1"),
+        (GPT, GPT + " --decoder-first-pipeline-num-layers 1"),
+        (GPT + " --untie-embeddings-and-output-weights", GPT + " --untie-embeddings-and-output-weights"),
+        (HYBRID + " --hybrid-layer-pattern M*M-", HYBRID + " --hybrid-layer-pattern M*|M-"),
+        (HYBRID + " --hybrid-layer-pattern M*M-M*M-", HYBRID + " --hybrid-layer-pattern M*|M-|M*|M-"),
+    ],
+    ids=["vpp2", "uneven", "untied", "hybrid_stages", "hybrid_vpp2"],
+)
+def test_pipeline_stages_together_hold_the_one_process_keys_each_written_once(one_process, staged):
+    one, stages = _stage_entries(one_process, 1), _stage_entries(staged, 2)
+    assert sorted(stages) == sorted(one)
+    for key, held in stages.items():
+        writers = [tensor for _, write, tensor in held if write]
+        assert len(writers) == 1, f"{key}: written by {len(writers)} stages"
+        assert torch.equal(writers[0], one[key][0][2]), key  # layout-free initialisation: the same values
+    tied = stages.get("model." + sharded_state.TIED_EMBEDDING)
+    assert [rank for rank, *_ in tied] == ([0, 1] if "untie" not in staged else [0])

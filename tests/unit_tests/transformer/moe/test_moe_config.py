@@ -145,15 +145,13 @@ def test_moe_with_tensor_parallelism_needs_sequence_parallel():
     assert _tp2_moe("--sequence-parallel").parallel.sequence_parallel
 
 
-def test_expert_parallel_checkpoints_are_refused_until_supported(tmp_path):
+def test_expert_parallel_runs_save_and_load_in_both_formats(tmp_path):
     flags = (
         "--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 --micro-batch-size 1 "
         "--global-batch-size 2 --num-experts 4 --expert-model-parallel-size 2 --mock-data "
         "--tokenizer-type NullTokenizer --vocab-size 32"
     ).split()
-    for extra in (["--save", str(tmp_path)], ["--load", str(tmp_path)]):
+    for ckpt_format in ("torch", "torch_dist"):
+        extra = ["--save", str(tmp_path), "--load", str(tmp_path), "--ckpt-format", ckpt_format]
         cfg = parse_args(flags + extra).resolve(world_size=2)
-        with pytest.raises(ValueError, match="--expert-model-parallel-size > 1 with --save/--load"):
-            cfg.validate()
-    cfg = parse_args(flags).resolve(world_size=2)
-    cfg.validate()
+        cfg.validate()
