@@ -66,7 +66,6 @@ _NOT_YET_FLAGS = (
     "--defer-embedding-wgrad-compute",
     "--delay-wgrad-compute",
     "--save-retain-interval",
-    "--error-injection-rate",
     "--test-mode",
     "--no-use-layer-wise-param-layout",
     "--apply-wd-to-qk-layernorm",
@@ -141,8 +140,6 @@ def expectation(args: dict) -> str:
     if "--num-experts" in flags and str(expert_tp) != "1" and "--disable-bias-linear" not in flags:
         return "not_yet"  # expert biases split over expert tensor parallelism
     if args.get("--tokenizer-type") not in (None, "GPT2BPETokenizer", "NullTokenizer", "HuggingFaceTokenizer"):
-        return "not_yet"
-    if str(args.get("--rerun-mode", "disabled")) != "disabled":
         return "not_yet"
     return "train"
 

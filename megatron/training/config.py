@@ -89,6 +89,25 @@ class TrainingConfig(Freezable):
     use_cpu: bool = False
     """Train on the CPU even when CUDA is available."""
 
+    rerun_mode: str = flag_field(
+        "validate_results", choices=("disabled", "validate_results", "report_determinism_stats", "report_stats")
+    )
+    """Re-run an iteration whose loss fails a check, from the same state, to tell a transient fault from a
+    reproducible result (validate_results), re-run every iteration to report non-determinism
+    (report_determinism_stats; report_stats is the same), or never (disabled)."""
+
+    error_injection_rate: int = 0
+    """Inject a rejected result into about one in this many loss checks (0: never), to test --rerun-mode."""
+
+    error_injection_type: str = flag_field(
+        "transient_error", choices=("correct_result", "transient_error", "persistent_error")
+    )
+    """What an injected result turns out to be when re-run."""
+
+    check_for_spiky_loss: bool = False
+    """Validate the loss against 10x the largest of its first 100 values (re-run with --rerun-mode
+    validate_results; training continues whatever the re-run shows)."""
+
 
 @dataclasses.dataclass
 class OptimizerConfig(Freezable):
@@ -444,6 +463,8 @@ class RunConfig(Freezable):
             t.train_iters is None or t.train_samples is None,
             "--train-iters and --train-samples cannot both be set; pick one.",
         )
+        if t.rerun_mode == "report_stats":  # Megatron's config spells it so; its state machine the other way
+            t.rerun_mode = "report_determinism_stats"
         if t.train_samples is not None:
             if t.train_samples >= 1 and t.global_batch_size >= 1:
                 t.train_iters = max(1, t.train_samples // t.global_batch_size)
@@ -516,6 +537,15 @@ class RunConfig(Freezable):
         require(
             t.rampup_batch_size is None,
             "--rampup-batch-size is not supported yet; drop it (the global batch size is constant).",
+        )
+        require(
+            t.error_injection_rate >= 0,
+            f"--error-injection-rate must be >= 0, got {t.error_injection_rate} (0 turns injection off).",
+        )
+        require(
+            t.error_injection_rate == 0 or t.rerun_mode != "disabled",
+            "--error-injection-rate injects results for the re-run checks, which --rerun-mode disabled turns off; "
+            "pass --rerun-mode validate_results or drop --error-injection-rate.",
         )
         if t.train_samples is not None:
             require(t.train_samples >= 1, f"--train-samples must be >= 1, got {t.train_samples}.")
@@ -650,6 +680,12 @@ class RunConfig(Freezable):
             warnings.warn(
                 f"--num-query-groups {m.num_query_groups} is ignored without --group-query-attention "
                 "(every head has its own keys and values); add --group-query-attention to use it.",
+                stacklevel=3,
+            )
+        if m.recompute_granularity is None and (m.recompute_method is not None or m.recompute_num_layers is not None):
+            warnings.warn(
+                "--recompute-method / --recompute-num-layers have no effect without --recompute-granularity full "
+                "(nothing is recomputed), as in Megatron.",
                 stacklevel=3,
             )
         if g.cuda_graph_impl == "none" and g.cuda_graph_scope:

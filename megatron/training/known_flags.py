@@ -232,15 +232,7 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
     "--log-progress": noop(SWITCH, "writes a progress.txt; training is unchanged"),
     "--no-record-throughput": noop(SWITCH, "progress logging only"),
     "--straggler-minmax-count": noop(VALUE, "straggler reporting only"),
-    "--rerun-mode": KnownFlag(
-        VALUE,
-        "--rerun-mode {value} is not supported yet: iterations are never re-run here; use --rerun-mode disabled.",
-        accepted_values=("disabled",),
-        note="only `disabled` (iterations are never re-run)",
-    ),
     "--test-mode": not_yet("--test-mode", SWITCH),
-    "--error-injection-rate": not_yet("--error-injection-rate", VALUE, "result-validation reruns"),
-    "--error-injection-type": not_yet("--error-injection-type", VALUE, "result-validation reruns"),
     # ---- not supported yet: features with open issues, or no ask yet.
     **_family(_MOE, lambda f, n: not_yet(f, n, "MoE", "drop the MoE flags to train a dense model")),
     **_family(_HYBRID, lambda f, n: not_yet(f, n, "hybrid Mamba models", "use pretrain_gpt.py flags for a GPT")),
