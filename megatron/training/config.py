@@ -141,10 +141,14 @@ class OptimizerConfig(Freezable):
     """Iterations over which to decay. Defaults to --train-iters."""
 
     decoupled_lr: float | None = None
-    """Separate learning rate for the input embedding and the output layer (same schedule shape)."""
+    """Separate peak learning rate for the input embedding and the output layer weights (their own param
+    groups, the same schedule shape)."""
 
     decoupled_min_lr: float | None = None
-    """Minimum learning rate of the --decoupled-lr parameters."""
+    """Minimum learning rate of the --decoupled-lr parameters. Defaults to --min-lr."""
+
+    apply_wd_to_qk_layernorm: bool = False
+    """Apply weight decay to the q/k layernorm parameters too (other norm weights and biases get none)."""
 
     use_checkpoint_opt_param_scheduler: bool = flag_field(
         False, aliases=("--use-checkpoint-opt-param-scheduler",), flag="--use-checkpoint-opt_param-scheduler"
@@ -231,6 +235,10 @@ class DDPConfig(Freezable):
 
     overlap_param_gather: bool = False
     """With --use-distributed-optimizer: overlap the parameter all-gather with the next forward."""
+
+    ddp_average_in_collective: bool = False
+    """Average the gradients inside the data-parallel collective (ReduceOp.AVG) instead of scaling them
+    by 1/DP first and summing."""
 
     check_for_nan_in_loss_and_grad: bool = flag_field(True, flag="--no-check-for-nan-in-loss-and-grad")
     """Raise when the loss or the gradient norm is NaN."""
@@ -364,6 +372,10 @@ class CheckpointConfig(Freezable):
 
     save_interval: int | None = None
     """Iterations between checkpoint saves."""
+
+    save_retain_interval: int | None = None
+    """Keep the checkpoints of iterations that are multiples of this value; a save deletes the previous
+    checkpoint otherwise (the latest is always kept). A multiple of --save-interval."""
 
     no_load_optim: bool = False
     """Do not load optimizer state."""
@@ -617,10 +629,17 @@ class RunConfig(Freezable):
             o.decoupled_min_lr is None or o.decoupled_lr is not None,
             "--decoupled-min-lr needs --decoupled-lr.",
         )
-        require(
-            o.decoupled_lr is None,
-            "--decoupled-lr is not supported yet (the optimizer has no separate embedding/output group); drop it.",
-        )
+        if o.decoupled_lr is not None:
+            require(
+                o.decoupled_lr >= 0 and math.isfinite(o.decoupled_lr),
+                f"--decoupled-lr must be finite and >= 0, got {o.decoupled_lr}.",
+            )
+            low = o.min_lr if o.decoupled_min_lr is None else o.decoupled_min_lr
+            require(
+                0 <= low <= o.decoupled_lr,
+                f"the embedding/output minimum lr ({low}: --decoupled-min-lr, default --min-lr) must be in "
+                f"[0, --decoupled-lr ({o.decoupled_lr})]; pass --decoupled-min-lr.",
+            )
         d = self.data
         require(
             d.mock_data or d.data_path,
@@ -669,6 +688,16 @@ class RunConfig(Freezable):
             c.save_interval is None or c.save_interval >= 1,
             f"--save-interval must be >= 1, got {c.save_interval}; drop it to save only at the end of training.",
         )
+        if c.save_retain_interval is not None:
+            require(
+                c.save_interval is not None and c.save_retain_interval >= 1,
+                f"--save-retain-interval {c.save_retain_interval} needs --save-interval N and must be >= 1.",
+            )
+            require(
+                c.save_retain_interval % c.save_interval == 0,
+                f"--save-retain-interval ({c.save_retain_interval}) must be a multiple of --save-interval "
+                f"({c.save_interval}).",
+            )
 
     def _split_weights(self) -> list[float]:
         return parse_split(self.data.split)  # the data code owns the format

@@ -48,6 +48,7 @@ from megatron.training.arguments import parse_args
 from megatron.training.config import RunConfig
 from megatron.training.data import build_data_iterators, setup_tokenizer
 from megatron.training.exit_conditions import ExitConditions
+from megatron.training.save_retention import SaveRetention
 from megatron.training.train_state import TrainState, get_rng_state, set_rng_state
 from megatron.training.training_log import IterationLogging, LossWindow
 
@@ -124,6 +125,8 @@ class Trainer(IterationLogging):
         )
         self._world = dist.group.WORLD if pg.world_size > 1 else None  # the re-run decisions span every rank
         self.last_checkpointed_iteration: int | None = None
+        ck = cfg.checkpoint
+        self.retention = SaveRetention(ck.save, ck.save_retain_interval, is_writer=pg.rank == 0)
         self.save_lock = self._lock_save_dir()
         try:
             if cfg.checkpoint.load:
@@ -218,11 +221,14 @@ class Trainer(IterationLogging):
 
     def save_checkpoint(self) -> str | None:
         """Saves the run at the current iteration into ``--save`` (``--ckpt-format``)."""
+        self.retention.before_save()
         if self.cfg.checkpoint.ckpt_format == "torch_dist":  # sharded: dist_checkpointing.py (refuses NaN too)
             dist_checkpointing.save(self)
+            self.retention.after_save(self.iteration)
             return None
         path = checkpointing.save_checkpoint(self.checkpoint_state(), self.cfg, self.pg)
         self.last_checkpointed_iteration = self.iteration
+        self.retention.after_save(self.iteration)
         return path
 
     def load_checkpoint(self) -> int:
@@ -519,6 +525,7 @@ class Trainer(IterationLogging):
         if cfg.checkpoint.save and self.iteration > 0 and self._save_attempted != self.iteration:
             self._save_checked()  # Megatron also saves at the end of training
         dist_checkpointing.wait_for_pending_save()  # an --async-save in flight is on disk when train() returns
+        self.retention.retire()  # what an --async-save in flight superseded
         if t.manual_gc:
             gc.enable()
         self.close()
