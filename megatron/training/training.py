@@ -235,6 +235,7 @@ class Trainer(IterationLogging):
         """Loads ``--load``; returns the iteration training continues from."""
         iteration = dist_checkpointing.maybe_load(self)  # a torch_dist checkpoint, or None
         if iteration is not None:
+            self._load_rerun_state()
             return iteration
         loaded = checkpointing.load_checkpoint(self.checkpoint_state(), self.cfg, self.pg)
         if loaded is None:

@@ -84,11 +84,15 @@ def test_transient_error_exits_17_without_saving(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "kind,diagnosis", [("persistent_error", "persistent_error"), ("correct_result", "correct_result")]
+    "kind,diagnosis,fmt",
+    [("persistent_error", "persistent_error", "torch"), ("correct_result", "correct_result", "torch_dist")],
 )
-def test_reproducible_result_checkpoints_exits_16_and_the_resumed_job_decides(tmp_path, monkeypatch, kind, diagnosis):
+def test_reproducible_result_checkpoints_exits_16_and_the_resumed_job_decides(
+    tmp_path, monkeypatch, kind, diagnosis, fmt
+):
     save = tmp_path / "c"
     flags = ["--train-iters", 3, "--error-injection-rate", 1, "--error-injection-type", kind, "--save", save]
+    flags += ["--ckpt-format", fmt]
     trainer, code = run_to_exit(*flags)
     assert code == rerun.EXIT_CODE_RESUME_TO_DISAMBIGUATE
     assert trainer.rerun.diagnoses == ["reproducible"]
