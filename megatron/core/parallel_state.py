@@ -74,17 +74,16 @@ class ParallelConfig(Freezable):
     """Layers on the last pipeline stage (uneven pipelines); the other stages split the rest evenly."""
 
     account_for_embedding_in_pipeline_split: bool = False
-    """Count the embedding as a layer when splitting over pipeline stages (not supported yet)."""
+    """Count the input embedding as a layer when splitting the layers over pipeline stages: the first
+    stage builds one transformer layer fewer."""
 
     account_for_loss_in_pipeline_split: bool = False
-    """Count the loss as a layer when splitting over pipeline stages (not supported yet)."""
+    """Count the loss (output layer) as a layer when splitting the layers over pipeline stages: the last
+    stage builds one transformer layer fewer."""
 
     microbatch_group_size_per_virtual_pipeline_stage: int | None = None
     """Consecutive micro-batches each model chunk runs in the interleaved schedule before the next
     chunk's turn. Defaults to --pipeline-model-parallel-size."""
-
-    overlap_p2p_communication_warmup_flush: bool = False
-    """Overlap pipeline sends/receives in warm-up and flush (not supported yet)."""
 
     world_size: int = flag_field(1, no_flag=True)
     """Number of processes, taken from torchrun's WORLD_SIZE."""
@@ -240,8 +239,10 @@ class ParallelConfig(Freezable):
                     "num_layers_per_virtual_pipeline_stage",
                     "decoder_first_pipeline_num_layers",
                     "decoder_last_pipeline_num_layers",
+                    "account_for_embedding_in_pipeline_split",
+                    "account_for_loss_in_pipeline_split",
                 )
-                if getattr(self, n) is not None
+                if getattr(self, n) not in (None, False)
             ]
             require(
                 not given,
@@ -330,12 +331,7 @@ def expert_grid(config: ParallelConfig) -> dict[str, int]:
     }
 
 
-_PIPELINE_LAYOUT_FIELDS = (
-    "pipeline_model_parallel_layout",
-    "account_for_embedding_in_pipeline_split",
-    "account_for_loss_in_pipeline_split",
-    "overlap_p2p_communication_warmup_flush",
-)
+_PIPELINE_LAYOUT_FIELDS = ("pipeline_model_parallel_layout",)
 
 
 class ProcessGroups:

@@ -89,6 +89,25 @@ class TrainingConfig(Freezable):
     use_cpu: bool = False
     """Train on the CPU even when CUDA is available."""
 
+    rerun_mode: str = flag_field(
+        "validate_results", choices=("disabled", "validate_results", "report_determinism_stats", "report_stats")
+    )
+    """Re-run an iteration whose loss fails a check, from the same state, to tell a transient fault from a
+    reproducible result (validate_results), re-run every iteration to report non-determinism
+    (report_determinism_stats; report_stats is the same), or never (disabled)."""
+
+    error_injection_rate: int = 0
+    """Inject a rejected result into about one in this many loss checks (0: never), to test --rerun-mode."""
+
+    error_injection_type: str = flag_field(
+        "transient_error", choices=("correct_result", "transient_error", "persistent_error")
+    )
+    """What an injected result turns out to be when re-run."""
+
+    check_for_spiky_loss: bool = False
+    """Validate the loss against 10x the largest of its first 100 values (re-run with --rerun-mode
+    validate_results; training continues whatever the re-run shows)."""
+
 
 @dataclasses.dataclass
 class OptimizerConfig(Freezable):
@@ -122,10 +141,14 @@ class OptimizerConfig(Freezable):
     """Iterations over which to decay. Defaults to --train-iters."""
 
     decoupled_lr: float | None = None
-    """Separate learning rate for the input embedding and the output layer (same schedule shape)."""
+    """Separate peak learning rate for the input embedding and the output layer weights (their own param
+    groups, the same schedule shape)."""
 
     decoupled_min_lr: float | None = None
-    """Minimum learning rate of the --decoupled-lr parameters."""
+    """Minimum learning rate of the --decoupled-lr parameters. Defaults to --min-lr."""
+
+    apply_wd_to_qk_layernorm: bool = False
+    """Apply weight decay to the q/k layernorm parameters too (other norm weights and biases get none)."""
 
     use_checkpoint_opt_param_scheduler: bool = flag_field(
         False, aliases=("--use-checkpoint-opt-param-scheduler",), flag="--use-checkpoint-opt_param-scheduler"
@@ -212,6 +235,10 @@ class DDPConfig(Freezable):
 
     overlap_param_gather: bool = False
     """With --use-distributed-optimizer: overlap the parameter all-gather with the next forward."""
+
+    ddp_average_in_collective: bool = False
+    """Average the gradients inside the data-parallel collective (ReduceOp.AVG) instead of scaling them
+    by 1/DP first and summing."""
 
     check_for_nan_in_loss_and_grad: bool = flag_field(True, flag="--no-check-for-nan-in-loss-and-grad")
     """Raise when the loss or the gradient norm is NaN."""
@@ -346,6 +373,10 @@ class CheckpointConfig(Freezable):
     save_interval: int | None = None
     """Iterations between checkpoint saves."""
 
+    save_retain_interval: int | None = None
+    """Keep the checkpoints of iterations that are multiples of this value; a save deletes the previous
+    checkpoint otherwise (the latest is always kept). A multiple of --save-interval."""
+
     no_load_optim: bool = False
     """Do not load optimizer state."""
 
@@ -438,6 +469,8 @@ class RunConfig(Freezable):
             t.train_iters is None or t.train_samples is None,
             "--train-iters and --train-samples cannot both be set; pick one.",
         )
+        if t.rerun_mode == "report_stats":  # Megatron's config spells it so; its state machine the other way
+            t.rerun_mode = "report_determinism_stats"
         if t.train_samples is not None:
             if t.train_samples >= 1 and t.global_batch_size >= 1:
                 t.train_iters = max(1, t.train_samples // t.global_batch_size)
@@ -511,6 +544,15 @@ class RunConfig(Freezable):
             t.rampup_batch_size is None,
             "--rampup-batch-size is not supported yet; drop it (the global batch size is constant).",
         )
+        require(
+            t.error_injection_rate >= 0,
+            f"--error-injection-rate must be >= 0, got {t.error_injection_rate} (0 turns injection off).",
+        )
+        require(
+            t.error_injection_rate == 0 or t.rerun_mode != "disabled",
+            "--error-injection-rate injects results for the re-run checks, which --rerun-mode disabled turns off; "
+            "pass --rerun-mode validate_results or drop --error-injection-rate.",
+        )
         if t.train_samples is not None:
             require(t.train_samples >= 1, f"--train-samples must be >= 1, got {t.train_samples}.")
         require(t.train_iters >= 1, f"--train-iters must be >= 1, got {t.train_iters}.")
@@ -576,10 +618,17 @@ class RunConfig(Freezable):
             o.decoupled_min_lr is None or o.decoupled_lr is not None,
             "--decoupled-min-lr needs --decoupled-lr.",
         )
-        require(
-            o.decoupled_lr is None,
-            "--decoupled-lr is not supported yet (the optimizer has no separate embedding/output group); drop it.",
-        )
+        if o.decoupled_lr is not None:
+            require(
+                o.decoupled_lr >= 0 and math.isfinite(o.decoupled_lr),
+                f"--decoupled-lr must be finite and >= 0, got {o.decoupled_lr}.",
+            )
+            low = o.min_lr if o.decoupled_min_lr is None else o.decoupled_min_lr
+            require(
+                0 <= low <= o.decoupled_lr,
+                f"the embedding/output minimum lr ({low}: --decoupled-min-lr, default --min-lr) must be in "
+                f"[0, --decoupled-lr ({o.decoupled_lr})]; pass --decoupled-min-lr.",
+            )
         d = self.data
         require(
             d.mock_data or d.data_path,
@@ -628,6 +677,16 @@ class RunConfig(Freezable):
             c.save_interval is None or c.save_interval >= 1,
             f"--save-interval must be >= 1, got {c.save_interval}; drop it to save only at the end of training.",
         )
+        if c.save_retain_interval is not None:
+            require(
+                c.save_interval is not None and c.save_retain_interval >= 1,
+                f"--save-retain-interval {c.save_retain_interval} needs --save-interval N and must be >= 1.",
+            )
+            require(
+                c.save_retain_interval % c.save_interval == 0,
+                f"--save-retain-interval ({c.save_retain_interval}) must be a multiple of --save-interval "
+                f"({c.save_interval}).",
+            )
 
     def _split_weights(self) -> list[float]:
         return parse_split(self.data.split)  # the data code owns the format
@@ -639,6 +698,12 @@ class RunConfig(Freezable):
             warnings.warn(
                 f"--num-query-groups {m.num_query_groups} is ignored without --group-query-attention "
                 "(every head has its own keys and values); add --group-query-attention to use it.",
+                stacklevel=3,
+            )
+        if m.recompute_granularity is None and (m.recompute_method is not None or m.recompute_num_layers is not None):
+            warnings.warn(
+                "--recompute-method / --recompute-num-layers have no effect without --recompute-granularity full "
+                "(nothing is recomputed), as in Megatron.",
                 stacklevel=3,
             )
         if g.cuda_graph_impl == "none" and g.cuda_graph_scope:

@@ -82,15 +82,10 @@ _HYBRID = {
 }
 
 _PARALLEL = {
-    "--overlap-param-gather-with-optimizer-step": SWITCH,
     "--num-distributed-optimizer-instances": VALUE,
     "--use-tp-pp-dp-mapping": SWITCH,
-    "--ddp-average-in-collective": SWITCH,
-    "--defer-embedding-wgrad-compute": SWITCH,
-    "--wgrad-deferral-limit": VALUE,
     "--delay-wgrad-compute": SWITCH,
     "--ddp-num-buckets": VALUE,
-    "--no-use-layer-wise-param-layout": SWITCH,
 }
 
 _FP8 = {
@@ -232,15 +227,20 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
     "--log-progress": noop(SWITCH, "writes a progress.txt; training is unchanged"),
     "--no-record-throughput": noop(SWITCH, "progress logging only"),
     "--straggler-minmax-count": noop(VALUE, "straggler reporting only"),
-    "--rerun-mode": KnownFlag(
-        VALUE,
-        "--rerun-mode {value} is not supported yet: iterations are never re-run here; use --rerun-mode disabled.",
-        accepted_values=("disabled",),
-        note="only `disabled` (iterations are never re-run)",
+    "--test-mode": noop(SWITCH, "runs a consistency check of the q/k layernorm weights across ranks; no value changes"),
+    "--overlap-param-gather-with-optimizer-step": noop(
+        SWITCH, "overlaps the first chunk's parameter all-gather with the optimizer step; the same parameters"
     ),
-    "--test-mode": not_yet("--test-mode", SWITCH),
-    "--error-injection-rate": not_yet("--error-injection-rate", VALUE, "result-validation reruns"),
-    "--error-injection-type": not_yet("--error-injection-type", VALUE, "result-validation reruns"),
+    "--overlap-p2p-communication-warmup-flush": noop(
+        SWITCH, "overlaps pipeline sends/receives in warm-up and flush; the same activations and gradients"
+    ),
+    "--defer-embedding-wgrad-compute": noop(
+        SWITCH, "defers the output layer's weight-gradient GEMMs to the pipeline flush; the same gradient sum"
+    ),
+    "--wgrad-deferral-limit": noop(VALUE, "how many micro-batches --defer-embedding-wgrad-compute defers"),
+    "--no-use-layer-wise-param-layout": noop(
+        SWITCH, "a buffer layout of the layer-wise (Muon) distributed optimizer, which this trainer does not use"
+    ),
     # ---- not supported yet: features with open issues, or no ask yet.
     **_family(_MOE, lambda f, n: not_yet(f, n, "MoE", "drop the MoE flags to train a dense model")),
     **_family(_HYBRID, lambda f, n: not_yet(f, n, "hybrid Mamba models", "use pretrain_gpt.py flags for a GPT")),
@@ -254,7 +254,6 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
     "--recompute-modules": not_yet("--recompute-modules", LIST, "", "use --recompute-granularity selective"),
     "--fine-grained-activation-offloading": not_yet("--fine-grained-activation-offloading", SWITCH),
     "--offload-modules": not_yet("--offload-modules", LIST),
-    "--save-retain-interval": not_yet("--save-retain-interval", VALUE, "", "drop it (every save is kept)"),
     "--step-batch-size-schedule": not_yet("--step-batch-size-schedule", VALUE, "", "use a fixed --global-batch-size"),
     "--fim-data": not_yet("--fim-data", SWITCH, "fill-in-the-middle data"),
     "--fim-rate": not_yet("--fim-rate", VALUE, "fill-in-the-middle data"),
@@ -264,7 +263,6 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
     "--muon-momentum": not_yet("--muon-momentum", VALUE, "the Muon optimizer", "use --optimizer adam"),
     "--muon-extra-scale-factor": not_yet("--muon-extra-scale-factor", VALUE, "the Muon optimizer"),
     "--muon-scale-mode": not_yet("--muon-scale-mode", VALUE, "the Muon optimizer"),
-    "--apply-wd-to-qk-layernorm": not_yet("--apply-wd-to-qk-layernorm", SWITCH),
     "--profile": not_yet("--profile", SWITCH, "", "run under nsys or torch.profiler yourself"),
     "--profile-step-start": not_yet("--profile-step-start", VALUE),
     "--profile-step-end": not_yet("--profile-step-end", VALUE),

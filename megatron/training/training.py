@@ -31,13 +31,14 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core import rerun_state_machine as rerun
 from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron.core.models.gpt.loss import gpt_forward_step
 from megatron.core.optimizer.distrib_optimizer import build_optimizer
 from megatron.core.optimizer.lr_scheduler import build_scheduler
 from megatron.core.pipeline_parallel import embedding_grads as pipeline_grads
 from megatron.core.pipeline_parallel import layout, p2p_communication, schedules
-from megatron.core.tensor_parallel.random import model_parallel_manual_seed
+from megatron.core.tensor_parallel.random import get_rng_tracker, model_parallel_manual_seed
 from megatron.core.transformer import cuda_graphs
 from megatron.core.transformer.cuda_graphs.streams import side_stream
 from megatron.core.transformer.moe import moe_layer as moe_hooks
@@ -47,7 +48,8 @@ from megatron.training.arguments import parse_args
 from megatron.training.config import RunConfig
 from megatron.training.data import build_data_iterators, setup_tokenizer
 from megatron.training.exit_conditions import ExitConditions
-from megatron.training.train_state import TrainState
+from megatron.training.save_retention import SaveRetention
+from megatron.training.train_state import TrainState, get_rng_state, set_rng_state
 from megatron.training.training_log import IterationLogging, LossWindow
 
 
@@ -112,7 +114,20 @@ class Trainer(IterationLogging):
         samples = t.global_batch_size if t.train_samples is not None else None  # schedule in samples
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, t.train_iters, samples_per_iteration=samples)
         self.state = TrainState(include_cuda_rng=self.device.type == "cuda")
+        self.rerun = rerun.RerunStateMachine(
+            t.rerun_mode,
+            check_nan=cfg.ddp.check_for_nan_in_loss_and_grad,
+            check_spiky=t.check_for_spiky_loss,
+            error_injection_rate=t.error_injection_rate,
+            error_injection_type=t.error_injection_type,
+            seed=t.seed,
+            rank=pg.rank,
+            device=self.device,
+        )
+        self._world = dist.group.WORLD if pg.world_size > 1 else None  # the re-run decisions span every rank
         self.last_checkpointed_iteration: int | None = None
+        ck = cfg.checkpoint
+        self.retention = SaveRetention(ck.save, ck.save_retain_interval, is_writer=pg.rank == 0)
         self.save_lock = self._lock_save_dir()
         try:
             if cfg.checkpoint.load:
@@ -207,17 +222,21 @@ class Trainer(IterationLogging):
 
     def save_checkpoint(self) -> str | None:
         """Saves the run at the current iteration into ``--save`` (``--ckpt-format``)."""
+        self.retention.before_save()
         if self.cfg.checkpoint.ckpt_format == "torch_dist":  # sharded: dist_checkpointing.py (refuses NaN too)
             dist_checkpointing.save(self)
+            self.retention.after_save(self.iteration)
             return None
         path = checkpointing.save_checkpoint(self.checkpoint_state(), self.cfg, self.pg)
         self.last_checkpointed_iteration = self.iteration
+        self.retention.after_save(self.iteration)
         return path
 
     def load_checkpoint(self) -> int:
         """Loads ``--load``; returns the iteration training continues from."""
         iteration = dist_checkpointing.maybe_load(self)  # a torch_dist checkpoint, or None
         if iteration is not None:
+            self._load_rerun_state()
             return iteration
         loaded = checkpointing.load_checkpoint(self.checkpoint_state(), self.cfg, self.pg)
         if loaded is None:
@@ -228,7 +247,20 @@ class Trainer(IterationLogging):
             self.scheduler.num_steps = self.iteration  # the LR schedule stays at the loaded iteration
             self.scheduler.step(0)
         self.last_checkpointed_iteration = None if loaded.weights_only else self.iteration
+        self._load_rerun_state()
         return self.iteration
+
+    def _load_rerun_state(self) -> None:
+        """A validation the previous job left pending in the loaded checkpoint (``--rerun-mode``)."""
+        if not self.cfg.checkpoint.load or self.iteration == 0:
+            return
+        folder = os.path.join(self.cfg.checkpoint.load, checkpointing.iteration_dir_name(self.iteration))
+        pending = rerun.read_state(folder)
+        if pending is not None and pending.get("iteration") == self.iteration + 1:
+            self.rerun.load_pending(pending)
+            logs.print_rank_0(
+                f"> re-running iteration {self.iteration + 1} to validate its result ({pending['message']})"
+            )
 
     # ------------------------------------------------------------------ one step
     def _next_batch(self, data_iterator) -> dict[str, torch.Tensor]:
@@ -250,14 +282,14 @@ class Trainer(IterationLogging):
         except StopIteration:
             self._prefetched = None  # the next fetch raises it again
 
-    def forward_backward(self, data_iterator) -> torch.Tensor:
+    def forward_backward(self, data_iterator, next_batch: Callable | None = None) -> torch.Tensor:
         """Runs every micro-batch of one global batch through the schedule; returns their
         mean loss (on the device), or with --calculate-per-token-loss the token-summed
         loss (``train_step`` divides it and the gradients by the global token count)."""
         per_token_loss = self.cfg.training.calculate_per_token_loss
         loss, metrics = self.schedule(
             forward_step=self.forward_step,
-            next_batch=lambda: self._next_batch(data_iterator),
+            next_batch=next_batch or (lambda: self._next_batch(data_iterator)),
             model=self.model,
             num_microbatches=self.cfg.num_microbatches,
             scale_loss=self.optimizer.scale_loss if self.cfg.precision.fp16 else None,
@@ -311,18 +343,10 @@ class Trainer(IterationLogging):
             loss or the grad norm is not finite (the NaN guard skipped that update).
         """
         with self.on_stream():
-            self.model.zero_grad_buffer()
-            if self.has_moe:  # d(objective)/d(aux loss), as the schedule scales the lm loss
-                moe_hooks.set_aux_loss_scale(self.model, self.optimizer.get_loss_scale() / self.cfg.num_microbatches)
-            loss = self.forward_backward(data_iterator)
-            self.model.finish_grad_sync()
-            self.tied_embedding.allreduce(self.model)  # PP > 1: first and last stage sum their copies' grads
-            if self.cfg.training.calculate_per_token_loss:
-                loss = self._divide_by_global_tokens(loss)
-            # The mean loss before the step, so every rank's NaN guard sees the same value.
-            if self.pg.dp is not None:
-                dist.all_reduce(loss, group=self.pg.dp)
-                loss = loss / self.pg.dp_size
+            if self.rerun.active:
+                loss = self._validated_gradients(data_iterator)
+            else:
+                loss, _ = self._gradients(data_iterator)
             bad_loss = torch.logical_not(torch.isfinite(loss))
             success, grad_norm, num_zeros = self.optimizer.step(skip=bad_loss)
             if self.has_moe:  # expert-bias update from this step's token counts
@@ -334,7 +358,104 @@ class Trainer(IterationLogging):
             non_finite = self.optimizer.non_finite
             if non_finite is None:  # no guard: count what the log would show as nan
                 non_finite = bad_loss if grad_norm is None else bad_loss | torch.logical_not(torch.isfinite(grad_norm))
+        self.rerun.first_iteration_complete = True
         return self._hand_over(loss), self._hand_over(grad_norm), bool(success), self._hand_over(non_finite)
+
+    def _gradients(self, data_iterator, next_batch: Callable | None = None, keep_local: bool = False):
+        """Forward/backward of one global batch and the gradient reduction.
+
+        Returns:
+            ``(loss, local)``: the data-parallel mean loss and, with ``keep_local``, this
+            rank's loss before the data-parallel mean (else None).
+        """
+        self.model.zero_grad_buffer()
+        if self.has_moe:  # d(objective)/d(aux loss), as the schedule scales the lm loss
+            moe_hooks.set_aux_loss_scale(self.model, self.optimizer.get_loss_scale() / self.cfg.num_microbatches)
+        loss = self.forward_backward(data_iterator, next_batch)
+        self.model.finish_grad_sync()
+        self.tied_embedding.allreduce(self.model)  # PP > 1: first and last stage sum their copies' grads
+        if self.cfg.training.calculate_per_token_loss:
+            loss = self._divide_by_global_tokens(loss)
+        local = loss.detach().clone() if keep_local else None
+        # The mean loss before the step, so every rank's NaN guard sees the same value.
+        if self.pg.dp is not None:
+            dist.all_reduce(loss, group=self.pg.dp)
+            loss = loss / self.pg.dp_size
+        return loss, local
+
+    def _rng_snapshot(self) -> dict:
+        return {"global": get_rng_state(self.device.type == "cuda"), "tracker": get_rng_tracker().get_states()}
+
+    def _restore_rng(self, snapshot: dict) -> None:
+        set_rng_state(snapshot["global"], include_cuda=self.device.type == "cuda")
+        get_rng_tracker().set_states(snapshot["tracker"])
+
+    def _validated_gradients(self, data_iterator) -> torch.Tensor:
+        """``_gradients`` under ``--rerun-mode``: the loss is checked before the optimizer step and the
+        iteration re-run from the same state (micro-batches, RNG, weights) when it fails a check
+        (``rerun_state_machine.py`` has the outcomes). Returns the loss to step with, or raises
+        ``RerunExit``."""
+        rr, iteration = self.rerun, self.iteration + 1
+        snapshot, batches = self._rng_snapshot(), []
+
+        def record():
+            batches.append(self._next_batch(data_iterator))
+            return batches[-1]
+
+        loss, local = self._gradients(data_iterator, record, keep_local=True)
+
+        def rerun_in_place():
+            self.graphs.end_of_iteration()  # a captured replay order starts over
+            self._restore_rng(snapshot)
+            replay = iter(batches)
+            return self._gradients(data_iterator, lambda: next(replay), keep_local=True)
+
+        if rr.mode == "report_determinism_stats":
+            initial = local.item()
+            loss, local = rerun_in_place()
+            rr.record_stats(iteration, initial, local.item(), self._world)
+            return loss
+        if rr.state is rerun.RerunState.RERUNNING_FROM_CHECKPOINT:
+            code = rr.after_rerun_from_checkpoint(local.item(), self._world)
+            if code == rerun.EXIT_CODE_RESUME_TO_DISAMBIGUATE:
+                raise rerun.RerunExit(
+                    code,
+                    "Exiting now. Please resume the job from the same checkpoint to rerun the last iteration and "
+                    "establish a diagnostic",
+                )
+            raise rerun.RerunExit(
+                code, "Exiting now. A checkpoint at the last iteration already exists if further examination is needed"
+            )
+        message, initial = rr.first_failure(iteration, local, self._world)
+        if message is None:
+            return loss
+        logs.print_rank_0(f"> iteration {iteration}: {message}; re-running it to check that the result reproduces")
+        loss, local = rerun_in_place()
+        decision = rr.after_rerun_in_place(iteration, message, initial, local.item(), self._world)
+        if decision == "continue":
+            logs.print_rank_0("> continuing normal execution because the failed validation was not fatal")
+            return loss
+        if decision == "exit" or not self.cfg.checkpoint.save:
+            why = "" if decision == "exit" else " (the result reproduced, but there is no --save to checkpoint to)"
+            raise rerun.RerunExit(
+                rerun.EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+                f"Exiting now{why}. The job can be resumed from a previous checkpoint",
+            )
+        # Reproducible: checkpoint the state before this iteration (its update never ran) and exit.
+        self._restore_rng(snapshot)
+        self._save_attempted = self.iteration
+        self.save_checkpoint()
+        dist_checkpointing.wait_for_pending_save()
+        if self.pg.rank == 0:
+            folder = os.path.join(self.cfg.checkpoint.save, checkpointing.iteration_dir_name(self.iteration))
+            rerun.write_state(folder, rr.pending_state(iteration, message, initial))
+        if self._world is not None:
+            dist.barrier()
+        raise rerun.RerunExit(
+            rerun.EXIT_CODE_RESUME_TO_DISAMBIGUATE,
+            "Saving a checkpoint and exiting now. Please resume the job from the checkpoint to rerun the last "
+            "iteration and establish a diagnostic",
+        )
 
     # ------------------------------------------------------------------ loop
     def train(self) -> list[dict]:
@@ -357,7 +478,13 @@ class Trainer(IterationLogging):
         first_iteration = self.iteration + 1  # 1, or the one after a loaded checkpoint
         with exits:
             while self.iteration < t.train_iters:
-                loss, grad_norm, success, non_finite = self.train_step(train_iter)
+                try:
+                    loss, grad_norm, success, non_finite = self.train_step(train_iter)
+                except rerun.RerunExit as e:
+                    logs.print_rank_0(f"> result validation at iteration {self.iteration + 1}: {e}")
+                    dist_checkpointing.wait_for_pending_save()
+                    self.close()
+                    raise
                 self.iteration += 1
                 self.consumed_samples += t.global_batch_size
                 if not success:
@@ -400,6 +527,7 @@ class Trainer(IterationLogging):
         if cfg.checkpoint.save and self.iteration > 0 and self._save_attempted != self.iteration:
             self._save_checked()  # Megatron also saves at the end of training
         dist_checkpointing.wait_for_pending_save()  # an --async-save in flight is on disk when train() returns
+        self.retention.retire()  # what an --async-save in flight superseded
         if t.manual_gc:
             gc.enable()
         self.close()

@@ -131,8 +131,14 @@ class DistributedDataParallel(torch.nn.Module):
             )
         self._sequence_parallel_params = [p for p in params if getattr(p, "sequence_parallel", False)]
 
-        # NCCL averages natively; other backends get a pre-scale and a SUM.
-        use_avg = self.dp_group is not None and dist.get_backend(self.dp_group) == "nccl"
+        # --ddp-average-in-collective: ReduceOp.AVG where the backend has it (NCCL); gloo has no
+        # AVG, so there the gradients get the pre-scale and a SUM, as without the flag (NCCL's
+        # AVG of floating-point data is that pre-scaled sum too).
+        use_avg = (
+            bool(getattr(config, "ddp_average_in_collective", False))
+            and self.dp_group is not None
+            and dist.get_backend(self.dp_group) == "nccl"
+        )
         self._syncs = [_BufferSync(self.grad_buffer, "dp", pg.dp_size, pg.dp_rank, 1.0 / self.dp_size, use_avg)]
         if self.expert_grad_buffer is not None:
             # Summed over expert-DP, scaled by 1 / DP: no AVG op gives that factor.

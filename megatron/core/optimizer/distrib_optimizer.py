@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.distributed_data_parallel import is_expert_param
-from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer, _uses_weight_decay
+from megatron.core.optimizer.optimizer import GROUP_ORDER, MixedPrecisionOptimizer, group_settings, param_group_rule
 
 # torch >= 2.10 renamed the single-tensor all-gather; the old name warns.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -82,6 +82,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             raise ValueError("DistributedOptimizer needs DDP built with use_distributed_optimizer=True.")
         self.ddp = ddp
         self.pg = pg
+        self.group_of = param_group_rule(ddp.module, config)
         self.shards: list[tuple[torch.nn.Parameter, int, int]] = []
         pieces, full_of = [], {}
         # Per buffer: (its owned shards, the owned gradients that count for the norm, pieces).
@@ -117,7 +118,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             config=config,
             precision=precision,
             preallocate_state=preallocate_state,
-            uses_weight_decay=lambda piece: _uses_weight_decay(full_of[id(piece)]),
+            group_of=lambda piece: self.group_of(full_of[id(piece)]),
             **norm,
             **kwargs,
         )
@@ -158,9 +159,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     # ------------------------------------------------------------------ legacy (torch format) checkpoints
 
     def _full_order(self) -> list[torch.nn.Parameter]:
-        """The non-distributed optimizer's parameter order: decay group, then no-decay group."""
+        """The non-distributed optimizer's parameter order: group by group (``GROUP_ORDER``)."""
         params = list(dict.fromkeys(p for p in self.ddp.module.parameters() if p.requires_grad))
-        return [p for p in params if _uses_weight_decay(p)] + [p for p in params if not _uses_weight_decay(p)]
+        return [p for key in GROUP_ORDER for p in params if self.group_of(p) == key]
 
     def _lowp_order(self) -> list[torch.nn.Parameter]:
         """Model order of the bf16/fp16 parameters (the non-distributed ``main_params`` list)."""
@@ -232,12 +233,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 if steps is not None:
                     entry["step"] = steps[i].cpu().clone()
                 state[i] = entry
-        template = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        template = {k: v for k, v in self.optimizer.param_groups[0].items() if k not in ("params", "max_lr", "min_lr")}
         groups, first = [], 0
-        for decays in (True, False):
-            members = [i for i, p in enumerate(order) if _uses_weight_decay(p) == decays]
+        for key in GROUP_ORDER:
+            members = [i for i, p in enumerate(order) if self.group_of(p) == key]
             if members:
-                group = dict(template, weight_decay=self.config.weight_decay if decays else 0.0)
+                group = dict(template, **group_settings(key, self.config))  # lr: the scheduler sets it on load
                 groups.append(dict(group, params=list(range(first, first + len(members)))))
                 first += len(members)
         return {
@@ -278,12 +279,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         kinds = {}
         for group in saved["param_groups"]:
             if group["params"]:
-                kinds[_uses_weight_decay(order[group["params"][0]])] = group
+                kinds[self.group_of(order[group["params"][0]])] = group
         piece_of = {id(piece.main): piece for piece in pieces}
         for group in self.optimizer.param_groups:
-            decays = _uses_weight_decay(piece_of[id(group["params"][0])].param)
-            if decays in kinds:
-                group.update({k: v for k, v in kinds[decays].items() if k != "params" and k not in _IMPL_KEYS})
+            key = self.group_of(piece_of[id(group["params"][0])].param)
+            if key in kinds:
+                group.update({k: v for k, v in kinds[key].items() if k != "params" and k not in _IMPL_KEYS})
         self.after_state_load()
         if self.grad_scaler is not None and state.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
@@ -313,6 +314,7 @@ def build_optimizer(ddp, *, pg, config, precision, preallocate_state: bool = Fal
         )
     params = [p for p in ddp.module.parameters() if p.requires_grad]
     buffers = [b.data for b in ddp.grad_buffers]
+    kwargs.setdefault("group_of", param_group_rule(ddp.module, config))
     if ddp.expert_grad_buffer is not None and expert_norm_separate(pg):
         # Dense gradients are replicated over DP: summed over MP. Expert gradients are
         # replicated over expert-DP only: summed over EP, expert TP (the shards) and PP;

@@ -62,29 +62,36 @@ class OptimizerParamScheduler:
         self.num_steps = 0
         self.step(0)
 
-    def get_lr(self, step: float) -> float:
-        """The learning rate after ``step`` iterations (pure)."""
+    def get_lr(self, step: float, max_lr: float | None = None, min_lr: float | None = None) -> float:
+        """The learning rate after ``step`` iterations (pure); ``max_lr`` / ``min_lr`` give a
+        param group's own range (``--decoupled-lr``), the same schedule shape."""
+        max_lr = self.max_lr if max_lr is None else max_lr
+        min_lr = self.min_lr if min_lr is None else min_lr
         warmup = self.lr_warmup_steps
         if warmup > 0 and step <= warmup:
-            return self.max_lr * float(step) / float(warmup)
+            return max_lr * float(step) / float(warmup)
         if self.lr_decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if step > self.lr_decay_steps:
-            return self.min_lr
+            return min_lr
         ratio = float(step - warmup) / float(self.lr_decay_steps - warmup)
         assert 0.0 <= ratio <= 1.0, ratio
         if self.lr_decay_style == "linear":
             coeff = 1.0 - ratio
         else:  # cosine
             coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     def step(self, increment: int = 1) -> float:
-        """Advances by ``increment`` iterations and writes the new lr into every group."""
+        """Advances by ``increment`` iterations and writes the new lr into every group (a group
+        with ``max_lr`` / ``min_lr`` keys follows its own range); returns the main lr."""
         self.num_steps += increment
         lr = self.get_lr(self.num_steps)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            if "max_lr" in group:
+                group["lr"] = self.get_lr(self.num_steps, group["max_lr"], group.get("min_lr"))
+            else:
+                group["lr"] = lr
         return lr
 
     def state_dict(self) -> dict[str, Any]:

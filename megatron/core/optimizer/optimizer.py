@@ -46,6 +46,49 @@ def _uses_weight_decay(param: torch.Tensor) -> bool:
     return param.ndim >= 2
 
 
+GroupKey = tuple[bool, bool]
+"""A parameter's optimizer group: (gets weight decay, uses --decoupled-lr)."""
+
+GROUP_ORDER: tuple[GroupKey, ...] = ((True, False), (False, False), (True, True), (False, True))
+"""The order of the param groups (and of a non-distributed state dict's parameters)."""
+
+
+def _default_group(param: torch.Tensor) -> GroupKey:
+    return _uses_weight_decay(param), False
+
+
+def param_group_rule(module: torch.nn.Module, config) -> Callable[[torch.Tensor], GroupKey]:
+    """Megatron's param-group rule for the parameters of ``module``, by name.
+
+    No weight decay for 1-D parameters and biases, except (``--apply-wd-to-qk-layernorm``)
+    the q/k layernorm ones; with ``--decoupled-lr`` the input embedding and the output
+    layer weights form groups of their own.
+    """
+    names = {id(p): n for n, p in module.named_parameters()}
+    qk = bool(getattr(config, "apply_wd_to_qk_layernorm", False))
+    decoupled = getattr(config, "decoupled_lr", None) is not None
+
+    def group_of(param: torch.Tensor) -> GroupKey:
+        name = names.get(id(param), "")
+        decays = not (param.ndim < 2 or name.endswith(".bias"))
+        if qk and ("q_layernorm." in name or "k_layernorm." in name):
+            decays = True
+        embedding_or_output = name.endswith("embedding.word_embeddings.weight") or name.endswith("output_layer.weight")
+        return decays, decoupled and embedding_or_output
+
+    return group_of
+
+
+def group_settings(key: GroupKey, config) -> dict[str, Any]:
+    """The hyper-parameters of one param group: weight decay and, for --decoupled-lr, its lr range."""
+    decays, decoupled = key
+    settings: dict[str, Any] = {"weight_decay": config.weight_decay if decays else 0.0}
+    if decoupled:
+        settings["max_lr"] = config.decoupled_lr
+        settings["min_lr"] = config.decoupled_min_lr if config.decoupled_min_lr is not None else config.min_lr
+    return settings
+
+
 def _build_inner(groups: list[dict[str, Any]], config, device: torch.device) -> torch.optim.Optimizer:
     """AdamW or SGD, fused on CUDA when this torch supports it, else foreach."""
     if config.optimizer == "adam":
@@ -124,7 +167,8 @@ class MixedPrecisionOptimizer:
         grad_norm_parts: Instead of the two above, ``[(tensors, groups), ...]``: parts of
             the gradients whose squared norms are summed over different groups (dense
             and expert gradients under expert parallelism); the global norm adds them.
-        uses_weight_decay: ``param -> bool`` (default: 2-D and larger params decay).
+        group_of: ``param -> (decays, decoupled lr)`` (``param_group_rule``; default: 2-D
+            and larger params decay, no decoupled lr).
     """
 
     def __init__(
@@ -139,7 +183,7 @@ class MixedPrecisionOptimizer:
         grad_norm_tensors: Sequence[torch.Tensor] | None = None,
         grad_norm_groups: Sequence[Any] = (),
         grad_norm_parts: Sequence[tuple[Sequence[torch.Tensor], Sequence[Any]]] | None = None,
-        uses_weight_decay: Callable[[torch.Tensor], bool] = _uses_weight_decay,
+        group_of: Callable[[torch.Tensor], GroupKey] = _default_group,
     ):
         self.config = config
         self.skip_non_finite = skip_non_finite
@@ -179,13 +223,12 @@ class MixedPrecisionOptimizer:
         self._attach_grads()
         self._release_fp32_grads()
 
-        decay = [m for p, m in zip(self.model_params, self.main_params) if uses_weight_decay(p)]
-        no_decay = [m for p, m in zip(self.model_params, self.main_params) if not uses_weight_decay(p)]
+        keys = [group_of(p) for p in self.model_params]
         groups = []
-        if decay:
-            groups.append({"params": decay, "weight_decay": config.weight_decay})
-        if no_decay:
-            groups.append({"params": no_decay, "weight_decay": 0.0})
+        for key in GROUP_ORDER:
+            members = [m for m, k in zip(self.main_params, keys) if k == key]
+            if members:
+                groups.append({"params": members, **group_settings(key, config)})
         self.device = self.main_params[0].device
         self.optimizer = _build_inner(groups, config, self.device)
         self._fused = bool(self.optimizer.param_groups[0].get("fused"))  # takes found_inf on the device

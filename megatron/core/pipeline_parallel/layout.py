@@ -6,7 +6,10 @@ and the last rank the loss head (its last chunk). Megatron's rules:
 - even split: every virtual stage holds ``num_layers / (PP * VPP)`` layers;
 - ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers`` fix the
   layers of the first / last pipeline rank; the other ranks split the rest evenly;
-- with virtual stages each rank's layers split evenly over its chunks.
+- with virtual stages each rank's layers split evenly over its chunks;
+- ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``
+  count the embedding / the loss as one more layer in the even split: the first / last
+  virtual stage then builds one transformer layer fewer (possibly none).
 Layer numbers are global (``offset + i + 1``), so a layer knows its place in the model
 whatever the layout.
 """
@@ -23,6 +26,7 @@ def virtual_stages_from_layers(parallel, num_layers: int) -> int | None:
     pp = parallel.pipeline_model_parallel_size
     if per_stage is None:
         return None
+    num_layers += sum(_accounted(parallel))  # the embedding / loss count as layers of the split
     require(
         not _uneven(parallel),
         "--num-layers-per-virtual-pipeline-stage cannot be combined with --decoder-first-pipeline-num-layers / "
@@ -117,9 +121,44 @@ def rank_layer_counts(parallel, num_layers: int) -> list[int]:
     return counts
 
 
+def _accounted(parallel) -> tuple[int, int]:
+    """(1 if the embedding, 1 if the loss counts as a layer of the split)."""
+    return (
+        int(bool(getattr(parallel, "account_for_embedding_in_pipeline_split", False))),
+        int(bool(getattr(parallel, "account_for_loss_in_pipeline_split", False))),
+    )
+
+
 def stage_layer_counts(parallel, num_layers: int) -> list[int]:
     """Layers per virtual stage, in model order (``c * PP + r``)."""
     pp, vpp = parallel.pipeline_model_parallel_size, num_chunks(parallel)
+    embedding, loss = _accounted(parallel)
+    if embedding or loss:
+        flags = " / ".join(
+            f for f, on in (("--account-for-embedding-in-pipeline-split", embedding),
+                            ("--account-for-loss-in-pipeline-split", loss)) if on
+        )  # fmt: skip
+        require(
+            not _uneven(parallel),
+            f"{flags} cannot be combined with --decoder-first-pipeline-num-layers / "
+            "--decoder-last-pipeline-num-layers (as in Megatron); use one way of placing the layers.",
+        )
+        total = num_layers + embedding + loss
+        require(
+            total % (pp * vpp) == 0,
+            f"with {flags}, --num-layers ({num_layers}) + {embedding + loss} must be divisible by "
+            f"--pipeline-model-parallel-size ({pp})" + (f" x virtual stages per rank ({vpp})" if vpp > 1 else "")
+            + "; change the layer count or the pipeline layout.",
+        )  # fmt: skip
+        counts = [total // (pp * vpp)] * (pp * vpp)
+        counts[0] -= embedding
+        counts[-1] -= loss
+        require(
+            min(counts) >= 0,
+            f"with {flags}, a pipeline stage of one layer cannot also hold the embedding and the loss; "
+            "raise --num-layers or lower --pipeline-model-parallel-size.",
+        )
+        return counts
     per_rank = rank_layer_counts(parallel, num_layers)
     return [per_rank[r] // vpp for _c in range(vpp) for r in range(pp)]
 

@@ -206,11 +206,7 @@ class TransformerConfig(Freezable):
 
     def _validate_recompute(self) -> None:
         g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
-        if g is None:
-            require(
-                m is None and n is None,
-                "--recompute-method / --recompute-num-layers need --recompute-granularity full.",
-            )
+        if g is None:  # Megatron ignores --recompute-method / --recompute-num-layers then (resolve warns)
             return
         if g == "selective":
             require(

@@ -383,3 +383,37 @@ def test_fold_follows_a_change_in_which_params_have_grads():
             p.grad = None
     ddp.finish_grad_sync()
     _assert_main_grads_equal(ddp, expected)
+
+
+def _average_in_collective(rank, world_size):
+    pg = cpu_process_groups()
+    grads = {}
+    for avg in (False, True):
+        torch.manual_seed(0)
+        net = _Net()
+        ddp = DistributedDataParallel(net, config=DDPConfig(ddp_average_in_collective=avg), pg=pg)
+        assert not ddp._syncs[0].use_avg_op  # gloo has no ReduceOp.AVG: pre-scale and SUM
+        ddp.broadcast_params()
+        torch.manual_seed(100 + rank)
+        _loss(ddp, torch.randn(4, 6)).backward()
+        ddp.finish_grad_sync()
+        grads[avg] = ddp.grad_buffer.data.clone()
+    # Where the backend has AVG (NCCL), the flag picks it; without the flag, the pre-scaled SUM.
+    real = ddp_module.dist.get_backend
+    try:
+        ddp_module.dist.get_backend = lambda group=None: "nccl"
+        ops = [
+            DistributedDataParallel(_Net(), config=DDPConfig(ddp_average_in_collective=avg), pg=pg)._syncs[0].use_avg_op
+            for avg in (False, True)
+        ]
+    finally:
+        ddp_module.dist.get_backend = real
+    return grads[False], grads[True], ops
+
+
+def test_ddp_average_in_collective():
+    results = run_distributed(_average_in_collective, 2)
+    for scaled_sum, averaged, ops in results:
+        torch.testing.assert_close(averaged, scaled_sum, rtol=1e-6, atol=0)
+        assert ops == [False, True]
+    assert torch.equal(results[0][1], results[1][1])  # every rank holds the same average

@@ -42,6 +42,35 @@ def test_uneven_first_and_last_stages_split_the_rest_evenly():
 
 
 @pytest.mark.parametrize(
+    "sizes, num_layers, counts",
+    [
+        (dict(account_for_embedding_in_pipeline_split=True), 3, [1, 2]),
+        (dict(account_for_loss_in_pipeline_split=True), 3, [2, 1]),
+        (dict(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True), 4, [2, 2]),
+        (dict(account_for_embedding_in_pipeline_split=True), 1, [0, 1]),  # Megatron allows a stage of none
+        (dict(account_for_embedding_in_pipeline_split=True, num_virtual_stages_per_pipeline_rank=2), 7, [1, 2, 2, 2]),
+        (dict(account_for_loss_in_pipeline_split=True, num_layers_per_virtual_pipeline_stage=2), 7, [2, 2, 2, 1]),
+    ],
+)
+def test_embedding_and_loss_count_as_layers_of_the_split(sizes, num_layers, counts):
+    cfg = _parallel(pipeline_model_parallel_size=2, **sizes)
+    layout.resolve_virtual_stages(cfg, num_layers)
+    assert layout.stage_layer_counts(cfg, num_layers) == counts
+    chunks = [c for r in range(2) for c in layout.chunk_layers(cfg, num_layers, r)]
+    assert sorted(chunks) == sorted(zip([sum(counts[:i]) for i in range(len(counts))], counts))
+
+
+def test_accounted_split_errors_name_the_flags():
+    cfg = _parallel(pipeline_model_parallel_size=2, account_for_embedding_in_pipeline_split=True)
+    with pytest.raises(ValueError, match=r"--account-for-embedding-in-pipeline-split, --num-layers \(4\) \+ 1"):
+        layout.stage_layer_counts(cfg, 4)
+    cfg = _parallel(pipeline_model_parallel_size=2, account_for_loss_in_pipeline_split=True,
+                    decoder_first_pipeline_num_layers=1)  # fmt: skip
+    with pytest.raises(ValueError, match="--account-for-loss-in-pipeline-split cannot be combined"):
+        layout.stage_layer_counts(cfg, 4)
+
+
+@pytest.mark.parametrize(
     "world, sizes, num_layers, needle",
     [
         (2, dict(pipeline_model_parallel_size=2), 3, "--num-layers (3) must be divisible by --pipeline-model"),

@@ -1,5 +1,7 @@
 """Pipeline layouts follow the single-process run: PP, interleaved PP, uneven PP, TP x PP (x DP).
 
+The embedding/loss-accounted split runs through the trainer too.
+
 Each layout trains the same small GPT (fp32, dropout 0, 4 layers, 4 micro-batches of 2,
 20 iterations) through the trainer on gloo CPU processes; its loss and gradient-norm
 curves must match one process's within 1e-5 relative (the same tolerance and the same
@@ -43,6 +45,9 @@ TWO_RANK = {
     "pp2_vpp2_layers_per_stage": PP2 + " --num-layers-per-virtual-pipeline-stage 1",
     "pp2_uneven": PP2 + " --decoder-first-pipeline-num-layers 1",
     "pp2_untied": PP2 + " --untie-embeddings-and-output-weights",
+    # 4 layers + embedding + loss over 2 stages: [2, 2] (the counts themselves: test_layout.py).
+    "pp2_account_for_embedding_and_loss": PP2
+    + " --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split",
 }
 
 

@@ -188,7 +188,7 @@ def test_bad_value_exits(capsys):
         (["--fp8-format", "hybrid"], "--fp8-format"),
         (["--multi-latent-attention"], "--multi-latent-attention"),
         (["--spec", "moe_spec", "moe_block_spec"], "--spec"),
-        (["--save-retain-interval", "2"], "--save-retain-interval"),
+        (["--step-batch-size-schedule", "0:8"], "--step-batch-size-schedule"),
         (["--split-sentences"], "--split-sentences"),
         (["--profile"], "--profile"),
     ],
@@ -201,8 +201,8 @@ def test_known_unsupported_flags_raise(argv, flag):
 
 def test_all_rejections_are_reported_together():
     with pytest.raises(ValueError) as info:
-        parse_args(BASE + ["--test-mode", "--fp8-format", "hybrid"])
-    assert "--test-mode" in str(info.value) and "--fp8-format" in str(info.value)
+        parse_args(BASE + ["--use-mup", "--fp8-format", "hybrid"])
+    assert "--use-mup" in str(info.value) and "--fp8-format" in str(info.value)
 
 
 def test_known_accepted_flags_are_no_ops():
@@ -215,6 +215,17 @@ def test_known_accepted_flags_are_no_ops():
                                         "--no-bias-gelu-fusion", "--no-persist-layer-norm"]  # fmt: skip
     with_flags.ignored_flags = []
     assert with_flags == parse_args(BASE)
+
+
+def test_speed_only_pipeline_and_optimizer_knobs_are_accepted_no_ops():
+    knobs = [
+        "--test-mode", "--overlap-param-gather-with-optimizer-step", "--overlap-p2p-communication-warmup-flush",
+        "--defer-embedding-wgrad-compute", "--wgrad-deferral-limit", "2", "--no-use-layer-wise-param-layout",
+    ]  # fmt: skip
+    cfg = parse_args(BASE + knobs)
+    assert cfg.ignored_flags == [k for k in knobs if k.startswith("--")]
+    cfg.ignored_flags = []
+    assert cfg == parse_args(BASE)
 
 
 def test_fusion_flags_turn_fusions_off():

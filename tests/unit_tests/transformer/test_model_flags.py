@@ -60,7 +60,6 @@ def test_recompute_chunks():
     [
         (dict(recompute_granularity="full"), "--recompute-method"),
         (dict(recompute_granularity="full", recompute_method="uniform"), "--recompute-num-layers"),
-        (dict(recompute_method="uniform", recompute_num_layers=1), "--recompute-granularity full"),
         (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=9), "exceeds"),
         (dict(squared_relu=True, gated_linear_unit=True), "--squared-relu"),
     ],
@@ -68,6 +67,12 @@ def test_recompute_chunks():
 def test_bad_model_flags_name_the_flag(kw, message):
     with pytest.raises(ValueError, match=message):
         config(**kw).validate()
+
+
+def test_recompute_method_without_granularity_is_ignored_as_upstream():
+    cfg = config(recompute_method="uniform", recompute_num_layers=1)
+    cfg.validate()  # upstream's gpt3_mcore_reruns_resume_check_grads passes them without a granularity
+    assert recomputed_chunks(cfg, 3) == [(0, 3, False)]
 
 
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])

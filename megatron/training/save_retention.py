@@ -1,0 +1,75 @@
+"""``--save-retain-interval``: which older checkpoints a save deletes (Megatron's rule).
+
+Once a new checkpoint is in place (the tracker names it), the one the tracker named
+before is deleted unless its iteration is a multiple of ``--save-retain-interval`` (or
+it is a symbolic link): the run keeps its latest checkpoint and every retained one.
+With ``--async-save`` the tracker moves when the background write ends, so the deletion
+waits for it: it happens at the next save or at the end of training.
+"""
+
+import os
+import shutil
+
+from megatron.training import checkpointing
+from megatron.training.logging_utils import print_rank_0
+
+
+class SaveRetention:
+    """Deletes superseded checkpoints of ``save_dir`` on the rank that manages the folder.
+
+    Args:
+        save_dir: The ``--save`` folder.
+        retain_interval: ``--save-retain-interval`` (None: keep every checkpoint).
+        is_writer: Whether this rank deletes (global rank 0, which writes the tracker).
+    """
+
+    def __init__(self, save_dir: str | None, retain_interval: int | None, is_writer: bool):
+        self.save_dir = save_dir
+        self.retain_interval = retain_interval
+        self.enabled = bool(save_dir) and retain_interval is not None and is_writer
+        self._before: int | None = None
+        self._pending: list[tuple[int, int]] = []  # (superseded iteration, the iteration superseding it)
+
+    def _tracker(self) -> int | None:
+        if not os.path.exists(checkpointing.tracker_path(self.save_dir)):
+            return None
+        iteration, release = checkpointing.read_tracker(self.save_dir)
+        return None if release else iteration
+
+    def before_save(self) -> None:
+        """Notes the checkpoint the tracker names before a save."""
+        if self.enabled:
+            self._before = self._tracker()
+
+    def after_save(self, iteration: int) -> None:
+        """Queues the superseded checkpoint and deletes what is no longer the latest."""
+        if not self.enabled:
+            return
+        if self._before is not None:
+            self._pending.append((self._before, iteration))
+        self._before = None
+        self.retire()
+
+    def retire(self) -> None:
+        """Deletes each queued checkpoint whose successor the tracker now names."""
+        if not self.enabled:
+            return
+        latest = self._tracker()
+        keep = []
+        for old, new in self._pending:
+            if latest != new:
+                if latest is None or latest < new:
+                    keep.append((old, new))  # the new one is not in place yet
+                continue
+            if old > 0 and old != new and old % self.retain_interval != 0:
+                self._delete(old)
+        self._pending = keep
+
+    def _delete(self, iteration: int) -> None:
+        path = os.path.join(self.save_dir, checkpointing.iteration_dir_name(iteration))
+        if os.path.islink(path):
+            print_rank_0(f"  skipping deleting checkpoint from iteration {iteration:7d} at {self.save_dir} (a link)")
+            return
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+            print_rank_0(f"  deleted checkpoint from iteration {iteration:7d} at {self.save_dir}")
