@@ -33,6 +33,24 @@ BASE = (
 )
 
 
+def _held_by_functions(outputs) -> list[torch.Tensor]:
+    """Tensors custom autograd Functions hold for their backward outside
+    ``save_for_backward`` (``ctx.saved``, e.g. the MoE expert loop, which frees each one
+    after its last use in backward): saved-tensor hooks never see them, yet the graph
+    keeps them alive like saved tensors."""
+    leaves = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    stack = [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen, held = set(), []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        held += [t for t in (getattr(node, "saved", None) or ()) if isinstance(t, torch.Tensor)]
+        stack += [fn for fn, _ in node.next_functions]
+    return held
+
+
 def saved_bytes(model, fn, *args) -> int:
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
@@ -44,7 +62,9 @@ def saved_bytes(model, fn, *args) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*args)
+        outputs = fn(*args)
+    for t in _held_by_functions(outputs):
+        pack(t)
     return sum(seen.values())
 
 
