@@ -202,7 +202,8 @@ def scale(args: dict) -> dict:
 
 def _fit_pipeline_layers(args: dict, out: dict) -> None:
     """A pipelined config keeps its layout with few layers: one (or one per virtual stage) per
-    pipeline rank, and the uneven first/last stages scaled to that too."""
+    pipeline rank, the uneven first/last stages scaled to that too, less the embedding and
+    loss where they count as layers."""
     pp = int(args.get("--pipeline-model-parallel-size", 1))
     if pp == 1 or "--num-layers" not in out:
         return
@@ -214,7 +215,10 @@ def _fit_pipeline_layers(args: dict, out: dict) -> None:
     for flag in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):
         if flag in args:
             out[flag] = vpp
-    out["--num-layers"] = pp * vpp
+    # The embedding and the loss may count as layers of the split (upstream's rule):
+    # the decoder then has that many layers fewer.
+    accounted = sum(f"--account-for-{part}-in-pipeline-split" in args for part in ("embedding", "loss"))
+    out["--num-layers"] = pp * vpp - accounted
 
 
 def main() -> None:
