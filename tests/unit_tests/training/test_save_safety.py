@@ -15,7 +15,7 @@ from megatron.training import checkpointing
 from megatron.training.checkpointing import read_tracker
 from megatron.training.save_lock import LOCK_FILENAME, SaveLock
 from tests.unit_tests.dist_utils import run_distributed
-from tests.unit_tests.training.test_checkpointing import REPO, build, run
+from tests.unit_tests.training.test_checkpointing import REPO, _Counter, build, run
 
 _HOLDER = r"""
 import sys
@@ -129,19 +129,6 @@ def test_full_disk_names_the_folder_and_removes_the_partial_save(tmp_path, monke
     assert read_tracker(str(c)) == (4, False)
 
 
-class _Plain:
-    """A ``Stateful`` holding one number."""
-
-    def __init__(self, value=0):
-        self.value = value
-
-    def state_dict(self):
-        return {"value": self.value}
-
-    def load_state_dict(self, state):
-        self.value = state["value"]
-
-
 def _save_fails_on_rank_1(rank, world, save_dir):
     import time
 
@@ -154,8 +141,8 @@ def _save_fails_on_rank_1(rank, world, save_dir):
     cfg = parse_args(["--mock-data", "--vocab-size", "64", "--save", save_dir, "--ckpt-format", "torch"])
     state = {
         "model": torch.nn.Linear(2, 2),
-        "optimizer": _Plain(1),
-        "opt_param_scheduler": _Plain(2),
+        "optimizer": _Counter(1),
+        "opt_param_scheduler": _Counter(2),
         "train_state": TrainState(iteration=3),
     }
     if rank == 1:  # both ranks write a file (TP = 2); this one's disk is full
