@@ -54,8 +54,7 @@ def _steps(rank, world_size, steps):
         if step[0] == "train":
             trainer = pretrain(step[1])
         else:
-            trainer = build_trainer(step[1])
-            trainer.cfg.checkpoint.save = step[2]
+            trainer = build_trainer([*step[1], "--save", str(step[2])])  # the config is frozen once built
             trainer.save_checkpoint()
             trainer.history = trainer.train()
             trainer.close()
@@ -141,8 +140,7 @@ def _resave_here(argv, folder):
     from megatron.core import parallel_state
     from megatron.training.training import build_trainer
 
-    loader = build_trainer(argv)
-    loader.cfg.checkpoint.save = str(folder)
+    loader = build_trainer([*argv, "--save", str(folder)])  # the config is frozen once built
     loader.save_checkpoint()
     loader.history = loader.train()
     loader.close()

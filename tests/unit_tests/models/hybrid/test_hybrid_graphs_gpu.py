@@ -93,6 +93,7 @@ def run_scopes(size: str, iters: int, memory_margin: float | None):
     flags = f"{size} {COMMON}"
     eager = train(flags, iters)
     assert eager[2]["active"] is False
+    over = []  # memory is checked after every scope's parity, so one scope's excess hides nothing
     for scope, value in SCOPES.items():
         graphed = train(f"{flags} --cuda-graph-impl local --cuda-graph-scope {value}".rstrip(), iters)
         facts = graphed[2]
@@ -101,11 +102,13 @@ def run_scopes(size: str, iters: int, memory_margin: float | None):
         assert_same(eager, graphed, f"scope {scope!r}")
         if memory_margin is not None:
             (e_alloc, e_reserved), (g_alloc, g_reserved) = eager[3], graphed[3]
-            assert g_reserved <= e_reserved * (1 + memory_margin), (
-                f"scope {scope!r}: peak reserved {g_reserved / 2**20:.0f} MiB > eager {e_reserved / 2**20:.0f} MiB "
-                f"+ {memory_margin:.0%} (peak allocated {g_alloc / 2**20:.0f} vs {e_alloc / 2**20:.0f} MiB)"
-            )
+            if g_reserved > e_reserved * (1 + memory_margin):
+                over.append(
+                    f"scope {scope!r}: peak reserved {g_reserved / 2**20:.0f} MiB > eager {e_reserved / 2**20:.0f} "
+                    f"MiB + {memory_margin:.0%} (peak allocated {g_alloc / 2**20:.0f} vs {e_alloc / 2**20:.0f} MiB)"
+                )
         del graphed
+    assert not over, "; ".join(over)
 
 
 @pytest.mark.skipif(HAVE_MAMBA_SSM, reason="mamba-ssm's Triton kernels are not checked bitwise against eager here")
