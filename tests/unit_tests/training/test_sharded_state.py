@@ -146,7 +146,7 @@ def _stage_entries(flags: str, pp: int) -> dict[str, list]:
     out: dict[str, list] = {}
     for rank in range(pp):
         cfg = parse_args((flags + (f" --pipeline-model-parallel-size {pp}" if pp > 1 else "")).split())
-        cfg.parallel.world_size = pp
+        cfg = cfg.resolve(world_size=pp)
         cfg.validate()
         pg = ProcessGroups(rank=rank, world_size=pp, device=torch.device("cpu"), ranks={"pp": list(range(pp))})
         vocab = 64  # a padded vocabulary size
