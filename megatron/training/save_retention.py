@@ -27,7 +27,7 @@ class SaveRetention:
         self.save_dir = save_dir
         self.retain_interval = retain_interval
         self.enabled = bool(save_dir) and retain_interval is not None and is_writer
-        self._before: int | None = None
+        self._last: int | None = None  # the newest iteration saved (or found in the folder)
         self._pending: list[tuple[int, int]] = []  # (superseded iteration, the iteration superseding it)
 
     def _tracker(self) -> int | None:
@@ -37,31 +37,32 @@ class SaveRetention:
         return None if release else iteration
 
     def before_save(self) -> None:
-        """Notes the checkpoint the tracker names before a save."""
-        if self.enabled:
-            self._before = self._tracker()
+        """Notes the folder's latest checkpoint before this run's first save."""
+        if self.enabled and self._last is None:
+            self._last = self._tracker()
 
     def after_save(self, iteration: int) -> None:
-        """Queues the superseded checkpoint and deletes what is no longer the latest."""
+        """Queues the checkpoint this save supersedes and deletes what is no longer the latest.
+
+        The superseded one is the previous save's, not what the tracker says now: with
+        ``--async-save`` the tracker lags behind the saves."""
         if not self.enabled:
             return
-        if self._before is not None:
-            self._pending.append((self._before, iteration))
-        self._before = None
+        if self._last is not None and self._last != iteration:
+            self._pending.append((self._last, iteration))
+        self._last = iteration
         self.retire()
 
     def retire(self) -> None:
-        """Deletes each queued checkpoint whose successor the tracker now names."""
+        """Deletes each queued checkpoint once its successor, or a later one, is in place."""
         if not self.enabled:
             return
         latest = self._tracker()
         keep = []
         for old, new in self._pending:
-            if latest != new:
-                if latest is None or latest < new:
-                    keep.append((old, new))  # the new one is not in place yet
-                continue
-            if old > 0 and old != new and old % self.retain_interval != 0:
+            if latest is None or latest < new:
+                keep.append((old, new))  # the new one is not in place yet
+            elif old > 0 and old % self.retain_interval != 0:
                 self._delete(old)
         self._pending = keep
 
