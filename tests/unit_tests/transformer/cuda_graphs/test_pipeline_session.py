@@ -33,17 +33,11 @@ from megatron.core.transformer.cuda_graphs.plan import BWD, FWD, OWN, Event
 from megatron.core.transformer.cuda_graphs.session import GraphSession, GraphState
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.config import DDPConfig
-from tests.unit_tests.pipeline_parallel.test_simulate import LAYOUTS, layout_id
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread is several times faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
+from tests.unit_tests.pipeline_parallel.test_simulate import (  # one_thread: its autouse fixture applies here too
+    LAYOUTS,
+    layout_id,
+    one_thread,  # noqa: F401
+)
 
 LAYERS = 2  # one per chunk with two chunks
 SEQ, BATCH, VOCAB = 4, 1, 16
