@@ -6,8 +6,14 @@ records and captures, replays the trace of the pool's segments, finds that momen
 prints what was live then: bytes and block count per allocation site (the innermost
 frames in this repository), and which capture (region, forward or backward) was running.
 
+With ``--steady`` it looks at a steady-state iteration instead (the third): the pools no
+longer allocate then, so the device's peak is the pools' reserved bytes plus the peak of
+everything else; it prints that peak and what was live at it, grouped the same way. Run
+it for an eager mode too (``--mode eager``) to see what the graphs added and removed.
+
 Usage (on a GPU):
     python tools/pool_peak.py --config dense8 --mode local:attn [--extra "--deterministic-mode"]
+    python tools/pool_peak.py --config dense8 --mode eager --steady
 """
 
 import argparse
@@ -50,6 +56,34 @@ def pool_peak(snapshot: dict, pool_id, device: int) -> tuple[int, int, list[dict
     return peak, peak_at, peak_live
 
 
+def outside_peak(snapshot: dict, pool_ids, device: int) -> tuple[int, list[dict]]:
+    """``(peak live bytes, blocks live then)`` of every allocation outside the given pools.
+
+    Replays the whole trace of ``device``; allocations that fall in a segment of one of
+    ``pool_ids`` are skipped (the pools' reserved bytes are counted separately). Blocks
+    already live when recording began are not in the trace and not counted.
+    """
+    wanted = {_pool_id(p) for p in pool_ids}
+    ranges = [
+        (s["address"], s["address"] + s["total_size"])
+        for s in snapshot["segments"]
+        if s.get("device", device) == device and _pool_id(s.get("segment_pool_id", (0, 0))) in wanted
+    ]
+    live: dict[int, dict] = {}
+    current = peak = 0
+    peak_live: list[dict] = []
+    for entry in snapshot["device_traces"][device]:
+        addr = entry.get("addr")
+        if entry["action"] == "alloc" and not any(lo <= addr < hi for lo, hi in ranges):
+            live[addr] = entry
+            current += entry["size"]
+            if current > peak:
+                peak, peak_live = current, list(live.values())
+        elif entry["action"] == "free_requested" and addr in live:
+            current -= live.pop(addr)["size"]
+    return peak, peak_live
+
+
 def allocation_site(entry: dict, root: str = "/megatron/", depth: int = 3) -> str:
     """The innermost ``depth`` frames of ``entry`` whose file lies under ``root``."""
     frames = [f for f in entry.get("frames", []) if root in f["filename"]]
@@ -83,10 +117,21 @@ def main():
     parser.add_argument("--mode", default="local:attn", help="a local:* mode of graph_bench.py")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--extra", default="", help="more training flags, e.g. --deterministic-mode")
+    parser.add_argument("--steady", action="store_true", help="the device peak of iteration 3 (see the docstring)")
     args = parser.parse_args()
 
     argv = f"{CONFIGS[args.config]} {COMMON} --train-iters 10 {mode_flags(args.mode)} {args.extra}".split()
-    trainer = build_trainer(argv)
+    providers = ()
+    if "--hybrid-layer-pattern" in argv:
+        import pretrain_hybrid
+
+        providers = (pretrain_hybrid.model_provider, pretrain_hybrid.forward_step)
+    if args.steady:
+        from megatron.core.transformer.cuda_graphs.pool import use_expandable_segments
+
+        use_expandable_segments()  # eager on the allocator settings graphs use, for a fair comparison
+        return steady(build_trainer(argv, *providers), args)
+    trainer = build_trainer(argv, *providers)
     device = torch.cuda.current_device()
     captures = []  # (trace length when the capture began, region, phase)
 
@@ -113,6 +158,46 @@ def main():
     print(
         f"{args.config} {args.mode}: pool reserved {reserved / 2**20:.1f} MiB; live peak "
         f"{peak / 2**20:.1f} MiB during the {during[0][2] + ' capture of ' + during[0][1] if during else 'set-up'}"
+    )
+    for site, nbytes, n in by_site(blocks)[: args.top]:
+        print(f"  {nbytes / 2**20:9.1f} MiB  x{n:<4d} {site}")
+    parallel_state.destroy(trainer.pg)
+
+
+def steady(trainer, args) -> None:
+    """Prints iteration 3's device peak: pools reserved + the peak of everything else."""
+    import torch
+
+    from megatron.core import parallel_state
+    from megatron.training.data import build_data_iterators
+
+    device = torch.cuda.current_device()
+    it, _ = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0)
+    trainer.model.train()
+    for _ in range(2):
+        trainer.train_step(it)
+    torch.cuda.synchronize()
+    session = trainer.graphs
+    pools = [p.handle for p in session.pools.values()] if session is not None and session.captured else []
+    reserved = session.pool_stats()[0] if pools else 0
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    trainer.train_step(it)
+    torch.cuda.synchronize()
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    peak, blocks = outside_peak(snapshot, pools, device)
+    outside_before = before - sum(  # live pool blocks are counted in memory_allocated too
+        int(s["allocated_size"])
+        for s in snapshot["segments"]
+        if _pool_id(s.get("segment_pool_id", (0, 0))) in {_pool_id(p) for p in pools}
+    )
+    mib = 2**20
+    print(
+        f"{args.config} {args.mode} {args.extra}: steady peak = pools reserved {reserved / mib:.1f} + outside live "
+        f"before the step {outside_before / mib:.1f} + step peak {peak / mib:.1f} = "
+        f"{(reserved + outside_before + peak) / mib:.1f} MiB; max reserved {torch.cuda.max_memory_reserved() / mib:.1f} MiB"
     )
     for site, nbytes, n in by_site(blocks)[: args.top]:
         print(f"  {nbytes / 2**20:9.1f} MiB  x{n:<4d} {site}")

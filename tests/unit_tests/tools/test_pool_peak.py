@@ -49,3 +49,28 @@ def test_peak_counts_only_our_pool_and_groups_by_site():
     sites = pool_peak.by_site(blocks)
     assert sites == [("a.py:3:fwd", 300, 2), ("c.py:5:bwd", 50, 1)]
     assert pool_peak.allocation_site({"frames": []}) == "(no frame here)"
+
+
+def test_outside_peak_skips_every_listed_pool():
+    snapshot = {
+        "segments": [
+            {"device": 0, "address": 1000, "total_size": 1000, "segment_pool_id": (7, 1)},
+            {"device": 0, "address": 3000, "total_size": 1000, "segment_pool_id": (7, 2)},
+            {"device": 0, "address": 5000, "total_size": 1000, "segment_pool_id": (0, 0)},
+        ],
+        "device_traces": [
+            [
+                _alloc(1000, 500, ("a.py", 3, "fwd")),  # pool 1: skipped
+                _alloc(5000, 100, ("b.py", 9, "eager")),
+                _alloc(3000, 700, ("a.py", 3, "fwd")),  # pool 2: skipped
+                _alloc(5100, 200, ("b.py", 9, "eager")),  # peak: 300
+                _free(5000, 100),
+                _alloc(5300, 150, ("c.py", 1, "head")),  # 350: new peak
+                _free(5100, 200),
+            ]
+        ],
+    }
+    peak, blocks = pool_peak.outside_peak(snapshot, [(7, 1), (7, 2)], 0)
+    assert peak == 350
+    assert sorted(b["addr"] for b in blocks) == [5100, 5300]
+    assert pool_peak.outside_peak(snapshot, [], 0)[0] == 1550  # no pools: everything counts
