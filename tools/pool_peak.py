@@ -178,7 +178,7 @@ def steady(trainer, args) -> None:
         trainer.train_step(it)
     torch.cuda.synchronize()
     session = trainer.graphs
-    pools = [p.handle for p in session.pools.values()] if session is not None and session.captured else []
+    pools = [p.handle for p in session.all_pools()] if session is not None and session.captured else []
     reserved = session.pool_stats()[0] if pools else 0
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()

@@ -13,7 +13,11 @@ Runs once, at the end of the recording iteration:
    graphs captured next.
 3. Bake: give every region, per slot, the buffer objects its replays use.
 
-With one slot this is exactly one shared pool captured in execution order.
+With one slot this is exactly one shared pool captured in execution order. With
+``share_backward`` (``plan.backward_runs_alone``) every slot's backward graphs and their
+static gradient buffers go into one backward pool instead, and each dgrad the plan
+keeps past the backward run (``Plan.persistent``: a send reads it later) is copied, by
+the backward graph itself, into a buffer of the slot's own pool.
 """
 
 from __future__ import annotations
@@ -58,8 +62,10 @@ def capture_all(
     cycles: dict[int, list[Event]],
     plans: dict[int, Plan],
     warmup_steps: int,
-) -> tuple[dict[int, GraphPool], dict[int, Buffers]]:
-    """Captures every slot's cycle; returns each slot's pool and static buffers."""
+    share_backward: bool = False,
+) -> tuple[dict[int, GraphPool], GraphPool | None, dict[int, Buffers]]:
+    """Captures every slot's cycle; returns each slot's pool, the shared backward pool
+    (None unless ``share_backward``) and each slot's static buffers."""
     fwd_order = [regions[r] for r in warmup_order(cycles)]
     pools: dict[int, GraphPool] = {}
     all_buffers: dict[int, Buffers] = {}
@@ -96,9 +102,12 @@ def capture_all(
         # Hand the eager cache (iteration 1's activations, warm-up temporaries) back to
         # the driver: from now on graphed regions allocate from the pools instead.
         torch.cuda.empty_cache()
+        backward_pool = GraphPool() if share_backward else None
         for slot, cycle in cycles.items():
             pools[slot] = GraphPool()
-            all_buffers[slot] = _capture_slot(regions, slot, cycle, plans[slot], pools[slot], stream)
+            all_buffers[slot] = _capture_slot(
+                regions, slot, cycle, plans[slot], pools[slot], stream, backward_pool or pools[slot]
+            )
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
     finally:
@@ -110,18 +119,28 @@ def capture_all(
             grad.copy_(saved)
     for slot, cycle in cycles.items():
         bake(regions, slot, cycle, plans[slot], all_buffers[slot])
-    return pools, all_buffers
+    return pools, backward_pool, all_buffers
 
 
 def _capture_slot(
-    regions: list[GraphedRegion], slot: int, cycle: list[Event], plan: Plan, pool: GraphPool, stream
+    regions: list[GraphedRegion],
+    slot: int,
+    cycle: list[Event],
+    plan: Plan,
+    pool: GraphPool,
+    stream,
+    backward_pool: GraphPool,
 ) -> Buffers:
+    """Captures one slot's cycle: forwards into ``pool``, backwards into ``backward_pool``
+    (the same pool unless the slots share one for their backward graphs)."""
     buffers: Buffers = {}
+    shared = backward_pool is not pool
+    persistent = set(plan.persistent()) if shared else set()
 
-    def static(key, meta: TensorMeta, fill: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    def static(key, meta: TensorMeta, fill: Callable[[torch.Tensor], None], into: GraphPool) -> torch.Tensor:
         owner = plan.owner(key)
         if owner not in buffers:
-            with torch.cuda.stream(stream), allocate_into_pool(pool):
+            with torch.cuda.stream(stream), allocate_into_pool(into):
                 buf = torch.empty(meta.shape, dtype=meta.dtype, device=meta.device)
             with torch.cuda.stream(stream):
                 fill(buf)
@@ -136,7 +155,7 @@ def _capture_slot(
                 if isinstance(meta, ValueArg):
                     args.append(meta.value)
                     continue
-                buf = static(("input", region.index, i), meta, fill_sample)
+                buf = static(("input", region.index, i), meta, fill_sample, pool)
                 args.append(buf.detach().requires_grad_(True) if meta.requires_grad else buf)
                 del buf
             outs = region.capture_forward(slot, args, pool, stream)
@@ -145,11 +164,17 @@ def _capture_slot(
             del args, outs
         else:
             grad_outputs = [
-                static(("grad_output", region.index, j), meta, torch.Tensor.zero_) if rg else None
+                static(("grad_output", region.index, j), meta, torch.Tensor.zero_, backward_pool) if rg else None
                 for j, (rg, meta) in enumerate(zip(region.output_requires_grad, region.output_meta))
             ]
-            dgrads = region.capture_backward(slot, grad_outputs, pool, stream)
             keys = [("grad_input", region.index, i) for i, rg in enumerate(region.input_requires_grad) if rg]
+            # Dgrads read after the backward run (sent): the graph copies them into the slot's pool.
+            metas = [m for m, rg in zip(region.arg_meta, region.input_requires_grad) if rg]
+            copy_into = [
+                static(key, meta, torch.Tensor.zero_, pool) if key in persistent else None
+                for key, meta in zip(keys, metas)
+            ]
+            dgrads = region.capture_backward(slot, grad_outputs, backward_pool, stream, copy_into)
             buffers.update(zip(keys, dgrads))
             del grad_outputs, dgrads
         for key in plan.releases_at(position):
@@ -157,7 +182,7 @@ def _capture_slot(
             if t is not None:
                 buffers[key] = make_weak_ref(t)
             del t
-        stats = pool.stats()
+        stats = (pool if event.phase == FWD else backward_pool).stats()
         graphs = region.slots[slot]
         graphs.pool_reserved_after[event.phase] = stats.reserved_bytes
         graphs.pool_live_after[event.phase] = stats.live_bytes

@@ -14,9 +14,16 @@ for a stack of regions. Each slot's graphs are captured in cycle order into one 
 that slot; with one slot in flight (no pipelining) that is the one shared pool of the
 run. Slots need pools of their own: a forward of slot 0 replays while slot 1's
 activations are live, yet slot 0 was captured before they existed, so in one pool its
-temporaries may sit where they now live (the hostile pool test shows it). Replay must
-walk the recorded iteration in order, every iteration. Each region owns four kinds of
-static buffers per slot:
+temporaries may sit where they now live (the hostile pool test shows it). Backward
+graphs are the exception (:func:`backward_runs_alone`): when every slot's backward
+events of a micro-batch run back to back, with no other slot's graph in between (what
+the schedules do: one backward step runs a chunk's whole backward), the backward
+graphs of all slots share one pool. What they allocate is dead by the end of that run
+(temporaries, gradients handed along the run, dgrads copied out to eager code) except
+what a send reads later (:meth:`Plan.persistent`), which the backward graph copies into
+a buffer of its slot's own pool. So slots pay for one set of backward temporaries, as
+eager does, not one each. Replay must walk the recorded iteration in order, every
+iteration. Each region owns four kinds of static buffers per slot:
 
 * ``input``       forward input i of region r (filled by a copy at replay), unless it is
                   handed off from a producer's output (same memory, no copy) or shared
@@ -168,6 +175,16 @@ class Plan:
         """Position of ``phase`` of ``region`` in the cycle."""
         return next(i for i, e in enumerate(self.cycle) if e.phase == phase and e.region == region)
 
+    def persistent(self) -> list[BufferKey]:
+        """Dgrads read after the cycle's backward run has ended: kept for good (a send
+        waited on before the slot's next micro-batch). With a shared backward pool they
+        must live in the slot's pool."""
+        return [
+            k
+            for k, b in self.buffers.items()
+            if k[0] == "grad_input" and b.alias_of is None and b.release_after is None
+        ]
+
 
 def slot_cycles(order: Sequence[Event]) -> dict[int, list[Event]]:
     """Each slot's cycle in a recorded iteration (``split_cycle`` of its events)."""
@@ -177,6 +194,33 @@ def slot_cycles(order: Sequence[Event]) -> dict[int, list[Event]]:
     for e in order:
         by_slot.setdefault(e.slot, []).append(e)
     return {slot: split_cycle(events) for slot, events in sorted(by_slot.items())}
+
+
+def backward_runs_alone(order: Sequence[Event], cycles: dict[int, list[Event]]) -> bool:
+    """Whether the slots' backward graphs may share one pool (module docstring).
+
+    True when there are several slots, every cycle is all its forwards then all its
+    backwards, and in ``order`` no other slot's event falls between the first and the
+    last backward of any micro-batch of a slot.
+    """
+    if len(cycles) < 2:
+        return False
+    for cycle in cycles.values():
+        phases = [e.phase for e in cycle]
+        if BWD not in phases or FWD in phases[phases.index(BWD) :]:
+            return False
+    open_run: int | None = None  # the slot whose backward run has started and not ended
+    remaining = 0
+    for e in order:
+        if open_run is not None and e.slot != open_run:
+            return False
+        if e.phase == BWD:
+            if open_run is None:
+                open_run, remaining = e.slot, sum(1 for c in cycles[e.slot] if c.phase == BWD)
+            remaining -= 1
+            if remaining == 0:
+                open_run = None
+    return open_run is None
 
 
 def split_cycle(order: Sequence[Event]) -> list[Event]:

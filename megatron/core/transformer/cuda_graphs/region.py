@@ -255,8 +255,14 @@ class GraphedRegion:
             graphs.fwd_outputs = outs
         return outs
 
-    def capture_backward(self, slot: int, grad_outputs: list[torch.Tensor | None], pool, stream) -> list[torch.Tensor]:
-        """Captures dgrad + wgrad of ``slot``; wgrads are added to ``main_grad`` inside the graph."""
+    def capture_backward(
+        self, slot: int, grad_outputs: list[torch.Tensor | None], pool, stream, copy_into=None
+    ) -> list[torch.Tensor]:
+        """Captures dgrad + wgrad of ``slot``; wgrads are added to ``main_grad`` inside the graph.
+
+        ``copy_into``: per dgrad, None or a buffer (outside ``pool``) the graph copies
+        that dgrad into; the buffer is then returned in its place.
+        """
         graphs = self.slots[slot]
         graph = torch.cuda.CUDAGraph()
         args, outs = graphs.capture_args, graphs.fwd_outputs
@@ -269,6 +275,12 @@ class GraphedRegion:
                 for p, g in zip(self.params, grads[n_in:]):
                     if g is not None:
                         p.main_grad.add_(g)
+                if copy_into is not None:
+                    grads = list(grads)
+                    for i, dst in enumerate(copy_into):
+                        if dst is not None and grads[i] is not None:
+                            dst.copy_(grads[i])
+                            grads[i] = dst
             finally:
                 graph.capture_end()
         self.capture_seconds += time.perf_counter() - start

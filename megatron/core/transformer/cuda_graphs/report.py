@@ -299,17 +299,24 @@ def graphed_report(
         segments = _snapshot_segments()
     growth: dict[tuple[int, int], int] = {}
     live_fwd: dict[tuple[int, int], int] = {}
+    shared = session.backward_pool is not None
+    bwd_reserved = bwd_live = 0  # the shared backward pool's, across slots in capture order
     for slot, cycle in session.cycles.items():
         reserved = live = 0
         for event in cycle:
             graphs = session.regions[event.region].slots[slot]
-            r = graphs.pool_reserved_after.get(event.phase, reserved)
-            li = graphs.pool_live_after.get(event.phase, live)
+            in_shared = shared and event.phase == "bwd"
+            before, before_live = (bwd_reserved, bwd_live) if in_shared else (reserved, live)
+            r = graphs.pool_reserved_after.get(event.phase, before)
+            li = graphs.pool_live_after.get(event.phase, before_live)
             key = (event.region, slot)
-            growth[key] = growth.get(key, 0) + r - reserved
+            growth[key] = growth.get(key, 0) + r - before
             if event.phase == "fwd":
                 live_fwd[key] = li - live
-            reserved, live = r, li
+            if in_shared:
+                bwd_reserved, bwd_live = r, li
+            else:
+                reserved, live = r, li
     strong: dict[tuple[int, int], dict[int, int]] = {}
     weak: dict[tuple[int, int], dict[int, int]] = {}
     for slot, buffers in session.buffers.items():
@@ -385,7 +392,7 @@ def graphed_report(
         for layer in base.layers
     ]
     reserved = live = 0
-    for pool in session.pools.values():
+    for pool in session.all_pools():
         s = pool_stats_from_segments(segments, pool.handle, pool.device)
         reserved += s.reserved_bytes
         live += s.live_bytes

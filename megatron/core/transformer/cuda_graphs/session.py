@@ -16,6 +16,9 @@ again after :meth:`GraphSession.close`). Model classes carry no capture code.
 - Pipeline receives: the schedule notes a received tensor while recording
   (``note_receive``); after capture ``receive_buffer(slot)`` is the static input of the
   slot's graph that reads it, to receive into without a copy.
+- Pools: one per slot; when the slots' backward runs never interleave (the
+  schedules' backward steps), one more that every slot's backward graphs share
+  (``plan.backward_runs_alone``).
 - Eval and no-grad calls always run eagerly.
 - Backward replays mark their parameters ready on the grad sinks (DDP buffers) with an
   event recorded after the replay.
@@ -48,6 +51,7 @@ from megatron.core.transformer.cuda_graphs.plan import (
     Event,
     Plan,
     RegionIO,
+    backward_runs_alone,
     build_plan,
     slot_cycles,
 )
@@ -124,7 +128,8 @@ class GraphSession:
         self.cycles: dict[int, list[Event]] = {}
         self.plans: dict[int, Plan] = {}
         self.comm_reads: list[tuple[int, CommRead]] = []  # (slot, read)
-        self.pools: dict = {}
+        self.pools: dict = {}  # slot -> GraphPool
+        self.backward_pool = None  # the GraphPool every slot's backward graphs share, if they do
         self.buffers: dict[int, dict] = {}
         self.cursor = 0
         self.slot = 0
@@ -180,9 +185,10 @@ class GraphSession:
         self.buffers.clear()
         self._poison.clear()
         self._ready.clear()
-        for pool in self.pools.values():
+        for pool in self.all_pools():
             pool.close()
         self.pools.clear()
+        self.backward_pool = None
         self._anchor = None
         self.state = GraphState.CLOSED
 
@@ -403,8 +409,12 @@ class GraphSession:
         start = time.perf_counter()
         plans = self.make_plans()
         self.recorder.clear_identities()
-        self.pools, self.buffers = capture_lib.capture_all(
-            self.regions, self.cycles, plans, self.config.cuda_graph_warmup_steps
+        share = backward_runs_alone(self.order, self.cycles) and not any(
+            read.until is not None and read.until[0] == FWD and read.key[0] == "grad_input"
+            for _, read in self.comm_reads
+        )
+        self.pools, self.backward_pool, self.buffers = capture_lib.capture_all(
+            self.regions, self.cycles, plans, self.config.cuda_graph_warmup_steps, share_backward=share
         )
         if self.config.cuda_graph_debug:
             for slot, plan in plans.items():
@@ -447,10 +457,14 @@ class GraphSession:
     def num_graphs(self) -> int:
         return sum(r.num_graphs() for r in self.regions)
 
+    def all_pools(self) -> list:
+        """Every pool of the session: one per slot, then the shared backward pool if any."""
+        return list(self.pools.values()) + ([self.backward_pool] if self.backward_pool is not None else [])
+
     def pool_stats(self) -> tuple[int, int]:
         """(reserved, live) bytes of every pool of the session (allocator snapshots)."""
         reserved = live = 0
-        for pool in self.pools.values():
+        for pool in self.all_pools():
             s = pool.stats()
             reserved += s.reserved_bytes
             live += s.live_bytes
@@ -464,6 +478,7 @@ class GraphSession:
         return {
             "graphs": self.num_graphs(),
             "slots": len(self.pools),
+            "backward_pool_shared": self.backward_pool is not None,
             "pool_reserved_bytes": int(reserved),
             "pool_live_bytes": int(live),
             "strong_bytes": int(self.strong_bytes()),
@@ -492,7 +507,10 @@ class GraphSession:
         line = format_pool_summary(self.num_graphs(), reserved, live, self.strong_bytes(), self.capture_seconds)
         if stage is not None and stage[1] > 1:
             line = line.replace("graph pool |", f"graph pool | pipeline rank: {stage[0]} of {stage[1]} |", 1)
-        return line if len(self.pools) <= 1 else f"{line} | slots: {len(self.pools)}"
+        if len(self.pools) <= 1:
+            return line
+        shared = " (backward pool shared)" if self.backward_pool is not None else ""
+        return f"{line} | slots: {len(self.pools)}{shared}"
 
     # ------------------------------------------------------------------ debug
     def _debug_compare(self, region: GraphedRegion, args, outs) -> None:

@@ -29,7 +29,7 @@ from megatron.core.pipeline_parallel import simulate
 from megatron.core.transformer import cuda_graphs
 from megatron.core.transformer.cuda_graphs import capture
 from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
-from megatron.core.transformer.cuda_graphs.plan import BWD, FWD, OWN, Event
+from megatron.core.transformer.cuda_graphs.plan import BWD, FWD, OWN, Event, backward_runs_alone
 from megatron.core.transformer.cuda_graphs.session import GraphSession, GraphState
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.config import DDPConfig
@@ -135,6 +135,8 @@ def test_slots_follow_the_schedule_and_bound_the_graph_count(layout):
     in_flight = max(simulate.max_in_flight(order, c) for c in range(chunks))
     if in_flight < m:
         assert graphs < 2 * n_regions * m  # never one graph pair per micro-batch
+    # Each backward step runs alone, so with several slots their backward graphs share a pool.
+    assert backward_runs_alone(session.order, session.cycles) == (len(session.cycles) > 1)
     # Chunk edges: a later chunk's first graph reads the received tensor, kept for good.
     for c in range(1, chunks):
         first = regions[c][0]

@@ -33,15 +33,19 @@ class Pool:
         self.free.append(block)
 
 
-def simulate_capture(cycle, regions, plan, saves_inputs, runner_holds=True, pool=None):
+def simulate_capture(cycle, regions, plan, saves_inputs, runner_holds=True, pool=None, backward_pool=None):
     """Block of every buffer (and of every temporary) after capture in cycle order.
 
     ``runner_holds=False`` models a capture that keeps no references of its own (only
     the plan's and autograd's), as upstream's weak-reference step did. ``pool``: capture
-    into this pool (shared with other cycles) instead of a new one.
+    into this pool (shared with other cycles) instead of a new one. ``backward_pool``:
+    backward events allocate there (a pool the slots share), except the dgrads the plan
+    keeps for good (``Plan.persistent``), which the graph copies into ``pool``.
     """
     pool = Pool() if pool is None else pool
-    block, holders = {}, {}
+    bpool = pool if backward_pool is None else backward_pool
+    persistent = set(plan.persistent()) if backward_pool is not None else set()
+    block, holders, home = {}, {}, {}
     temps = {}
 
     def hold(key, who):
@@ -53,12 +57,19 @@ def simulate_capture(cycle, regions, plan, saves_inputs, runner_holds=True, pool
             return
         owners.discard(who)
         if not owners:
-            pool.release(block[key])
+            home[key].release(block[key])
 
-    def alloc(key):
+    def alloc(key, into=pool):
         if key not in block:
-            block[key] = pool.alloc()
+            block[key] = into.alloc()
+            home[key] = into
             hold(key, "plan")
+
+    def scratch(into):
+        blocks = [into.alloc() for _ in range(TEMPS)]
+        for b in blocks:
+            into.release(b)
+        return blocks
 
     for pos, e in enumerate(cycle):
         io = regions[e.region]
@@ -71,9 +82,7 @@ def simulate_capture(cycle, regions, plan, saves_inputs, runner_holds=True, pool
                         hold(key, ("runner", e.region))  # capture args kept for the backward capture
                     if saves_inputs:
                         hold(key, ("autograd", e.region))
-            temps[pos] = [pool.alloc() for _ in range(TEMPS)]
-            for b in temps[pos]:
-                pool.release(b)
+            temps[pos] = scratch(pool)
             for j in range(len(io.output_requires_grad)):
                 alloc(("output", e.region, j))
                 if io.has_backward and runner_holds:
@@ -81,16 +90,20 @@ def simulate_capture(cycle, regions, plan, saves_inputs, runner_holds=True, pool
         else:
             for j, rg in enumerate(io.output_requires_grad):
                 if rg:
-                    alloc(plan.owner(("grad_output", e.region, j)))
-            temps[pos] = [pool.alloc() for _ in range(TEMPS)]
-            for b in temps[pos]:
-                pool.release(b)
+                    alloc(plan.owner(("grad_output", e.region, j)), bpool)
+            persist = [("grad_input", e.region, i) for i, rg in enumerate(io.input_requires_grad) if rg]
+            persist = [k for k in persist if k in persistent]
+            for key in persist:  # the copy's destination, allocated before the capture
+                alloc(key, pool)
+            temps[pos] = scratch(bpool)
             for who in (("runner", e.region), ("autograd", e.region)):
                 for key in list(holders):
                     drop(key, who)
             for i, rg in enumerate(io.input_requires_grad):
                 if rg:
-                    alloc(("grad_input", e.region, i))
+                    if ("grad_input", e.region, i) in persist:
+                        temps[pos] += scratch(bpool)[:1]  # the dgrad before its copy: dead after the graph
+                    alloc(("grad_input", e.region, i), bpool)
         for key in plan.releases_at(pos):
             if key in block:
                 drop(key, "plan")
