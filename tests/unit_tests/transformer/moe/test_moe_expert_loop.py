@@ -97,7 +97,7 @@ def test_row_multiple_by_device_and_dispatch():
 
 
 class _GemmDims(TorchDispatchMode):
-    """Records the dimensions of every GEMM's operands (``mm``, ``addmm_``: forward, dgrad and wgrad)."""
+    """Records the dimensions of every GEMM's operands (``linear``, ``mm``, ``addmm``: forward, dgrad, wgrad)."""
 
     def __init__(self):
         super().__init__()
@@ -105,7 +105,7 @@ class _GemmDims(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name.split("::")[-1]
-        if name in ("mm", "addmm", "addmm_"):
+        if name in ("linear", "mm", "addmm", "addmm_"):
             self.dims += [d for t in args if isinstance(t, torch.Tensor) for d in t.shape]
         return func(*args, **(kwargs or {}))
 
