@@ -12,11 +12,13 @@ expert, elementwise ops once, the same values as the per-module path with a frac
 of its host work. With data-dependent counts on CUDA each expert's rows are padded
 with zero rows to a multiple of 128 (``_RowPadding``), so the GEMMs run at shapes that
 recur from step to step; the real rows' outputs and the weight gradients are the same
-values (not bit for bit: other shapes may run other kernels). ``GroupedMLP`` (``--moe-grouped-gemm``; ``experts.linear_fc1.weight``
-of shape ``[experts, out, in]``) runs one ``torch.nn.functional.grouped_mm`` per
-linear on CUDA with bf16, taking the counts as a device tensor (no host sync); elsewhere
-it falls back to the same per-expert loop, and so it does (saying so once) when the
-hidden or expert FFN size is not a multiple of 16 bytes, which the kernel's strides need.
+values (not bit for bit: other shapes may run other kernels).
+
+``GroupedMLP`` (``--moe-grouped-gemm``; ``experts.linear_fc1.weight`` of shape
+``[experts, out, in]``) runs one ``torch.nn.functional.grouped_mm`` per linear on CUDA
+with bf16, taking the counts as a device tensor (no host sync); elsewhere it falls back
+to the same per-expert loop, and so it does (saying so once) when the hidden or expert
+FFN size is not a multiple of 16 bytes, which the kernel's strides need.
 
 Every expert parameter is marked ``is_expert = True`` and ``allreduce = False``: its
 gradient belongs to the expert-data-parallel buffer, not the dense one.
