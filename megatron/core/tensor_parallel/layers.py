@@ -39,12 +39,17 @@ InitMethod = Callable[[torch.Tensor], None]
 
 def accumulate_wgrad(main_grad: torch.Tensor, grad_output: torch.Tensor, input_: torch.Tensor) -> None:
     """``main_grad += grad_output^T @ input_`` (2-D), accumulated in main_grad's dtype by the GEMM."""
-    if grad_output.dtype == main_grad.dtype:
-        main_grad.addmm_(grad_output.t(), input_)
+    accumulate_wgrad_t(main_grad, grad_output.t(), input_)
+
+
+def accumulate_wgrad_t(main_grad: torch.Tensor, grad_output_t: torch.Tensor, input_: torch.Tensor) -> None:
+    """``accumulate_wgrad`` given the transposed output gradient, ``[out, rows]``."""
+    if grad_output_t.dtype == main_grad.dtype:
+        main_grad.addmm_(grad_output_t, input_)
     elif main_grad.is_cuda:
-        torch.addmm(main_grad, grad_output.t(), input_, out_dtype=main_grad.dtype, out=main_grad)
+        torch.addmm(main_grad, grad_output_t, input_, out_dtype=main_grad.dtype, out=main_grad)
     else:  # no mixed-dtype GEMM on the CPU
-        main_grad.add_(grad_output.t() @ input_)
+        main_grad.add_(grad_output_t @ input_)
 
 
 class LinearWithGradAccumulation(torch.autograd.Function):

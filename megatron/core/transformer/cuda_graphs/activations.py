@@ -270,7 +270,7 @@ def _router(sh: Shapes, k: Kernels) -> int:
 
 
 def _preprocess(sh: Shapes, k: Kernels) -> int:
-    return 3 * num_slots(sh) * _I64  # the permutation's token and slot indices (index_select, gathers)
+    return 2 * num_slots(sh) * _I64  # each slot's token and expert index (index_select, probs[token, expert])
 
 
 def _postprocess_moe(sh: Shapes, k: Kernels) -> int:

@@ -9,11 +9,16 @@ expert, so it needs the counts on the host: either static (drop-and-pad) or read
 the eager dispatch. When its weights fuse their gradients into ``main_grad`` (under
 DDP) and have no biases, the loop is one autograd node (``_ExpertLoop``): GEMMs per
 expert, elementwise ops once, the same values as the per-module path with a fraction
-of its host work. ``GroupedMLP`` (``--moe-grouped-gemm``; ``experts.linear_fc1.weight``
-of shape ``[experts, out, in]``) runs one ``torch.nn.functional.grouped_mm`` per
-linear on CUDA with bf16, taking the counts as a device tensor (no host sync); elsewhere
-it falls back to the same per-expert loop, and so it does (saying so once) when the
-hidden or expert FFN size is not a multiple of 16 bytes, which the kernel's strides need.
+of its host work. With data-dependent counts on CUDA each expert's rows are padded
+with zero rows to a multiple of 128 (``_RowPadding``), so the GEMMs run at shapes that
+recur from step to step; the real rows' outputs and the weight gradients are the same
+values (not bit for bit: other shapes may run other kernels).
+
+``GroupedMLP`` (``--moe-grouped-gemm``; ``experts.linear_fc1.weight`` of shape
+``[experts, out, in]``) runs one ``torch.nn.functional.grouped_mm`` per linear on CUDA
+with bf16, taking the counts as a device tensor (no host sync); elsewhere it falls back
+to the same per-expert loop, and so it does (saying so once) when the hidden or expert
+FFN size is not a multiple of 16 bytes, which the kernel's strides need.
 
 Every expert parameter is marked ``is_expert = True`` and ``allreduce = False``: its
 gradient belongs to the expert-data-parallel buffer, not the dense one.
@@ -34,7 +39,7 @@ import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.layers import (
     _fuses_wgrad,
-    accumulate_wgrad,
+    accumulate_wgrad_t,
     resolve_device,
     shard_of,
     uses_sequence_parallel,
@@ -70,17 +75,24 @@ class _ExpertLoop(torch.autograd.Function):
     expert plus an autograd node per elementwise op. Only for linears without biases whose
     weights all fuse their gradient (``SequentialMLP._fused_weights``); the weights'
     AccumulateGrad nodes still run (with no gradient), so DDP's hooks see them.
+
+    With ``rows`` (``_RowPadding``) each expert's rows are followed by zero rows up to a
+    bucket size, so the GEMMs run at shapes that repeat across steps; the outputs and input
+    gradients are returned for the real rows only. The zero rows stay zero through the
+    activation (``silu(0) * 0``, ``gelu(0)``) and get zero gradients, so they add nothing
+    to the weight gradients.
     """
 
     @staticmethod
-    def forward(ctx, tokens, probs, counts, gated, *weights):
+    def forward(ctx, tokens, probs, rows, gated, *weights):
+        counts = rows.padded
         n = len(counts)
         fc1, fc2 = weights[:n], weights[n:]
-        rows = tokens.shape[0]
-        inter = tokens.new_empty((rows, fc1[0].shape[0]))
+        tokens, probs = rows.pad(tokens), rows.pad(probs)
+        inter = tokens.new_empty((tokens.shape[0], fc1[0].shape[0]))
         for x, w, o in zip(tokens.split_with_sizes(counts), fc1, inter.split_with_sizes(counts)):
             if x.shape[0]:
-                torch.mm(x, w.t(), out=o)
+                F.linear(x, w, out=o)  # x @ w^T, one op
         pu = probs.unsqueeze(-1).to(inter.dtype)
         if gated:
             gate, up = torch.chunk(inter, 2, dim=-1)
@@ -90,38 +102,41 @@ class _ExpertLoop(torch.autograd.Function):
             s = None
             a = _per_expert(F.gelu, counts, inter) if inter.device.type == "cpu" else F.gelu(inter)
         act = a * pu
-        out = tokens.new_empty((rows, fc2[0].shape[0]))
+        out = tokens.new_empty((tokens.shape[0], fc2[0].shape[0]))
         for x, w, o in zip(act.split_with_sizes(counts), fc2, out.split_with_sizes(counts)):
             if x.shape[0]:
-                torch.mm(x, w.t(), out=o)
-        ctx.counts, ctx.gated = counts, gated
+                F.linear(x, w, out=o)
+        ctx.rows, ctx.gated = rows, gated
         ctx.saved = (inter, s, a, pu, act)
         ctx.save_for_backward(tokens, probs, *weights)
-        return out
+        return rows.unpad(out)
 
     @staticmethod
     def backward(ctx, grad_out):
         tokens, probs, *weights = ctx.saved_tensors
         inter, s, a, pu, act = ctx.saved
         ctx.saved = None
-        counts, n = ctx.counts, len(ctx.counts)
+        rows = ctx.rows
+        counts, n = rows.padded, len(rows.padded)
         fc1, fc2 = weights[:n], weights[n:]
+        grad_out = rows.pad(grad_out)
         # Each intermediate is dropped once its last use has run, as autograd frees saved tensors.
         grad_act = _dgrad_wgrad(grad_out, act, fc2, counts, True)
-        del act
+        del act, grad_out
         grad_a = grad_act * pu
         grad_p = None
         if ctx.needs_input_grad[1]:
-            grad_p = (grad_act * a).sum(-1, keepdim=True).to(probs.dtype).squeeze(-1)
+            grad_p = rows.unpad((grad_act * a).sum(-1).to(probs.dtype))
         del grad_act, a, pu
         if ctx.gated:
+            # Both halves written in place into one buffer: no concatenation.
             gate, up = torch.chunk(inter, 2, dim=-1)
-            grad_gate = torch.ops.aten.silu_backward(grad_a * up, gate)
+            grad_inter = torch.empty_like(inter)
+            grad_gate, grad_up = torch.chunk(grad_inter, 2, dim=-1)
+            torch.ops.aten.silu_backward.grad_input(grad_a * up, gate, grad_input=grad_gate)
             del gate, up, inter
-            grad_up = grad_a * s
-            del grad_a, s
-            grad_inter = torch.cat([grad_gate, grad_up], dim=-1)
-            del grad_gate, grad_up
+            torch.mul(grad_a, s, out=grad_up)
+            del grad_a, s, grad_gate, grad_up
         elif inter.device.type == "cpu":
             grad_inter = _per_expert(torch.ops.aten.gelu_backward, counts, grad_a, inter)
             del grad_a, inter
@@ -129,6 +144,8 @@ class _ExpertLoop(torch.autograd.Function):
             grad_inter = torch.ops.aten.gelu_backward(grad_a, inter)
             del grad_a, inter
         grad_x = _dgrad_wgrad(grad_inter, tokens, fc1, counts, ctx.needs_input_grad[0])
+        if grad_x is not None:
+            grad_x = rows.unpad(grad_x)
         return (grad_x, grad_p, None, None) + (None,) * (2 * n)
 
 
@@ -137,11 +154,13 @@ def _dgrad_wgrad(grad_out, inputs, weights, counts: list[int], need_dgrad: bool)
     written into that expert's rows of one buffer (returned; None without ``need_dgrad``)."""
     dgrad = grad_out.new_empty((grad_out.shape[0], weights[0].shape[1])) if need_dgrad else None
     outs = dgrad.split_with_sizes(counts) if need_dgrad else [None] * len(counts)
-    for g, w, x, o in zip(grad_out.split_with_sizes(counts), weights, inputs.split_with_sizes(counts), outs):
+    grads = grad_out.split_with_sizes(counts)
+    grads_t = grad_out.t().split_with_sizes(counts, dim=1)  # every expert's grad^T from one transpose
+    for g, g_t, w, x, o in zip(grads, grads_t, weights, inputs.split_with_sizes(counts), outs):
         if g.shape[0]:
             if o is not None:
                 torch.mm(g, w, out=o)
-            accumulate_wgrad(w.main_grad, g, x)
+            accumulate_wgrad_t(w.main_grad, g_t, x)
     return dgrad
 
 
@@ -149,6 +168,64 @@ def _per_expert(fn, counts: list[int], *tensors: torch.Tensor) -> torch.Tensor:
     """``fn`` applied to each expert's rows of ``tensors``, the results concatenated."""
     parts = zip(*(t.split_with_sizes(counts) for t in tensors))
     return torch.cat([fn(*p) for p in parts], dim=0)
+
+
+CUDA_ROW_MULTIPLE = 128
+"""On CUDA each expert's rows are padded to a multiple of this (see ``_RowPadding``)."""
+
+
+def expert_row_multiple(device: torch.device) -> int:
+    """The bucket size of the experts' row counts on ``device``: ``CUDA_ROW_MULTIPLE`` on CUDA,
+    1 (no padding) elsewhere."""
+    return CUDA_ROW_MULTIPLE if device.type == "cuda" else 1
+
+
+class _RowPadding:
+    """Each expert's rows padded with zero rows to a multiple of ``multiple``.
+
+    Dropless routing gives the experts new row counts every step, and cuBLAS picks (and
+    caches) its kernel per GEMM shape on the host, so a shape it has not seen pays that
+    choice again. Rounded up to a multiple of 128, an expert's row count takes at most
+    ``rows / 128 + 1`` values, the same ones every step, and every GEMM of the loop
+    (forward, dgrad, and the wgrad whose reduction runs over the rows) gets a shape
+    already seen. 128 rows is a tile of the GEMM kernels, so the forward and dgrad GEMMs
+    mostly compute the padded rows anyway in their last, ragged tile; the padding costs at
+    most 127 rows per expert, where a geometric set of buckets with as few shapes would pad
+    by a fraction of the rows. Padding puts expert ``i``'s ``counts[i]`` rows first in a
+    block of ``padded[i]`` rows, zeros after them; ``unpad`` keeps the first ``counts[i]``
+    rows of each block.
+
+    Args:
+        counts: Rows of each expert.
+        multiple: Bucket size (1: no padding; ``pad`` and ``unpad`` return their input).
+    """
+
+    def __init__(self, counts: list[int], multiple: int):
+        self.counts = counts
+        self.padded = [-(-c // multiple) * multiple for c in counts] if multiple > 1 else counts
+        self.fill = [p - c for p, c in zip(self.padded, counts)]
+        self.active = any(self.fill)
+        # Sizes splitting the padded rows into (real, zeros) per expert.
+        self.blocks = [size for pair in zip(counts, self.fill) for size in pair]
+        self._zeros = {}  # (row shape, dtype, device) -> the zero blocks, shared by forward and backward
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """``[sum(counts), ...]`` -> ``[sum(padded), ...]``, zero rows after each expert's."""
+        if not self.active:
+            return x
+        key = (x.shape[1:], x.dtype, x.device)
+        zeros = self._zeros.get(key)
+        if zeros is None:  # read only: cat copies them
+            zeros = x.new_zeros((sum(self.fill),) + tuple(x.shape[1:])).split_with_sizes(self.fill)
+            self._zeros[key] = zeros
+        parts = x.split_with_sizes(self.counts)
+        return torch.cat([t for pair in zip(parts, zeros) for t in pair])
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """``[sum(padded), ...]`` -> ``[sum(counts), ...]``: each expert's real rows."""
+        if not self.active:
+            return x
+        return torch.cat(x.split_with_sizes(self.blocks)[::2])
 
 
 def _as_host_counts(tokens_per_expert) -> list[int]:
@@ -194,6 +271,10 @@ def expert_config(config, ffn_hidden_size: int):
 class SequentialMLP(torch.nn.Module):
     """The local experts as a list of MLPs run one after the other.
 
+    ``row_multiple``: each expert's rows are padded to a multiple of it (``_RowPadding``);
+    None (dropless or dropping) takes ``expert_row_multiple`` of the tokens' device, 1
+    (drop-and-pad, whose counts are static) pads nothing. Set it to force a bucket size.
+
     Args:
         config: Finalized ``TransformerConfig`` (``config.moe`` set).
         num_local_experts: Experts on this rank.
@@ -230,6 +311,9 @@ class SequentialMLP(torch.nn.Module):
         self.local_experts = torch.nn.ModuleList(kept)
         mark_expert_params(self)
         _mark_expert_tp(self, etp_size)
+        # Rows per expert are padded to a multiple of this (None: ``expert_row_multiple`` of the
+        # tokens' device); drop-and-pad's counts are static already.
+        self.row_multiple: int | None = 1 if config.moe.drop_and_pad else None
 
     def _expert(self, i: int, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         mlp = self.local_experts[i]
@@ -257,17 +341,19 @@ class SequentialMLP(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert, probs: torch.Tensor) -> torch.Tensor:
         """``tokens [N, h]`` (expert-major), ``tokens_per_expert`` (list or tensor), ``probs [N]`` -> ``[N, h]``."""
-        counts = _as_host_counts(tokens_per_expert)
+        multiple = self.row_multiple or expert_row_multiple(tokens.device)
+        rows = _RowPadding(_as_host_counts(tokens_per_expert), multiple)
         weights = self._fused_weights()
         if weights is not None:
-            return _ExpertLoop.apply(tokens, probs, counts, self.gated, *weights)
-        if len(counts) == 1:
+            return _ExpertLoop.apply(tokens, probs, rows, self.gated, *weights)
+        if len(rows.counts) == 1 and not rows.active:
             return self._expert(0, tokens, probs)
+        tokens, probs = rows.pad(tokens), rows.pad(probs)
         outs = [
             self._expert(i, x, p)
-            for i, (x, p) in enumerate(zip(torch.split(tokens, counts), torch.split(probs, counts)))
+            for i, (x, p) in enumerate(zip(torch.split(tokens, rows.padded), torch.split(probs, rows.padded)))
         ]
-        return torch.cat(outs, dim=0)
+        return rows.unpad(torch.cat(outs, dim=0))
 
 
 class GroupedLinear(torch.nn.Module):
@@ -399,25 +485,25 @@ class GroupedMLP(torch.nn.Module):
         return self._loop(tokens, tokens_per_expert, probs)
 
     def _grouped(self, tokens, tokens_per_expert, probs):
-        n = self.num_local_experts
-        experts = torch.arange(n, device=tokens.device)
+        n, device = self.num_local_experts, tokens.device
         if isinstance(tokens_per_expert, torch.Tensor):
-            counts = tokens_per_expert.to(device=tokens.device)
-            offs = torch.cumsum(counts, dim=0).to(torch.int32)
+            counts = tokens_per_expert.to(device=device)
+            offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
         elif len(set(tokens_per_expert)) == 1:
             # Static counts (drop-and-pad): offsets from a device arange, no host-to-device copy,
             # so this runs inside a captured graph.
             counts = int(tokens_per_expert[0])
-            offs = ((experts + 1) * counts).to(torch.int32)
+            offs = torch.arange(1, n + 1, device=device, dtype=torch.int32) * counts
         else:
-            counts = torch.tensor(tokens_per_expert, device=tokens.device)  # eager: read on the host already
-            offs = torch.cumsum(counts, dim=0).to(torch.int32)
+            counts = torch.tensor(tokens_per_expert, device=device)  # eager: read on the host already
+            offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         # Row-major tokens and activations, column-major (transposed) weights: each has a
         # unit stride and a leading stride of h or ffn elements (grouped_mm_shapes_conform).
         tokens = tokens.contiguous()
         intermediate = F.grouped_mm(tokens, fc1.weight.transpose(-2, -1), offs=offs)
         if fc1.bias is not None or fc2.bias is not None:
+            experts = torch.arange(n, device=device)
             row_expert = torch.repeat_interleave(experts, counts, output_size=tokens.shape[0])
         if fc1.bias is not None:
             intermediate = intermediate + fc1.bias.index_select(0, row_expert)

@@ -45,7 +45,7 @@ def group_limited_topk(
     grouped = scores.view(num_tokens, num_groups, num_experts // num_groups)
     group_scores = grouped.topk(topk // group_topk, dim=-1).values.sum(dim=-1)  # [T, G]
     group_idx = group_scores.topk(group_topk, dim=-1, sorted=False).indices
-    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, group_idx, True)
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
     expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
     masked = scores.masked_fill(~expert_mask, float("-inf"))
     return masked.topk(topk, dim=-1)
@@ -59,7 +59,7 @@ def _topk(scores, topk, num_groups, group_topk):
 
 def _score_dtype(logits: torch.Tensor) -> torch.dtype:
     """Scores in fp32 at least (fp64 stays fp64 with --moe-router-dtype fp64)."""
-    return torch.promote_types(logits.dtype, torch.float32)
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
 def _normalised_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
@@ -116,8 +116,8 @@ def topk_routing(
     if scaling_factor:
         probs = probs * scaling_factor
     probs = probs.to(logits.dtype)
-    routing_probs = torch.zeros_like(logits).scatter(1, indices, probs)
-    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
+    routing_probs = torch.zeros_like(logits).scatter_(1, indices, probs)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, indices, True)
     return routing_probs, routing_map
 
 
@@ -169,7 +169,7 @@ def sinkhorn_routing(logits: torch.Tensor, topk: int, training: bool) -> tuple[t
             indices = sinkhorn(logits.detach().to(torch.float32)).topk(topk, dim=-1).indices
     else:
         indices = scores.topk(topk, dim=-1).indices
-    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, indices, True)
     return scores * routing_map, routing_map
 
 
@@ -182,7 +182,7 @@ def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str) ->
         scores = _normalised_scores(logits, score_function)
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     indices = scores.topk(topk, dim=-1).indices
-    routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, indices, True)
+    routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, indices, True)
     return routing_map, scores
 
 
@@ -243,7 +243,7 @@ def apply_token_dropping(
             position = torch.arange(num_tokens, 0, -1, device=probs.device).unsqueeze(1)
             key = routing_map.long() * (2 * num_tokens) + position
         idx = key.topk(capacity, dim=0, sorted=False).indices  # [C, E]
-        keep = torch.zeros_like(routing_map).scatter(0, idx, True)
+        keep = torch.zeros_like(routing_map).scatter_(0, idx, True)
     new_map = keep if pad_to_capacity else routing_map & keep
     return probs * new_map, new_map
 
@@ -293,7 +293,8 @@ def permutation_by_expert(
     # Stable descending sort puts the routed slots first, in expert-major order: no host sync.
     order = torch.argsort(mask.view(torch.uint8), descending=True, stable=True)[:num_out]
     token_idx = order % num_tokens
-    slot_probs = probs.t().reshape(-1).index_select(0, order)
+    # Indexed in place (no transposed copy of probs); each entry is picked at most once.
+    slot_probs = probs[token_idx, order // num_tokens]
     tokens_per_expert = routing_map.sum(dim=0)
     return token_idx, slot_probs, tokens_per_expert
 

@@ -148,7 +148,7 @@ class TopKRouter(torch.nn.Module):
                 losses = [logits.new_zeros((), dtype=torch.float32) for _ in self.aux_coeffs]
         if moe.moe_z_loss_coeff is not None:
             losses.append(z_value)
-        counts = routing_map.sum(dim=0).to(torch.float32)
+        counts = routing_map.sum(dim=0, dtype=torch.float32)
         if losses:
             values = torch.stack([v.float() for v in losses])
             if self.tp_group is not None and training:
@@ -168,13 +168,13 @@ class TopKRouter(torch.nn.Module):
             if coeff is None:
                 continue
             if kind == "aux_loss":
-                counts = self._tp_sum(aux_map.sum(dim=0).to(scores.dtype))
+                counts = self._tp_sum(aux_map.sum(dim=0, dtype=scores.dtype))
                 loss = moe_utils.switch_load_balancing_loss(scores, counts, num_tokens * tp, self.topk, coeff)
             elif kind == "seq_aux_loss":
                 # Tokens are [s, b] in order: [s, b * E] columns are (sequence, expert) pairs.
                 batch = num_tokens // seq_len
                 s_scores = scores.reshape(seq_len, batch * self.num_experts)
-                s_counts = aux_map.reshape(seq_len, batch * self.num_experts).sum(dim=0).to(scores.dtype)
+                s_counts = aux_map.reshape(seq_len, batch * self.num_experts).sum(dim=0, dtype=scores.dtype)
                 s_counts = self._tp_sum(s_counts)
                 loss = (
                     moe_utils.switch_load_balancing_loss(
@@ -183,7 +183,7 @@ class TopKRouter(torch.nn.Module):
                     / batch
                 )
             else:
-                counts = self._tp_sum(aux_map.sum(dim=0).to(torch.float32))
+                counts = self._tp_sum(aux_map.sum(dim=0, dtype=torch.float32))
                 dp = 1
                 if self.dp_group is not None:
                     dist.all_reduce(counts, group=self.dp_group)

@@ -4,7 +4,7 @@ The issue's config: 8 MoE layers, hidden 1024, FFN 4096, 16 heads, sequence 2048
 batch 2, 8 experts top-2, alltoall, SwiGLU, no linear biases, bf16, dropout 0,
 ``--deterministic-mode``, 50 iterations. Scopes ``attn moe_router moe_preprocess``,
 ``moe_router moe_preprocess`` and ``attn`` run dropless (dispatch, experts and combine
-eager: the same kernels on the same token counts as in eager); ``moe`` runs with
+eager: the same kernels on the same, padded, token counts as in eager); ``moe`` runs with
 drop-and-pad (``--moe-expert-capacity-factor 1 --moe-pad-expert-input-to-capacity``)
 against an eager drop-and-pad run. The same kernels run eagerly and inside the graphs,
 so every lm loss and every ``main_grad`` (after iterations 3 and 50, copied to the host
