@@ -100,12 +100,23 @@ def build_experts(args, grouped: bool):
     return experts
 
 
+_CYCLES_PER_MS: list[float] = []
+
+
 def spin_cycles(ms: float) -> int:
-    """GPU clock cycles for about ``ms`` milliseconds of ``torch.cuda._sleep``."""
+    """GPU clock cycles for about ``ms`` milliseconds of ``torch.cuda._sleep``, measured once
+    (the clock rate the device properties report is not in the same unit on every CUDA)."""
     import torch
 
-    khz = getattr(torch.cuda.get_device_properties(0), "clock_rate", 0) or 1_800_000
-    return int(ms * khz)
+    if not _CYCLES_PER_MS:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        torch.cuda.synchronize()
+        _CYCLES_PER_MS.append(10_000_000 / max(start.elapsed_time(end), 1e-3))
+    return int(ms * _CYCLES_PER_MS[0])
 
 
 def busy(device: str, ms: float) -> None:
@@ -262,7 +273,13 @@ def main(argv=None):
     from megatron.core.transformer.moe.experts import grouped_mm_available, grouped_mm_shapes_conform
 
     rows = args.tokens * args.topk
+    t0 = time.perf_counter()
+
+    def progress(what: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.1f} s] {what}", file=sys.stderr, flush=True)
+
     gemm, used = bench_gemms(args)
+    progress("single GEMMs done")
     result = {
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -274,9 +291,11 @@ def main(argv=None):
     fresh = CountSource(args.experts, rows, seed=1, fresh=True)
     fresh.seen.update(used)
     result["layer"].append(bench_layer(args, "loop, new counts", fresh, 1, False))
+    progress("loop, new counts done")
     for m in args.multiples:
         source = CountSource(args.experts, rows, seed=2)
         result["layer"].append(bench_layer(args, f"bucketed:{m}", source, m, False))
+        progress(f"bucketed:{m} done")
     probe = torch.empty(1, device=args.device, dtype=args.dtype)
     if grouped_mm_available(probe) and grouped_mm_shapes_conform(args.hidden, args.ffn, args.dtype):
         result["layer"].append(bench_layer(args, "grouped", CountSource(args.experts, rows, seed=3), None, True))
