@@ -101,6 +101,8 @@ def build_experts(args, grouped: bool):
 
 
 _CYCLES_PER_MS: list[float] = []
+MAX_SPIN_MS = 2000.0
+"""Longest spin kernel a timed call sits behind."""
 
 
 def spin_cycles(ms: float) -> int:
@@ -123,7 +125,7 @@ def busy(device: str, ms: float) -> None:
     """Keeps the GPU busy for about ``ms`` so that work issued meanwhile queues up behind it."""
     import torch
 
-    if device == "cuda":
+    if device == "cuda" and ms > 0:
         torch.cuda._sleep(spin_cycles(ms))
 
 
@@ -174,15 +176,17 @@ def bench_layer(args, name: str, counts_source: CountSource, multiple: int | Non
         tpe = torch.tensor(counts, device=args.device) if grouped else counts
         return lambda: experts(tokens, tpe, probs).backward(grad)
 
-    spin = 200.0
-    for _ in range(args.warmup):
-        host, _ = timed(call(counts_source.draw()), args.device, spin)
-        spin = max(20.0, 3 * host)
+    # Warm-up calls run without the spin kernel, so a call that waits for the device (a
+    # host sync) cannot feed the spin length back into itself; the spin then covers three
+    # times the slowest warm-up call.
+    warm = [timed(call(counts_source.draw()), args.device, 0.0)[0] for _ in range(args.warmup)]
+    spin = min(MAX_SPIN_MS, max(20.0, 3 * max(warm, default=0.0)))
     hosts, devices = [], []
     for _ in range(args.iters):
         host, device = timed(call(counts_source.draw()), args.device, spin)
         hosts.append(host)
         devices.append(device)
+    waited = sum(h >= 0.9 * spin for h in hosts) if args.device == "cuda" else 0
     gemms = 2 * args.experts * 3 if not grouped else 6  # fc1, fc2 x (forward, dgrad, wgrad)
     host_ms = statistics.median(hosts)
     return {
@@ -191,6 +195,8 @@ def bench_layer(args, name: str, counts_source: CountSource, multiple: int | Non
         "host_us_per_gemm": host_ms * 1000 / gemms,
         "device_ms": statistics.median(devices),
         "gemm_calls": gemms,
+        "timed_calls": args.iters,
+        "calls_that_waited_for_the_device": waited,
     }
 
 
@@ -241,9 +247,13 @@ def print_report(r: dict) -> None:
     for kind in dict.fromkeys(g["gemm"] for g in r["gemm"]):
         print(f"| {kind} | {by[(kind, 'seen')]:.1f} | {by[(kind, 'new')]:.1f} |")
     print("\none layer's experts, forward + backward, per call (median)")
-    print("| path | host ms | host us per GEMM | device ms |\n| --- | --- | --- | --- |")
+    print("| path | host ms | host us per GEMM | device ms | calls that waited for the device |")
+    print("| --- | --- | --- | --- | --- |")
     for row in r["layer"]:
-        print(f"| {row['name']} | {row['host_ms']:.2f} | {row['host_us_per_gemm']:.1f} | {row['device_ms']:.2f} |")
+        print(
+            f"| {row['name']} | {row['host_ms']:.2f} | {row['host_us_per_gemm']:.1f} | {row['device_ms']:.2f} "
+            f"| {row['calls_that_waited_for_the_device']} of {row['timed_calls']} |"
+        )
     if r.get("note"):
         print(r["note"])
 
