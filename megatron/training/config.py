@@ -25,7 +25,7 @@ from megatron.core.parallel_state import ParallelConfig
 from megatron.core.ssm.mamba_config import MambaConfig
 from megatron.core.tokenizers.tokenizer import TOKENIZER_TYPES
 from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
-from megatron.core.transformer.moe.moe_config import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig, validate_overlap_switches
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -511,6 +511,9 @@ class RunConfig(Freezable):
         par = self.parallel
         etp = par.expert_tensor_parallel_size or par.tensor_model_parallel_size
         self.moe.validate(self.model, par.expert_model_parallel_size, etp)
+        validate_overlap_switches(
+            self.ignored_flags, self.moe, self.model, par, self.precision.bf16 or self.precision.fp16
+        )
         self.parallel.validate()
         require(
             not self.moe.enabled or par.tensor_model_parallel_size == 1 or par.sequence_parallel,

@@ -66,12 +66,8 @@ def _family(flags: dict[str, object], make) -> dict[str, KnownFlag]:
 
 
 _MOE = {
-    "--moe-shared-expert-overlap": SWITCH,
-    "--moe-permute-fusion": SWITCH,
-    "--moe-router-fusion": SWITCH,
     "--moe-enable-routing-replay": SWITCH,
     "--moe-pad-experts-for-cuda-graph-inference": SWITCH,
-    "--overlap-moe-expert-parallel-comm": SWITCH,
 }
 
 _HYBRID = {
@@ -84,7 +80,6 @@ _HYBRID = {
 _PARALLEL = {
     "--num-distributed-optimizer-instances": VALUE,
     "--use-tp-pp-dp-mapping": SWITCH,
-    "--delay-wgrad-compute": SWITCH,
     "--ddp-num-buckets": VALUE,
 }
 
@@ -241,8 +236,20 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
     "--no-use-layer-wise-param-layout": noop(
         SWITCH, "a buffer layout of the layer-wise (Muon) distributed optimizer, which this trainer does not use"
     ),
+    "--moe-permute-fusion": noop(SWITCH, "TE's fused token permutation; the dispatcher permutes the same rows"),
+    "--moe-router-fusion": noop(SWITCH, "TE's fused top-k routing and aux loss; the router computes the same values"),
+    "--moe-shared-expert-overlap": noop(
+        SWITCH, "overlaps the shared experts with the token dispatch; the same outputs (Megatron's rules checked)"
+    ),
+    "--overlap-moe-expert-parallel-comm": noop(
+        SWITCH, "overlaps the expert-parallel all-to-all with another micro-batch's compute (Megatron's rules checked)"
+    ),
+    "--delay-wgrad-compute": noop(
+        SWITCH,
+        "delays expert weight gradients to overlap the all-to-all; the same gradients (Megatron's rules checked)",
+    ),
     # ---- not supported yet: features with open issues, or no ask yet.
-    **_family(_MOE, lambda f, n: not_yet(f, n, "MoE", "drop the MoE flags to train a dense model")),
+    **_family(_MOE, lambda f, n: not_yet(f, n, "", "drop the flag")),
     **_family(_HYBRID, lambda f, n: not_yet(f, n, "hybrid Mamba models", "use pretrain_gpt.py flags for a GPT")),
     **_family(_PARALLEL, lambda f, n: not_yet(f, n, "parallel layouts")),
     "--spec": KnownFlag(

@@ -326,3 +326,62 @@ class MoEConfig(Freezable):
             self.moe_layer_pattern is not None and len(self.moe_layer_pattern) == model.num_layers,
             "MoEConfig.finalize(model) must run before validate.",
         )
+
+
+OVERLAP_SWITCHES = ("--moe-shared-expert-overlap", "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute")
+"""Megatron's MoE communication-overlap switches. They only reorder work against the
+expert-parallel all-to-all (the same values), so they are accepted with no effect here;
+``validate_overlap_switches`` still refuses what Megatron refuses."""
+
+
+def validate_overlap_switches(given, moe: MoEConfig, model, parallel, half_precision: bool) -> None:
+    """Megatron's rules for the MoE overlap switches, on the ones ``given``.
+
+    Args:
+        given: Flags given on the command line (``RunConfig.ignored_flags``).
+        moe: The MoE config.
+        model: The transformer config (recompute settings).
+        parallel: The parallel config (pipeline, virtual pipeline and expert sizes).
+        half_precision: Whether ``--bf16`` or ``--fp16`` is on.
+
+    Raises:
+        ValueError: Naming the switch, what it needs and the fix.
+    """
+    given = set(given)
+    if "--moe-shared-expert-overlap" in given and moe.moe_shared_expert_intermediate_size is not None:
+        require(
+            moe.moe_token_dispatcher_type == "alltoall",
+            "--moe-shared-expert-overlap only works with --moe-token-dispatcher-type alltoall (as in Megatron).",
+        )
+    if "--delay-wgrad-compute" in given:
+        require(
+            "--overlap-moe-expert-parallel-comm" in given,
+            "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (as in Megatron).",
+        )
+    if "--overlap-moe-expert-parallel-comm" not in given:
+        return
+    flag = "--overlap-moe-expert-parallel-comm"
+    if parallel.pipeline_model_parallel_size > 1:
+        require(
+            parallel.virtual_pipeline_model_parallel_size is not None,
+            f"{flag} with --pipeline-model-parallel-size > 1 needs virtual pipeline stages "
+            "(--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank), as in Megatron.",
+        )
+    require(
+        parallel.expert_model_parallel_size > 1,
+        f"{flag} overlaps the expert-parallel all-to-all: it needs --expert-model-parallel-size > 1.",
+    )
+    require(
+        moe.moe_token_dispatcher_type == "alltoall",
+        f"{flag} needs --moe-token-dispatcher-type alltoall (as in Megatron).",
+    )
+    require(
+        model.recompute_granularity != "full" and model.recompute_method is None and model.recompute_num_layers is None,
+        f"{flag} cannot be combined with full recomputation: drop --recompute-granularity full, "
+        "--recompute-method and --recompute-num-layers (as in Megatron).",
+    )
+    require(half_precision, f"{flag} needs --bf16 or --fp16 (as in Megatron).")
+    require(
+        "--moe-shared-expert-overlap" not in given,
+        f"{flag} and --moe-shared-expert-overlap cannot be combined; drop --moe-shared-expert-overlap.",
+    )

@@ -155,3 +155,62 @@ def test_expert_parallel_runs_save_and_load_in_both_formats(tmp_path):
         extra = ["--save", str(tmp_path), "--load", str(tmp_path), "--ckpt-format", ckpt_format]
         cfg = parse_args(flags + extra).resolve(world_size=2)
         cfg.validate()
+
+
+def _overlap_run(*extra, world=2):
+    flags = (
+        "--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 --micro-batch-size 1 "
+        "--num-experts 4 --mock-data --tokenizer-type NullTokenizer --vocab-size 32"
+    ).split()
+    cfg = parse_args(flags + list(extra)).resolve(world_size=world)
+    cfg.validate()
+    return cfg
+
+
+EP_OVERLAP = (
+    "--overlap-moe-expert-parallel-comm --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --bf16"
+)
+
+
+def test_overlap_switches_are_accepted_with_no_effect_and_named_in_the_log():
+    from megatron.training.logging_utils import startup_lines
+
+    cfg = _overlap_run(*EP_OVERLAP.split(), "--delay-wgrad-compute", "--moe-permute-fusion", "--moe-router-fusion")
+    assert cfg.ignored_flags == [
+        "--moe-permute-fusion",
+        "--moe-router-fusion",
+        "--overlap-moe-expert-parallel-comm",
+        "--delay-wgrad-compute",
+    ]
+    assert any("--overlap-moe-expert-parallel-comm --delay-wgrad-compute" in line for line in startup_lines(cfg))
+    shared = _overlap_run(
+        *"--moe-shared-expert-overlap --moe-shared-expert-intermediate-size 32 --moe-token-dispatcher-type alltoall".split(),
+        world=1,
+    )
+    assert shared.ignored_flags == ["--moe-shared-expert-overlap"]
+
+
+@pytest.mark.parametrize(
+    "extra, world, message",
+    [
+        ("--overlap-moe-expert-parallel-comm --moe-token-dispatcher-type alltoall --bf16", 1, "needs --expert-model"),
+        (EP_OVERLAP.replace("alltoall", "allgather"), 2, "needs --moe-token-dispatcher-type alltoall"),
+        (EP_OVERLAP.replace(" --bf16", ""), 2, "needs --bf16 or --fp16"),
+        (
+            f"{EP_OVERLAP} --recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+            2,
+            "full recomputation",
+        ),
+        (f"{EP_OVERLAP} --moe-shared-expert-overlap", 2, "cannot be combined; drop --moe-shared-expert-overlap"),
+        (f"{EP_OVERLAP} --pipeline-model-parallel-size 2 --num-layers 4", 4, "needs virtual pipeline stages"),
+        ("--delay-wgrad-compute", 1, "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm"),
+        (
+            "--moe-shared-expert-overlap --moe-shared-expert-intermediate-size 32",
+            1,
+            "--moe-shared-expert-overlap only works with --moe-token-dispatcher-type alltoall",
+        ),
+    ],
+)
+def test_overlap_switches_keep_megatrons_rules(extra, world, message):
+    with pytest.raises(ValueError, match=message):
+        _overlap_run(*extra.split(), world=world)
