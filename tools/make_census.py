@@ -50,7 +50,6 @@ _OUT_OF_SCOPE_PREFIXES = (
 # Flags of features with open issues here (expect: not_yet).
 _NOT_YET_FLAGS = (
     "--is-hybrid-model",
-    "--spec",
     "--experimental-attention-variant",
     "--use-mup",
     "--recompute-modules",
@@ -60,9 +59,10 @@ _NOT_YET_FLAGS = (
     "--rampup-batch-size",
     "--use-tp-pp-dp-mapping",
     "--num-distributed-optimizer-instances",
-    "--delay-wgrad-compute",
-    "--overlap-moe-expert-parallel-comm",
 )
+# --spec values that name the layers our scripts build (megatron/training/known_flags.py says
+# the same; tests/unit_tests/training/census checks every entry against the parser).
+_ACCEPTED_SPECS = ("megatron.core.models.hybrid.hybrid_layer_specs hybrid_stack_spec",)
 # Flags that pipelined runs refuse for now (their own checks; fine at PP = 1).
 _NOT_YET_WITH_PIPELINES = {
     "--enable-cuda-graph",
@@ -91,6 +91,8 @@ PARALLEL_LAYOUT_FLAGS = (
     "--defer-embedding-wgrad-compute",
     "--wgrad-deferral-limit",
     "--no-use-layer-wise-param-layout",
+    "--overlap-moe-expert-parallel-comm",
+    "--delay-wgrad-compute",
 )
 _SIZES = {
     "--num-layers": lambda v: min(int(v), 2),
@@ -129,6 +131,8 @@ def expectation(args: dict) -> str:
     if args.get("--optimizer") == "muon":
         return "not_yet"
     if flags & set(_NOT_YET_FLAGS):
+        return "not_yet"
+    if "--spec" in flags and str(args["--spec"]).strip("[]") not in _ACCEPTED_SPECS:
         return "not_yet"
     if str(args.get("--pipeline-model-parallel-size", 1)) != "1":
         if args.get("--cuda-graph-impl") == "local" or flags & _NOT_YET_WITH_PIPELINES:
@@ -182,6 +186,9 @@ def scale(args: dict) -> dict:
             continue  # an environment-specific value (e.g. --seed ${REPEAT}): the default is used
         else:
             out[flag] = value
+    hybrid = "--hybrid-layer-pattern" in args or "--hybrid-override-pattern" in args or "--spec" in args
+    if hybrid and "--mamba-head-dim" not in args and "--mamba-num-heads" not in args:
+        out["--mamba-head-dim"] = _SIZES["--mamba-head-dim"](None)  # Mamba heads a multiple of the 8 groups
     _fit_pipeline_layers(args, out)
     micro = out.get("--micro-batch-size", 2)
     replicas = ep  # data-parallel replicas on the smallest world of the layout (TP x PP x EP)
@@ -239,7 +246,9 @@ def main() -> None:
             continue
         entry = {"expect": expectation(args)}
         layout = [f for f in args if f in PARALLEL_LAYOUT_FLAGS]
-        if entry["expect"] in ("not_yet", "train") and layout:
+        pattern = str(args.get("--hybrid-layer-pattern", args.get("--hybrid-override-pattern", "")))
+        # A pattern with "|" stage separators fixes the pipeline layout: no single-device variant.
+        if entry["expect"] in ("not_yet", "train") and layout and "|" not in pattern:
             single = {f: v for f, v in args.items() if f not in PARALLEL_LAYOUT_FLAGS}
             if expectation(single) == "train":
                 entry["single_device"] = layout
