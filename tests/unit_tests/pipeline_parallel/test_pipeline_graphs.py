@@ -19,8 +19,11 @@ two virtual stages per rank, in both spellings (2, 4, 8 micro-batches; interleav
 needs at least as many micro-batches as stages): the recorded order, slots, cycles and
 plans are those ``simulate.py`` and ``graph_comm.py`` predict for that rank; the graph
 count is at most regions x micro-batches in flight; receives land in place exactly as
-decided; and losses equal a graphs-off run of the same layout bitwise (the same
-kernels on the same values: the stand-ins run the regions' own eager code).
+decided; losses equal a graphs-off run of the same layout bitwise (the same
+kernels on the same values: the stand-ins run the regions' own eager code); and a
+changed micro-batch count or interleaving group after capture is a clear error.
+Also: ``--cuda-graph-scope`` is checked against the layers of every stage (a hybrid
+stage without attention accepts ``attn``).
 """
 
 import pytest
@@ -186,6 +189,20 @@ def _graphed(argv, m):
             changed = None
         except ValueError as err:
             changed = str(err)
+        # Another interleaving group after capture (same count, another order): a clear error too.
+        regrouped = None
+        if chunks > 1 and m > pg.pp_size:
+            try:
+                trainer.schedule(
+                    forward_step=trainer.forward_step,
+                    next_batch=lambda: None,
+                    model=trainer.model,
+                    num_microbatches=m,
+                    graphs=session,
+                    microbatch_group_size=m,
+                )
+            except ValueError as err:
+                regrouped = str(err)
         return {
             "losses": losses,
             "order": [(e.phase, e.region, e.slot) for e in session.order],
@@ -199,6 +216,7 @@ def _graphed(argv, m):
             "key": pipeline_schedule_key(pg.pp_size, pg.pp_rank, chunks),
             "landed": found["landed"],
             "changed": changed,
+            "regrouped": regrouped,
             "summary": session.summary_line(stage=(pg.pp_rank, pg.pp_size)),
         }
     finally:
@@ -353,6 +371,16 @@ def test_changed_micro_batch_count_after_capture_is_a_clear_error(results):
             assert (
                 f"captured for {m} micro-batches per iteration, this iteration has {m + 2}" in r["graphed"]["changed"]
             )
+
+
+def test_changed_interleaving_group_after_capture_is_a_clear_error(results):
+    checked = 0
+    for name, (flags, m, _) in _all_cases().items():
+        if flags in VPP.values() and m > 2:
+            for r in results[name]:
+                assert "CUDA graphs were captured under the schedule ('interleaved', 2," in r["graphed"]["regrouped"]
+                checked += 1
+    assert checked == 8  # 2 spellings x (4, 8) micro-batches x 2 ranks
 
 
 def test_some_receives_copy_and_some_land_in_place(results):

@@ -5,10 +5,13 @@ local`` (whole layers, and ``attn mlp``), as PP=2 1F1B and as PP=2 with two virt
 stages per rank. Losses are compared bitwise over a few iterations (deterministic mode,
 dropout 0: the same kernels run eagerly and in the graphs, and the first iteration
 records eagerly). Each rank's graph count is printed (``pytest -s``) and checked
-against 2 (forward, backward) x regions x micro-batches in flight of its order.
+against 2 (forward, backward) x regions x micro-batches in flight of its order; the
+post-capture line and the memory line name the rank's pipeline stage.
 Skipped unless two CUDA devices are visible.
 """
 
+import contextlib
+import io
 import json
 import os
 import socket
@@ -65,7 +68,12 @@ def _rank_main(rank: int, port: int, argv: list[str], out_dir: str) -> None:
         for chunk in model_chunks(trainer.model.module):
             modules = {id(m) for m in chunk.modules()}
             chunk_regions.append(sum(id(r.module) in modules for r in graphs.regions))
+        log = io.StringIO()
+        with contextlib.redirect_stdout(log):  # the post-capture line and the memory line
+            trainer._log_capture()
+            trainer._log_memory()
         result = {
+            "log": log.getvalue(),
             "losses": losses,
             "captured": graphs.captured,
             "graphs": graphs.num_graphs(),
@@ -111,3 +119,6 @@ def test_pipelined_graphs_equal_eager_bitwise(layout, tmp_path):
             )
             assert 0 < g["graphs"] <= bound
             assert g["summary"].startswith(f"graph pool | pipeline rank: {rank} of 2 |")
+            capture_line, memory_line = g["log"].splitlines()
+            assert capture_line == f"> {g['summary']}"
+            assert f"| graphs: {g['graphs']} |" in memory_line and memory_line.endswith(f"| pipeline rank: {rank}")
