@@ -26,14 +26,14 @@ pytestmark = [
 
 MODEL = (
     "--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --max-position-embeddings 256 "
-    "--micro-batch-size 2 --global-batch-size 8"  # 4 micro-batches per iteration
+    "--micro-batch-size 2 --global-batch-size 16"  # 8 micro-batches per iteration (issue 17)
 )
 COMMON = (
     "--lr 1e-4 --lr-decay-style constant --seed 1234 --tokenizer-type NullTokenizer --vocab-size 32000 "
     "--mock-data --log-interval 1000000 --num-workers 0 --deterministic-mode "
     "--attention-dropout 0.0 --hidden-dropout 0.0"
 )
-MICROBATCHES = 4
+MICROBATCHES = 8
 ITERATIONS = 4  # one recording, then captured replays
 LAYOUTS = {
     "pp2": "--pipeline-model-parallel-size 2",
