@@ -30,7 +30,7 @@ import pytest
 
 from tests.unit_tests.dist_utils import run_distributed
 
-pytestmark = pytest.mark.slow  # about 3 minutes on 2 CPU cores: 18 layouts, 2 and 4 processes
+pytestmark = pytest.mark.slow  # 1-3 minutes on 2 CPU cores: 16 runs of 2 and 4 processes
 
 BASE = (
     "--num-layers 4 --hidden-size 16 --num-attention-heads 2 --seq-length 64 --max-position-embeddings 64 "
