@@ -135,8 +135,8 @@ def expectation(args: dict) -> str:
     if "--spec" in flags and str(args["--spec"]).strip("[]") not in _ACCEPTED_SPECS:
         return "not_yet"
     if str(args.get("--pipeline-model-parallel-size", 1)) != "1":
-        if args.get("--cuda-graph-impl") == "local" or flags & _NOT_YET_WITH_PIPELINES:
-            return "not_yet"  # CUDA graphs with pipeline parallelism, explicit pipeline layouts
+        if flags & _NOT_YET_WITH_PIPELINES:
+            return "not_yet"  # deprecated graph switches with pipeline parallelism, explicit pipeline layouts
     expert_tp = args.get("--expert-tensor-parallel-size", args.get("--tensor-model-parallel-size", 1))
     if "--num-experts" in flags and str(expert_tp) != "1" and "--disable-bias-linear" not in flags:
         return "not_yet"  # expert biases split over expert tensor parallelism

@@ -432,17 +432,6 @@ class RunConfig(Freezable):
     ignored_flags: list[str] = dataclasses.field(default_factory=list)
     """Given Megatron flags that are accepted with no effect (speed and I/O knobs), for the start-up line."""
 
-    def _validate_pipeline(self) -> None:
-        """What PP > 1 does not combine with yet."""
-        pp = self.parallel.pipeline_model_parallel_size
-        if pp == 1:
-            return
-        require(
-            not self.cuda_graph.enabled,
-            f"--cuda-graph-impl local with --pipeline-model-parallel-size {pp} is not supported yet; drop "
-            "--cuda-graph-impl or use --pipeline-model-parallel-size 1.",
-        )
-
     def resolve(self, world_size: int = 1) -> "RunConfig":
         """A copy of this config with every derived value computed, for a run of ``world_size`` processes.
 
@@ -521,7 +510,6 @@ class RunConfig(Freezable):
             "each tensor-parallel rank then routes its own sequence shard, which the expert gradients assume.",
         )
         self.cuda_graph.validate()
-        self._validate_pipeline()  # what pipelines do not combine with yet, before the layer split
         pattern = self.mamba.parsed_pattern
         self.parallel.validate_model(self.model, stages_from_pattern=pattern is not None)
         require(

@@ -102,7 +102,14 @@ class Trainer(IterationLogging):
         self.tied_embedding = pipeline_grads.TiedEmbeddingGrads(model, pg)
         # Every stage when the model has experts: the MoE log values are reduced over the stages.
         self.has_moe = cfg.moe.enabled or bool(moe_hooks.moe_layers(model))
-        self.graphs = cuda_graphs.attach(model, cfg.cuda_graph, model_config=cfg.model, grad_sinks=[self.model])
+        # With PP > 1 the scopes are checked against every stage's layers (a stage may lack some).
+        self.graphs = cuda_graphs.attach(
+            model,
+            cfg.cuda_graph,
+            model_config=cfg.model,
+            grad_sinks=[self.model],
+            scope_group=pg.pp if pg.pp_size > 1 else None,
+        )
         self.optimizer = build_optimizer(
             self.model,
             pg=pg,

@@ -53,15 +53,20 @@ class P2PCommunicator:
         recv_prev: bool = False,
         send_prev: torch.Tensor | None = None,
         recv_next: bool = False,
+        recv_prev_into: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One batched exchange; returns ``(from previous, from next)`` (None where not asked).
 
         A received activation comes back with ``requires_grad`` set: it is the input
-        of this stage's forward, whose gradient is sent back later.
+        of this stage's forward, whose gradient is sent back later. ``recv_prev_into``:
+        receive the activation into this tensor (a CUDA graph's static input) and return
+        a leaf alias of it, leaving the tensor itself as it was.
         """
         pg = self.pg
         ops: list[dist.P2POp] = []
-        got_prev = self._empty() if recv_prev else None
+        got_prev = None
+        if recv_prev:
+            got_prev = self._empty() if recv_prev_into is None else self._checked(recv_prev_into)
         got_next = self._empty() if recv_next else None
         group = pg.pp
         # Activations first, then gradients, sends before receives: the same order on
@@ -78,8 +83,17 @@ class P2PCommunicator:
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
         if got_prev is not None:
+            got_prev = got_prev if recv_prev_into is None else got_prev.detach()
             got_prev.requires_grad_(True)
         return got_prev, got_next
+
+    def _checked(self, into: torch.Tensor) -> torch.Tensor:
+        if tuple(into.shape) != self.tensor_shape or into.dtype != self.dtype or not into.is_contiguous():
+            raise RuntimeError(
+                f"a pipeline receive into a {tuple(into.shape)} {into.dtype} tensor, but stages exchange "
+                f"contiguous {self.tensor_shape} {self.dtype} activations"
+            )
+        return into
 
     # Megatron's names, for the schedules.
     def recv_forward(self) -> torch.Tensor:

@@ -370,6 +370,13 @@ def forward_backward_pipelining(
     stage, so every rank returns the same loss. Other metrics stay on the last stage.
     Gradients reduce only in the rank's last backward (``no_sync`` around the others).
 
+    With a CUDA-graph session (``graphs``) the schedule tells it the slot of every
+    forward, its order (``pipeline_schedule_key``) and, while recording, what crosses
+    stages: a sent graphed output (waited in its tick's exchange), a received input and
+    whether its dgrad may be sent from the graph's buffer. After capture a receive lands
+    in the static input of its slot's first graph when that slot is free by then
+    (``graph_comm.py``), else in a fresh tensor that the replay copies.
+
     Args:
         pg: ``ProcessGroups`` (``pp`` group and neighbours).
         tensor_shape: Shape of the activations stages exchange (``p2p_communication.tensor_shape``).
@@ -379,8 +386,10 @@ def forward_backward_pipelining(
         deallocate_pipeline_outputs: Free a stage output's storage once it is sent.
         Others: as :func:`forward_backward_no_pipelining`.
     """
+    from megatron.core.pipeline_parallel.graph_comm import plan_graph_comm
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
     from megatron.core.pipeline_parallel.timetable import build_timetable
+    from megatron.core.transformer.cuda_graphs.session import NEXT_EVENT
 
     chunks = model_chunks(model)
     for chunk in chunks:
@@ -401,8 +410,11 @@ def forward_backward_pipelining(
     ]
     ticks = build_timetable(orders, num_chunks)[rank]
     comm = P2PCommunicator(pg, tuple(tensor_shape), dtype, pg.device)
+    graph_comm = None  # slots and exchange decisions for the graph session (graph_comm.py)
     if graphs is not None and not forward_only:
-        graphs.expect_microbatches(num_microbatches)
+        key = pipeline_schedule_key(pp, rank, num_chunks, microbatch_group_size)
+        graphs.expect_microbatches(num_microbatches, schedule=key)
+        graph_comm = plan_graph_comm(orders[rank], ticks, num_chunks)
     slots = [SlotAllocator(c, num_chunks) for c in range(num_chunks)]
     last_backward = max((i for i, s in enumerate(orders[rank]) if s[0] == "B"), default=-1)
     batches: dict[int, dict] = {}
@@ -421,6 +433,7 @@ def forward_backward_pipelining(
         module = chunks[chunk]
         _unwrap(module).set_input_tensor(inputs.get((chunk, mb)) if stage > 0 else None)
         slot = slots[chunk].acquire((chunk, mb))
+        assert graph_comm is None or graph_comm.slot_of[(chunk, mb)] == slot
         with _in_slot(graphs, slot):
             if stage == last_stage:
                 loss, metrics = forward_step(batch, module)
@@ -432,6 +445,8 @@ def forward_backward_pipelining(
         if stage != last_stage:
             if not forward_only:
                 outputs[(chunk, mb)] = output
+            if graph_comm is not None:  # recording: a graphed output is read until this tick's wait
+                graphs.note_send(output, until=NEXT_EVENT)
             return output
         if per_token_loss:
             loss = _token_sum(loss, metrics)
@@ -468,9 +483,13 @@ def forward_backward_pipelining(
             recv_prev=tick.recv_prev is not None,
             send_prev=send_prev,
             recv_next=tick.recv_next is not None,
+            recv_prev_into=_receive_target(graphs, graph_comm, tick.recv_prev),
         )
         if got_prev is not None:
             inputs[tick.recv_prev] = got_prev
+            if graph_comm is not None:  # recording: the first graph's input, its dgrad sent back
+                slot = graph_comm.slot_of[tick.recv_prev]
+                graphs.note_receive(slot, got_prev, grad_sent=graph_comm.grad_sent_in_place[slot])
         if got_next is not None:
             grads[tick.recv_next] = got_next
         if sent_output is not None and deallocate_pipeline_outputs and not forward_only:
@@ -478,6 +497,30 @@ def forward_backward_pipelining(
     assert not outputs and not grads and not batches, "the pipeline schedule left work undone"
 
     return _broadcast_results(losses, metric_sum, num_microbatches, per_token_loss, pg)
+
+
+def pipeline_schedule_key(
+    pp_size: int, pp_rank: int, num_chunks: int, microbatch_group_size: int | None = None
+) -> tuple:
+    """What fixes a pipeline rank's order besides the micro-batch count: the session
+    compares it at every iteration (``expect_microbatches``)."""
+    if num_chunks == 1:
+        return ("1f1b", pp_size, pp_rank, 1, None)
+    group = pp_size if microbatch_group_size is None else microbatch_group_size
+    return ("interleaved", pp_size, pp_rank, num_chunks, group)
+
+
+def _receive_target(graphs, graph_comm, key: tuple[int, int] | None) -> torch.Tensor | None:
+    """Where the activation for ``key`` (chunk, micro-batch) is received: the static input
+    of its slot's first graph when the slot has finished its previous micro-batch by this
+    exchange (``graph_comm.py`` says when that is), else None: a fresh tensor, which the
+    forward replay copies in (also before capture, and when no graph reads the input)."""
+    if key is None or graph_comm is None or not graph_comm.receive_in_place[key]:
+        return None
+    slot = graph_comm.slot_of[key]
+    if not graphs.captured or slot not in graphs.cycles:  # no graph of this chunk's slot was recorded
+        return None
+    return graphs.receive_buffer(slot)
 
 
 def _broadcast_results(losses, metric_sum, n: int, per_token_loss: bool, pg):

@@ -167,7 +167,6 @@ def _run_config(extra: str):
 @pytest.mark.parametrize(
     "extra, needle",
     [
-        ("--pipeline-model-parallel-size 2 --cuda-graph-impl local", "--cuda-graph-impl local with --pipeline"),
         ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3", "must be divisible by"),
     ],
 )
@@ -179,6 +178,26 @@ def test_run_config_refuses_what_pipelines_do_not_combine_with(extra, needle):
 @pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
 def test_pipelines_save_in_both_checkpoint_formats(ckpt_format):
     _run_config(f"--pipeline-model-parallel-size 2 --save /tmp/x --load /tmp/x --ckpt-format {ckpt_format}").validate()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "--pipeline-model-parallel-size 2",
+        "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2",
+        "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --cuda-graph-scope attn mlp",
+    ],
+)
+def test_run_config_accepts_cuda_graphs_with_pipelines(extra):
+    cfg = _run_config(f"{extra} --cuda-graph-impl local")
+    cfg.validate()
+    assert cfg.cuda_graph.enabled and cfg.parallel.pipeline_model_parallel_size == 2
+
+
+def test_run_config_still_refuses_recompute_with_cuda_graphs_under_pipelines():
+    cfg = _run_config("--pipeline-model-parallel-size 2 --cuda-graph-impl local --recompute-granularity selective")
+    with pytest.raises(ValueError, match="--recompute-granularity with --cuda-graph-impl local"):
+        cfg.validate()
 
 
 def test_run_config_accepts_pipelines():

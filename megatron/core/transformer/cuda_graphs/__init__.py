@@ -27,6 +27,7 @@ def attach(
     model_config: Any = None,
     grad_sinks: Sequence[GradSink] = (),
     record_without_cuda: bool = False,
+    scope_group: Any = None,
 ) -> GraphSession:
     """Resolves the scopes against ``model``'s layers and routes them through a new session.
 
@@ -38,6 +39,10 @@ def attach(
         grad_sinks: Where backward graphs report finished weight gradients.
         record_without_cuda: Record even without CUDA, to inspect the recorded order and
             the plans on the CPU (tests); nothing is captured then.
+        scope_group: The process group whose ranks hold the other parts of the model (the
+            pipeline group; collective: every rank of it calls ``attach``). The scopes are
+            checked against the layers of all of them, so a pipeline stage without, say,
+            attention layers accepts ``attn`` and graphs what it has.
 
     Raises:
         ValueError: a scope the model cannot graph (the resolver's message).
@@ -49,7 +54,12 @@ def attach(
     layers = regions_lib.graphable_layers(model)
     if model_config is None and layers:
         model_config = getattr(layers[0], "config", None)
-    selected = regions_lib.resolve(config.cuda_graph_scope, [type(layer) for layer in layers], model_config)
+    classes = [type(layer) for layer in layers]
+    if scope_group is not None:
+        gathered: list[Any] = [None] * torch.distributed.get_world_size(scope_group)
+        torch.distributed.all_gather_object(gathered, list(dict.fromkeys(classes)), group=scope_group)
+        classes = [c for part in gathered for c in part]
+    selected = regions_lib.resolve(config.cuda_graph_scope, classes, model_config)
     if record_without_cuda:
         session.start_recording()
     if not session.active:

@@ -15,7 +15,9 @@ again after :meth:`GraphSession.close`). Model classes carry no capture code.
   else raises instead of silently reading freed memory.
 - Pipeline receives: the schedule notes a received tensor while recording
   (``note_receive``); after capture ``receive_buffer(slot)`` is the static input of the
-  slot's graph that reads it, to receive into without a copy.
+  slot's graph that reads it, to receive into without a copy. Sends: ``note_send`` for
+  a graphed output; ``note_receive(..., grad_sent=True)`` for the gradient of a
+  received input that the schedule sends back from the graph's own buffer.
 - Pools: one per slot; when the slots' backward runs never interleave (the
   schedules' backward steps), one more that every slot's backward graphs share
   (``plan.backward_runs_alone``).
@@ -60,6 +62,10 @@ from megatron.core.transformer.cuda_graphs.recorder import Recorder
 from megatron.core.transformer.cuda_graphs.region import GraphedRegion, arg_metadata
 from megatron.core.transformer.cuda_graphs.replay import GraphReplay, RecordBackward
 from megatron.core.transformer.cuda_graphs.weak import is_weak_ref
+
+NEXT_EVENT = "next event"
+"""``note_send(..., until=NEXT_EVENT)``: the send is waited on before the producing slot's
+next graph event (a schedule that waits on its sends in the same exchange)."""
 
 
 class GraphState(enum.Enum):
@@ -137,8 +143,9 @@ class GraphSession:
         self.recorded_microbatches: int | None = None
         self.recorded_schedule: Hashable | None = None
         self.received_inputs: set[tuple[int, int]] = set()  # (region, arg) a pipeline receive fills
-        self.sent_outputs: dict[tuple[int, int], tuple[str, int] | None] = {}  # (region, output) -> wait
-        self._receives: dict[int, weakref.ref] = {}  # recording: id -> received tensor
+        self.sent_outputs: dict[tuple[int, int], tuple[str, int] | str | None] = {}  # (region, output) -> wait
+        self.sent_grads: set[tuple[int, int, int]] = set()  # (slot, region, arg): a received input's dgrad sent
+        self._receives: dict[int, tuple[weakref.ref, bool]] = {}  # recording: id -> (received tensor, grad sent)
         self._slot_at: dict[int, int] = {}  # slot -> cycle position of its last replayed event
         self._anchor: torch.Tensor | None = None
         self._positions: list[tuple[int, int]] = []  # per order index: (slot, cycle position)
@@ -231,21 +238,26 @@ class GraphSession:
         """Declares that communication reads a buffer of ``slot`` (before capture)."""
         self.comm_reads.append((slot, read))
 
-    def note_receive(self, slot: int, tensor: torch.Tensor) -> None:
+    def note_receive(self, slot: int, tensor: torch.Tensor, grad_sent: bool = False) -> None:
         """Recording: ``tensor`` was received from another pipeline stage for ``slot``.
 
         A graphed region that takes it as an input of its own gets a static input that
-        later receives write into (``receive_buffer``). A no-op outside recording.
+        later receives write into (``receive_buffer``). ``grad_sent``: the schedule sends
+        the tensor's gradient back as the graph's dgrad buffer itself and waits on that
+        send before the slot's next micro-batch starts, in every micro-batch of the slot;
+        the buffer is then kept for good and not copied (otherwise the dgrad leaves the
+        graph as a copy). A no-op outside recording.
         """
         if self.state is GraphState.RECORD:
-            self._receives[id(tensor)] = weakref.ref(tensor)
+            self._receives[id(tensor)] = (weakref.ref(tensor), grad_sent)
 
-    def note_send(self, tensor: torch.Tensor, until: tuple[str, int] | None = None) -> None:
+    def note_send(self, tensor: torch.Tensor, until: tuple[str, int] | str | None = None) -> None:
         """Recording: ``tensor`` is sent to another pipeline stage and read until the
         send's wait. When it is a graphed region's output, that output buffer is kept
         strong in every slot until ``until`` (a ``(phase, region)`` of the same cycle
-        before which the send is waited on; None: for good, the send then being waited
-        on before the slot's next micro-batch starts). A no-op outside recording."""
+        before which the send is waited on; :data:`NEXT_EVENT`: before the slot's event
+        after the producer's forward; None: for good, the send then being waited on
+        before the slot's next micro-batch starts). A no-op outside recording."""
         if self.state is not GraphState.RECORD:
             return
         key = self.recorder.producer_of(tensor)
@@ -311,11 +323,15 @@ class GraphSession:
             region.arg_meta = arg_metadata(args)
             region.sources = self.recorder.sources(region.index, args, slot)
             for i, a in enumerate(args):
-                ref = self._receives.get(id(a))
-                if ref is not None and ref() is a and region.sources[i].kind == "own":
+                hit = self._receives.get(id(a))
+                if hit is not None and hit[0]() is a and region.sources[i].kind == "own":
                     self.received_inputs.add((region.index, i))
         else:
             region.check_args(args)
+        for i, a in enumerate(args):  # per slot: the schedule sends this input's dgrad uncopied
+            hit = self._receives.get(id(a)) if (region.index, i) in self.received_inputs else None
+            if hit is not None and hit[0]() is a and hit[1] and region.input_requires_grad[i]:
+                self.sent_grads.add((slot, region.index, i))
         outs = region.note_call(args, region.fn(*args))
         self.recorder.event(Event(FWD, region.index, slot))
         if region.has_backward:
@@ -399,7 +415,12 @@ class GraphSession:
             regions = {e.region for e in cycle}
             comm: list[CommRead | CommRecv] = [read for s, read in self.comm_reads if s == slot]
             comm += [CommRecv(("input", r, i)) for r, i in sorted(self.received_inputs) if r in regions]
-            comm += [CommRead(("output", r, j), until) for (r, j), until in self.sent_outputs.items() if r in regions]
+            comm += [
+                CommRead(("output", r, j), _next_event(cycle, r) if until == NEXT_EVENT else until)
+                for (r, j), until in self.sent_outputs.items()
+                if r in regions
+            ]
+            comm += [CommRead(("grad_input", r, i)) for s, r, i in sorted(self.sent_grads) if s == slot]
             self.plans[slot] = build_plan(cycle, ios, comm)
         positions = {slot: {(e.phase, e.region): i for i, e in enumerate(c)} for slot, c in self.cycles.items()}
         self._positions = [(e.slot, positions[e.slot][(e.phase, e.region)]) for e in self.order]
@@ -524,3 +545,9 @@ class GraphSession:
                     f"--cuda-graph-debug: replay of {region.name} output {j} differs from an eager run "
                     f"(max abs diff {diff:.3e}); a static buffer was overwritten before it was read."
                 )
+
+
+def _next_event(cycle: Sequence[Event], region: int) -> tuple[str, int] | None:
+    """``(phase, region)`` of the event after ``region``'s forward in ``cycle`` (None: none)."""
+    at = next(i for i, e in enumerate(cycle) if e.phase == FWD and e.region == region)
+    return (cycle[at + 1].phase, cycle[at + 1].region) if at + 1 < len(cycle) else None
