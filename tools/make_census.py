@@ -51,7 +51,6 @@ _OUT_OF_SCOPE_PREFIXES = (
 _NOT_YET_FLAGS = (
     "--is-hybrid-model",
     "--spec",
-    "--experimental-attention-variant",
     "--use-mup",
     "--recompute-modules",
     "--fim-data",
@@ -128,7 +127,7 @@ def expectation(args: dict) -> str:
         return "unsupported"
     if args.get("--optimizer") == "muon":
         return "not_yet"
-    if flags & set(_NOT_YET_FLAGS):
+    if flags & set(_NOT_YET_FLAGS) or args.get("--experimental-attention-variant") == "gdn2":
         return "not_yet"
     if str(args.get("--pipeline-model-parallel-size", 1)) != "1":
         if args.get("--cuda-graph-impl") == "local" or flags & _NOT_YET_WITH_PIPELINES:
