@@ -5,7 +5,7 @@ per query group, ``[s, b, groups, (heads_per_group + 2) * d]`` = for each group 
 query heads, then its key head, then its value head, so checkpoints and TP splits
 match upstream. ``--attention-output-gate`` adds a gate head per query head after the
 group's query heads (``[q..., gate..., k, v]``, Megatron's layout); the context is
-multiplied by ``sigmoid(gate)`` (in float32) before the output projection. The core
+multiplied by ``sigmoid(gate)`` (in at least float32) before the output projection. The core
 is ``F.scaled_dot_product_attention`` (flash / memory-efficient kernels on GPU) on
 ``[b, n, s, d]`` *views*: q/k/v are never made contiguous here; the one copy is the
 ``[b, n, s, d] -> [s, b, n*d]`` re-layout of the context before the output projection.
@@ -153,7 +153,8 @@ class SelfAttention(torch.nn.Module):
             context = self._core_attention(q, k, v)  # [b, n, s, d]
         context = context.permute(2, 0, 1, 3)  # [s, b, n, d]
         if gate is not None:
-            context = (context.float() * torch.sigmoid(gate.float())).to(context.dtype)
+            fp32 = torch.promote_types(context.dtype, torch.float32)  # at least float32
+            context = (context.to(fp32) * torch.sigmoid(gate.to(fp32))).to(context.dtype)
         return self.linear_proj(context.reshape(s, b, n * d))
 
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
