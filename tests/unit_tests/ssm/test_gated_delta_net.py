@@ -167,3 +167,27 @@ def test_section_shard_takes_each_sections_slice():
     full = torch.arange(12)  # sections of 4, 6 and 2 rows at TP = 2
     assert section_shard(full, [2, 3, 1], 2, 0).tolist() == [0, 1, 4, 5, 6, 10]
     assert section_shard(full, [2, 3, 1], 2, 1).tolist() == [2, 3, 7, 8, 9, 11]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_layer_on_cuda_matches_the_cpu():
+    """The PyTorch path on CUDA (fp32, TF32 off) against the CPU, output and gradients within 1e-5 relative."""
+    cpu = _perturbed(make_gdn(chunk_size=16))
+    gpu = _perturbed(make_gdn(chunk_size=16))
+    gpu.load_state_dict(cpu.state_dict())
+    gpu = gpu.cuda()
+    gpu.use_fused_kernels = False
+    hidden = torch.randn(70, 2, HIDDEN)
+    matmul_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        want = cpu(hidden)[0]
+        got = gpu(hidden.cuda())[0]
+        want.square().sum().backward()
+        got.square().sum().backward()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul_tf32
+    assert ((got.cpu() - want).norm() / want.norm()).item() < 1e-5
+    for (name, p), q in zip(cpu.named_parameters(), gpu.parameters()):
+        assert ((q.grad.cpu() - p.grad).norm() / p.grad.norm()).item() < 1e-5, name
