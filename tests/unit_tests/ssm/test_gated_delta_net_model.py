@@ -125,3 +125,17 @@ def test_the_memory_report_plans_the_regions_of_the_gdn_layers():
         ("decoder.layers.1", TransformerLayer, "attn"),
         ("decoder.layers.3", TransformerLayer, "attn"),
     ]
+
+
+def test_pipeline_stages_hold_the_one_process_gdn_layers():
+    """PP = 2: each stage builds the layers of its global indices (the pattern is global)."""
+    from tests.unit_tests.training.test_sharded_state import _stage_entries
+
+    flags = f"{GPT} {GDN} --linear-attention-freq ([1]+[0]+[1]*2)"
+    one, stages = _stage_entries(flags, 1), _stage_entries(flags, 2)
+    assert sorted(stages) == sorted(one)
+    assert "model.decoder.layers.3.self_attention.A_log" in stages
+    assert "model.decoder.layers.1.self_attention.linear_qkv.weight" in stages
+    for key, held in stages.items():
+        writers = [tensor for _, write, tensor in held if write]
+        assert len(writers) == 1 and torch.equal(writers[0], one[key][0][2]), key
