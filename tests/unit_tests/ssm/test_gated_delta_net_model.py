@@ -139,3 +139,20 @@ def test_pipeline_stages_hold_the_one_process_gdn_layers():
     for key, held in stages.items():
         writers = [tensor for _, write, tensor in held if write]
         assert len(writers) == 1 and torch.equal(writers[0], one[key][0][2]), key
+
+
+def test_flops_count_the_gated_delta_net_layers_and_the_output_gate():
+    from megatron.training.logging_utils import num_floating_point_operations
+
+    def flops(flags):
+        return num_floating_point_operations(resolved(flags).model, batch_size=1, seq_length=16, vocab_size=64)
+
+    dense = flops(GPT)
+    # h = 32, a = g = 4, d = 8, s = 16: one softmax attention's forward per token, then its output gate.
+    attention = 2 * 32 * (32 + 2 * 32) + 2 * 16 * 32 + 2 * 32 * 32
+    gate = 2 * 32 * 32
+    # kh = 2, dk = 8, vh = 4, dv = 8, conv 4: in_proj, conv, rule, out_proj.
+    gdn = 2 * 32 * (2 * 16 + 2 * 32 + 2 * 4) + 2 * 4 * (2 * 16 + 32) + 2 * 4 * 8 * 8 * 4 + 2 * 32 * 32
+    assert flops(f"{GPT} --attention-output-gate") == dense + 3 * 16 * 4 * gate
+    with_gdn = flops(f"{GPT} {GDN} --linear-attention-freq 2 --attention-output-gate")
+    assert with_gdn == dense + 3 * 16 * (2 * gate + 2 * (gdn - attention))
