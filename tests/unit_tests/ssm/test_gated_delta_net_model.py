@@ -156,3 +156,38 @@ def test_flops_count_the_gated_delta_net_layers_and_the_output_gate():
     assert flops(f"{GPT} --attention-output-gate") == dense + 3 * 16 * 4 * gate
     with_gdn = flops(f"{GPT} {GDN} --linear-attention-freq 2 --attention-output-gate")
     assert with_gdn == dense + 3 * 16 * (2 * gate + 2 * (gdn - attention))
+
+
+def test_recording_session_wraps_only_the_softmax_attention_of_a_gdn_gpt():
+    """``attach`` on a built model (recording pass on the CPU): the GDN layers' attention runs eagerly,
+    losses equal the eager model's."""
+    from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+    from megatron.core.models.gpt.gpt_model import build_gpt_model
+    from megatron.core.models.gpt.loss import masked_mean_loss
+    from megatron.core.parallel_state import ProcessGroups
+    from megatron.core.transformer import cuda_graphs
+    from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
+    from megatron.training.config import DDPConfig
+
+    cfg = resolved(f"{GPT} {GDN} --linear-attention-freq 2 --hidden-dropout 0 --attention-dropout 0").model
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def loss_of(scopes):
+        torch.manual_seed(7)
+        model = build_gpt_model(cfg, 64, device="cpu")
+        ddp = DistributedDataParallel(model, config=DDPConfig(), pg=ProcessGroups.single())
+        manager = None
+        if scopes is not None:
+            config = CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=scopes)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                manager = cuda_graphs.attach(model, config, grad_sinks=[ddp], record_without_cuda=True)
+        loss, _ = masked_mean_loss(ddp(tokens, None, tokens), torch.ones(2, 16))
+        return loss.detach(), manager
+
+    eager, _ = loss_of(None)
+    recorded, manager = loss_of(["attn"])
+    assert [r.name for r in manager.regions] == ["decoder.layers.1.attn", "decoder.layers.3.attn"]
+    assert torch.equal(recorded, eager)
+    with pytest.raises(ValueError, match="GatedDeltaNetLayer cannot be captured whole"):
+        loss_of([])
