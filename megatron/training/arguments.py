@@ -56,6 +56,7 @@ _GROUP_TITLES = {
     "checkpoint": "checkpoint",
     "cuda_graph": "cuda graphs",
     "mamba": "mamba and hybrid",
+    "linear_attention": "experimental attention variant",
 }
 
 _KNOWN_GROUP_TITLE = "Megatron flags not supported here"

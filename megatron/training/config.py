@@ -22,6 +22,7 @@ import torch
 from megatron.core.config_utils import Freezable, flag_field, freeze, require
 from megatron.core.datasets.builder import parse_split
 from megatron.core.parallel_state import ParallelConfig
+from megatron.core.ssm.gated_delta_net.config import LinearAttentionConfig
 from megatron.core.ssm.mamba_config import MambaConfig
 from megatron.core.tokenizers.tokenizer import TOKENIZER_TYPES
 from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
@@ -429,6 +430,7 @@ class RunConfig(Freezable):
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     cuda_graph: CudaGraphConfig = dataclasses.field(default_factory=CudaGraphConfig)
     mamba: MambaConfig = dataclasses.field(default_factory=MambaConfig)
+    linear_attention: LinearAttentionConfig = dataclasses.field(default_factory=LinearAttentionConfig)
     ignored_flags: list[str] = dataclasses.field(default_factory=list)
     """Given Megatron flags that are accepted with no effect (speed and I/O knobs), for the start-up line."""
 
@@ -444,6 +446,7 @@ class RunConfig(Freezable):
         cfg = copy.deepcopy(self)
         cfg._warn_ignored_flags()  # on the flags as given, before defaults fill them in
         cfg.model.moe = cfg.moe  # the model reads its MoE flags as config.moe
+        cfg.model.linear_attention = cfg.linear_attention  # and its attention variant as config.linear_attention
         cfg.mamba.resolve(cfg.model, cfg.parallel)  # before finalize: the hybrid pattern sets --num-layers
         cfg.model.finalize()
         cfg.model.params_dtype = cfg.precision.params_dtype
@@ -503,6 +506,7 @@ class RunConfig(Freezable):
         validate_overlap_switches(
             self.ignored_flags, self.moe, self.model, par, self.precision.bf16 or self.precision.fp16
         )
+        self.linear_attention.validate(self.model, par)
         self.parallel.validate()
         require(
             not self.moe.enabled or par.tensor_model_parallel_size == 1 or par.sequence_parallel,

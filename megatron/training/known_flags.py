@@ -6,7 +6,7 @@ a config field is in ``KNOWN_MEGATRON_FLAGS`` with one of three answers:
 - *accepted, no effect*: upstream's meaning is a speed or I/O knob, results identical
   (fusions we do not have, checkpoint I/O parallelism, worker processes ...). A run
   prints one line naming the ones it was given.
-- *not supported*: what this project does not do: FP8, multi-latent attention,
+- *not supported*: what this project does not do: FP8, multi-latent attention (and DSA on it),
   multi-token prediction, context parallelism, TE userbuffers / TP communication
   overlap, Megatron-FSDP / torch FSDP2, inference, RL, SFT, distillation.
 - *not supported yet*: MoE, hybrid (Mamba) and parallel-layout flags whose issues are
@@ -170,15 +170,7 @@ _FLEXTRON_LISTS = {
     "--mamba-int-list",
     "--moe-expert-int-list",
 }
-_GATED_DELTA_NET = {
-    "--experimental-attention-variant": VALUE,
-    "--linear-attention-freq": VALUE,
-    "--linear-conv-kernel-dim": VALUE,
-    "--linear-key-head-dim": VALUE,
-    "--linear-value-head-dim": VALUE,
-    "--linear-num-key-heads": VALUE,
-    "--linear-num-value-heads": VALUE,
-    "--attention-output-gate": SWITCH,
+_DSA = {
     "--dsa-indexer-n-heads": VALUE,
     "--dsa-indexer-head-dim": VALUE,
     "--dsa-indexer-topk": VALUE,
@@ -274,10 +266,10 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
     "--profile-step-start": not_yet("--profile-step-start", VALUE),
     "--profile-step-end": not_yet("--profile-step-end", VALUE),
     "--use-pytorch-profiler": not_yet("--use-pytorch-profiler", SWITCH),
-    **_family(_GATED_DELTA_NET, lambda f, n: not_yet(f, n, "linear / sparse attention variants")),
     # ---- not supported: outside this project.
     **_family(_FP8, lambda f, n: never(f, n, "FP8 training", "use --bf16")),
     **_family(_MLA, lambda f, n: never(f, n, "multi-latent attention")),
+    **_family(_DSA, lambda f, n: never(f, n, "DSA sparse attention (it builds on multi-latent attention)")),
     **_family(_MTP, lambda f, n: never(f, n, "multi-token prediction")),
     **_family(_CP, lambda f, n: never(f, n, "context parallelism")),
     **_family(_TP_OVERLAP, lambda f, n: never(f, n, "TE userbuffers / TP communication overlap")),

@@ -181,6 +181,15 @@ def num_floating_point_operations(
                   + 2 * f * h                  fc2
         once:       2 * h * V                  logits
 
+    ``--attention-output-gate`` adds ``2 * h * a*d`` (the gate heads of the QKV projection).
+    A gated delta net layer (``--experimental-attention-variant gdn``, ``kh`` key heads of
+    ``dk``, ``vh`` value heads of ``dv``, conv of ``c`` taps) has, in place of the attention::
+
+        2 * h * (2*kh*dk + 2*vh*dv + 2*vh)     in-projection (q, k, v, z, beta, alpha)
+        + 2 * c * (2*kh*dk + vh*dv)            causal conv
+        + 2 * vh * dk * dv * 4                 the rule: state decay-and-update, read (as Megatron)
+        + 2 * vh*dv * h                        out-projection
+
     Training costs 3x the forward (backward computes input and weight gradients).
     Causal attention computes half of the s x s square, and is counted so, as Megatron
     counts it. Total = 3 * batch_size * s * per-token.
@@ -199,15 +208,36 @@ def num_floating_point_operations(
     f = config.ffn_hidden_size if config.ffn_hidden_size is not None else 4 * h
     s = seq_length
     fc1_outputs = 2 * f if config.gated_linear_unit else f
-    per_layer = (
-        2 * h * (a * d + 2 * g * d)  # QKV
+    gate = a * d if getattr(config, "attention_output_gate", False) else 0
+    attention = (
+        2 * h * (a * d + gate + 2 * g * d)  # QKV (and the output gate)
         + 2 * s * a * d  # scores and values: 2 matmuls of 2 * s * a * d each, over half the square
         + 2 * a * d * h  # projection
-        + 2 * h * fc1_outputs  # fc1
-        + 2 * f * h  # fc2
     )
-    per_token = config.num_layers * per_layer + 2 * h * vocab_size
+    mlp = 2 * h * fc1_outputs + 2 * f * h  # fc1, fc2
+    linear_layers, linear = _gated_delta_net_layers_and_flops(config)
+    per_token = config.num_layers * (attention + mlp) + linear_layers * (linear - attention) + 2 * h * vocab_size
     return 3.0 * batch_size * s * per_token
+
+
+def _gated_delta_net_layers_and_flops(config) -> tuple[int, int]:
+    """``(number of gated delta net layers, forward FLOPs per token of one's attention)``; ``(0, 0)`` without."""
+    la = getattr(config, "linear_attention", None)
+    if la is None or not la.enabled or la.linear_attention_freq is None:
+        return 0, 0
+    from megatron.core.ssm.gated_delta_net.config import parse_linear_attention_freq
+
+    pattern = la.linear_attention_pattern or parse_linear_attention_freq(la.linear_attention_freq, config.num_layers)
+    h = config.hidden_size
+    qk = la.linear_num_key_heads * la.linear_key_head_dim
+    v = la.linear_num_value_heads * la.linear_value_head_dim
+    flops = (
+        2 * h * (2 * qk + 2 * v + 2 * la.linear_num_value_heads)  # in-projection
+        + 2 * la.linear_conv_kernel_dim * (2 * qk + v)  # causal conv
+        + 2 * la.linear_num_value_heads * la.linear_key_head_dim * la.linear_value_head_dim * 4  # the rule
+        + 2 * v * h  # out-projection
+    )
+    return sum(pattern), flops
 
 
 def startup_lines(cfg) -> list[str]:

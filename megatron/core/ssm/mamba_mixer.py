@@ -81,13 +81,13 @@ class GroupedRMSNorm(torch.nn.Module):
 
 
 class ConvWeights(torch.nn.Module):
-    """The depthwise conv's parameters (``weight [channels, 1, d_conv]``, ``bias [channels]``), as ``nn.Conv1d``
-    names them; ``causal_conv1d`` applies them."""
+    """The depthwise conv's parameters (``weight [channels, 1, d_conv]``, ``bias [channels]`` unless
+    ``bias=False``), as ``nn.Conv1d`` names them; ``causal_conv1d`` applies them."""
 
-    def __init__(self, channels: int, d_conv: int, device=None, dtype=None):
+    def __init__(self, channels: int, d_conv: int, device=None, dtype=None, bias: bool = True):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty(channels, 1, d_conv, device=device, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.empty(channels, device=device, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.empty(channels, device=device, dtype=dtype)) if bias else None
 
     def extra_repr(self) -> str:
         return f"channels={self.weight.shape[0]}, d_conv={self.weight.shape[-1]}"

@@ -3,11 +3,13 @@
 Layout is Megatron's: activations are ``[s, b, h]``; the fused QKV output is laid out
 per query group, ``[s, b, groups, (heads_per_group + 2) * d]`` = for each group its
 query heads, then its key head, then its value head, so checkpoints and TP splits
-match upstream. The core is ``F.scaled_dot_product_attention`` (flash / memory-
-efficient kernels on GPU) on ``[b, n, s, d]`` *views*: q/k/v are never made
-contiguous here; the one copy is the ``[b, n, s, d] -> [s, b, n*d]`` re-layout of the
-context before the output projection. No host syncs: everything is shape arithmetic
-on Python ints.
+match upstream. ``--attention-output-gate`` adds a gate head per query head after the
+group's query heads (``[q..., gate..., k, v]``, Megatron's layout); the context is
+multiplied by ``sigmoid(gate)`` (in at least float32) before the output projection. The core
+is ``F.scaled_dot_product_attention`` (flash / memory-efficient kernels on GPU) on
+``[b, n, s, d]`` *views*: q/k/v are never made contiguous here; the one copy is the
+``[b, n, s, d] -> [s, b, n*d]`` re-layout of the context before the output projection.
+No host syncs: everything is shape arithmetic on Python ints.
 
 Tensor parallelism splits the query groups across TP ranks (each rank gets whole
 groups: its query heads with their key/value heads, a contiguous block of the fused
@@ -87,13 +89,14 @@ class SelfAttention(torch.nn.Module):
         self.attention_backend = getattr(config, "attention_backend", "auto")
         self.recompute_core_attention = getattr(config, "recompute_granularity", None) == "selective"
         self.rope = apply_rotary_pos_emb_interleaved if getattr(config, "rotary_interleaved", False) else None
+        self.output_gate = getattr(config, "attention_output_gate", False)
         self.q_layernorm = self.k_layernorm = None
         if getattr(config, "qk_layernorm", False):
             self.q_layernorm = build_norm(config, kv, device=device)
             self.k_layernorm = build_norm(config, kv, device=device)
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size,
-            (heads + 2 * groups) * kv,
+            ((2 if self.output_gate else 1) * heads + 2 * groups) * kv,
             config=config,
             init_method=init_method_normal(config.init_method_std),
             bias=config.add_bias_linear,
@@ -128,23 +131,31 @@ class SelfAttention(torch.nn.Module):
         """
         g, hpg, d = self.num_groups, self.heads_per_group, self.kv_channels
         n = self.num_heads
-        qkv, _ = self.linear_qkv(hidden_states)  # [s, b, g * (hpg + 2) * d]: local groups, whole sequence
+        qkv, _ = self.linear_qkv(hidden_states)  # [s, b, g * parts * d]: local groups, whole sequence
         s, b = qkv.shape[0], qkv.shape[1]  # with sequence parallelism the input held s / TP rows
+        parts = (2 * hpg if self.output_gate else hpg) + 2  # heads of a group in the fused projection
+        gate = None
         if hpg == 1 and rotary_pos_emb is None and self.q_layernorm is None:
             # MHA without RoPE: the same views as the general path in two ops instead of
             # five (each op is also an autograd node, and eager steps are host-bound).
             # Backward stacks straight into the qkv gradient, as the split's cat does.
-            q, k, v = qkv.view(s, b, n, 3, d).unbind(3)
+            if self.output_gate:
+                q, gate, k, v = qkv.view(s, b, n, parts, d).unbind(3)
+            else:
+                q, k, v = qkv.view(s, b, n, parts, d).unbind(3)
         else:
-            q, k, v = self._split_qkv(qkv.view(s, b, g, hpg + 2, d), rotary_pos_emb)
+            q, k, v, gate = self._split_qkv(qkv.view(s, b, g, parts, d), rotary_pos_emb)
         q, k, v = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, n, s, d] views
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             # Selective recompute: keep q, k, v, recompute the attention in backward (same RNG state).
             context = torch.utils.checkpoint.checkpoint(self._core_attention, q, k, v, use_reentrant=False)
         else:
             context = self._core_attention(q, k, v)  # [b, n, s, d]
-        context = context.permute(2, 0, 1, 3).reshape(s, b, n * d)
-        return self.linear_proj(context)
+        context = context.permute(2, 0, 1, 3)  # [s, b, n, d]
+        if gate is not None:
+            fp32 = torch.promote_types(context.dtype, torch.float32)  # at least float32
+            context = (context.to(fp32) * torch.sigmoid(gate.to(fp32))).to(context.dtype)
+        return self.linear_proj(context.reshape(s, b, n * d))
 
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """SDPA on ``[b, n, s, d]`` q, k, v with the kernels --attention-backend allows.
@@ -162,27 +173,31 @@ class SelfAttention(torch.nn.Module):
             )
 
     def _split_qkv(self, qkv: torch.Tensor, rotary_pos_emb: torch.Tensor | None):
-        """``[s, b, g, hpg + 2, d]`` -> ``q, k, v`` as ``[s, b, n, d]`` views (RoPE applied)."""
+        """``[s, b, g, parts, d]`` -> ``q, k, v, gate`` as ``[s, b, n, d]`` views (RoPE applied; gate None
+        without ``--attention-output-gate``)."""
         s, b, g, _, d = qkv.shape
         hpg, n = self.heads_per_group, self.num_heads
+        gate = None
         # torch.split (not indexing) so backward is one cat instead of zero-filled slices summed.
-        if self.q_layernorm is not None or (rotary_pos_emb is not None and self.rope is not None):
-            q, k, v = torch.split(qkv, [hpg, 1, 1], dim=3)
-            if self.q_layernorm is not None:
-                q, k = self.q_layernorm(q), self.k_layernorm(k)
-            if rotary_pos_emb is not None:
-                rope = self.rope or apply_rotary_pos_emb
-                q, k = rope(q, rotary_pos_emb), rope(k, rotary_pos_emb)
-        elif rotary_pos_emb is not None:
+        if self.output_gate:
+            q, gate, k, v = torch.split(qkv, [hpg, hpg, 1, 1], dim=3)
+            gate = gate.reshape(s, b, n, d)
+        elif rotary_pos_emb is not None and self.q_layernorm is None and self.rope is None:
             # Rotate the query and key heads of each group in one call: they are adjacent.
             qk, v = torch.split(qkv, [hpg + 1, 1], dim=3)
             qk = apply_rotary_pos_emb(qk, rotary_pos_emb)
             q, k = torch.split(qk, [hpg, 1], dim=3)
+            rotary_pos_emb = None  # applied
         else:
             q, k, v = torch.split(qkv, [hpg, 1, 1], dim=3)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if rotary_pos_emb is not None:
+            rope = self.rope or apply_rotary_pos_emb
+            q, k = rope(q, rotary_pos_emb), rope(k, rotary_pos_emb)
         if hpg > 1:
             # GQA: every query head of a group reads its group's key/value head.
             k = k.expand(s, b, g, hpg, d)
             v = v.expand(s, b, g, hpg, d)
         # [s, b, g, hpg, d] -> [s, b, n, d]: a view for MHA (hpg == 1) and MQA (g == 1).
-        return q.reshape(s, b, n, d), k.reshape(s, b, n, d), v.reshape(s, b, n, d)
+        return q.reshape(s, b, n, d), k.reshape(s, b, n, d), v.reshape(s, b, n, d), gate

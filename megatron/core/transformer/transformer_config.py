@@ -11,6 +11,7 @@ import dataclasses
 import torch
 
 from megatron.core.config_utils import Freezable, flag_field, require
+from megatron.core.ssm.gated_delta_net.config import LinearAttentionConfig
 from megatron.core.transformer.moe.moe_config import MoEConfig
 
 
@@ -69,6 +70,10 @@ class TransformerConfig(Freezable):
 
     qk_layernorm: bool = False
     """Normalize each query and key head (the --normalization type) before attention."""
+
+    attention_output_gate: bool = False
+    """Gate each softmax attention head's output by the sigmoid of a learned projection of the layer input
+    (a fourth part of the fused QKV projection), before the output projection."""
 
     squared_relu: bool = False
     """Use squared ReLU, relu(x)**2, as the MLP activation instead of GeLU."""
@@ -136,6 +141,10 @@ class TransformerConfig(Freezable):
     moe: MoEConfig = flag_field(default_factory=MoEConfig, no_flag=True)
     """The MoE flags (their own group, ``RunConfig.moe``; the model reads them here)."""
 
+    linear_attention: LinearAttentionConfig = flag_field(default_factory=LinearAttentionConfig, no_flag=True)
+    """The experimental attention variant flags (their own group, ``RunConfig.linear_attention``; the model
+    reads them here)."""
+
     def finalize(self) -> "TransformerConfig":
         """Fills derived fields. Idempotent (a second call writes nothing); returns self."""
         if self.ffn_hidden_size is None:
@@ -153,6 +162,7 @@ class TransformerConfig(Freezable):
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         self.moe.finalize(self)
+        self.linear_attention.finalize(self)
         return self
 
     def validate(self) -> None:

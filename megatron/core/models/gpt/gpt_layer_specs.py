@@ -36,10 +36,22 @@ def get_gpt_moe_layer_local_spec() -> ModuleSpec:
 
 
 def get_gpt_decoder_layer_specs(config) -> list[ModuleSpec]:
-    """One spec per layer: MoE where ``--moe-layer-freq`` says so (with ``--num-experts``), dense elsewhere."""
-    moe = config.moe
-    if not moe.enabled:
+    """One spec per layer: MoE where ``--moe-layer-freq`` says so (with ``--num-experts``), dense elsewhere;
+    gated delta net attention where ``--linear-attention-freq`` says so (with ``--experimental-attention-variant
+    gdn``), softmax attention elsewhere."""
+    moe, linear = config.moe, config.linear_attention
+    if not moe.enabled and not linear.enabled:
         return [get_gpt_layer_local_spec()] * config.num_layers
     moe.finalize(config)
-    dense, sparse = get_gpt_layer_local_spec(), get_gpt_moe_layer_local_spec()
-    return [sparse if flag else dense for flag in moe.moe_layer_pattern]
+    linear.finalize(config)
+    linear.validate(config)  # names a missing --linear-attention-freq
+    moe_pattern = moe.moe_layer_pattern if moe.enabled else [0] * config.num_layers
+    specs = {(False, False): get_gpt_layer_local_spec()}
+    if moe.enabled:
+        specs[(False, True)] = get_gpt_moe_layer_local_spec()
+    if linear.enabled:
+        from megatron.core.ssm.gated_delta_net.layers import get_gdn_layer_local_spec
+
+        specs[(True, False)] = get_gdn_layer_local_spec(moe=False)
+        specs[(True, True)] = get_gdn_layer_local_spec(moe=True)
+    return [specs[(linear.is_linear(i), bool(moe_pattern[i]))] for i in range(config.num_layers)]

@@ -148,6 +148,10 @@ def _layer_classes(cfg) -> list[type]:
     from megatron.core.transformer.moe.moe_layer import MoETransformerLayer
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    if cfg.linear_attention.enabled:  # gated delta net layers: the classes the layer specs build
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
+
+        return [spec.module for spec in get_gpt_decoder_layer_specs(cfg.model)]
     if cfg.moe.enabled:
         return [MoETransformerLayer if flag else TransformerLayer for flag in cfg.moe.moe_layer_pattern]
     return [TransformerLayer] * cfg.model.num_layers

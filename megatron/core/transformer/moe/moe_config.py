@@ -43,7 +43,7 @@ def parse_moe_layer_freq(value, num_layers: int) -> list[int]:
                     f"--moe-layer-freq {value!r}: expected an int or a list expression such as ([0]*1+[1]*3)."
                 ) from None
         else:
-            value = _eval_list_expression(text)
+            value = eval_list_expression(text)
     if isinstance(value, bool) or not isinstance(value, int | list):
         raise ValueError(f"--moe-layer-freq {value!r}: expected an int or a list of 0/1.")
     if isinstance(value, int):
@@ -60,12 +60,12 @@ def parse_moe_layer_freq(value, num_layers: int) -> list[int]:
     return list(value)
 
 
-def _eval_list_expression(text: str) -> list:
-    """Evaluates list literals of ints combined with ``+`` and ``*``; nothing else."""
+def eval_list_expression(text: str, flag: str = "--moe-layer-freq") -> list:
+    """Evaluates list literals of ints combined with ``+`` and ``*``; nothing else (errors name ``flag``)."""
     try:
         tree = ast.parse(text, mode="eval")
     except SyntaxError as exc:
-        raise ValueError(f"--moe-layer-freq {text!r} is not a valid expression: {exc.msg}.") from None
+        raise ValueError(f"{flag} {text!r} is not a valid expression: {exc.msg}.") from None
 
     def ev(node):
         if isinstance(node, ast.List):
@@ -86,13 +86,12 @@ def _eval_list_expression(text: str) -> list:
                 if count <= 100_000:
                     return seq * count
         raise ValueError(
-            f"--moe-layer-freq {text!r}: only list literals, integers, + and * are allowed "
-            f"(found {type(node).__name__})."
+            f"{flag} {text!r}: only list literals, integers, + and * are allowed (found {type(node).__name__})."
         )
 
     result = ev(tree.body)
     if not isinstance(result, list):
-        raise ValueError(f"--moe-layer-freq {text!r} must evaluate to a list, got {result!r}.")
+        raise ValueError(f"{flag} {text!r} must evaluate to a list, got {result!r}.")
     return result
 
 

@@ -1,0 +1,1 @@
+"""Gated delta net (linear attention) layers: ``--experimental-attention-variant gdn``."""
