@@ -65,6 +65,9 @@ class LinearWithGradAccumulation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_, weight, bias):
         ctx.save_for_backward(input_, weight)
+        # The parameter itself for its main_grad: under activation recomputation the saved
+        # weight comes back as a plain tensor without it.
+        ctx.param = weight
         ctx.has_bias = bias is not None
         return F.linear(input_, weight, bias)
 
@@ -73,7 +76,7 @@ class LinearWithGradAccumulation(torch.autograd.Function):
         input_, weight = ctx.saved_tensors
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
-        accumulate_wgrad(weight.main_grad, grad_2d, input_.reshape(-1, input_.shape[-1]))
+        accumulate_wgrad(ctx.param.main_grad, grad_2d, input_.reshape(-1, input_.shape[-1]))
         grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_input, None, grad_bias
 

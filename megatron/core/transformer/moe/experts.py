@@ -107,6 +107,9 @@ class _ExpertLoop(torch.autograd.Function):
             if x.shape[0]:
                 F.linear(x, w, out=o)
         ctx.rows, ctx.gated = rows, gated
+        # The parameters themselves for their main_grad: under activation recomputation the
+        # saved tensors come back as plain tensors without it.
+        ctx.params = weights
         ctx.saved = (inter, s, a, pu, act)
         ctx.save_for_backward(tokens, probs, *weights)
         return rows.unpad(out)
@@ -119,9 +122,10 @@ class _ExpertLoop(torch.autograd.Function):
         rows = ctx.rows
         counts, n = rows.padded, len(rows.padded)
         fc1, fc2 = weights[:n], weights[n:]
+        main_grads = [w.main_grad for w in ctx.params]
         grad_out = rows.pad(grad_out)
         # Each intermediate is dropped once its last use has run, as autograd frees saved tensors.
-        grad_act = _dgrad_wgrad(grad_out, act, fc2, counts, True)
+        grad_act = _dgrad_wgrad(grad_out, act, fc2, main_grads[n:], counts, True)
         del act, grad_out
         grad_a = grad_act * pu
         grad_p = None
@@ -143,24 +147,24 @@ class _ExpertLoop(torch.autograd.Function):
         else:
             grad_inter = torch.ops.aten.gelu_backward(grad_a, inter)
             del grad_a, inter
-        grad_x = _dgrad_wgrad(grad_inter, tokens, fc1, counts, ctx.needs_input_grad[0])
+        grad_x = _dgrad_wgrad(grad_inter, tokens, fc1, main_grads[:n], counts, ctx.needs_input_grad[0])
         if grad_x is not None:
             grad_x = rows.unpad(grad_x)
         return (grad_x, grad_p, None, None) + (None,) * (2 * n)
 
 
-def _dgrad_wgrad(grad_out, inputs, weights, counts: list[int], need_dgrad: bool):
+def _dgrad_wgrad(grad_out, inputs, weights, main_grads, counts: list[int], need_dgrad: bool):
     """Per expert: ``main_grad += grad^T @ input`` and the input gradient ``grad @ weight``
     written into that expert's rows of one buffer (returned; None without ``need_dgrad``)."""
     dgrad = grad_out.new_empty((grad_out.shape[0], weights[0].shape[1])) if need_dgrad else None
     outs = dgrad.split_with_sizes(counts) if need_dgrad else [None] * len(counts)
     grads = grad_out.split_with_sizes(counts)
     grads_t = grad_out.t().split_with_sizes(counts, dim=1)  # every expert's grad^T from one transpose
-    for g, g_t, w, x, o in zip(grads, grads_t, weights, inputs.split_with_sizes(counts), outs):
+    for g, g_t, w, mg, x, o in zip(grads, grads_t, weights, main_grads, inputs.split_with_sizes(counts), outs):
         if g.shape[0]:
             if o is not None:
                 torch.mm(g, w, out=o)
-            accumulate_wgrad_t(w.main_grad, g_t, x)
+            accumulate_wgrad_t(mg, g_t, x)
     return dgrad
 
 
