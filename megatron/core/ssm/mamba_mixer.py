@@ -10,7 +10,8 @@ row-parallel out-projection.
 
 Parameter names and initialisation are Megatron's: ``in_proj``, ``conv1d`` (weight
 ``[channels, 1, d_conv]`` + bias), ``dt_bias``, ``A_log``, ``D``, ``norm``,
-``out_proj``; ``A_log`` and ``D`` stay float32 in a bf16 model, as upstream.
+``out_proj``. Every parameter is in the model's dtype, as Megatron's ``Float16Module`` leaves them
+(``A_log``, ``D`` and ``dt_bias`` included); the mixer reads them in at least float32.
 
 Tensor parallelism is laid out like Megatron's: heads and groups are split across the
 TP ranks (each rank's in-projection rows are its own ``[z, x, B, C, dt]`` slices; the
@@ -197,17 +198,19 @@ class MambaMixer(torch.nn.Module):
 
         with torch.no_grad():
             # softplus(dt_bias) log-uniform in [dt_min, dt_max]; dt_bias is its inverse softplus.
+            # Drawn in float32, then stored in the model's dtype, as Megatron's Float16Module casts them.
             dt = torch.exp(
-                torch.rand(self.nheads_local, device=device, dtype=dtype) * (math.log(dt_max) - math.log(dt_min))
+                torch.rand(self.nheads_local, device=device, dtype=torch.float32)
+                * (math.log(dt_max) - math.log(dt_min))
                 + math.log(dt_min)
             ).clamp(min=dt_init_floor)
             inv_dt = dt + torch.log(-torch.expm1(-dt))
             assert 0 < A_init_range[0] <= A_init_range[1], A_init_range
             A = torch.empty(self.nheads_local, device=device, dtype=torch.float32).uniform_(*A_init_range)
-        self.dt_bias = torch.nn.Parameter(inv_dt)
-        self.A_log = torch.nn.Parameter(torch.log(A))  # float32
+        self.dt_bias = torch.nn.Parameter(inv_dt.to(dtype))
+        self.A_log = torch.nn.Parameter(torch.log(A).to(dtype))
         self.D = torch.nn.Parameter(
-            torch.ones(self.d_inner_local if D_has_hdim else self.nheads_local, device=device, dtype=torch.float32)
+            torch.ones(self.d_inner_local if D_has_hdim else self.nheads_local, device=device, dtype=dtype)
         )
         if rmsnorm:
             self.norm = GroupedRMSNorm(

@@ -27,14 +27,14 @@ def test_parameter_names_shapes_and_dtypes():
     heads, p, g, n = 8, 8, 2, 8  # 2 * 32 / 8 heads
     d_inner = heads * p
     shapes = {name: (tuple(t.shape), t.dtype) for name, t in m.named_parameters()}
-    bf16, fp32 = torch.bfloat16, torch.float32
+    bf16 = torch.bfloat16
     assert shapes == {
         "in_proj.weight": ((2 * d_inner + 2 * g * n + heads, HIDDEN), bf16),
         "conv1d.weight": ((d_inner + 2 * g * n, 1, 4), bf16),
         "conv1d.bias": ((d_inner + 2 * g * n,), bf16),
         "dt_bias": ((heads,), bf16),
-        "A_log": ((heads,), fp32),  # kept in fp32, as Megatron
-        "D": ((heads,), fp32),
+        "A_log": ((heads,), bf16),  # Megatron's Float16Module casts them too (none is marked keep_in_fp32)
+        "D": ((heads,), bf16),
         "norm.weight": ((d_inner,), bf16),
         "out_proj.weight": ((HIDDEN, d_inner), bf16),
     }
