@@ -185,6 +185,11 @@ def scale(args: dict) -> dict:
             continue  # an environment-specific value (e.g. --seed ${REPEAT}): the default is used
         else:
             out[flag] = value
+    for flag in ("--hybrid-layer-pattern", "--hybrid-override-pattern"):
+        if flag in out:  # each stage keeps one layer of each kind, in order of first appearance
+            out[flag] = "|".join("".join(dict.fromkeys(stage)) for stage in str(out[flag]).split("|"))
+            if "--num-layers" in out:
+                out["--num-layers"] = len(out[flag].replace("|", ""))
     hybrid = "--hybrid-layer-pattern" in args or "--hybrid-override-pattern" in args or "--spec" in args
     if hybrid and "--mamba-head-dim" not in args and "--mamba-num-heads" not in args:
         out["--mamba-head-dim"] = _SIZES["--mamba-head-dim"](None)  # Mamba heads a multiple of the 8 groups
