@@ -27,6 +27,7 @@ from megatron.core.tokenizers.tokenizer import TOKENIZER_TYPES
 from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
 from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.batch_schedule import BatchSchedule, parse_step_schedule
 
 
 @dataclasses.dataclass
@@ -42,6 +43,10 @@ class TrainingConfig(Freezable):
     rampup_batch_size: list[int] | None = flag_field(None, nargs=3)
     """Batch-size ramp-up: START INCREMENT SAMPLES grows the global batch from START by INCREMENT
     over SAMPLES samples, in equal steps, then holds --global-batch-size."""
+
+    step_batch_size_schedule: str | None = None
+    """Step-wise global batch size: "THRESHOLD:BATCH ..." (e.g. "0:384 200B:768"), thresholds in tokens
+    (K/M/B/T suffixes) from which the batch applies; replaces --global-batch-size."""
 
     train_iters: int | None = None
     """Number of training iterations (or give --train-samples). Defaults to 100 here when neither is set."""
@@ -463,6 +468,18 @@ class RunConfig(Freezable):
         cfg.parallel.resolve_model(cfg.model, stages_from_pattern=cfg.mamba.parsed_pattern is not None)
         cfg.cuda_graph.resolve()
         t = cfg.training
+        if t.step_batch_size_schedule is not None:
+            require(
+                t.global_batch_size is None,
+                "--step-batch-size-schedule and --global-batch-size cannot both be set (as in Megatron); the "
+                "schedule gives every batch size, drop --global-batch-size.",
+            )
+            require(
+                t.rampup_batch_size is None,
+                "--step-batch-size-schedule and --rampup-batch-size cannot both be set; pick one.",
+            )
+            steps = parse_step_schedule(t.step_batch_size_schedule, cfg.model.seq_length)
+            t.global_batch_size = steps[-1][1]  # the batch the schedule ends with (eval, lr in iterations)
         if t.global_batch_size is None:
             t.global_batch_size = t.micro_batch_size * cfg.parallel.data_parallel_size
         require(  # the iteration count derives from one of them
@@ -473,7 +490,10 @@ class RunConfig(Freezable):
             t.rerun_mode = "report_determinism_stats"
         if t.train_samples is not None:
             if t.train_samples >= 1 and t.global_batch_size >= 1:
-                t.train_iters = max(1, t.train_samples // t.global_batch_size)
+                batches = cfg.batch_schedule
+                if batches.varies:
+                    batches.validate()
+                t.train_iters = max(1, batches.iterations_for(t.train_samples))
         elif t.train_iters is None:
             t.train_iters = 100
         if cfg.ddp.overlap_param_gather and cfg.cuda_graph.enabled:
@@ -540,10 +560,7 @@ class RunConfig(Freezable):
             f"--global-batch-size ({t.global_batch_size}) must be divisible by --micro-batch-size "
             f"({t.micro_batch_size}) x data-parallel size ({dp}).",
         )
-        require(
-            t.rampup_batch_size is None,
-            "--rampup-batch-size is not supported yet; drop it (the global batch size is constant).",
-        )
+        self.batch_schedule.validate()
         require(
             t.error_injection_rate >= 0,
             f"--error-injection-rate must be >= 0, got {t.error_injection_rate} (0 turns injection off).",
@@ -714,6 +731,12 @@ class RunConfig(Freezable):
             )
 
     @property
+    def batch_schedule(self) -> BatchSchedule:
+        """The global batch size per step (constant, ramp-up or step schedule)."""
+        return BatchSchedule.from_config(self.training, self.parallel.data_parallel_size, self.model.seq_length)
+
+    @property
     def num_microbatches(self) -> int:
+        """Micro-batches per step at --global-batch-size (the batch after any ramp-up; evaluation's)."""
         t = self.training
         return t.global_batch_size // (t.micro_batch_size * self.parallel.data_parallel_size)

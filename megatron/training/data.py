@@ -51,7 +51,7 @@ def repeat(loader: Iterable) -> Iterator:
 def build_data_iterators(cfg, tokenizer, pg, consumed_samples: int) -> tuple[Iterator, Iterator | None]:
     """Train (and valid, when evaluation is on) iterators of micro-batches for this rank."""
     t = cfg.training
-    train_samples = t.train_iters * t.global_batch_size
+    train_samples = cfg.batch_schedule.samples_after(0, t.train_iters)  # iterations x batch when it is constant
     eval_runs = t.train_iters // t.eval_interval + 1 if t.eval_iters > 0 else 0
     valid_samples = eval_runs * t.eval_iters * t.global_batch_size
     train_ds, valid_ds, _ = build_train_valid_test_datasets(

@@ -254,7 +254,6 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
     "--recompute-modules": not_yet("--recompute-modules", LIST, "", "use --recompute-granularity selective"),
     "--fine-grained-activation-offloading": not_yet("--fine-grained-activation-offloading", SWITCH),
     "--offload-modules": not_yet("--offload-modules", LIST),
-    "--step-batch-size-schedule": not_yet("--step-batch-size-schedule", VALUE, "", "use a fixed --global-batch-size"),
     "--fim-data": not_yet("--fim-data", SWITCH, "fill-in-the-middle data"),
     "--fim-rate": not_yet("--fim-rate", VALUE, "fill-in-the-middle data"),
     "--fim-spm-rate": not_yet("--fim-spm-rate", VALUE, "fill-in-the-middle data"),

@@ -111,8 +111,12 @@ class Trainer(IterationLogging):
             preallocate_state=self.graphs.active,
             skip_non_finite=cfg.ddp.check_for_nan_in_loss_and_grad,
         )
+        self.batches = cfg.batch_schedule  # the global batch per step, from consumed samples
         samples = t.global_batch_size if t.train_samples is not None else None  # schedule in samples
-        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, t.train_iters, samples_per_iteration=samples)
+        sample_steps = (t.global_batch_size, t.train_samples) if self.batches.varies else None
+        self.scheduler = build_scheduler(
+            self.optimizer, cfg.optimizer, t.train_iters, samples_per_iteration=samples, sample_steps=sample_steps
+        )
         self.state = TrainState(include_cuda_rng=self.device.type == "cuda")
         self.rerun = rerun.RerunStateMachine(
             t.rerun_mode,
@@ -153,6 +157,13 @@ class Trainer(IterationLogging):
         self.history: list[dict] = []
         self._consecutive_skips = 0  # fp16 overflows in a row
         self._save_attempted = self.last_checkpointed_iteration  # last iteration a save was tried at
+        self.step_batch = self.batches.global_batch_size_at(self.consumed_samples)  # this step's global batch
+        self.step_microbatches = self.batches.num_microbatches_at(self.consumed_samples)
+        if self.batches.varies:
+            remaining = self.batches.sizes_between(self.consumed_samples, t.train_iters - self.iteration)
+            for consumed, _ in remaining:  # every size this run will use divides by micro batch x DP
+                self.batches.num_microbatches_at(consumed)
+            logs.print_rank_0(f"> {self.batches.describe()}")
 
     @staticmethod
     def _schedule(cfg: RunConfig, pg: parallel_state.ProcessGroups) -> Callable:
@@ -291,7 +302,7 @@ class Trainer(IterationLogging):
             forward_step=self.forward_step,
             next_batch=next_batch or (lambda: self._next_batch(data_iterator)),
             model=self.model,
-            num_microbatches=self.cfg.num_microbatches,
+            num_microbatches=self.step_microbatches,
             scale_loss=self.optimizer.scale_loss if self.cfg.precision.fp16 else None,
             no_sync=self.model.no_sync,
             graphs=self.graphs,
@@ -352,8 +363,8 @@ class Trainer(IterationLogging):
             if self.has_moe:  # expert-bias update from this step's token counts
                 moe_hooks.moe_after_optimizer_step(self.model, self.pg.dp)
             self._prefetch(data_iterator)
-            if success:
-                self.scheduler.step(1)
+            if success:  # Megatron's samples when the batch changes during training
+                self.scheduler.step(self.step_batch if self.batches.varies else 1)
             self.graphs.end_of_iteration()
             non_finite = self.optimizer.non_finite
             if non_finite is None:  # no guard: count what the log would show as nan
@@ -370,7 +381,7 @@ class Trainer(IterationLogging):
         """
         self.model.zero_grad_buffer()
         if self.has_moe:  # d(objective)/d(aux loss), as the schedule scales the lm loss
-            moe_hooks.set_aux_loss_scale(self.model, self.optimizer.get_loss_scale() / self.cfg.num_microbatches)
+            moe_hooks.set_aux_loss_scale(self.model, self.optimizer.get_loss_scale() / self.step_microbatches)
         loss = self.forward_backward(data_iterator, next_batch)
         self.model.finish_grad_sync()
         self.tied_embedding.allreduce(self.model)  # PP > 1: first and last stage sum their copies' grads
@@ -471,6 +482,7 @@ class Trainer(IterationLogging):
         exits = ExitConditions(t, self.pg, start_time=self.start_time)
         last_time = self._sync_time()
         window_skipped = 0
+        self._window_microbatches = 0  # micro-batches since the last log line (MoE metrics)
         logs.print_rank_0(f"> training {self.num_params:,} parameters for {t.train_iters} iterations")
         if t.manual_gc:  # --manual-gc: collections only where the loop asks for them
             gc.collect()
@@ -478,6 +490,7 @@ class Trainer(IterationLogging):
         first_iteration = self.iteration + 1  # 1, or the one after a loaded checkpoint
         with exits:
             while self.iteration < t.train_iters:
+                self._next_step_batch()
                 try:
                     loss, grad_norm, success, non_finite = self.train_step(train_iter)
                 except rerun.RerunExit as e:
@@ -486,7 +499,8 @@ class Trainer(IterationLogging):
                     self.close()
                     raise
                 self.iteration += 1
-                self.consumed_samples += t.global_batch_size
+                self.consumed_samples += self.step_batch
+                self._window_microbatches += self.step_microbatches
                 if not success:
                     self.skipped_iters += 1
                     window_skipped += 1
@@ -532,6 +546,26 @@ class Trainer(IterationLogging):
             gc.enable()
         self.close()
         return history
+
+    def _next_step_batch(self) -> None:
+        """Sets the coming step's global batch and micro-batch count from the consumed samples.
+
+        When the micro-batch count changes, a ``--save`` run first saves a checkpoint
+        (Megatron does, so a resume lands on the boundary). Raises ``ValueError`` when the
+        new batch is not a multiple of micro batch x data-parallel size.
+        """
+        previous = self.step_microbatches
+        self.step_batch = self.batches.global_batch_size_at(self.consumed_samples)
+        self.step_microbatches = self.batches.num_microbatches_at(self.consumed_samples)
+        if self.step_microbatches == previous:
+            return
+        logs.print_rank_0(
+            f"> iteration {self.iteration + 1}: global batch size {self.step_batch} "
+            f"({self.step_microbatches} micro-batches per data-parallel rank, was {previous})"
+        )
+        ck = self.cfg.checkpoint
+        if ck.save and self._save_attempted != self.iteration and self.iteration > 0:
+            self._save_checked()
 
     def _count_overflow(self) -> None:
         """Warns when a static fp16 loss scale overflows step after step (nothing trains)."""
