@@ -21,6 +21,7 @@ import torch
 
 from megatron.core.config_utils import Freezable, flag_field, freeze, require
 from megatron.core.datasets.builder import parse_split
+from megatron.core.datasets.fim import validate_fim_config
 from megatron.core.parallel_state import ParallelConfig
 from megatron.core.ssm.mamba_config import MambaConfig
 from megatron.core.tokenizers.tokenizer import TOKENIZER_TYPES
@@ -304,6 +305,39 @@ class DataConfig(Freezable):
     num_workers: int = 2
     """Data-loader worker processes."""
 
+    fim_data: bool = False
+    """Fill-in-the-middle: rewrite training samples as prefix/suffix/middle (PSM) or suffix/prefix/middle (SPM)."""
+
+    fim_rate: float = 0.5
+    """Probability to convert a training sample (each document in it) into a FIM format."""
+
+    fim_spm_rate: float = 0.5
+    """Probability that a FIM sample uses the SPM format over the PSM format."""
+
+    fim_split_sample: str | None = None
+    """Token around which to split the sample for FIM (each fragment permuted on its own)."""
+
+    fim_fragment_rate: float | None = None
+    """Rate of FIM on each fragment when --fim-split-sample is set."""
+
+    fim_no_prefix: str | None = None
+    """Do not apply FIM to fragments whose text starts with this prefix."""
+
+    fim_prefix_token: str = "<fim_prefix>"
+    """FIM prefix token (a token of the tokenizer's vocabulary)."""
+
+    fim_middle_token: str = "<fim_middle>"
+    """FIM middle token."""
+
+    fim_suffix_token: str = "<fim_suffix>"
+    """FIM suffix token."""
+
+    fim_pad_token: str = "<fim_pad>"
+    """FIM pad token: fills a rewritten sample back to the sequence length."""
+
+    fim_eod_token: str = "<|endoftext|>"
+    """FIM end-of-document token: documents in a sample are rewritten one by one between these."""
+
 
 @dataclasses.dataclass
 class LoggingConfig(Freezable):
@@ -561,6 +595,7 @@ class RunConfig(Freezable):
             f"({t.micro_batch_size}) x data-parallel size ({dp}).",
         )
         self.batch_schedule.validate()
+        validate_fim_config(self.data)
         require(
             t.error_injection_rate >= 0,
             f"--error-injection-rate must be >= 0, got {t.error_injection_rate} (0 turns injection off).",
