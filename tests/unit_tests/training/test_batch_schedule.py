@@ -15,6 +15,8 @@ from megatron.training.batch_schedule import BatchSchedule, parse_count, parse_s
 from megatron.training.checkpointing import read_tracker
 from megatron.training.data import build_data_iterators
 from megatron.training.training import build_trainer, pretrain
+from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.training.census import test_census as census
 
 FLAGS = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
@@ -226,3 +228,38 @@ def test_a_new_micro_batch_count_saves_a_checkpoint_first(tmp_path):
     run(*RAMP, "--train-iters", 6, "--save", tmp_path / "c")
     saved = sorted(p.name for p in (tmp_path / "c").iterdir() if p.name.startswith("iter_"))
     assert saved == ["iter_0000002", "iter_0000003", "iter_0000004", "iter_0000006"]
+
+
+DP_RAMP = ["--hidden-dropout", "0.0", "--global-batch-size", "12", "--rampup-batch-size", "4", "4", "16"]
+
+
+def _dp2_ramp(rank, world_size):
+    trainer = pretrain(FLAGS + DP_RAMP + ["--train-iters", "6"])
+    return [(r["batch-size"], r["lm loss"]) for r in trainer.history], trainer.consumed_samples
+
+
+def test_data_parallel_ramp_follows_one_rank():
+    """DP=2 takes 1, 1, 2, 3, 3, 3 micro-batches per rank where one rank takes twice as many: the
+    same global batches, so the same losses up to the order of fp32 additions (1e-5 relative)."""
+    one = run(*DP_RAMP, "--train-iters", 6)
+    expected = [(r["batch-size"], r["lm loss"]) for r in one.history]
+    assert [b for b, _ in expected] == [4, 4, 8, 12, 12, 12]
+    results = run_distributed(_dp2_ramp, 2, timeout=240)
+    for history, consumed in results:
+        assert consumed == one.consumed_samples == 52
+        assert [b for b, _ in history] == [b for b, _ in expected]
+        for i, ((_, a), (_, b)) in enumerate(zip(history, expected)):
+            assert abs(a - b) <= 1e-5 * abs(b), f"iteration {i + 1}: DP=2 {a} vs one rank {b}"
+
+
+def test_census_step_schedule_config_trains_with_the_test_tokenizer(tmp_path):
+    """gpt3_15b_8t_release as the census scales it (its SentencePiece tokenizer, W&B and layout
+    flags swapped for the test GPT-2 vocabulary on one device): batches 4, 8, 12 as scheduled."""
+    entry = census.CENSUS["gpt/gpt3_15b_8t_release"]
+    args = dict(entry["MODEL_ARGS"], **{"--vocab-file": "${ASSETS}/vocab.json", "--merge-file": "${ASSETS}/merges.txt"})
+    args["--log-interval"] = 1
+    drop = ("--tensor-model-parallel-size", "--sequence-parallel", "--tokenizer-type", "--tokenizer-model")
+    drop += ("--wandb-project", "--wandb-entity")
+    trainer = pretrain(census.argv_of(args, tmp_path, drop=drop))
+    assert [r["batch-size"] for r in trainer.history] == [4, 4, 8, 8] + [12] * 6
+    assert trainer.consumed_samples == 96 and all(math.isfinite(r["lm loss"]) for r in trainer.history)
