@@ -160,10 +160,30 @@ class Trainer(IterationLogging):
         self.step_batch = self.batches.global_batch_size_at(self.consumed_samples)  # this step's global batch
         self.step_microbatches = self.batches.num_microbatches_at(self.consumed_samples)
         if self.batches.varies:
-            remaining = self.batches.sizes_between(self.consumed_samples, t.train_iters - self.iteration)
-            for consumed, _ in remaining:  # every size this run will use divides by micro batch x DP
-                self.batches.num_microbatches_at(consumed)
+            self._check_step_sizes()
             logs.print_rank_0(f"> {self.batches.describe()}")
+
+    def _check_step_sizes(self) -> None:
+        """Every global batch the rest of the run uses divides by micro batch x DP and suits the
+        pipeline schedule; raises ``ValueError`` naming the batch-size flag otherwise."""
+        cfg = self.cfg
+        flag = "--step-batch-size-schedule" if self.batches.steps is not None else "--rampup-batch-size"
+        chunks = layout.num_chunks(cfg.parallel)
+        for consumed, batch in self.batches.sizes_between(
+            self.consumed_samples, cfg.training.train_iters - self.iteration
+        ):
+            n = self.batches.num_microbatches_at(consumed)
+            if self.pg.pp_size > 1 and chunks > 1:
+                try:
+                    schedules.interleaved_order(
+                        n,
+                        self.pg.pp_size,
+                        self.pg.pp_rank,
+                        chunks,
+                        microbatch_group_size=cfg.parallel.microbatch_group_size_per_virtual_pipeline_stage,
+                    )
+                except ValueError as e:
+                    raise ValueError(f"{flag}: the global batch size {batch} ({n} micro-batches): {e}") from None
 
     @staticmethod
     def _schedule(cfg: RunConfig, pg: parallel_state.ProcessGroups) -> Callable:

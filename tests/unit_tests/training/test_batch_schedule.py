@@ -253,13 +253,58 @@ def test_data_parallel_ramp_follows_one_rank():
 
 
 def test_census_step_schedule_config_trains_with_the_test_tokenizer(tmp_path):
-    """gpt3_15b_8t_release as the census scales it (its SentencePiece tokenizer, W&B and layout
-    flags swapped for the test GPT-2 vocabulary on one device): batches 4, 8, 12 as scheduled."""
+    """gpt3_15b_8t_release as the census scales it (its SentencePiece tokenizer, W&B, checkpoint and
+    layout flags swapped for the test GPT-2 vocabulary on one device): batches 4, 8, 12 as scheduled."""
     entry = census.CENSUS["gpt/gpt3_15b_8t_release"]
     args = dict(entry["MODEL_ARGS"], **{"--vocab-file": "${ASSETS}/vocab.json", "--merge-file": "${ASSETS}/merges.txt"})
-    args["--log-interval"] = 1
+    # One device's sizes (the census's are for TP 8), no checkpoints: the schedule is what is tested.
+    args.update({"--log-interval": 1, "--hidden-size": 64, "--num-attention-heads": 4, "--num-query-groups": 2})
     drop = ("--tensor-model-parallel-size", "--sequence-parallel", "--tokenizer-type", "--tokenizer-model")
-    drop += ("--wandb-project", "--wandb-entity")
+    drop += ("--wandb-project", "--wandb-entity", "--save", "--load", "--async-save", "--use-persistent-ckpt-worker")
     trainer = pretrain(census.argv_of(args, tmp_path, drop=drop))
     assert [r["batch-size"] for r in trainer.history] == [4, 4, 8, 8] + [12] * 6
     assert trainer.consumed_samples == 96 and all(math.isfinite(r["lm loss"]) for r in trainer.history)
+
+
+PIPE_RAMP = [
+    *"--num-layers 4 --hidden-dropout 0.0 --global-batch-size 12 --rampup-batch-size 4 4 16".split(),
+    *"--train-iters 5 --lr-warmup-iters 1 --lr-decay-style cosine".split(),
+]
+
+
+def _pipeline_ramps(rank, world_size):
+    out = {}
+    for name, extra in (("pp2", []), ("pp2_vpp2", ["--num-virtual-stages-per-pipeline-rank", "2"])):
+        trainer = pretrain(FLAGS + PIPE_RAMP + ["--pipeline-model-parallel-size", "2", *extra])
+        out[name] = [(r["batch-size"], r["lm loss"]) for r in trainer.history]
+    return out
+
+
+def test_pipelined_schedules_follow_the_ramp():
+    """1F1B and interleaved over two stages take 2, 2, 4, 6, 6 micro-batches per step: the losses
+    of one process up to the order of fp32 additions (1e-5 relative)."""
+    one = run(*PIPE_RAMP)
+    expected = [(r["batch-size"], r["lm loss"]) for r in one.history]
+    assert [b for b, _ in expected] == [4, 4, 8, 12, 12]
+    last = run_distributed(_pipeline_ramps, 2, timeout=400)[1]  # the last stage logs the loss
+    for name, history in last.items():
+        assert [b for b, _ in history] == [b for b, _ in expected], name
+        for i, ((_, a), (_, b)) in enumerate(zip(history, expected)):
+            assert abs(a - b) <= 1e-5 * abs(b), f"{name}, iteration {i + 1}: {a} vs one process {b}"
+
+
+def _interleaved_ramp_error(rank, world_size):
+    argv = FLAGS + "--num-layers 4 --global-batch-size 8 --rampup-batch-size 2 2 8 --train-iters 4".split()
+    argv += "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2".split()
+    try:
+        build_trainer(argv)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_an_interleaved_ramp_size_that_cannot_run_fails_before_training():
+    for message in run_distributed(_interleaved_ramp_error, 2, timeout=240):
+        assert message is not None and message.startswith(
+            "--rampup-batch-size: the global batch size 2 (1 micro-batches): the interleaved schedule needs"
+        ), message
