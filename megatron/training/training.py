@@ -275,7 +275,8 @@ class Trainer(IterationLogging):
         if checkpointing.OPTIMIZER not in loaded.loaded:
             self.optimizer.reload_model_params()  # fp32 main params from the loaded weights
         if checkpointing.SCHEDULER not in loaded.loaded:
-            self.scheduler.num_steps = self.iteration  # the LR schedule stays at the loaded iteration
+            # The LR schedule stays at the loaded iteration (in samples when the batch changes).
+            self.scheduler.num_steps = self.consumed_samples if self.batches.varies else self.iteration
             self.scheduler.step(0)
         self.last_checkpointed_iteration = None if loaded.weights_only else self.iteration
         self._load_rerun_state()

@@ -207,9 +207,9 @@ def test_ramp_reads_micro_batches_in_megatrons_sample_order():
         assert (next(reference)["tokens"] == tokens).all(), f"micro-batch {i} differs"
 
 
-@pytest.mark.parametrize("schedule", ["ramp", "steps"])
-def test_resume_mid_ramp_is_bitwise_equal_to_uninterrupted(tmp_path, schedule):
-    flags = RAMP if schedule == "ramp" else STEPS
+@pytest.mark.parametrize("schedule, ckpt_format", [("ramp", "torch"), ("steps", "torch_dist")])
+def test_resume_mid_ramp_is_bitwise_equal_to_uninterrupted(tmp_path, schedule, ckpt_format):
+    flags = [*(RAMP if schedule == "ramp" else STEPS), "--ckpt-format", ckpt_format]
     full = run(*flags, "--train-iters", 8)
     part = run(*flags, "--train-iters", 8, "--exit-interval", 3, "--save", tmp_path / "c")
     assert read_tracker(str(tmp_path / "c"))[0] == 3
