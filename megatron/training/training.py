@@ -45,6 +45,7 @@ from megatron.core.transformer.moe import moe_layer as moe_hooks
 from megatron.training import checkpointing, dist_checkpointing, save_lock
 from megatron.training import logging_utils as logs
 from megatron.training.arguments import parse_args
+from megatron.training.batch_steps import StepBatches
 from megatron.training.config import RunConfig
 from megatron.training.data import build_data_iterators, setup_tokenizer
 from megatron.training.exit_conditions import ExitConditions
@@ -64,7 +65,7 @@ def _set_determinism(cfg: RunConfig, use_cuda: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-class Trainer(IterationLogging):
+class Trainer(IterationLogging, StepBatches):
     """One training run. ``pretrain()`` builds it from flags and calls ``train()``.
 
     Args:
@@ -157,33 +158,7 @@ class Trainer(IterationLogging):
         self.history: list[dict] = []
         self._consecutive_skips = 0  # fp16 overflows in a row
         self._save_attempted = self.last_checkpointed_iteration  # last iteration a save was tried at
-        self.step_batch = self.batches.global_batch_size_at(self.consumed_samples)  # this step's global batch
-        self.step_microbatches = self.batches.num_microbatches_at(self.consumed_samples)
-        if self.batches.varies:
-            self._check_step_sizes()
-            logs.print_rank_0(f"> {self.batches.describe()}")
-
-    def _check_step_sizes(self) -> None:
-        """Every global batch the rest of the run uses divides by micro batch x DP and suits the
-        pipeline schedule; raises ``ValueError`` naming the batch-size flag otherwise."""
-        cfg = self.cfg
-        flag = "--step-batch-size-schedule" if self.batches.steps is not None else "--rampup-batch-size"
-        chunks = layout.num_chunks(cfg.parallel)
-        for consumed, batch in self.batches.sizes_between(
-            self.consumed_samples, cfg.training.train_iters - self.iteration
-        ):
-            n = self.batches.num_microbatches_at(consumed)
-            if self.pg.pp_size > 1 and chunks > 1:
-                try:
-                    schedules.interleaved_order(
-                        n,
-                        self.pg.pp_size,
-                        self.pg.pp_rank,
-                        chunks,
-                        microbatch_group_size=cfg.parallel.microbatch_group_size_per_virtual_pipeline_stage,
-                    )
-                except ValueError as e:
-                    raise ValueError(f"{flag}: the global batch size {batch} ({n} micro-batches): {e}") from None
+        self._init_step_batch()
 
     @staticmethod
     def _schedule(cfg: RunConfig, pg: parallel_state.ProcessGroups) -> Callable:
@@ -567,26 +542,6 @@ class Trainer(IterationLogging):
             gc.enable()
         self.close()
         return history
-
-    def _next_step_batch(self) -> None:
-        """Sets the coming step's global batch and micro-batch count from the consumed samples.
-
-        When the micro-batch count changes, a ``--save`` run first saves a checkpoint
-        (Megatron does, so a resume lands on the boundary). Raises ``ValueError`` when the
-        new batch is not a multiple of micro batch x data-parallel size.
-        """
-        previous = self.step_microbatches
-        self.step_batch = self.batches.global_batch_size_at(self.consumed_samples)
-        self.step_microbatches = self.batches.num_microbatches_at(self.consumed_samples)
-        if self.step_microbatches == previous:
-            return
-        logs.print_rank_0(
-            f"> iteration {self.iteration + 1}: global batch size {self.step_batch} "
-            f"({self.step_microbatches} micro-batches per data-parallel rank, was {previous})"
-        )
-        ck = self.cfg.checkpoint
-        if ck.save and self._save_attempted != self.iteration and self.iteration > 0:
-            self._save_checked()
 
     def _count_overflow(self) -> None:
         """Warns when a static fp16 loss scale overflows step after step (nothing trains)."""
