@@ -52,10 +52,7 @@ _NOT_YET_FLAGS = (
     "--is-hybrid-model",
     "--use-mup",
     "--recompute-modules",
-    "--fim-data",
     "--fine-grained-activation-offloading",
-    "--step-batch-size-schedule",
-    "--rampup-batch-size",
     "--use-tp-pp-dp-mapping",
     "--num-distributed-optimizer-instances",
 )
@@ -204,11 +201,38 @@ def scale(args: dict) -> dict:
         out["--train-samples"] = 10 * out.get("--global-batch-size", micro)
     else:
         out["--train-iters"] = 10
+    if "--step-batch-size-schedule" in args:
+        _scale_step_schedule(args, out, 2 * micro * replicas)
+    if "--fim-data" in args and out.get("--vocab-file") == "${ASSETS}/vocab.json":
+        out["--vocab-file"] = "${ASSETS}/vocab_fim.json"  # the test vocabulary with the FIM tokens added
     out["--mock-data"] = True
     out["--num-workers"] = 0
     if out.get("--tokenizer-type") is None and "--vocab-file" not in out and "--vocab-size" not in out:
         out["--vocab-file"], out["--merge-file"] = "${ASSETS}/vocab.json", "${ASSETS}/merges.txt"
     return out
+
+
+def _scale_step_schedule(args: dict, out: dict, base: int) -> None:
+    """A step batch-size schedule keeps its ratios on the CPU scale: batch i is ``base`` times
+    upstream's batch i over its first; each step lasts two iterations (thresholds in tokens, as
+    upstream passes them), then the last batch trains six, given as --train-samples."""
+    entries = sorted(
+        (_count(t), _count(b)) for t, b in (e.split(":", 1) for e in str(args["--step-batch-size-schedule"]).split())
+    )
+    first = entries[0][1]
+    seq = int(out.get("--seq-length", 64))
+    samples, parts = 0, []
+    for i, (_, batch) in enumerate(entries):
+        size = base * max(1, round(batch / first))
+        parts.append(f"{samples * seq}:{size}")
+        samples += (2 if i < len(entries) - 1 else 6) * size
+    out["--step-batch-size-schedule"] = " ".join(parts)
+    out["--train-samples"] = samples
+
+
+def _count(text: str) -> float:
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}.get(text[-1:].upper(), 1)
+    return float(text[:-1] if scale != 1 else text) * scale
 
 
 def _fit_pipeline_layers(args: dict, out: dict) -> None:

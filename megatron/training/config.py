@@ -21,6 +21,7 @@ import torch
 
 from megatron.core.config_utils import Freezable, flag_field, freeze, require
 from megatron.core.datasets.builder import parse_split
+from megatron.core.datasets.fim import validate_fim_config
 from megatron.core.parallel_state import ParallelConfig
 from megatron.core.ssm.gated_delta_net.config import LinearAttentionConfig
 from megatron.core.ssm.mamba_config import MambaConfig
@@ -28,6 +29,7 @@ from megatron.core.tokenizers.tokenizer import TOKENIZER_TYPES
 from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
 from megatron.core.transformer.moe.moe_config import MoEConfig, validate_overlap_switches
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.batch_schedule import BatchSchedule, parse_step_schedule
 
 
 @dataclasses.dataclass
@@ -43,6 +45,10 @@ class TrainingConfig(Freezable):
     rampup_batch_size: list[int] | None = flag_field(None, nargs=3)
     """Batch-size ramp-up: START INCREMENT SAMPLES grows the global batch from START by INCREMENT
     over SAMPLES samples, in equal steps, then holds --global-batch-size."""
+
+    step_batch_size_schedule: str | None = None
+    """Step-wise global batch size: "THRESHOLD:BATCH ..." (e.g. "0:384 200B:768"), thresholds in tokens
+    (K/M/B/T suffixes) from which the batch applies; replaces --global-batch-size."""
 
     train_iters: int | None = None
     """Number of training iterations (or give --train-samples). Defaults to 100 here when neither is set."""
@@ -300,6 +306,39 @@ class DataConfig(Freezable):
     num_workers: int = 2
     """Data-loader worker processes."""
 
+    fim_data: bool = False
+    """Fill-in-the-middle: rewrite training samples as prefix/suffix/middle (PSM) or suffix/prefix/middle (SPM)."""
+
+    fim_rate: float = 0.5
+    """Probability to convert a training sample (each document in it) into a FIM format."""
+
+    fim_spm_rate: float = 0.5
+    """Probability that a FIM sample uses the SPM format over the PSM format."""
+
+    fim_split_sample: str | None = None
+    """Token around which to split the sample for FIM (each fragment permuted on its own)."""
+
+    fim_fragment_rate: float | None = None
+    """Rate of FIM on each fragment when --fim-split-sample is set."""
+
+    fim_no_prefix: str | None = None
+    """Do not apply FIM to fragments whose text starts with this prefix."""
+
+    fim_prefix_token: str = "<fim_prefix>"
+    """FIM prefix token (a token of the tokenizer's vocabulary)."""
+
+    fim_middle_token: str = "<fim_middle>"
+    """FIM middle token."""
+
+    fim_suffix_token: str = "<fim_suffix>"
+    """FIM suffix token."""
+
+    fim_pad_token: str = "<fim_pad>"
+    """FIM pad token: fills a rewritten sample back to the sequence length."""
+
+    fim_eod_token: str = "<|endoftext|>"
+    """FIM end-of-document token: documents in a sample are rewritten one by one between these."""
+
 
 @dataclasses.dataclass
 class LoggingConfig(Freezable):
@@ -455,6 +494,18 @@ class RunConfig(Freezable):
         cfg.parallel.resolve_model(cfg.model, stages_from_pattern=cfg.mamba.parsed_pattern is not None)
         cfg.cuda_graph.resolve()
         t = cfg.training
+        if t.step_batch_size_schedule is not None:
+            require(
+                t.global_batch_size is None,
+                "--step-batch-size-schedule and --global-batch-size cannot both be set (as in Megatron); the "
+                "schedule gives every batch size, drop --global-batch-size.",
+            )
+            require(
+                t.rampup_batch_size is None,
+                "--step-batch-size-schedule and --rampup-batch-size cannot both be set; pick one.",
+            )
+            steps = parse_step_schedule(t.step_batch_size_schedule, cfg.model.seq_length)
+            t.global_batch_size = steps[-1][1]  # the batch the schedule ends with (eval, lr in iterations)
         if t.global_batch_size is None:
             t.global_batch_size = t.micro_batch_size * cfg.parallel.data_parallel_size
         require(  # the iteration count derives from one of them
@@ -465,7 +516,10 @@ class RunConfig(Freezable):
             t.rerun_mode = "report_determinism_stats"
         if t.train_samples is not None:
             if t.train_samples >= 1 and t.global_batch_size >= 1:
-                t.train_iters = max(1, t.train_samples // t.global_batch_size)
+                batches = cfg.batch_schedule
+                if batches.varies:
+                    batches.validate()
+                t.train_iters = max(1, batches.iterations_for(t.train_samples))
         elif t.train_iters is None:
             t.train_iters = 100
         if cfg.ddp.overlap_param_gather and cfg.cuda_graph.enabled:
@@ -535,10 +589,8 @@ class RunConfig(Freezable):
             f"--global-batch-size ({t.global_batch_size}) must be divisible by --micro-batch-size "
             f"({t.micro_batch_size}) x data-parallel size ({dp}).",
         )
-        require(
-            t.rampup_batch_size is None,
-            "--rampup-batch-size is not supported yet; drop it (the global batch size is constant).",
-        )
+        self.batch_schedule.validate()
+        validate_fim_config(self.data)
         require(
             t.error_injection_rate >= 0,
             f"--error-injection-rate must be >= 0, got {t.error_injection_rate} (0 turns injection off).",
@@ -709,6 +761,12 @@ class RunConfig(Freezable):
             )
 
     @property
+    def batch_schedule(self) -> BatchSchedule:
+        """The global batch size per step (constant, ramp-up or step schedule)."""
+        return BatchSchedule.from_config(self.training, self.parallel.data_parallel_size, self.model.seq_length)
+
+    @property
     def num_microbatches(self) -> int:
+        """Micro-batches per step at --global-batch-size (the batch after any ramp-up; evaluation's)."""
         t = self.training
         return t.global_batch_size // (t.micro_batch_size * self.parallel.data_parallel_size)

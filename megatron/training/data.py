@@ -13,6 +13,7 @@ import torch
 
 from megatron.core.datasets.builder import build_train_valid_test_datasets
 from megatron.core.datasets.data_samplers import build_pretraining_data_loader
+from megatron.core.datasets.fim import FIMRewriter
 from megatron.core.tokenizers import build_tokenizer, vocab_size_with_padding
 
 
@@ -51,11 +52,16 @@ def repeat(loader: Iterable) -> Iterator:
 def build_data_iterators(cfg, tokenizer, pg, consumed_samples: int) -> tuple[Iterator, Iterator | None]:
     """Train (and valid, when evaluation is on) iterators of micro-batches for this rank."""
     t = cfg.training
-    train_samples = t.train_iters * t.global_batch_size
+    train_samples = cfg.batch_schedule.samples_after(0, t.train_iters)  # iterations x batch when it is constant
     eval_runs = t.train_iters // t.eval_interval + 1 if t.eval_iters > 0 else 0
     valid_samples = eval_runs * t.eval_iters * t.global_batch_size
     train_ds, valid_ds, _ = build_train_valid_test_datasets(
-        cfg.data, tokenizer, seq_length=cfg.model.seq_length, seed=t.seed, num_samples=(train_samples, valid_samples, 0)
+        cfg.data,
+        tokenizer,
+        seq_length=cfg.model.seq_length,
+        seed=t.seed,
+        num_samples=(train_samples, valid_samples, 0),
+        fim=FIMRewriter.from_config(cfg.data, tokenizer, t.seed),
     )
     workers = cfg.data.num_workers
     train = build_pretraining_data_loader(

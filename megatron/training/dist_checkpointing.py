@@ -392,7 +392,8 @@ def load(trainer, iteration_dir: str, iteration: int, release: bool) -> int:
         restore_scheduler(trainer, common["opt_param_scheduler"])
     else:
         trainer.optimizer.reload_model_params()  # fp32 main params from the loaded weights
-        trainer.scheduler.num_steps = trainer.iteration
+        # The LR schedule stays at the loaded iteration (in samples when the batch changes).
+        trainer.scheduler.num_steps = trainer.consumed_samples if trainer.batches.varies else trainer.iteration
         trainer.scheduler.step(0)
     if not weights_only and not c.no_load_rng:
         states = common["rng_state"]

@@ -45,6 +45,7 @@ from megatron.core.transformer.moe import moe_layer as moe_hooks
 from megatron.training import checkpointing, dist_checkpointing, save_lock
 from megatron.training import logging_utils as logs
 from megatron.training.arguments import parse_args
+from megatron.training.batch_steps import StepBatches
 from megatron.training.config import RunConfig
 from megatron.training.data import build_data_iterators, setup_tokenizer
 from megatron.training.exit_conditions import ExitConditions
@@ -64,7 +65,7 @@ def _set_determinism(cfg: RunConfig, use_cuda: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-class Trainer(IterationLogging):
+class Trainer(IterationLogging, StepBatches):
     """One training run. ``pretrain()`` builds it from flags and calls ``train()``.
 
     Args:
@@ -118,8 +119,12 @@ class Trainer(IterationLogging):
             preallocate_state=self.graphs.active,
             skip_non_finite=cfg.ddp.check_for_nan_in_loss_and_grad,
         )
+        self.batches = cfg.batch_schedule  # the global batch per step, from consumed samples
         samples = t.global_batch_size if t.train_samples is not None else None  # schedule in samples
-        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, t.train_iters, samples_per_iteration=samples)
+        sample_steps = (t.global_batch_size, t.train_samples) if self.batches.varies else None
+        self.scheduler = build_scheduler(
+            self.optimizer, cfg.optimizer, t.train_iters, samples_per_iteration=samples, sample_steps=sample_steps
+        )
         self.state = TrainState(include_cuda_rng=self.device.type == "cuda")
         self.rerun = rerun.RerunStateMachine(
             t.rerun_mode,
@@ -160,6 +165,7 @@ class Trainer(IterationLogging):
         self.history: list[dict] = []
         self._consecutive_skips = 0  # fp16 overflows in a row
         self._save_attempted = self.last_checkpointed_iteration  # last iteration a save was tried at
+        self._init_step_batch()
 
     @staticmethod
     def _schedule(cfg: RunConfig, pg: parallel_state.ProcessGroups) -> Callable:
@@ -251,7 +257,8 @@ class Trainer(IterationLogging):
         if checkpointing.OPTIMIZER not in loaded.loaded:
             self.optimizer.reload_model_params()  # fp32 main params from the loaded weights
         if checkpointing.SCHEDULER not in loaded.loaded:
-            self.scheduler.num_steps = self.iteration  # the LR schedule stays at the loaded iteration
+            # The LR schedule stays at the loaded iteration (in samples when the batch changes).
+            self.scheduler.num_steps = self.consumed_samples if self.batches.varies else self.iteration
             self.scheduler.step(0)
         self.last_checkpointed_iteration = None if loaded.weights_only else self.iteration
         self._load_rerun_state()
@@ -298,7 +305,7 @@ class Trainer(IterationLogging):
             forward_step=self.forward_step,
             next_batch=next_batch or (lambda: self._next_batch(data_iterator)),
             model=self.model,
-            num_microbatches=self.cfg.num_microbatches,
+            num_microbatches=self.step_microbatches,
             scale_loss=self.optimizer.scale_loss if self.cfg.precision.fp16 else None,
             no_sync=self.model.no_sync,
             graphs=self.graphs,
@@ -359,8 +366,8 @@ class Trainer(IterationLogging):
             if self.has_moe:  # expert-bias update from this step's token counts
                 moe_hooks.moe_after_optimizer_step(self.model, self.pg.dp)
             self._prefetch(data_iterator)
-            if success:
-                self.scheduler.step(1)
+            if success:  # Megatron's samples when the batch changes during training
+                self.scheduler.step(self.step_batch if self.batches.varies else 1)
             self.graphs.end_of_iteration()
             non_finite = self.optimizer.non_finite
             if non_finite is None:  # no guard: count what the log would show as nan
@@ -377,7 +384,7 @@ class Trainer(IterationLogging):
         """
         self.model.zero_grad_buffer()
         if self.has_moe:  # d(objective)/d(aux loss), as the schedule scales the lm loss
-            moe_hooks.set_aux_loss_scale(self.model, self.optimizer.get_loss_scale() / self.cfg.num_microbatches)
+            moe_hooks.set_aux_loss_scale(self.model, self.optimizer.get_loss_scale() / self.step_microbatches)
         loss = self.forward_backward(data_iterator, next_batch)
         self.model.finish_grad_sync()
         self.tied_embedding.allreduce(self.model)  # PP > 1: first and last stage sum their copies' grads
@@ -478,6 +485,7 @@ class Trainer(IterationLogging):
         exits = ExitConditions(t, self.pg, start_time=self.start_time)
         last_time = self._sync_time()
         window_skipped = 0
+        self._window_microbatches = 0  # micro-batches since the last log line (MoE metrics)
         logs.print_rank_0(f"> training {self.num_params:,} parameters for {t.train_iters} iterations")
         if t.manual_gc:  # --manual-gc: collections only where the loop asks for them
             gc.collect()
@@ -485,6 +493,7 @@ class Trainer(IterationLogging):
         first_iteration = self.iteration + 1  # 1, or the one after a loaded checkpoint
         with exits:
             while self.iteration < t.train_iters:
+                self._next_step_batch()
                 try:
                     loss, grad_norm, success, non_finite = self.train_step(train_iter)
                 except rerun.RerunExit as e:
@@ -493,7 +502,8 @@ class Trainer(IterationLogging):
                     self.close()
                     raise
                 self.iteration += 1
-                self.consumed_samples += t.global_batch_size
+                self.consumed_samples += self.step_batch
+                self._window_microbatches += self.step_microbatches
                 if not success:
                     self.skipped_iters += 1
                     window_skipped += 1

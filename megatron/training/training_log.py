@@ -19,14 +19,20 @@ from megatron.training import logging_utils as logs
 class IterationLogging:
     """The ``Trainer``'s log methods (see the module docstring for what they read)."""
 
+    def _logged_lr(self) -> float:
+        """The learning rate after this iteration (in samples when the global batch changes)."""
+        if self.batches.varies:
+            return self.scheduler.get_lr(self.scheduler.num_steps)
+        return self.scheduler.get_lr(self.iteration)
+
     def _log_tensorboard_iteration(self, loss, grad_norm) -> None:
         """Megatron's per-iteration TensorBoard (and W&B) scalars (every --tensorboard-log-interval)."""
         lg = self.cfg.logging
         if not self.metrics.has_scalar_sink or self.iteration % lg.tensorboard_log_interval != 0:
             return
         record = {
-            "learning-rate": self.scheduler.get_lr(self.iteration),
-            "batch-size": self.cfg.training.global_batch_size,
+            "learning-rate": self._logged_lr(),
+            "batch-size": self.step_batch,
             "lm loss": float(loss),
             "loss-scale": float(self.optimizer.get_loss_scale()),
         }
@@ -44,20 +50,21 @@ class IterationLogging:
         cfg, t = self.cfg, self.cfg.training
         moe_losses = {}
         if self.has_moe:  # Megatron's names (load_balancing_loss, z_loss, ...), mean per micro-batch
-            micro_batches = cfg.num_microbatches * self._window.iterations
+            micro_batches = self._window_microbatches
             metrics = moe_hooks.collect_moe_metrics(
                 self.model, micro_batches, self.pg.dp, pp_group=self.pg.pp, names=cfg.moe.metric_names()
             )
             moe_losses = {k: v.item() for k, v in metrics.items()}
         loss_value, nan_now, first_nan = self._window.read_and_reset()
+        self._window_microbatches = 0
         self.nan_iters += nan_now
         grad_value = None if grad_norm is None else float(grad_norm)
-        lr = self.scheduler.get_lr(self.iteration)
+        lr = self._logged_lr()
         throughput = None
         if cfg.logging.log_throughput:
             flops = logs.num_floating_point_operations(
                 cfg.model,
-                batch_size=t.global_batch_size,
+                batch_size=self.step_batch,
                 seq_length=cfg.model.seq_length,
                 vocab_size=cfg.model.vocab_size,
             )
@@ -76,7 +83,7 @@ class IterationLogging:
             consumed_samples=self.consumed_samples,
             elapsed_ms=elapsed_ms,
             lr=lr,
-            global_batch_size=t.global_batch_size,
+            global_batch_size=self.step_batch,
             losses={"lm loss": loss_value, **moe_losses},
             loss_scale=loss_scale,
             grad_norm=grad_value,
@@ -94,7 +101,7 @@ class IterationLogging:
             "grad-norm": grad_value,
             "loss-scale": loss_scale,
             "iteration-time": elapsed_ms / 1000.0,
-            "batch-size": t.global_batch_size,
+            "batch-size": self.step_batch,
             **moe_losses,
         }
         if throughput is not None:

@@ -120,6 +120,7 @@ def build_train_valid_test_datasets(
     seq_length: int,
     seed: int,
     num_samples: tuple[int, int, int],
+    fim=None,
 ):
     """Builds (train, valid, test) datasets; a split is None when its weight or sample count is 0.
 
@@ -129,6 +130,7 @@ def build_train_valid_test_datasets(
         seq_length: ``--seq-length``.
         seed: ``--seed`` (shuffles documents and samples).
         num_samples: Samples wanted per split (train, valid, test).
+        fim: A ``fim.FIMRewriter`` for ``--fim-data`` (every split, as Megatron), or None.
 
     Returns:
         Three datasets (``GPTDataset``, ``MockGPTDataset`` or ``BlendedDataset``) or None each.
@@ -143,6 +145,7 @@ def build_train_valid_test_datasets(
         cache_dir=cache_dir,
         eod_mask_loss=eod_mask_loss,
         vocab_size=tokenizer.vocab_size,
+        fim=fim,
     )
     wanted = [n if n else 0 for n in num_samples]
 

@@ -140,6 +140,8 @@ class GPTDataset(torch.utils.data.Dataset):
             ``--eod-mask-loss``; it masks predicting a new document's first token).
         vocab_size: The tokenizer's vocabulary size: a sample holding a larger id raises
             ``ValueError`` naming the data (instead of an index error in the embedding).
+        fim: A ``fim.FIMRewriter`` (``--fim-data``): each sample's tokens are rewritten in
+            fill-in-the-middle format with its own random stream.
 
     Each item is a dict of tensors: ``tokens`` int64 [s], ``labels`` int64 [s] (tokens
     shifted by one), ``loss_mask`` float32 [s], ``position_ids`` int64 [s].
@@ -159,6 +161,7 @@ class GPTDataset(torch.utils.data.Dataset):
         cache_dir: str | None = None,
         eod_mask_loss: bool = False,
         vocab_size: int | None = None,
+        fim=None,
     ):
         if seq_length < 1:
             raise ValueError(f"--seq-length must be >= 1, got {seq_length}.")
@@ -172,6 +175,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.path_prefix = path_prefix
         self.eod_mask_loss = eod_mask_loss
         self.vocab_size = vocab_size
+        self.fim = fim
         if len(self.documents) == 0:
             raise ValueError(
                 f"the {split_name} split of {path_prefix or 'the mock data'} has no documents; "
@@ -192,6 +196,8 @@ class GPTDataset(torch.utils.data.Dataset):
             "num_samples": None if num_samples is None else int(num_samples),
             "add_extra_token": True,
         }
+        # Keys the FIM random streams: what the split holds, not where the files are.
+        self._fim_key = f"{split_name}:{description['num_tokens']}:{description['documents_md5']}"
         fingerprint = getattr(low_level_dataset, "fingerprint", None)
         if fingerprint is not None:
             description["files"] = fingerprint()  # re-preprocessed data never reuses stale indices
@@ -238,7 +244,10 @@ class GPTDataset(torch.utils.data.Dataset):
         return text
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-        text = torch.from_numpy(self.sample_tokens(idx))
+        text = self.sample_tokens(idx)
+        if self.fim is not None:
+            text = self.fim(text, self.fim.rng_for(self._fim_key, idx))
+        text = torch.from_numpy(text)
         tokens = text[:-1].contiguous()
         labels = text[1:].contiguous()
         loss_mask = torch.ones(self.seq_length, dtype=torch.float32)

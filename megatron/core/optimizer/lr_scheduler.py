@@ -1,4 +1,4 @@
-"""Learning-rate schedule with Megatron's semantics, counted in iterations.
+"""Learning-rate schedule with Megatron's semantics, counted in iterations (or samples).
 
 Warm-up is linear from 0: ``lr = max_lr * step / warmup_steps`` for ``step <= warmup``.
 Then ``constant`` stays at ``max_lr`` forever, while ``linear`` and ``cosine`` decay
@@ -8,6 +8,8 @@ Megatron counts in samples (iterations x global batch); with a fixed global batc
 ratios are the same, so counting iterations gives the same learning rates. As in
 Megatron, the scheduler applies ``get_lr(0)`` on construction, so with warm-up the
 first iteration runs at lr 0, and ``step()`` is called after each optimizer step.
+When the global batch changes during training (ramp-up, step schedule) the steps are
+samples, as in Megatron, and each step advances by that iteration's global batch.
 """
 
 import math
@@ -111,7 +113,12 @@ class OptimizerParamScheduler:
 
 
 def build_scheduler(
-    optimizer, opt_config, train_iters: int, *, samples_per_iteration: int | None = None
+    optimizer,
+    opt_config,
+    train_iters: int,
+    *,
+    samples_per_iteration: int | None = None,
+    sample_steps: tuple[int, int | None] | None = None,
 ) -> OptimizerParamScheduler:
     """The scheduler for ``OptimizerConfig``: resolves --lr-decay-iters and warm-up.
 
@@ -120,7 +127,31 @@ def build_scheduler(
     With ``samples_per_iteration`` (runs given ``--train-samples``) the schedule is in
     samples: ``--lr-warmup-samples`` and ``--lr-decay-samples`` (default: all training
     samples) over the constant global batch, in (fractional) iterations.
+
+    ``sample_steps=(global_batch_size, train_samples)`` (a batch size that changes during
+    training) makes the steps samples, as Megatron counts them: the caller steps by
+    each iteration's global batch. With ``train_samples`` the sample flags apply;
+    without, the iteration flags times ``global_batch_size``.
     """
+    if sample_steps is not None:
+        batch, train_samples = sample_steps
+        o = opt_config
+        if train_samples is not None:
+            decay = o.lr_decay_samples if o.lr_decay_samples is not None else train_samples
+            warmup = o.lr_warmup_samples
+        else:
+            decay = (o.lr_decay_iters if o.lr_decay_iters is not None else train_iters) * batch
+            warmup = o.lr_warmup_iters * batch
+        if o.lr_warmup_fraction is not None:
+            warmup = o.lr_warmup_fraction * decay
+        return OptimizerParamScheduler(
+            optimizer,
+            max_lr=o.lr,
+            min_lr=o.min_lr,
+            lr_warmup_steps=warmup,
+            lr_decay_steps=decay,
+            lr_decay_style=o.lr_decay_style,
+        )
     if samples_per_iteration is not None:
         decay_samples = opt_config.lr_decay_samples
         decay_iters = (decay_samples / samples_per_iteration) if decay_samples is not None else train_iters

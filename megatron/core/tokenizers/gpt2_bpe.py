@@ -193,6 +193,10 @@ class GPT2BPETokenizer:
         # GPT-2 has no pad token; Megatron pads with end-of-document.
         return self.eod
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a vocabulary token (``<|endoftext|>``, ``<fim_prefix>``, ...), None when there is none."""
+        return self.encoder.get(token)
+
     def _piece_ids(self, piece: str) -> list[int]:
         ids = self._cache.get(piece)
         if ids is None:

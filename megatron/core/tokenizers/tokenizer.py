@@ -62,6 +62,10 @@ class NullTokenizer:
     def detokenize(self, ids: Iterable[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
 
+    def token_to_id(self, token: str) -> int | None:
+        """Ids have no names here: always None."""
+        return None
+
 
 class ByteLevelTokenizer:
     """UTF-8 bytes as ids 0..255, plus ``<eod>`` = 256 and ``<pad>`` = 257 (vocab 258).
@@ -87,6 +91,10 @@ class ByteLevelTokenizer:
 
     def tokenize(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def token_to_id(self, token: str) -> int | None:
+        """``<eod>`` and ``<pad>``; None for any other name."""
+        return {"<eod>": self.EOD, "<pad>": self.PAD}.get(token)
 
     def detokenize(self, ids: Iterable[int]) -> str:
         out = []
@@ -171,6 +179,10 @@ class HuggingFaceTokenizer:
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a vocabulary (or added) token, None when there is none."""
+        return self._tok.token_to_id(token)
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -188,7 +188,6 @@ def test_bad_value_exits(capsys):
         (["--fp8-format", "hybrid"], "--fp8-format"),
         (["--multi-latent-attention"], "--multi-latent-attention"),
         (["--spec", "moe_spec", "moe_block_spec"], "--spec"),
-        (["--step-batch-size-schedule", "0:8"], "--step-batch-size-schedule"),
         (["--split-sentences"], "--split-sentences"),
         (["--profile"], "--profile"),
     ],

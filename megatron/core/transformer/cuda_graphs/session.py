@@ -11,8 +11,10 @@ again after :meth:`GraphSession.close`). Model classes carry no capture code.
   (``capture.py``). Later iterations replay; each replay must be the event the recorded
   iteration has next (cheap check: an index and a tuple compare), and an iteration must
   replay all of it, no more. The schedule says its micro-batch count (and which
-  schedule it is) before each iteration; a change after capture raises too. Anything
-  else raises instead of silently reading freed memory.
+  schedule it is) before each iteration. A new count after capture (batch-size ramp-up)
+  replays the one slot's cycle that many times without pipelining, and raises with
+  several slots in flight; a new schedule raises. Anything else raises instead of
+  silently reading freed memory.
 - Pipeline receives: the schedule notes a received tensor while recording
   (``note_receive``); after capture ``receive_buffer(slot)`` is the static input of the
   slot's graph that reads it, to receive into without a copy. Sends: ``note_send`` for
@@ -221,18 +223,41 @@ class GraphSession:
         if self.state is GraphState.RECORD:
             self.recorded_microbatches = n
             self.recorded_schedule = schedule
-        elif self.state is GraphState.CAPTURED and n != self.recorded_microbatches:
-            raise ValueError(
-                f"CUDA graphs were captured for {self.recorded_microbatches} micro-batches per iteration, "
-                f"this iteration has {n}. The replay order is the recorded schedule's; keep the global "
-                "batch size fixed (no --rampup-batch-size) while graphs are on, or run with --cuda-graph-impl none."
-            )
         elif self.state is GraphState.CAPTURED and schedule != self.recorded_schedule:
             raise ValueError(
                 f"CUDA graphs were captured under the schedule {self.recorded_schedule!r}, this iteration runs "
                 f"{schedule!r}. The replay order is the recorded schedule's; keep the pipeline layout and schedule "
                 "fixed while graphs are on, or run with --cuda-graph-impl none."
             )
+        elif self.state is GraphState.CAPTURED and n != self.recorded_microbatches:
+            self._rekey_microbatches(n)
+
+    def _rekey_microbatches(self, n: int) -> None:
+        """A new micro-batch count after capture (a batch-size ramp or step schedule).
+
+        With one slot (no pipelining) every micro-batch replays the same cycle of graphs
+        in slot 0, so ``n`` micro-batches replay that cycle ``n`` times: the graphs, their
+        plan and buffers stay. With several slots in flight the order across slots depends
+        on the count, which the recorded iteration does not give; that raises.
+        """
+        if self.cursor != 0:
+            raise RuntimeError(
+                f"CUDA graphs: the micro-batch count changed to {n} in the middle of an iteration "
+                f"({self.cursor} of {len(self.order)} graph events replayed)."
+            )
+        if len(self.cycles) != 1:
+            raise ValueError(
+                f"CUDA graphs were captured for {self.recorded_microbatches} micro-batches per iteration in "
+                f"{len(self.cycles)} slots (micro-batches in flight), this iteration has {n}; a pipelined replay order "
+                "depends on the count. Keep the global batch size fixed (no --rampup-batch-size or "
+                "--step-batch-size-schedule) with a pipelined schedule while graphs are on, or run with "
+                "--cuda-graph-impl none."
+            )
+        ((slot, cycle),) = self.cycles.items()
+        assert self.order == cycle * self.recorded_microbatches, "one slot's order is its cycle repeated"
+        self.order = cycle * n
+        self._positions = [(slot, i) for _ in range(n) for i in range(len(cycle))]
+        self.recorded_microbatches = n
 
     def add_comm_read(self, slot: int, read: CommRead) -> None:
         """Declares that communication reads a buffer of ``slot`` (before capture)."""

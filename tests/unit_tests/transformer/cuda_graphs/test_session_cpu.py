@@ -14,6 +14,7 @@ from megatron.core.transformer import cuda_graphs
 from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
 from megatron.core.transformer.cuda_graphs.plan import BWD, FWD, Event
 from megatron.core.transformer.cuda_graphs.region import GraphedRegion, _leaves_reached
+from megatron.core.transformer.cuda_graphs.session import GraphState
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.config import DDPConfig
 
@@ -229,3 +230,28 @@ def test_micro_batch_slots_are_recorded():
     n = len(session.regions)
     assert [e.slot for e in session.order] == [0] * n + [1] * n + [0] * n + [1] * n
     assert plans[0].cycle == [Event(e.phase, e.region) for e in plans[1].cycle]
+
+
+def test_new_micro_batch_count_after_capture_replays_the_one_slot_cycle_that_often():
+    """Batch-size ramp-up with graphs, no pipelining: 2 recorded micro-batches, then 3 (and 1)
+    replay the slot's cycle 3 (1) times; a replay past that or an iteration cut short raises."""
+    manager, plan, _, _ = recorded(["mlp"], microbatches=2)
+    manager.recorded_microbatches = 2  # what the schedule told the recording iteration
+    manager.state = GraphState.CAPTURED  # the order check is pure Python (no graph replays on the CPU)
+    manager.cursor = 0
+    cycle = [Event(e.phase, e.region, 0) for e in plan.cycle]
+    manager.expect_microbatches(3)
+    assert manager.order == cycle * 3 and manager.recorded_microbatches == 3
+    for e in cycle * 3:
+        manager._advance(e, manager.regions[e.region])
+    with pytest.raises(RuntimeError, match="past the recorded iteration"):
+        manager._advance(cycle[0], manager.regions[cycle[0].region])
+    manager.end_of_iteration()
+    manager.expect_microbatches(1)
+    for e in cycle[:-1]:
+        manager._advance(e, manager.regions[e.region])
+    with pytest.raises(RuntimeError, match="ended after"):
+        manager.end_of_iteration()
+    manager.cursor = 0
+    with pytest.raises(RuntimeError, match="out of capture order"):
+        manager._advance(cycle[1], manager.regions[cycle[1].region])
