@@ -5,7 +5,13 @@ handed down (model, DDP, optimizer, schedules). The rank grid is Megatron's: ten
 parallel fastest, then context, then data, then pipeline parallel, so global rank
 ``r = tp + TP * (cp + CP * (dp + DP * pp))``. Expert layers use a second grid over
 the same world, ``r = etp + ETP * (ep + EP * (edp + EDP * pp))`` (expert tensor
-parallel size ETP defaults to TP), sharing the pipeline groups.
+parallel size ETP defaults to TP), sharing the pipeline groups. With
+``--use-tp-pp-dp-mapping`` data and pipeline parallel swap places (``tp-cp-pp-dp``,
+``tp-ep-pp-dp``): the pipeline stages of one replica are then neighbours.
+
+With ``--num-distributed-optimizer-instances N`` the data-parallel axis splits into
+DP / N consecutive data-parallel ranks (one optimizer instance, ``intra_dp``) and
+the N instances (``inter_dp``), in both grids.
 
 Unusual here: groups of size 1 are not created at all and read as ``None``, so every
 size and rank accessor is plain Python arithmetic (no collective, no host sync), and
@@ -85,6 +91,15 @@ class ParallelConfig(Freezable):
     """Consecutive micro-batches each model chunk runs in the interleaved schedule before the next
     chunk's turn. Defaults to --pipeline-model-parallel-size."""
 
+    use_tp_pp_dp_mapping: bool = False
+    """Order the ranks tensor, context, (expert,) pipeline, then data parallel (Megatron's
+    tp-cp-ep-pp-dp) instead of data before pipeline parallel (tp-cp-ep-dp-pp)."""
+
+    num_distributed_optimizer_instances: int = 1
+    """Copies of the distributed optimizer across the data-parallel ranks: each shards its state
+    over data-parallel size / N consecutive ranks, and gradients are all-reduced across the copies.
+    Needs --use-distributed-optimizer."""
+
     world_size: int = flag_field(1, no_flag=True)
     """Number of processes, taken from torchrun's WORLD_SIZE."""
 
@@ -158,6 +173,23 @@ class ParallelConfig(Freezable):
             f"world size {self.world_size} is not divisible by --expert-tensor-parallel-size ({etp}) x "
             f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp}) = {expert_parallel}.",
         )
+        dp, edp = self.data_parallel_size, self.expert_data_parallel_size
+        if self.use_tp_pp_dp_mapping and pp > 1:
+            require(
+                edp == dp,
+                f"--use-tp-pp-dp-mapping with --pipeline-model-parallel-size {pp} needs the expert layers' "
+                f"data-parallel size ({edp} = world / (ETP x EP x PP)) equal to the dense layers' ({dp} = world / "
+                "(TP x CP x PP)), as in Megatron: make --expert-tensor-parallel-size x --expert-model-parallel-size "
+                "equal --tensor-model-parallel-size x --context-parallel-size, or drop --use-tp-pp-dp-mapping.",
+            )
+        n = self.num_distributed_optimizer_instances
+        require(n >= 1, f"--num-distributed-optimizer-instances must be >= 1, got {n}.")
+        for what, size in (("data-parallel size", dp * cp), ("expert data-parallel size", edp)):
+            require(
+                size % n == 0,
+                f"--num-distributed-optimizer-instances ({n}) must divide the {what} ({size}); launch a multiple "
+                f"of {n} data-parallel replicas or lower the instances.",
+            )
 
     def _validate_virtual_stages(self) -> None:
         """The virtual-stage flags: one spelling at most, PP > 1, a sane group size."""
@@ -311,24 +343,31 @@ def rank_groups(sizes: dict[str, int], axes: tuple[str, ...]) -> list[list[int]]
     return sorted(groups.values(), key=lambda ranks: ranks[0])
 
 
-def dense_grid(config: ParallelConfig) -> dict[str, int]:
-    """The dense layers' grid, fastest axis first (Megatron's ``tp-cp-dp-pp``)."""
-    return {
-        "tp": config.tensor_model_parallel_size,
-        "cp": config.context_parallel_size,
-        "dp": config.data_parallel_size,
-        "pp": config.pipeline_model_parallel_size,
-    }
+def _ordered(config: ParallelConfig, inner: dict[str, int], dp: int, split_dp: bool) -> dict[str, int]:
+    """``inner`` axes, then data and pipeline parallel in the layout's order. ``split_dp``
+    splits the data-parallel axis into ``dp_intra`` (DP / N consecutive ranks, one
+    distributed-optimizer instance) and ``dp_inter`` (the N instances)."""
+    n = config.num_distributed_optimizer_instances
+    dps = {"dp_intra": dp // n, "dp_inter": n} if split_dp else {"dp": dp}
+    pp = {"pp": config.pipeline_model_parallel_size}
+    return {**inner, **pp, **dps} if config.use_tp_pp_dp_mapping else {**inner, **dps, **pp}
 
 
-def expert_grid(config: ParallelConfig) -> dict[str, int]:
-    """The expert layers' grid, fastest axis first (Megatron's ``tp-ep-dp-pp``)."""
-    return {
+def dense_grid(config: ParallelConfig, *, split_dp: bool = False) -> dict[str, int]:
+    """The dense layers' grid, fastest axis first: Megatron's ``tp-cp-dp-pp``, or ``tp-cp-pp-dp``
+    with ``--use-tp-pp-dp-mapping``."""
+    inner = {"tp": config.tensor_model_parallel_size, "cp": config.context_parallel_size}
+    return _ordered(config, inner, config.data_parallel_size, split_dp)
+
+
+def expert_grid(config: ParallelConfig, *, split_dp: bool = False) -> dict[str, int]:
+    """The expert layers' grid, fastest axis first: Megatron's ``tp-ep-dp-pp``, or ``tp-ep-pp-dp``
+    with ``--use-tp-pp-dp-mapping``."""
+    inner = {
         "tp": config.expert_tensor_parallel_size or config.tensor_model_parallel_size,
         "ep": config.expert_model_parallel_size,
-        "dp": config.expert_data_parallel_size,
-        "pp": config.pipeline_model_parallel_size,
     }
+    return _ordered(config, inner, config.expert_data_parallel_size, split_dp)
 
 
 _PIPELINE_LAYOUT_FIELDS = ("pipeline_model_parallel_layout",)
@@ -348,13 +387,35 @@ class ProcessGroups:
             of one on the other stages and without pipelining.
         expt_tp, expt_dp: Tensor- and data-parallel groups of the expert layers.
         tp_ep: Expert tensor x expert parallel group (the allgather token dispatcher's).
+        intra_dp, intra_expt_dp: The data-parallel (expert-data-parallel) ranks of this
+            rank's distributed-optimizer instance, over which the optimizer is sharded;
+            ``dp`` and ``expt_dp`` themselves with one instance.
+        inter_dp: The ranks at this rank's place in every distributed-optimizer instance
+            (``--num-distributed-optimizer-instances`` of them), over which the reduced
+            gradient shards are all-reduced; dense and expert layers share it.
         ranks: Group name -> the global ranks of this rank's group (``[rank]`` for a
             group of one); sizes and ranks within groups are read from it.
         sequence_parallel: The TP group also splits the sequence (``--sequence-parallel``
             with TP > 1): a property of the layout that every TP layer reads.
     """
 
-    GROUP_NAMES = ("tp", "cp", "dp", "pp", "mp", "ep", "expt_tp", "expt_dp", "embd", "tp_ep")
+    GROUP_NAMES = (
+        "tp",
+        "cp",
+        "dp",
+        "pp",
+        "mp",
+        "ep",
+        "expt_tp",
+        "expt_dp",
+        "embd",
+        "tp_ep",
+        "intra_dp",
+        "intra_expt_dp",
+        "inter_dp",
+    )
+    # Without instance groups of their own (one optimizer instance), these are their full groups.
+    _INSTANCE_DEFAULTS = {"intra_dp": "dp", "intra_expt_dp": "expt_dp"}
 
     def __init__(
         self,
@@ -386,6 +447,10 @@ class ProcessGroups:
                 self.expt_dp = dp
                 self.ranks["expt_dp"] = list(self.ranks["dp"])
         self.ranks.update(ranks or {})
+        for name, full in self._INSTANCE_DEFAULTS.items():
+            if name not in groups and name not in (ranks or {}):
+                setattr(self, name, getattr(self, full))
+                self.ranks[name] = list(self.ranks[full])
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
 
     def _size(self, name: str) -> int:
@@ -452,6 +517,32 @@ class ProcessGroups:
         return self._rank_in("expt_dp")
 
     @property
+    def intra_dp_size(self) -> int:
+        return self._size("intra_dp")
+
+    @property
+    def intra_dp_rank(self) -> int:
+        return self._rank_in("intra_dp")
+
+    @property
+    def intra_expt_dp_size(self) -> int:
+        return self._size("intra_expt_dp")
+
+    @property
+    def intra_expt_dp_rank(self) -> int:
+        return self._rank_in("intra_expt_dp")
+
+    @property
+    def inter_dp_size(self) -> int:
+        """Distributed-optimizer instances (1: the optimizer is sharded over all of DP)."""
+        return self._size("inter_dp")
+
+    @property
+    def inter_dp_rank(self) -> int:
+        """This rank's distributed-optimizer instance."""
+        return self._rank_in("inter_dp")
+
+    @property
     def tp_ep_size(self) -> int:
         return self._size("tp_ep")
 
@@ -498,6 +589,7 @@ class ProcessGroups:
 
 def _wanted_groups(config: ParallelConfig) -> dict[str, tuple[dict[str, int], tuple[str, ...]]]:
     dense, expert = dense_grid(config), expert_grid(config)
+    dense_split, expert_split = dense_grid(config, split_dp=True), expert_grid(config, split_dp=True)
     return {
         "tp": (dense, ("tp",)),
         "cp": (dense, ("cp",)),
@@ -508,6 +600,11 @@ def _wanted_groups(config: ParallelConfig) -> dict[str, tuple[dict[str, int], tu
         "expt_tp": (expert, ("tp",)),
         "expt_dp": (expert, ("dp",)),
         "tp_ep": (expert, ("tp", "ep")),
+        "intra_dp": (dense_split, ("dp_intra",)),
+        "intra_expt_dp": (expert_split, ("dp_intra",)),
+        # Megatron builds this one from the expert grid and uses it for the dense layers too:
+        # the instance boundaries fall on the same ranks in both grids.
+        "inter_dp": (expert_split, ("dp_inter",)),
     }
 
 
@@ -524,6 +621,8 @@ def grid_ranks(config: ParallelConfig, rank: int) -> dict[str, list[int]]:
     for name, (grid, axes) in _wanted_groups(config).items():
         (out[name],) = [g for g in rank_groups(grid, axes) if rank in g]
     out["embd"] = next((g for g in embedding_groups(config) if rank in g), [rank])
+    (dense_inter,) = [g for g in rank_groups(dense_grid(config, split_dp=True), ("dp_inter",)) if rank in g]
+    assert dense_inter == out["inter_dp"], (dense_inter, out["inter_dp"])  # one group serves both
     return out
 
 
