@@ -56,8 +56,6 @@ _NOT_YET_FLAGS = (
     "--fine-grained-activation-offloading",
     "--step-batch-size-schedule",
     "--rampup-batch-size",
-    "--use-tp-pp-dp-mapping",
-    "--num-distributed-optimizer-instances",
 )
 # --spec values that name the layers our scripts build (megatron/training/known_flags.py says
 # the same; tests/unit_tests/training/census checks every entry against the parser).
