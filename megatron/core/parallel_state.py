@@ -7,7 +7,8 @@ parallel fastest, then context, then data, then pipeline parallel, so global ran
 the same world, ``r = etp + ETP * (ep + EP * (edp + EDP * pp))`` (expert tensor
 parallel size ETP defaults to TP), sharing the pipeline groups. With
 ``--use-tp-pp-dp-mapping`` data and pipeline parallel swap places (``tp-cp-pp-dp``,
-``tp-ep-pp-dp``): the pipeline stages of one replica are then neighbours.
+``tp-ep-pp-dp``): the pipeline stages of one replica are then neighbours. The grid's
+arithmetic is in ``rank_grid.py``.
 
 With ``--num-distributed-optimizer-instances N`` the data-parallel axis splits into
 DP / N consecutive data-parallel ranks (one optimizer instance, ``intra_dp``) and
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.config_utils import Freezable, flag_field, require
+from megatron.core.rank_grid import embedding_groups, grid_ranks, rank_groups, wanted_groups
 
 
 @dataclasses.dataclass
@@ -314,62 +316,6 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-# ---------------------------------------------------------------------- the rank grid
-
-
-def rank_groups(sizes: dict[str, int], axes: tuple[str, ...]) -> list[list[int]]:
-    """Partitions the world of a rank grid into the groups that vary along ``axes``.
-
-    Args:
-        sizes: Axis name -> size, fastest-varying axis first (``{"tp": 2, "cp": 1, "dp": 2, "pp": 2}``).
-        axes: The axes a group spans (``("dp",)``, or ``("tp", "pp")`` for model parallel).
-
-    Returns:
-        The groups, each as ascending global ranks, ordered by their first rank.
-    """
-    names = list(sizes)
-    assert all(a in sizes for a in axes), (axes, names)
-    world = 1
-    for size in sizes.values():
-        world *= size
-    groups: dict[tuple, list[int]] = {}
-    for rank in range(world):
-        coords, rest = {}, rank
-        for name in names:
-            coords[name] = rest % sizes[name]
-            rest //= sizes[name]
-        key = tuple(coords[n] for n in names if n not in axes)
-        groups.setdefault(key, []).append(rank)
-    return sorted(groups.values(), key=lambda ranks: ranks[0])
-
-
-def _ordered(config: ParallelConfig, inner: dict[str, int], dp: int, split_dp: bool) -> dict[str, int]:
-    """``inner`` axes, then data and pipeline parallel in the layout's order. ``split_dp``
-    splits the data-parallel axis into ``dp_intra`` (DP / N consecutive ranks, one
-    distributed-optimizer instance) and ``dp_inter`` (the N instances)."""
-    n = config.num_distributed_optimizer_instances
-    dps = {"dp_intra": dp // n, "dp_inter": n} if split_dp else {"dp": dp}
-    pp = {"pp": config.pipeline_model_parallel_size}
-    return {**inner, **pp, **dps} if config.use_tp_pp_dp_mapping else {**inner, **dps, **pp}
-
-
-def dense_grid(config: ParallelConfig, *, split_dp: bool = False) -> dict[str, int]:
-    """The dense layers' grid, fastest axis first: Megatron's ``tp-cp-dp-pp``, or ``tp-cp-pp-dp``
-    with ``--use-tp-pp-dp-mapping``."""
-    inner = {"tp": config.tensor_model_parallel_size, "cp": config.context_parallel_size}
-    return _ordered(config, inner, config.data_parallel_size, split_dp)
-
-
-def expert_grid(config: ParallelConfig, *, split_dp: bool = False) -> dict[str, int]:
-    """The expert layers' grid, fastest axis first: Megatron's ``tp-ep-dp-pp``, or ``tp-ep-pp-dp``
-    with ``--use-tp-pp-dp-mapping``."""
-    inner = {
-        "tp": config.expert_tensor_parallel_size or config.tensor_model_parallel_size,
-        "ep": config.expert_model_parallel_size,
-    }
-    return _ordered(config, inner, config.expert_data_parallel_size, split_dp)
-
-
 _PIPELINE_LAYOUT_FIELDS = ("pipeline_model_parallel_layout",)
 
 
@@ -587,45 +533,6 @@ class ProcessGroups:
         return cls(rank=0, world_size=1, device=device or torch.device("cpu"))
 
 
-def _wanted_groups(config: ParallelConfig) -> dict[str, tuple[dict[str, int], tuple[str, ...]]]:
-    dense, expert = dense_grid(config), expert_grid(config)
-    dense_split, expert_split = dense_grid(config, split_dp=True), expert_grid(config, split_dp=True)
-    return {
-        "tp": (dense, ("tp",)),
-        "cp": (dense, ("cp",)),
-        "dp": (dense, ("dp",)),
-        "pp": (dense, ("pp",)),
-        "mp": (dense, ("tp", "pp")),
-        "ep": (expert, ("ep",)),
-        "expt_tp": (expert, ("tp",)),
-        "expt_dp": (expert, ("dp",)),
-        "tp_ep": (expert, ("tp", "ep")),
-        "intra_dp": (dense_split, ("dp_intra",)),
-        "intra_expt_dp": (expert_split, ("dp_intra",)),
-        # Megatron builds this one from the expert grid and uses it for the dense layers too:
-        # the instance boundaries fall on the same ranks in both grids.
-        "inter_dp": (expert_split, ("dp_inter",)),
-    }
-
-
-def embedding_groups(config: ParallelConfig) -> list[list[int]]:
-    """The first and last rank of every pipeline (PP > 1), Megatron's embedding groups."""
-    if config.pipeline_model_parallel_size == 1:
-        return []
-    return [[ranks[0], ranks[-1]] for ranks in rank_groups(dense_grid(config), ("pp",))]
-
-
-def grid_ranks(config: ParallelConfig, rank: int) -> dict[str, list[int]]:
-    """Group name -> the global ranks of ``rank``'s group (pure: no torch.distributed)."""
-    out = {}
-    for name, (grid, axes) in _wanted_groups(config).items():
-        (out[name],) = [g for g in rank_groups(grid, axes) if rank in g]
-    out["embd"] = next((g for g in embedding_groups(config) if rank in g), [rank])
-    (dense_inter,) = [g for g in rank_groups(dense_grid(config, split_dp=True), ("dp_inter",)) if rank in g]
-    assert dense_inter == out["inter_dp"], (dense_inter, out["inter_dp"])  # one group serves both
-    return out
-
-
 def build_groups(config: ParallelConfig, *, rank: int, world_size: int, device: torch.device) -> ProcessGroups:
     """Creates this layout's groups with ``dist.new_group`` (every rank calls it identically).
 
@@ -635,7 +542,7 @@ def build_groups(config: ParallelConfig, *, rank: int, world_size: int, device: 
     made: dict[tuple, object] = {}  # ranks -> handle
     handles = {}
     mine = grid_ranks(config, rank)
-    for name, (grid, axes) in _wanted_groups(config).items():
+    for name, (grid, axes) in wanted_groups(config).items():
         own = mine[name]
         if len(own) == 1:
             handles[name] = None
