@@ -53,8 +53,6 @@ _NOT_YET_FLAGS = (
     "--use-mup",
     "--recompute-modules",
     "--fine-grained-activation-offloading",
-    "--use-tp-pp-dp-mapping",
-    "--num-distributed-optimizer-instances",
 )
 # --spec values that name the layers our scripts build (megatron/training/known_flags.py says
 # the same; tests/unit_tests/training/census checks every entry against the parser).

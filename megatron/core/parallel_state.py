@@ -5,7 +5,14 @@ handed down (model, DDP, optimizer, schedules). The rank grid is Megatron's: ten
 parallel fastest, then context, then data, then pipeline parallel, so global rank
 ``r = tp + TP * (cp + CP * (dp + DP * pp))``. Expert layers use a second grid over
 the same world, ``r = etp + ETP * (ep + EP * (edp + EDP * pp))`` (expert tensor
-parallel size ETP defaults to TP), sharing the pipeline groups.
+parallel size ETP defaults to TP), sharing the pipeline groups. With
+``--use-tp-pp-dp-mapping`` data and pipeline parallel swap places (``tp-cp-pp-dp``,
+``tp-ep-pp-dp``): the pipeline stages of one replica are then neighbours. The grid's
+arithmetic is in ``rank_grid.py``.
+
+With ``--num-distributed-optimizer-instances N`` the data-parallel axis splits into
+DP / N consecutive data-parallel ranks (one optimizer instance, ``intra_dp``) and
+the N instances (``inter_dp``), in both grids.
 
 Unusual here: groups of size 1 are not created at all and read as ``None``, so every
 size and rank accessor is plain Python arithmetic (no collective, no host sync), and
@@ -23,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.config_utils import Freezable, flag_field, require
+from megatron.core.rank_grid import embedding_groups, grid_ranks, rank_groups, wanted_groups
 
 
 @dataclasses.dataclass
@@ -84,6 +92,15 @@ class ParallelConfig(Freezable):
     microbatch_group_size_per_virtual_pipeline_stage: int | None = None
     """Consecutive micro-batches each model chunk runs in the interleaved schedule before the next
     chunk's turn. Defaults to --pipeline-model-parallel-size."""
+
+    use_tp_pp_dp_mapping: bool = False
+    """Order the ranks tensor, context, (expert,) pipeline, then data parallel (Megatron's
+    tp-cp-ep-pp-dp) instead of data before pipeline parallel (tp-cp-ep-dp-pp)."""
+
+    num_distributed_optimizer_instances: int = 1
+    """Copies of the distributed optimizer across the data-parallel ranks: each shards its state
+    over data-parallel size / N consecutive ranks, and gradients are all-reduced across the copies.
+    Needs --use-distributed-optimizer."""
 
     world_size: int = flag_field(1, no_flag=True)
     """Number of processes, taken from torchrun's WORLD_SIZE."""
@@ -158,6 +175,23 @@ class ParallelConfig(Freezable):
             f"world size {self.world_size} is not divisible by --expert-tensor-parallel-size ({etp}) x "
             f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp}) = {expert_parallel}.",
         )
+        dp, edp = self.data_parallel_size, self.expert_data_parallel_size
+        if self.use_tp_pp_dp_mapping and pp > 1:
+            require(
+                edp == dp,
+                f"--use-tp-pp-dp-mapping with --pipeline-model-parallel-size {pp} needs the expert layers' "
+                f"data-parallel size ({edp} = world / (ETP x EP x PP)) equal to the dense layers' ({dp} = world / "
+                "(TP x CP x PP)), as in Megatron: make --expert-tensor-parallel-size x --expert-model-parallel-size "
+                "equal --tensor-model-parallel-size x --context-parallel-size, or drop --use-tp-pp-dp-mapping.",
+            )
+        n = self.num_distributed_optimizer_instances
+        require(n >= 1, f"--num-distributed-optimizer-instances must be >= 1, got {n}.")
+        for what, size in (("data-parallel size", dp * cp), ("expert data-parallel size", edp)):
+            require(
+                size % n == 0,
+                f"--num-distributed-optimizer-instances ({n}) must divide the {what} ({size}); launch a multiple "
+                f"of {n} data-parallel replicas or lower the instances.",
+            )
 
     def _validate_virtual_stages(self) -> None:
         """The virtual-stage flags: one spelling at most, PP > 1, a sane group size."""
@@ -282,55 +316,6 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-# ---------------------------------------------------------------------- the rank grid
-
-
-def rank_groups(sizes: dict[str, int], axes: tuple[str, ...]) -> list[list[int]]:
-    """Partitions the world of a rank grid into the groups that vary along ``axes``.
-
-    Args:
-        sizes: Axis name -> size, fastest-varying axis first (``{"tp": 2, "cp": 1, "dp": 2, "pp": 2}``).
-        axes: The axes a group spans (``("dp",)``, or ``("tp", "pp")`` for model parallel).
-
-    Returns:
-        The groups, each as ascending global ranks, ordered by their first rank.
-    """
-    names = list(sizes)
-    assert all(a in sizes for a in axes), (axes, names)
-    world = 1
-    for size in sizes.values():
-        world *= size
-    groups: dict[tuple, list[int]] = {}
-    for rank in range(world):
-        coords, rest = {}, rank
-        for name in names:
-            coords[name] = rest % sizes[name]
-            rest //= sizes[name]
-        key = tuple(coords[n] for n in names if n not in axes)
-        groups.setdefault(key, []).append(rank)
-    return sorted(groups.values(), key=lambda ranks: ranks[0])
-
-
-def dense_grid(config: ParallelConfig) -> dict[str, int]:
-    """The dense layers' grid, fastest axis first (Megatron's ``tp-cp-dp-pp``)."""
-    return {
-        "tp": config.tensor_model_parallel_size,
-        "cp": config.context_parallel_size,
-        "dp": config.data_parallel_size,
-        "pp": config.pipeline_model_parallel_size,
-    }
-
-
-def expert_grid(config: ParallelConfig) -> dict[str, int]:
-    """The expert layers' grid, fastest axis first (Megatron's ``tp-ep-dp-pp``)."""
-    return {
-        "tp": config.expert_tensor_parallel_size or config.tensor_model_parallel_size,
-        "ep": config.expert_model_parallel_size,
-        "dp": config.expert_data_parallel_size,
-        "pp": config.pipeline_model_parallel_size,
-    }
-
-
 _PIPELINE_LAYOUT_FIELDS = ("pipeline_model_parallel_layout",)
 
 
@@ -348,13 +333,35 @@ class ProcessGroups:
             of one on the other stages and without pipelining.
         expt_tp, expt_dp: Tensor- and data-parallel groups of the expert layers.
         tp_ep: Expert tensor x expert parallel group (the allgather token dispatcher's).
+        intra_dp, intra_expt_dp: The data-parallel (expert-data-parallel) ranks of this
+            rank's distributed-optimizer instance, over which the optimizer is sharded;
+            ``dp`` and ``expt_dp`` themselves with one instance.
+        inter_dp: The ranks at this rank's place in every distributed-optimizer instance
+            (``--num-distributed-optimizer-instances`` of them), over which the reduced
+            gradient shards are all-reduced; dense and expert layers share it.
         ranks: Group name -> the global ranks of this rank's group (``[rank]`` for a
             group of one); sizes and ranks within groups are read from it.
         sequence_parallel: The TP group also splits the sequence (``--sequence-parallel``
             with TP > 1): a property of the layout that every TP layer reads.
     """
 
-    GROUP_NAMES = ("tp", "cp", "dp", "pp", "mp", "ep", "expt_tp", "expt_dp", "embd", "tp_ep")
+    GROUP_NAMES = (
+        "tp",
+        "cp",
+        "dp",
+        "pp",
+        "mp",
+        "ep",
+        "expt_tp",
+        "expt_dp",
+        "embd",
+        "tp_ep",
+        "intra_dp",
+        "intra_expt_dp",
+        "inter_dp",
+    )
+    # Without instance groups of their own (one optimizer instance), these are their full groups.
+    _INSTANCE_DEFAULTS = {"intra_dp": "dp", "intra_expt_dp": "expt_dp"}
 
     def __init__(
         self,
@@ -386,6 +393,10 @@ class ProcessGroups:
                 self.expt_dp = dp
                 self.ranks["expt_dp"] = list(self.ranks["dp"])
         self.ranks.update(ranks or {})
+        for name, full in self._INSTANCE_DEFAULTS.items():
+            if name not in groups and name not in (ranks or {}):
+                setattr(self, name, getattr(self, full))
+                self.ranks[name] = list(self.ranks[full])
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
 
     def _size(self, name: str) -> int:
@@ -452,6 +463,32 @@ class ProcessGroups:
         return self._rank_in("expt_dp")
 
     @property
+    def intra_dp_size(self) -> int:
+        return self._size("intra_dp")
+
+    @property
+    def intra_dp_rank(self) -> int:
+        return self._rank_in("intra_dp")
+
+    @property
+    def intra_expt_dp_size(self) -> int:
+        return self._size("intra_expt_dp")
+
+    @property
+    def intra_expt_dp_rank(self) -> int:
+        return self._rank_in("intra_expt_dp")
+
+    @property
+    def inter_dp_size(self) -> int:
+        """Distributed-optimizer instances (1: the optimizer is sharded over all of DP)."""
+        return self._size("inter_dp")
+
+    @property
+    def inter_dp_rank(self) -> int:
+        """This rank's distributed-optimizer instance."""
+        return self._rank_in("inter_dp")
+
+    @property
     def tp_ep_size(self) -> int:
         return self._size("tp_ep")
 
@@ -496,37 +533,6 @@ class ProcessGroups:
         return cls(rank=0, world_size=1, device=device or torch.device("cpu"))
 
 
-def _wanted_groups(config: ParallelConfig) -> dict[str, tuple[dict[str, int], tuple[str, ...]]]:
-    dense, expert = dense_grid(config), expert_grid(config)
-    return {
-        "tp": (dense, ("tp",)),
-        "cp": (dense, ("cp",)),
-        "dp": (dense, ("dp",)),
-        "pp": (dense, ("pp",)),
-        "mp": (dense, ("tp", "pp")),
-        "ep": (expert, ("ep",)),
-        "expt_tp": (expert, ("tp",)),
-        "expt_dp": (expert, ("dp",)),
-        "tp_ep": (expert, ("tp", "ep")),
-    }
-
-
-def embedding_groups(config: ParallelConfig) -> list[list[int]]:
-    """The first and last rank of every pipeline (PP > 1), Megatron's embedding groups."""
-    if config.pipeline_model_parallel_size == 1:
-        return []
-    return [[ranks[0], ranks[-1]] for ranks in rank_groups(dense_grid(config), ("pp",))]
-
-
-def grid_ranks(config: ParallelConfig, rank: int) -> dict[str, list[int]]:
-    """Group name -> the global ranks of ``rank``'s group (pure: no torch.distributed)."""
-    out = {}
-    for name, (grid, axes) in _wanted_groups(config).items():
-        (out[name],) = [g for g in rank_groups(grid, axes) if rank in g]
-    out["embd"] = next((g for g in embedding_groups(config) if rank in g), [rank])
-    return out
-
-
 def build_groups(config: ParallelConfig, *, rank: int, world_size: int, device: torch.device) -> ProcessGroups:
     """Creates this layout's groups with ``dist.new_group`` (every rank calls it identically).
 
@@ -536,7 +542,7 @@ def build_groups(config: ParallelConfig, *, rank: int, world_size: int, device: 
     made: dict[tuple, object] = {}  # ranks -> handle
     handles = {}
     mine = grid_ranks(config, rank)
-    for name, (grid, axes) in _wanted_groups(config).items():
+    for name, (grid, axes) in wanted_groups(config).items():
         own = mine[name]
         if len(own) == 1:
             handles[name] = None

@@ -656,6 +656,12 @@ class RunConfig(Freezable):
             not self.ddp.overlap_param_gather or self.ddp.use_distributed_optimizer,
             "--overlap-param-gather needs --use-distributed-optimizer; add it or drop --overlap-param-gather.",
         )
+        instances = self.parallel.num_distributed_optimizer_instances
+        require(
+            instances == 1 or self.ddp.use_distributed_optimizer,
+            f"--num-distributed-optimizer-instances {instances} needs --use-distributed-optimizer (it shards the "
+            "distributed optimizer within each instance); add it or drop --num-distributed-optimizer-instances.",
+        )
         require(
             p.accumulate_allreduce_grads_in_fp32,
             "reduced-precision gradient buffers are not supported yet; main_grad is always fp32.",

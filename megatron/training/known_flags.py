@@ -78,8 +78,6 @@ _HYBRID = {
 }
 
 _PARALLEL = {
-    "--num-distributed-optimizer-instances": VALUE,
-    "--use-tp-pp-dp-mapping": SWITCH,
     "--ddp-num-buckets": VALUE,
 }
 

@@ -343,8 +343,8 @@ def optimizer_entries(optimizer, modules, pg) -> list[Entry]:
 
     Args:
         optimizer: A ``MixedPrecisionOptimizer`` (or the distributed one): its
-            ``state_pieces()``, ``state_names()`` and ``sharded_over_dp``. A loader
-            allocates the state first (``allocate_state``).
+            ``state_pieces()``, ``state_names()``, ``sharded_over_dp`` (and then
+            ``writes_pieces``). A loader allocates the state first (``allocate_state``).
         modules: The model (unwrapped) or its chunks, for the names.
         pg: This rank's ``ProcessGroups``.
     """
@@ -353,7 +353,10 @@ def optimizer_entries(optimizer, modules, pg) -> list[Entry]:
     entries: dict[str, Entry] = {}
     for piece in optimizer.state_pieces():
         layout = layouts[id(piece.param)]
-        owner = layout.replica_owner and (optimizer.sharded_over_dp or dp_first(layout, pg))
+        if optimizer.sharded_over_dp:  # several optimizer instances: instance 0 writes, the others hold copies
+            owner = layout.replica_owner and getattr(optimizer, "writes_pieces", True)
+        else:
+            owner = layout.replica_owner and dp_first(layout, pg)
         tensors = dict(piece.state)
         if piece.fp32_copy:
             tensors[FP32_PARAM] = piece.main

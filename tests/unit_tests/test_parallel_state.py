@@ -8,7 +8,8 @@ import warnings
 import pytest
 import torch
 
-from megatron.core.parallel_state import ParallelConfig, ProcessGroups, dense_grid, expert_grid, grid_ranks, rank_groups
+from megatron.core.parallel_state import ParallelConfig, ProcessGroups
+from megatron.core.rank_grid import dense_grid, expert_grid, grid_ranks, rank_groups
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -139,3 +140,177 @@ def test_single_world_is_all_ones():
     pg = ProcessGroups.single()
     assert (pg.tp_size, pg.pp_size, pg.dp_size, pg.tp_rank, pg.pp_rank, pg.dp_rank) == (1, 1, 1, 0, 0, 0)
     assert pg.is_pipeline_first_stage and pg.is_pipeline_last_stage and pg.tp is None and not pg.sequence_parallel
+
+
+# --------------------------------------------------------------- --use-tp-pp-dp-mapping
+
+
+def _groups(cfg, grid_of, *axes, split_dp=False):
+    return rank_groups(grid_of(cfg, split_dp=split_dp), axes)
+
+
+@pytest.mark.parametrize(
+    "world, sizes, want",
+    [
+        # Megatron's tp-cp-pp-dp: rank = tp + TP * (pp + PP * dp).
+        (4, dict(pipeline_model_parallel_size=2), dict(pp=[[0, 1], [2, 3]], dp=[[0, 2], [1, 3]])),
+        (
+            8,
+            dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+            dict(
+                tp=[[0, 1], [2, 3], [4, 5], [6, 7]],
+                pp=[[0, 2], [1, 3], [4, 6], [5, 7]],
+                dp=[[0, 4], [1, 5], [2, 6], [3, 7]],
+                mp=[[0, 1, 2, 3], [4, 5, 6, 7]],
+            ),
+        ),
+        (
+            12,
+            dict(pipeline_model_parallel_size=3),
+            dict(pp=[[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]], dp=[[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]),
+        ),
+        (
+            16,
+            dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=4),
+            dict(
+                pp=[[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]],
+                dp=[[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]],
+                mp=[[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]],
+            ),
+        ),
+        # Without pipelining the two orders are one.
+        (4, dict(tensor_model_parallel_size=2), dict(tp=[[0, 1], [2, 3]], dp=[[0, 2], [1, 3]])),
+    ],
+)
+def test_tp_pp_dp_mapping_puts_data_parallel_last(world, sizes, want):
+    cfg = layout(world, use_tp_pp_dp_mapping=True, **sizes)
+    axes = {"tp": ("tp",), "pp": ("pp",), "dp": ("dp",), "mp": ("tp", "pp")}
+    for name, groups in want.items():
+        assert rank_groups(dense_grid(cfg), axes[name]) == groups, name
+    if cfg.pipeline_model_parallel_size > 1:  # the embedding groups: first and last stage of each pipeline
+        pg = ProcessGroups(
+            rank=world - 1, world_size=world, device=torch.device("cpu"), ranks=grid_ranks(cfg, world - 1)
+        )
+        assert pg.ranks["embd"] == [want["pp"][-1][0], world - 1] and pg.is_last_rank and pg.is_pipeline_last_stage
+
+
+def test_tp_pp_dp_mapping_lays_out_the_expert_grid_alike():
+    # TP=2 x PP=2 x DP=2 with EP=2, ETP=1: expert rank = ep + EP * (pp + PP * edp).
+    cfg = layout(
+        8,
+        use_tp_pp_dp_mapping=True,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        expert_model_parallel_size=2,
+        expert_tensor_parallel_size=1,
+    )
+    assert _groups(cfg, expert_grid, "ep") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert _groups(cfg, expert_grid, "dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert _groups(cfg, expert_grid, "pp") == _groups(cfg, dense_grid, "pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    # The census config moe/gpt3_mcore_tp2_pp2_ep2_etp2_te_4experts2parallel_dp_last at two replicas:
+    # TP=4, PP=2, EP=2, ETP=2 on 16 ranks.
+    cfg = layout(
+        16,
+        use_tp_pp_dp_mapping=True,
+        tensor_model_parallel_size=4,
+        pipeline_model_parallel_size=2,
+        expert_model_parallel_size=2,
+        expert_tensor_parallel_size=2,
+    )
+    assert _groups(cfg, dense_grid, "tp") == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert _groups(cfg, dense_grid, "pp") == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert _groups(cfg, dense_grid, "dp") == [[r, r + 8] for r in range(8)]
+    assert _groups(cfg, expert_grid, "tp") == [[r, r + 1] for r in range(0, 16, 2)]
+    assert _groups(cfg, expert_grid, "ep") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert _groups(cfg, expert_grid, "tp", "ep") == _groups(cfg, dense_grid, "tp")
+    assert _groups(cfg, expert_grid, "dp") == [[r, r + 8] for r in range(8)]
+    assert _groups(cfg, expert_grid, "pp") == _groups(cfg, dense_grid, "pp")
+
+
+def test_tp_pp_dp_mapping_needs_equal_dense_and_expert_data_parallel_sizes():
+    sizes = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, expert_model_parallel_size=2)
+    layout(16, **sizes)  # the default order shares the pipeline groups anyway
+    with pytest.raises(ValueError, match=r"--use-tp-pp-dp-mapping with --pipeline-model-parallel-size 2 needs"):
+        layout(16, use_tp_pp_dp_mapping=True, **sizes)  # DP = 4, expert DP = 2
+    layout(16, use_tp_pp_dp_mapping=True, tensor_model_parallel_size=2, expert_model_parallel_size=2)  # PP = 1
+
+
+# --------------------------------------------------------------- --num-distributed-optimizer-instances
+
+
+@pytest.mark.parametrize(
+    "world, sizes, want",
+    [
+        (
+            8,
+            dict(),
+            dict(intra_dp=[[0, 1, 2, 3], [4, 5, 6, 7]], inter_dp=[[0, 4], [1, 5], [2, 6], [3, 7]]),
+        ),
+        (
+            8,
+            dict(tensor_model_parallel_size=2),  # DP groups [0, 2, 4, 6] and [1, 3, 5, 7], halved
+            dict(intra_dp=[[0, 2], [1, 3], [4, 6], [5, 7]], inter_dp=[[0, 4], [1, 5], [2, 6], [3, 7]]),
+        ),
+        (
+            8,
+            dict(pipeline_model_parallel_size=2, use_tp_pp_dp_mapping=True),  # DP groups [0, 2, 4, 6], [1, 3, 5, 7]
+            dict(intra_dp=[[0, 2], [1, 3], [4, 6], [5, 7]], inter_dp=[[0, 4], [1, 5], [2, 6], [3, 7]]),
+        ),
+        (
+            8,
+            dict(pipeline_model_parallel_size=2),  # DP groups [0, 1, 2, 3], [4, 5, 6, 7]
+            dict(intra_dp=[[0, 1], [2, 3], [4, 5], [6, 7]], inter_dp=[[0, 2], [1, 3], [4, 6], [5, 7]]),
+        ),
+        (
+            8,
+            dict(expert_model_parallel_size=4),  # expert DP groups [0, 4], [1, 5], [2, 6], [3, 7]
+            dict(
+                intra_dp=[[0, 1, 2, 3], [4, 5, 6, 7]],
+                intra_expt_dp=[[r] for r in range(8)],
+                inter_dp=[[0, 4], [1, 5], [2, 6], [3, 7]],
+            ),
+        ),
+        (
+            8,
+            dict(expert_model_parallel_size=2),  # expert DP groups [0, 2, 4, 6], [1, 3, 5, 7]
+            dict(intra_expt_dp=[[0, 2], [1, 3], [4, 6], [5, 7]], inter_dp=[[0, 4], [1, 5], [2, 6], [3, 7]]),
+        ),
+    ],
+)
+def test_distributed_optimizer_instances_split_data_parallel_into_consecutive_blocks(world, sizes, want):
+    cfg = layout(world, num_distributed_optimizer_instances=2, **sizes)
+    for rank in range(world):
+        got = grid_ranks(cfg, rank)
+        for name, groups in want.items():
+            (mine,) = [g for g in groups if rank in g]
+            assert got[name] == mine, (name, rank)
+        pg = ProcessGroups(rank=rank, world_size=world, device=torch.device("cpu"), ranks=got)
+        assert pg.inter_dp_size == 2 and pg.intra_dp_size * 2 == pg.dp_size
+        assert pg.intra_expt_dp_size * 2 == pg.expt_dp_size and pg.inter_dp_rank == got["inter_dp"].index(rank)
+
+
+def test_one_optimizer_instance_is_the_whole_data_parallel_group():
+    cfg = layout(8, tensor_model_parallel_size=2, expert_model_parallel_size=2)
+    for rank in range(8):
+        got = grid_ranks(cfg, rank)
+        assert got["intra_dp"] == got["dp"] and got["intra_expt_dp"] == got["expt_dp"] and got["inter_dp"] == [rank]
+    pg = ProcessGroups.single()
+    assert (pg.intra_dp_size, pg.inter_dp_size, pg.inter_dp_rank, pg.intra_dp) == (1, 1, 0, None)
+
+
+@pytest.mark.parametrize(
+    "world, sizes, needle",
+    [
+        (8, dict(num_distributed_optimizer_instances=3), "must divide the data-parallel size (8)"),
+        (
+            4,
+            dict(num_distributed_optimizer_instances=2, expert_model_parallel_size=4),
+            "must divide the expert data-parallel size (1)",
+        ),
+        (4, dict(num_distributed_optimizer_instances=0), "--num-distributed-optimizer-instances must be >= 1"),
+    ],
+)
+def test_bad_instance_counts_name_the_flag(world, sizes, needle):
+    with pytest.raises(ValueError) as info:
+        layout(world, **sizes)
+    assert needle in str(info.value)

@@ -36,6 +36,13 @@ bucket after the optimizer updated its shards. With ``overlap_param_gather`` tho
 all-gathers run asynchronously and a forward pre-hook on each module waits for the
 buckets of its parameters, so the gather overlaps the next forward.
 
+With ``--num-distributed-optimizer-instances N`` (Megatron's partial distributed
+optimizer) the shards are those of the DP / N ranks of this rank's optimizer instance
+(``pg.intra_dp``): a bucket is reduce-scattered within the instance, then the reduced
+shard is all-reduced across the instances (``pg.inter_dp``), and the parameters are
+all-gathered within the instance. Overlapped on CUDA, the two reductions run on a
+communication stream of their own, as in Megatron.
+
 Expert parameters (``is_expert``, set by the MoE experts) live in a second buffer,
 ``expert_grad_buffer``, bucketed the same way and reduced over the expert-data-parallel
 group (the ranks that hold the same experts) instead of the data-parallel group. Their
@@ -112,12 +119,22 @@ class DistributedDataParallel(torch.nn.Module):
         dense = [p for p in params if not is_expert_param(p)]
         expert = [p for p in params if is_expert_param(p)]
         self.expt_dp_size = pg.expt_dp_size
+        self.num_instances = pg.inter_dp_size
+        require(
+            self.num_instances == 1 or self.use_distributed_optimizer,
+            f"--num-distributed-optimizer-instances {self.num_instances} needs --use-distributed-optimizer; add it "
+            "or drop --num-distributed-optimizer-instances.",
+        )
+        # The distributed optimizer shards each bucket over the ranks of one optimizer instance.
+        dense_group, expert_group = (
+            ("intra_dp", "intra_expt_dp") if self.use_distributed_optimizer else ("dp", "expt_dp")
+        )
         # Backward order: the last parameters get their gradients first.
         self.grad_buffer = GradBuffer(
             list(reversed(dense)),
             bucket_size=bucket_size,
             device=device,
-            shard_count=self.dp_size if self.use_distributed_optimizer else 1,
+            shard_count=pg.intra_dp_size if self.use_distributed_optimizer else 1,
             param_buffer=self.use_distributed_optimizer,
         )
         self.expert_grad_buffer = None
@@ -126,7 +143,7 @@ class DistributedDataParallel(torch.nn.Module):
                 list(reversed(expert)),
                 bucket_size=bucket_size,
                 device=device,
-                shard_count=self.expt_dp_size if self.use_distributed_optimizer else 1,
+                shard_count=pg.intra_expt_dp_size if self.use_distributed_optimizer else 1,
                 param_buffer=self.use_distributed_optimizer,
             )
         self._sequence_parallel_params = [p for p in params if getattr(p, "sequence_parallel", False)]
@@ -139,12 +156,15 @@ class DistributedDataParallel(torch.nn.Module):
             and self.dp_group is not None
             and dist.get_backend(self.dp_group) == "nccl"
         )
-        self._syncs = [_BufferSync(self.grad_buffer, "dp", pg.dp_size, pg.dp_rank, 1.0 / self.dp_size, use_avg)]
+        self._syncs = [
+            _BufferSync(self.grad_buffer, dense_group, *_place(pg, dense_group), 1.0 / self.dp_size, use_avg)
+        ]
         if self.expert_grad_buffer is not None:
             # Summed over expert-DP, scaled by 1 / DP: no AVG op gives that factor.
             self._syncs.append(
-                _BufferSync(self.expert_grad_buffer, "expt_dp", pg.expt_dp_size, pg.expt_dp_rank, 1.0 / self.dp_size)
+                _BufferSync(self.expert_grad_buffer, expert_group, *_place(pg, expert_group), 1.0 / self.dp_size)
             )
+        self._comm_stream = None  # several optimizer instances, overlapped on CUDA: the reductions' stream
         self._sync_of_id: dict[int, tuple] = {}  # id(param) -> (its _BufferSync, its bucket)
         for sync in self._syncs:
             for pid, bucket in sync.buffer.bucket_of_id.items():
@@ -322,7 +342,8 @@ class DistributedDataParallel(torch.nn.Module):
         bucket.wait_events()
         bucket.launched = True
         group = getattr(self.pg, sync.group_name)
-        if group is None:
+        inter = self.pg.inter_dp if self.use_distributed_optimizer else None
+        if group is None and inter is None:
             if sync.scale != 1.0:  # expert-DP = 1 under DP > 1: the 1 / DP is all there is
                 bucket.data.mul_(sync.scale)
             return
@@ -331,13 +352,39 @@ class DistributedDataParallel(torch.nn.Module):
         else:
             bucket.data.mul_(sync.scale)
             op = dist.ReduceOp.SUM
-        if self.use_distributed_optimizer:
-            # In place: this rank's shard of the bucket receives the reduced shard.
-            start, end = bucket.shard_range(sync.rank, sync.size)
-            shard = sync.buffer.data[start:end]
+        if not self.use_distributed_optimizer:
+            bucket.handle = dist.all_reduce(bucket.data, op=op, group=group, async_op=True)
+            return
+        # In place: this rank's shard of the bucket receives the reduced shard.
+        start, end = bucket.shard_range(sync.rank, sync.size)
+        shard = sync.buffer.data[start:end]
+        if inter is None:
             bucket.handle = _reduce_scatter_single(shard, bucket.data, op=op, group=group, async_op=True)
         else:
-            bucket.handle = dist.all_reduce(bucket.data, op=op, group=group, async_op=True)
+            bucket.handle = self._reduce_over_instances(shard, bucket.data, op, group, inter)
+
+    def _reduce_over_instances(self, shard, data, op, group, inter):
+        """Reduce-scatter ``data`` within this optimizer instance (``group``; ``None``: one
+        rank, nothing to scatter), then all-reduce the reduced ``shard`` across the
+        instances. Returns a handle whose ``wait()`` orders the caller after both.
+
+        Overlapped on CUDA, both run on a communication stream of their own, which waits
+        for the gradients first: the all-reduce has to wait for the reduce-scatter, and
+        on the compute stream that wait would hold back the rest of backward.
+        """
+        if data.is_cuda and self.config.overlap_grad_reduce:
+            if self._comm_stream is None:
+                self._comm_stream = torch.cuda.Stream(device=data.device)
+            stream = self._comm_stream
+            stream.wait_stream(torch.cuda.current_stream(data.device))
+            with torch.cuda.stream(stream):
+                if group is not None:
+                    _reduce_scatter_single(shard, data, op=op, group=group)
+                dist.all_reduce(shard, op=op, group=inter)
+            return _StreamWork(stream)
+        if group is not None:
+            _reduce_scatter_single(shard, data, op=op, group=group)
+        return dist.all_reduce(shard, op=op, group=inter, async_op=True)
 
     def _launch_in_order(self, only_ready: bool) -> None:
         for sync in self._syncs:
@@ -444,14 +491,31 @@ class DistributedDataParallel(torch.nn.Module):
                 dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
 
 
+def _place(pg, group_name: str) -> tuple[int, int]:
+    """``(size, this rank's index)`` of group ``group_name`` of ``pg``."""
+    return getattr(pg, f"{group_name}_size"), getattr(pg, f"{group_name}_rank")
+
+
 def is_expert_param(param: torch.nn.Parameter) -> bool:
     """Whether ``param``'s gradient belongs to the expert-data-parallel buffer."""
     return bool(getattr(param, "is_expert", False))
 
 
+class _StreamWork:
+    """The collectives issued on a communication stream, as a handle: ``wait()`` orders
+    the current stream after them (no host sync)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def wait(self) -> None:
+        torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+
 class _BufferSync:
-    """One gradient buffer and how it is reduced: over which group of ``pg``, this
-    rank's place in it, the pre-scale, and the next bucket to launch this sync."""
+    """One gradient buffer and how it is reduced: over which group of ``pg`` (with the
+    distributed optimizer the ranks of one optimizer instance, which shard the buffer),
+    this rank's place in it, the pre-scale, and the next bucket to launch this sync."""
 
     def __init__(self, buffer: GradBuffer, group_name: str, size: int, rank: int, scale: float, use_avg_op=False):
         self.buffer = buffer

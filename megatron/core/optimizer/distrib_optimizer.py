@@ -10,12 +10,19 @@ models) and Adam's moments exist for about 1/DP of the model on each rank. After
 inner step, DDP all-gathers every bucket's parameters (``start_param_sync``), at once
 or, with ``--overlap-param-gather``, overlapped with the next forward.
 
-The gradient norm sums each rank's squares over DP and the model-parallel group;
-weight decay follows the *full* parameter's shape (a shard is always 1-D).
+With ``--num-distributed-optimizer-instances N`` the shards are those of the DP / N
+ranks of one optimizer instance (``pg.intra_dp``, ``pg.intra_expt_dp``): every instance
+holds the whole optimizer state once, and the instances take the same steps on the same
+(all-reduced) gradients. So the state per rank is 1 / (DP / N) of the model.
+
+The gradient norm sums each rank's squares over the instance's DP ranks and the
+model-parallel group; weight decay follows the *full* parameter's shape (a shard is
+always 1-D).
 
 Checkpoints: ``state_pieces`` (the layout-free ``torch_dist`` format) gives each
-shard with the flat range of its parameter. For the legacy ``torch`` format,
-``state_dict`` gathers the shards over DP into exactly what the non-distributed
+shard with the flat range of its parameter; instance 0 writes them (``writes_pieces``).
+For the legacy ``torch`` format,
+``state_dict`` gathers the shards over DP (one instance) into exactly what the non-distributed
 optimizer of the same model-parallel rank would hold (torch's optimizer state dict,
 indexed in its parameter order), so DP rank 0 writes one file per model-parallel rank
 as without the flag, and ``load_state_dict`` takes this rank's shards out of such a
@@ -63,16 +70,21 @@ def expert_norm_separate(pg) -> bool:
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
-    """Optimizer state and fp32 main params sharded over the data-parallel group.
+    """Optimizer state and fp32 main params sharded over the data-parallel group (over
+    the ranks of one optimizer instance with ``--num-distributed-optimizer-instances``).
 
     Args:
         ddp: A ``DistributedDataParallel`` built with ``use_distributed_optimizer``.
-        pg: Process groups (``dp`` for the shards, ``mp`` for the norm).
+        pg: Process groups (``intra_dp`` and ``intra_expt_dp`` for the shards, ``mp`` for
+            the norm, ``inter_dp`` for the instance).
         config, precision, preallocate_state, kwargs: As ``MixedPrecisionOptimizer``.
 
     Attributes:
         shards: ``(model param, start, end)`` per optimized piece: flat element range of
             the parameter this rank owns.
+        instance: This rank's distributed-optimizer instance (0 with one instance).
+        writes_pieces: Whether this rank writes its pieces to a sharded checkpoint: the
+            other instances hold copies of instance 0's.
     """
 
     sharded_over_dp = True
@@ -84,24 +96,28 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.pg = pg
         self.group_of = param_group_rule(ddp.module, config)
         self.shards: list[tuple[torch.nn.Parameter, int, int]] = []
+        self.instance = pg.inter_dp_rank
+        self.writes_pieces = self.instance == 0
         pieces, full_of = [], {}
         # Per buffer: (its owned shards, the owned gradients that count for the norm, pieces).
-        dense = self._shard(ddp.grad_buffer, pg.dp_rank, pg.dp_size, pg, pieces, full_of)
+        dense = self._shard(ddp.grad_buffer, pg.intra_dp_rank, pg.intra_dp_size, pg, pieces, full_of)
         expert = None
         if ddp.expert_grad_buffer is not None:
-            expert = self._shard(ddp.expert_grad_buffer, pg.expt_dp_rank, pg.expt_dp_size, pg, pieces, full_of)
+            expert = self._shard(
+                ddp.expert_grad_buffer, pg.intra_expt_dp_rank, pg.intra_expt_dp_size, pg, pieces, full_of
+            )
         if not pieces:
             raise ValueError(
                 "this data-parallel rank owns no parameter elements: the model is too small for "
-                f"--use-distributed-optimizer over {pg.dp_size} ranks; drop the flag."
+                f"--use-distributed-optimizer over {pg.intra_dp_size} ranks; drop the flag."
             )
         norm = {}
         if expert is not None and expert_norm_separate(pg):
-            # Dense shards: one owner per element in DP x MP. Expert shards: one owner per
-            # element in expert-DP, distinct experts over EP (and PP).
+            # Dense shards: one owner per element in (instance) DP x MP. Expert shards: one
+            # owner per element in (instance) expert-DP, distinct experts over EP (and PP).
             norm["grad_norm_parts"] = [
-                (dense[1], (pg.mp, pg.dp)),
-                (expert[1], (pg.ep, pg.expt_tp, pg.pp, pg.expt_dp)),
+                (dense[1], (pg.mp, pg.intra_dp)),
+                (expert[1], (pg.ep, pg.expt_tp, pg.pp, pg.intra_expt_dp)),
             ]
         else:
             owned = dense[0] + (expert[0] if expert else [])
@@ -111,7 +127,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 # Every owned element counts on TP rank 0: one reduction per bucket shard.
                 grad_buffers=owned if all_count else (),
                 grad_norm_tensors=None if all_count else norm_pieces,
-                grad_norm_groups=(pg.mp, pg.dp),
+                grad_norm_groups=(pg.mp, pg.intra_dp),
             )
         super().__init__(
             pieces,
@@ -175,13 +191,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _gather_flat(self, pieces_of) -> dict[int, torch.Tensor]:
         """Per gradient buffer (by ``id``), one fp32 tensor laid out like it, with every
-        rank's shards filled in: the dense buffer's over DP, the expert buffer's over expert-DP.
+        rank's shards filled in: the dense buffer's over DP, the expert buffer's over
+        expert-DP (of this rank's optimizer instance, which holds the whole state).
 
         ``pieces_of(i)`` gives this rank's flat tensor for piece ``i``.
         """
-        groups = [(self.ddp.grad_buffer, self.pg.dp, self.pg.dp_rank, self.pg.dp_size)]
+        pg = self.pg
+        groups = [(self.ddp.grad_buffer, pg.intra_dp, pg.intra_dp_rank, pg.intra_dp_size)]
         if self.ddp.expert_grad_buffer is not None:
-            groups.append((self.ddp.expert_grad_buffer, self.pg.expt_dp, self.pg.expt_dp_rank, self.pg.expt_dp_size))
+            groups.append((self.ddp.expert_grad_buffer, pg.intra_expt_dp, pg.intra_expt_dp_rank, pg.intra_expt_dp_size))
         flats = {
             id(buffer): torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.data.device)
             for buffer, *_ in groups
@@ -200,7 +218,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return flats
 
     def state_dict(self) -> dict[str, Any]:
-        """The whole state of this model-parallel rank, gathered over DP (a collective: call on every rank).
+        """The whole state of this model-parallel rank, gathered over DP within this rank's optimizer
+        instance (a collective: call on every rank).
 
         Laid out as ``MixedPrecisionOptimizer.state_dict`` of the same parameters.
         """
@@ -216,8 +235,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             steps = torch.zeros(len(order), dtype=torch.float32, device=buffer.data.device)
             for piece in pieces:
                 steps[index[id(piece.param)]] = piece.state["step"].to(steps.device, torch.float32)
-            if self.pg.dp is not None:
-                dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=self.pg.dp)
+            for group in dict.fromkeys((self.pg.intra_dp, self.pg.intra_expt_dp)):  # the owners of every piece
+                if group is not None:
+                    dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=group)
         lowp = self._lowp_order()
         main_flat = self._gather_flat(lambda i: pieces[i].main) if lowp else None
 

@@ -9,7 +9,8 @@ stage's copy counts in the gradient norm (the copy is marked ``shared_embedding`
 
 Unusual here: with ``--use-distributed-optimizer`` a rank's ``main_grad`` is reduced only
 on the shard it owns, and the two stages own different element ranges of the weight;
-so the owned parts are first made whole over DP (the other parts zeroed, then summed),
+so the owned parts are first made whole over the data-parallel ranks that shard them (DP,
+or one optimizer instance's ranks: ``pg.intra_dp``; the other parts zeroed, then summed),
 then summed over the embedding group.
 """
 
@@ -50,7 +51,7 @@ class TiedEmbeddingGrads:
             return
         for weight in self.weights:
             grad = weight.main_grad
-            if ddp.use_distributed_optimizer and self.pg.dp is not None:
+            if ddp.use_distributed_optimizer and self.pg.intra_dp is not None:
                 self._whole_over_dp(ddp, weight)
             dist.all_reduce(grad, group=self.pg.embd)
 
@@ -60,9 +61,9 @@ class TiedEmbeddingGrads:
         flat = weight.main_grad.view(-1)
         whole = torch.zeros_like(flat)
         for bucket in buffer.buckets:
-            lo, hi = bucket.shard_range(self.pg.dp_rank, self.pg.dp_size)
+            lo, hi = bucket.shard_range(self.pg.intra_dp_rank, self.pg.intra_dp_size)
             a, b = max(start, lo), min(end, hi)
             if a < b:
                 whole[a - start : b - start] = flat[a - start : b - start]
-        dist.all_reduce(whole, group=self.pg.dp)
+        dist.all_reduce(whole, group=self.pg.intra_dp)  # the shards of one optimizer instance
         flat.copy_(whole)

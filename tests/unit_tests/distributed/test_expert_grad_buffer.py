@@ -67,7 +67,8 @@ def _ep2_groups(rank, world):
     """EP = 2 over both ranks: DP = 2, expert-DP = 1."""
     import torch.distributed as dist
 
-    ranks = {name: [rank] for name in ProcessGroups.GROUP_NAMES}
+    # One distributed-optimizer instance: its groups (intra_dp, intra_expt_dp) default to DP and expert-DP.
+    ranks = {name: [rank] for name in ProcessGroups.GROUP_NAMES if not name.startswith("intra_")}
     ranks.update(dp=[0, 1], ep=[0, 1])
     return ProcessGroups(
         rank=rank, world_size=world, device=torch.device("cpu"), dp=dist.group.WORLD, ep=dist.group.WORLD, ranks=ranks

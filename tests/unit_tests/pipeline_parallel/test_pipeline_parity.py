@@ -1,4 +1,5 @@
-"""Pipeline layouts follow the single-process run: PP, interleaved PP, uneven PP, TP x PP (x DP).
+"""Pipeline layouts follow the single-process run: PP, interleaved PP, uneven PP, TP x PP (x DP),
+and PP x DP in Megatron's tp-pp-dp rank order (``--use-tp-pp-dp-mapping``).
 
 The embedding/loss-accounted split runs through the trainer too.
 
@@ -90,6 +91,7 @@ def _run(argv, hybrid=False):
         "curves": [(r["lm loss"], r["grad-norm"]) for r in trainer.history],
         "aux": [r.get("load_balancing_loss") for r in trainer.history],
         "weights": weights,
+        "groups": {name: trainer.pg.ranks[name] for name in ("tp", "pp", "dp")},
     }
 
 
@@ -199,9 +201,36 @@ def test_tp2_pp2_matches_single_process(single, data_cache):
 )
 def test_tp2_pp2_dp2_distributed_optimizer_matches_single_process(single, data_cache):
     argv = _argv(f"{PP2} --tensor-model-parallel-size 2 --use-distributed-optimizer", data_cache)
-    runs = run_distributed(_rank_runs, 8, {"tp2_pp2_dp2": argv}, timeout=900)
+    mapped = _argv(f"{PP2} --tensor-model-parallel-size 2 --use-tp-pp-dp-mapping", data_cache)
+    runs = run_distributed(_rank_runs, 8, {"tp2_pp2_dp2": argv, "tp_pp_dp": mapped}, timeout=900)
     for rank, r in enumerate(runs):
         _assert_close(r["tp2_pp2_dp2"]["curves"], single["tied"]["curves"], f"TP=2 x PP=2 x DP=2 (rank {rank})")
+        _assert_close(r["tp_pp_dp"]["curves"], single["tied"]["curves"], f"tp-pp-dp TP=2 x PP=2 x DP=2 (rank {rank})")
+        # Megatron's tp-cp-pp-dp: rank = tp + 2 * (pp + 2 * dp).
+        tp, pp, dp = rank % 2, rank // 2 % 2, rank // 4
+        assert r["tp_pp_dp"]["groups"] == {
+            "tp": [rank - tp, rank - tp + 1],
+            "pp": [tp + 4 * dp, tp + 4 * dp + 2],
+            "dp": [tp + 2 * pp, tp + 2 * pp + 4],
+        }
+
+
+def test_tp_pp_dp_mapping_pp2_dp2_matches_single_process(single, data_cache):
+    """Pipeline stages of a replica on neighbouring ranks: PP groups [0, 1] [2, 3], DP groups [0, 2] [1, 3]
+    (the default order has them the other way round); with two distributed-optimizer instances too."""
+    argvs = {
+        "tp_pp_dp": _argv(f"{PP2} --use-tp-pp-dp-mapping", data_cache),
+        "tp_pp_dp_n2": _argv(
+            f"{PP2} --use-tp-pp-dp-mapping --use-distributed-optimizer --num-distributed-optimizer-instances 2",
+            data_cache,
+        ),
+    }
+    runs = run_distributed(_rank_runs, 4, argvs, timeout=400)
+    for rank, r in enumerate(runs):
+        for name in argvs:
+            _assert_close(r[name]["curves"], single["tied"]["curves"], f"{name} PP=2 x DP=2 (rank {rank})")
+            pp, dp = rank % 2, rank // 2
+            assert r[name]["groups"] == {"tp": [rank], "pp": [2 * dp, 2 * dp + 1], "dp": [pp, pp + 2]}
 
 
 def test_moe_stages_match_single_process_with_the_aux_loss_of_every_stage(single, two_rank_runs):

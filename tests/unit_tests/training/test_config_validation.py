@@ -76,3 +76,10 @@ def test_token_ids_beyond_the_vocabulary_name_the_data(tmp_path):
         for i in range(len(ds)):
             ds[i]
     assert GPTDataset(low, np.arange(1), 4, vocab_size=400, **kwargs)[0]["tokens"].max() < 400
+
+
+def test_distributed_optimizer_instances_need_the_distributed_optimizer():
+    argv = BASE + ["--num-distributed-optimizer-instances", "2"]
+    with pytest.raises(ValueError, match=r"--num-distributed-optimizer-instances 2 needs --use-distributed-optimizer"):
+        parse_args(argv).resolve(world_size=2).validate()
+    parse_args(argv + ["--use-distributed-optimizer"]).resolve(world_size=2).validate()

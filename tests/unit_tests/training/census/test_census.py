@@ -52,9 +52,15 @@ def argv_of(args: dict, tmp: pathlib.Path, drop=()) -> list[str]:
 
 
 def _world(args: dict) -> int:
-    """The smallest world the config's parallel layout runs on (one data-parallel replica)."""
+    """The smallest world the config's parallel layout runs on (one data-parallel replica per
+    distributed-optimizer instance)."""
     size = 1
-    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--expert-model-parallel-size"):
+    for flag in (
+        "--tensor-model-parallel-size",
+        "--pipeline-model-parallel-size",
+        "--expert-model-parallel-size",
+        "--num-distributed-optimizer-instances",
+    ):
         size *= int(args.get(flag, 1))
     return size
 
