@@ -151,7 +151,7 @@ class ParallelConfig(Freezable):
             require(size >= 1, f"{_flag(name)} must be >= 1, got {size}.")
         require(
             self.context_parallel_size == 1,
-            f"--context-parallel-size {self.context_parallel_size} is not supported yet; use --context-parallel-size 1.",
+            f"--context-parallel-size {self.context_parallel_size} is not supported: this trainer does not do context parallelism; use --context-parallel-size 1.",
         )
         require(
             self.expert_tensor_parallel_size is not None and self.expert_tensor_parallel_size >= 1,

@@ -45,7 +45,11 @@ def test_expert_grid_defaults_expert_tp_to_tp():
     "world, sizes, needle",
     [
         (6, dict(tensor_model_parallel_size=4), "world size 6 is not divisible by --tensor-model-parallel-size (4)"),
-        (4, dict(context_parallel_size=2), "--context-parallel-size 2 is not supported yet"),
+        (
+            4,
+            dict(context_parallel_size=2),
+            "--context-parallel-size 2 is not supported: this trainer does not do context parallelism",
+        ),
         (
             4,
             dict(virtual_pipeline_model_parallel_size=2),
