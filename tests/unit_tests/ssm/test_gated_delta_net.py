@@ -17,6 +17,7 @@ from megatron.core.ssm.gated_delta_net.config import LinearAttentionConfig
 from megatron.core.ssm.gated_delta_net.gated_delta_net import GatedDeltaNet, section_shard
 from megatron.core.ssm.gated_delta_net.gated_delta_rule import sequential_gated_delta_rule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.unit_tests.ssm.sequence_mixer_checks import assert_causal_and_every_parameter_learns
 
 HIDDEN = 32
 
@@ -140,16 +141,7 @@ def test_the_model_activation_is_the_conv_activation_and_the_gate():
 
 
 def test_layer_is_causal_and_backward_reaches_every_parameter():
-    m = make_gdn().double()
-    hidden = torch.randn(12, 2, HIDDEN, dtype=torch.float64, requires_grad=True)
-    out, _ = m(hidden)
-    changed = hidden.detach().clone()
-    changed[7:] += 1.0
-    out2, _ = m(changed)
-    assert torch.equal(out[:7], out2[:7]) and not torch.equal(out[7:], out2[7:])
-    out.pow(2).sum().backward()
-    for name, param in m.named_parameters():
-        assert param.grad is not None and param.grad.abs().sum() > 0, name
+    assert_causal_and_every_parameter_learns(make_gdn(), HIDDEN)
 
 
 def test_bf16_layer_runs():
