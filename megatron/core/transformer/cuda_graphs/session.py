@@ -235,21 +235,23 @@ class GraphSession:
     def _rekey_microbatches(self, n: int) -> None:
         """A new micro-batch count after capture (a batch-size ramp or step schedule).
 
-        With one slot (no pipelining) every micro-batch replays the same cycle of graphs
-        in slot 0, so ``n`` micro-batches replay that cycle ``n`` times: the graphs, their
-        plan and buffers stay. With several slots in flight the order across slots depends
-        on the count, which the recorded iteration does not give; that raises.
+        With one slot and no pipeline schedule every micro-batch replays the same cycle of
+        graphs in slot 0, so ``n`` micro-batches replay that cycle ``n`` times: the graphs,
+        their plan and buffers stay. With several slots in flight, or under a pipeline
+        schedule (whose receives, sends and slot assignment are planned for the recorded
+        count), the order depends on the count, which the recorded iteration does not give;
+        that raises.
         """
         if self.cursor != 0:
             raise RuntimeError(
                 f"CUDA graphs: the micro-batch count changed to {n} in the middle of an iteration "
                 f"({self.cursor} of {len(self.order)} graph events replayed)."
             )
-        if len(self.cycles) != 1:
+        if len(self.cycles) != 1 or self.recorded_schedule is not None:
             raise ValueError(
                 f"CUDA graphs were captured for {self.recorded_microbatches} micro-batches per iteration in "
-                f"{len(self.cycles)} slots (micro-batches in flight), this iteration has {n}; a pipelined replay order "
-                "depends on the count. Keep the global batch size fixed (no --rampup-batch-size or "
+                f"{len(self.cycles)} slot(s) under the schedule {self.recorded_schedule!r}, this iteration has {n}; a "
+                "pipelined replay order depends on the count. Keep the global batch size fixed (no --rampup-batch-size or "
                 "--step-batch-size-schedule) with a pipelined schedule while graphs are on, or run with "
                 "--cuda-graph-impl none."
             )

@@ -192,7 +192,8 @@ def test_changed_micro_batch_count_or_schedule_raises_before_the_iteration():
     key = simulate.schedule_key("interleaved", 2, 0, 2)
     session.expect_microbatches(4, schedule=key)
     with pytest.raises(
-        ValueError, match="captured for 4 micro-batches per iteration in 6 slots .*this iteration has 8"
+        ValueError,
+        match="captured for 4 micro-batches per iteration in 6 slot.s. under the schedule .*this iteration has 8",
     ):
         session.expect_microbatches(8, schedule=key)
     with pytest.raises(
