@@ -230,9 +230,17 @@ def check_config(saved: dict[str, Any], cfg, path: str) -> None:
             flag = _FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
             diffs.append(f"{name}={old!r}, this run has {new!r} ({flag})")
     if diffs:
+        layout_changed = any(name in PARALLEL_CHECK_FIELDS for name in (d.split("=", 1)[0] for d in diffs))
+        fix = (
+            " --ckpt-format torch keeps one file per tensor- and pipeline-parallel rank and cannot change "
+            "--tensor-model-parallel-size or --pipeline-model-parallel-size at load: load it at the saving "
+            "layout, or save with --ckpt-format torch_dist, whose checkpoints load at any layout."
+            if layout_changed
+            else ""
+        )
         raise ValueError(
             f"checkpoint {path} was saved with " + "; ".join(diffs) + ". Pass the model flags of the run that "
-            "saved it, or point --load at a checkpoint of this model."
+            "saved it, or point --load at a checkpoint of this model." + fix
         )
 
 
