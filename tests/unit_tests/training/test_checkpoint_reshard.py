@@ -6,7 +6,8 @@ that loads a checkpoint saves it again at once (before any step): that save must
 exactly the tensors it loaded, bitwise, whatever the two layouts; PP=1 / EP=1 names are
 the one-process model's, so a round trip through them checks the mapping itself. Cases:
 PP=2 x VPP=2 (both spellings) <-> PP=1, TP=2 x PP=2 -> PP=2 x DP=2 with the distributed
-optimizer -> one process, EP=2 x expert-DP=2 with the distributed optimizer <-> EP=1.
+optimizer -> one process, TP=2 x PP=2 x DP=2 with the distributed optimizer (8 ranks) <->
+one process, EP=2 x expert-DP=2 with the distributed optimizer <-> EP=1.
 
 torch format with EP: the EP=2 files hold EP rank e's local expert i as global expert
 2e + i (checked against the EP=1 file directly); EP=2 -> EP=1 trains on the EP=1 curve,
@@ -172,6 +173,41 @@ def test_torch_dist_moves_from_tp2_pp2_to_pp2_dp2_distributed_optimizer_and_one_
     losses = _resave_here(_argv(f"--load {pp2_dp2}", cache), one)
     _assert_same_checkpoint(_iter(one), _iter(tp2_pp2), "PP=2 x DP=2 distributed optimizer -> one process")
     _assert_close(losses, dp_losses[-1], "one process after loading, against PP=2 x DP=2 after loading")
+
+
+TP2_PP2_DP2 = (
+    "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --use-distributed-optimizer --ddp-bucket-size 3000"
+)
+
+
+def test_torch_dist_round_trip_between_tp2_pp2_dp2_distributed_optimizer_and_one_process(tmp_path, cache):
+    """The issue's round trip on 8 ranks: TP=2 x PP=2 x DP=2 with the distributed optimizer
+    <-> TP=1 x PP=1. Both directions hold bitwise the saving run's full weights and optimizer
+    state after loading and train on the uninterrupted one-process curve within 1e-5."""
+    from megatron.training.training import pretrain
+
+    one, big, one_to_big, big_to_one = (tmp_path / n for n in ("one", "big", "one_to_big", "big_to_one"))
+    never_stopped = [r["lm loss"] for r in pretrain(_argv(f"--save {one} --save-interval {SAVE_AT}", cache)).history]
+    (one / "latest_checkpointed_iteration.txt").write_text(str(SAVE_AT))
+    first, loaded = zip(
+        *run_distributed(
+            _steps,
+            8,
+            [
+                ("train", _interrupted(TP2_PP2_DP2, big, cache)),
+                ("resave", _argv(f"{TP2_PP2_DP2} --load {one}", cache), str(one_to_big)),
+            ],
+            timeout=600,
+        )
+    )
+    _assert_close(first[-1], never_stopped[:SAVE_AT], "TP=2 x PP=2 x DP=2 before its save")
+    # TP=1 x PP=1 -> TP=2 x PP=2 x DP=2: what the 8 ranks loaded is the one-process checkpoint.
+    _assert_same_checkpoint(_iter(one_to_big), _iter(one), "TP=1 x PP=1 -> TP=2 x PP=2 x DP=2")
+    _assert_close(loaded[-1], never_stopped[SAVE_AT:], "TP=2 x PP=2 x DP=2 after loading the one-process checkpoint")
+    # TP=2 x PP=2 x DP=2 -> TP=1 x PP=1.
+    losses = _resave_here(_argv(f"--load {big}", cache), big_to_one)
+    _assert_same_checkpoint(_iter(big_to_one), _iter(big), "TP=2 x PP=2 x DP=2 -> TP=1 x PP=1")
+    _assert_close(losses, never_stopped[SAVE_AT:], "one process after loading the TP=2 x PP=2 x DP=2 checkpoint")
 
 
 # ---------------------------------------------------------------------- expert parallelism
