@@ -88,7 +88,8 @@ PARALLEL_CHECK_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_
 _FLAG_NAMES = {
     "gated_linear_unit": "--swiglu",
     "add_bias_linear": "--disable-bias-linear",
-    "vocab_size": "the tokenizer / --vocab-size / --make-vocab-size-divisible-by",
+    "vocab_size": "the tokenizer / --vocab-size / --make-vocab-size-divisible-by; padded to a multiple of "
+    "--make-vocab-size-divisible-by x --tensor-model-parallel-size",
     "num_query_groups": "--num-query-groups / --group-query-attention",
     "num_moe_experts": "--num-experts",
 }
