@@ -245,6 +245,19 @@ def check_config(saved: dict[str, Any], cfg, path: str) -> None:
         )
 
 
+def _check_expert_form(saved: dict[str, Any], cfg, path: str) -> None:
+    """The torch format keeps the experts in the saving run's module form: refuses the other."""
+    saved_grouped = saved.get("moe", {}).get("moe_grouped_gemm")
+    if saved_grouped is None or not cfg.moe.num_moe_experts or bool(saved_grouped) == cfg.moe.moe_grouped_gemm:
+        return
+    said = "with" if saved_grouped else "without"
+    raise ValueError(
+        f"checkpoint {path} was saved {said} --moe-grouped-gemm, and --ckpt-format torch files hold the experts "
+        "in that form only: load it with the saving run's --moe-grouped-gemm setting, or use --ckpt-format "
+        "torch_dist, whose checkpoints load with --moe-grouped-gemm on or off."
+    )
+
+
 # ---------------------------------------------------------------------- file helpers
 
 
@@ -604,6 +617,7 @@ def load_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> LoadedCheckpoint 
     print_rank_0(f"loading checkpoint from {load_dir} at iteration {iteration}")
     contents = _load_file(path)
     check_config(contents.get("config", {}), cfg, path)
+    _check_expert_form(contents.get("config", {}), cfg, path)
     other_ep = _other_ep_files(pg, load_dir, iteration, release)
     if other_ep:
         from megatron.training import torch_experts
