@@ -8,7 +8,8 @@ and last dimension, reduce-scatter: TP and SP), the vocab-parallel cross entropy
 reductions (the Triton kernel's too where it runs), the EP all-to-alls (even and uneven
 splits, the int64 count exchange), the DDP bucket all-reduce and the distributed
 optimizer's reduce-scatter (with and without overlap: NCCL takes the communication
-stream) and its all-gather, the embedding/pipeline warm-up all-reduce. With one rank
+stream), the all-gather into one tensor (as the distributed optimizer's parameter gather
+issues it), the embedding/pipeline warm-up all-reduce. With one rank
 every one of them is the identity (a sum or mean over one term, a gather of one piece),
 so the results must equal the inputs bitwise. Pipeline p2p has no peer in a world of one
 (a rank cannot send to itself) and is covered by the multi-rank gloo tests only.
