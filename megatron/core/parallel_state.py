@@ -217,12 +217,12 @@ class ParallelConfig(Freezable):
                 f"--virtual-pipeline-model-parallel-size ({vpp}) and --num-virtual-stages-per-pipeline-rank "
                 f"({per_rank}) disagree; give one of them.",
             )
-        given = [
+        given = [  # the spellings a user gives first: resolve() copies the per-rank count into the size
             _flag(n)
             for n in (
-                "virtual_pipeline_model_parallel_size",
                 "num_layers_per_virtual_pipeline_stage",
                 "num_virtual_stages_per_pipeline_rank",
+                "virtual_pipeline_model_parallel_size",
             )
             if getattr(self, n) is not None
         ]

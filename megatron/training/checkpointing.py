@@ -88,7 +88,8 @@ PARALLEL_CHECK_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_
 _FLAG_NAMES = {
     "gated_linear_unit": "--swiglu",
     "add_bias_linear": "--disable-bias-linear",
-    "vocab_size": "the tokenizer / --vocab-size / --make-vocab-size-divisible-by",
+    "vocab_size": "the tokenizer / --vocab-size / --make-vocab-size-divisible-by; padded to a multiple of "
+    "--make-vocab-size-divisible-by x --tensor-model-parallel-size",
     "num_query_groups": "--num-query-groups / --group-query-attention",
     "num_moe_experts": "--num-experts",
 }
@@ -230,10 +231,31 @@ def check_config(saved: dict[str, Any], cfg, path: str) -> None:
             flag = _FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
             diffs.append(f"{name}={old!r}, this run has {new!r} ({flag})")
     if diffs:
+        layout_changed = any(name in PARALLEL_CHECK_FIELDS for name in (d.split("=", 1)[0] for d in diffs))
+        fix = (
+            " --ckpt-format torch keeps one file per tensor- and pipeline-parallel rank and cannot change "
+            "--tensor-model-parallel-size or --pipeline-model-parallel-size at load: load it at the saving "
+            "layout, or save with --ckpt-format torch_dist, whose checkpoints load at any layout."
+            if layout_changed
+            else ""
+        )
         raise ValueError(
             f"checkpoint {path} was saved with " + "; ".join(diffs) + ". Pass the model flags of the run that "
-            "saved it, or point --load at a checkpoint of this model."
+            "saved it, or point --load at a checkpoint of this model." + fix
         )
+
+
+def _check_expert_form(saved: dict[str, Any], cfg, path: str) -> None:
+    """The torch format keeps the experts in the saving run's module form: refuses the other."""
+    saved_grouped = saved.get("moe", {}).get("moe_grouped_gemm")
+    if saved_grouped is None or not cfg.moe.num_moe_experts or bool(saved_grouped) == cfg.moe.moe_grouped_gemm:
+        return
+    said = "with" if saved_grouped else "without"
+    raise ValueError(
+        f"checkpoint {path} was saved {said} --moe-grouped-gemm, and --ckpt-format torch files hold the experts "
+        "in that form only: load it with the saving run's --moe-grouped-gemm setting, or use --ckpt-format "
+        "torch_dist, whose checkpoints load with --moe-grouped-gemm on or off."
+    )
 
 
 # ---------------------------------------------------------------------- file helpers
@@ -595,6 +617,7 @@ def load_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> LoadedCheckpoint 
     print_rank_0(f"loading checkpoint from {load_dir} at iteration {iteration}")
     contents = _load_file(path)
     check_config(contents.get("config", {}), cfg, path)
+    _check_expert_form(contents.get("config", {}), cfg, path)
     other_ep = _other_ep_files(pg, load_dir, iteration, release)
     if other_ep:
         from megatron.training import torch_experts

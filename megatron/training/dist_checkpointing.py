@@ -353,7 +353,9 @@ def load(trainer, iteration_dir: str, iteration: int, release: bool) -> int:
                 "trainer); load it with --no-load-optim (weights only), or with the trainer that saved it."
             )
         trainer.optimizer.allocate_state(trainer.optimizer.state_names())  # DCP reads in place
-    entries = _entries(trainer, with_optimizer=with_optimizer)
+    entries, step_copies = sharded_state.entries_in_stored_form(
+        _entries(trainer, with_optimizer=with_optimizer), metadata
+    )
     expected = {e.key for e in entries}
     relevant = found if with_optimizer else {k for k in found if k.startswith(sharded_state.MODEL_PREFIX)}
     _check_keys(c.dist_ckpt_strictness, _all_keys(trainer, expected), relevant, iteration_dir)
@@ -375,6 +377,9 @@ def load(trainer, iteration_dir: str, iteration: int, release: bool) -> int:
             planner=sharded_state.ChunkLoadPlanner(present),
             no_dist=not _distributed(trainer),
         )
+    with torch.no_grad():
+        for destination, source in step_copies:
+            destination.copy_(source)
 
     if weights_only:
         trainer.iteration, trainer.consumed_samples = 0, 0

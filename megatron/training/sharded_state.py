@@ -17,7 +17,9 @@ layer number (``decoder.layers.<layer_number - 1>``, whatever the pipeline stage
 virtual chunk), routed experts by their global index, and the copy of a tied
 embedding held by the last pipeline stage (``shared_embedding``) under the first
 stage's ``embedding.word_embeddings.weight``. So a checkpoint saved at one TP x PP x
-DP (x EP) layout loads at any other with the same model.
+DP (x EP) layout loads at any other with the same model. Routed experts are saved in the
+saving run's form (``--moe-grouped-gemm``: one ``[E, ...]`` tensor per linear; the loop:
+one tensor per expert) and read in either (``entries_in_stored_form``).
 
 What is unusual:
 - A flat element range of a TP shard (a distributed-optimizer piece) is in general not
@@ -447,3 +449,65 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self._views[(index.fqn, tuple(index.offset))]
+
+
+# ---------------------------------------------------------------------- expert forms
+
+# The two forms of a routed expert's linear: ``--moe-grouped-gemm`` holds every expert in one
+# ``[E, ...]`` tensor (``...experts.linear_fc1.weight``), the loop one tensor per expert
+# (``...experts.local_experts.<global expert>.linear_fc1.weight``). Row g of the first is the second.
+_GROUPED_KEY = re.compile(r"^(.*\.experts\.)(linear_fc[12]\.(?:weight|bias))$")
+_LOOP_KEY = re.compile(r"^(.*\.experts\.)local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))$")
+
+
+def entries_in_stored_form(entries: list[Entry], metadata) -> tuple[list[Entry], list[tuple]]:
+    """Rewrites expert entries into the form the checkpoint holds, for loading across
+    ``--moe-grouped-gemm`` on and off; every other entry is returned as it is.
+
+    Args:
+        entries: This rank's entries (model and optimizer).
+        metadata: The checkpoint's DCP ``Metadata``.
+
+    Returns:
+        The entries to read, and ``(destination, source)`` pairs of 0-d tensors to copy after
+        the read: several loop experts' ``step`` read one grouped ``step`` (they are equal).
+    """
+    stored = metadata.state_dict_metadata
+    out: dict[str, Entry] = {}
+    copies: list[tuple] = []
+
+    def add(key, full_shape, chunk):
+        entry = out.setdefault(key, Entry(key, tuple(full_shape), [], write=False))
+        if any(c.offsets == chunk.offsets for c in entry.chunks):  # a 0-d step read once
+            first = next(c for c in entry.chunks if c.offsets == chunk.offsets)
+            copies.append((chunk.view, first.view))
+        else:
+            entry.chunks.append(chunk)
+
+    for entry in entries:
+        grouped, loop = _GROUPED_KEY.match(entry.key), _LOOP_KEY.match(entry.key)
+        if entry.key in stored or (grouped is None and loop is None):
+            out[entry.key] = entry
+            continue
+        if grouped is not None:  # grouped here, one tensor per expert in the checkpoint
+            head, tail = grouped.groups()
+            if not entry.full_shape:  # the parameter's step: any expert's
+                key = f"{head}local_experts.0.{tail}"
+                add(key if key in stored else entry.key, (), entry.chunks[0])
+                continue
+            for chunk in entry.chunks:
+                for j in range(chunk.sizes[0]):
+                    key = f"{head}local_experts.{chunk.offsets[0] + j}.{tail}"
+                    add(key, entry.full_shape[1:], Chunk(chunk.offsets[1:], chunk.sizes[1:], chunk.view[j]))
+            continue
+        head, expert, tail = loop.groups()  # one tensor per expert here, grouped in the checkpoint
+        key = head + tail
+        if key not in stored:
+            out[entry.key] = entry
+            continue
+        full = (stored[key].size[0], *entry.full_shape) if entry.full_shape else ()
+        for chunk in entry.chunks:
+            if entry.full_shape:
+                chunk = Chunk((int(expert), *chunk.offsets), (1, *chunk.sizes), chunk.view.unsqueeze(0))
+            add(key, full, chunk)
+    return list(out.values()), copies

@@ -72,7 +72,7 @@ def test_bad_layouts_name_the_flags(world, sizes, needle):
         (
             dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
             dict(num_layers=6),
-            "x virtual pipeline stages per rank (2)",
+            "x virtual pipeline stages per rank (2, --num-virtual-stages-per-pipeline-rank)",
         ),
         (dict(tensor_model_parallel_size=4), dict(num_attention_heads=6, hidden_size=96), "--num-attention-heads (6)"),
         (

@@ -83,7 +83,11 @@ def rank_layer_counts(parallel, num_layers: int) -> list[int]:
         require(
             num_layers % (pp * vpp) == 0,
             f"--num-layers ({num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})"
-            + (f" x virtual pipeline stages per rank ({vpp})" if vpp > 1 else "")
+            + (
+                f" x virtual pipeline stages per rank ({vpp}, --num-virtual-stages-per-pipeline-rank)"
+                if vpp > 1
+                else ""
+            )
             + "; change the layer count or the pipeline layout.",
         )
         return [num_layers // pp] * pp

@@ -78,7 +78,7 @@ def test_accounted_split_errors_name_the_flags():
             2,
             dict(pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2),
             6,
-            "x virtual pipeline stages per rank (2)",
+            "x virtual pipeline stages per rank (2, --num-virtual-stages-per-pipeline-rank)",
         ),
         (
             4,

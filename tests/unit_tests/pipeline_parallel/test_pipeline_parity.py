@@ -16,7 +16,6 @@ Runs of one world size share one set of processes: interpreter start-up is most 
 run's cost on two cores.
 """
 
-import os
 import re
 
 import pytest
@@ -195,10 +194,6 @@ def test_tp2_pp2_matches_single_process(single, data_cache):
         _assert_close(r["tp2_pp2"]["curves"], single["tied"]["curves"], f"TP=2 x PP=2 (rank {rank})")
 
 
-@pytest.mark.skipif(
-    not os.environ.get("MEGATRON_TEST_8_RANKS"),
-    reason="8 gloo processes take minutes on a 2-core CI machine; set MEGATRON_TEST_8_RANKS=1 to run",
-)
 def test_tp2_pp2_dp2_distributed_optimizer_matches_single_process(single, data_cache):
     argv = _argv(f"{PP2} --tensor-model-parallel-size 2 --use-distributed-optimizer", data_cache)
     mapped = _argv(f"{PP2} --tensor-model-parallel-size 2 --use-tp-pp-dp-mapping", data_cache)

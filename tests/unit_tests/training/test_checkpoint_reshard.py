@@ -6,7 +6,8 @@ that loads a checkpoint saves it again at once (before any step): that save must
 exactly the tensors it loaded, bitwise, whatever the two layouts; PP=1 / EP=1 names are
 the one-process model's, so a round trip through them checks the mapping itself. Cases:
 PP=2 x VPP=2 (both spellings) <-> PP=1, TP=2 x PP=2 -> PP=2 x DP=2 with the distributed
-optimizer -> one process, EP=2 x expert-DP=2 with the distributed optimizer <-> EP=1.
+optimizer -> one process, TP=2 x PP=2 x DP=2 with the distributed optimizer (8 ranks) <->
+one process, EP=2 x expert-DP=2 with the distributed optimizer <-> EP=1.
 
 torch format with EP: the EP=2 files hold EP rank e's local expert i as global expert
 2e + i (checked against the EP=1 file directly); EP=2 -> EP=1 trains on the EP=1 curve,
@@ -174,6 +175,41 @@ def test_torch_dist_moves_from_tp2_pp2_to_pp2_dp2_distributed_optimizer_and_one_
     _assert_close(losses, dp_losses[-1], "one process after loading, against PP=2 x DP=2 after loading")
 
 
+TP2_PP2_DP2 = (
+    "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --use-distributed-optimizer --ddp-bucket-size 3000"
+)
+
+
+def test_torch_dist_round_trip_between_tp2_pp2_dp2_distributed_optimizer_and_one_process(tmp_path, cache):
+    """The issue's round trip on 8 ranks: TP=2 x PP=2 x DP=2 with the distributed optimizer
+    <-> TP=1 x PP=1. Both directions hold bitwise the saving run's full weights and optimizer
+    state after loading and train on the uninterrupted one-process curve within 1e-5."""
+    from megatron.training.training import pretrain
+
+    one, big, one_to_big, big_to_one = (tmp_path / n for n in ("one", "big", "one_to_big", "big_to_one"))
+    never_stopped = [r["lm loss"] for r in pretrain(_argv(f"--save {one} --save-interval {SAVE_AT}", cache)).history]
+    (one / "latest_checkpointed_iteration.txt").write_text(str(SAVE_AT))
+    first, loaded = zip(
+        *run_distributed(
+            _steps,
+            8,
+            [
+                ("train", _interrupted(TP2_PP2_DP2, big, cache)),
+                ("resave", _argv(f"{TP2_PP2_DP2} --load {one}", cache), str(one_to_big)),
+            ],
+            timeout=600,
+        )
+    )
+    _assert_close(first[-1], never_stopped[:SAVE_AT], "TP=2 x PP=2 x DP=2 before its save")
+    # TP=1 x PP=1 -> TP=2 x PP=2 x DP=2: what the 8 ranks loaded is the one-process checkpoint.
+    _assert_same_checkpoint(_iter(one_to_big), _iter(one), "TP=1 x PP=1 -> TP=2 x PP=2 x DP=2")
+    _assert_close(loaded[-1], never_stopped[SAVE_AT:], "TP=2 x PP=2 x DP=2 after loading the one-process checkpoint")
+    # TP=2 x PP=2 x DP=2 -> TP=1 x PP=1.
+    losses = _resave_here(_argv(f"--load {big}", cache), big_to_one)
+    _assert_same_checkpoint(_iter(big_to_one), _iter(big), "TP=2 x PP=2 x DP=2 -> TP=1 x PP=1")
+    _assert_close(losses, never_stopped[SAVE_AT:], "one process after loading the TP=2 x PP=2 x DP=2 checkpoint")
+
+
 # ---------------------------------------------------------------------- expert parallelism
 
 MOE = (
@@ -184,6 +220,7 @@ MOE = (
     "--num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0.01 "
     "--moe-ffn-hidden-size 24"
 )
+MOE_EXPERTS = 4
 EP2 = "--expert-model-parallel-size 2 --use-distributed-optimizer --ddp-bucket-size 300"  # 4 ranks: expert-DP 2
 
 
@@ -197,7 +234,8 @@ def ep_runs(tmp_path_factory, cache):
     from megatron.training.training import pretrain
 
     root = tmp_path_factory.mktemp("ep")
-    dirs = {n: root / n for n in ("one", "one_torch", "ep2", "ep2_torch", "one_to_ep2", "one_to_ep2_torch")}
+    names = ("one", "one_torch", "ep2", "ep2_torch", "one_to_ep2", "one_to_ep2_grouped", "one_to_ep2_torch")
+    dirs = {n: root / n for n in names}
     never_stopped = {}
     for fmt, name in (("torch_dist", "one"), ("torch", "one_torch")):
         argv = _moe(f"--ckpt-format {fmt} --save {dirs[name]} --save-interval {SAVE_AT}", cache)
@@ -209,6 +247,7 @@ def ep_runs(tmp_path_factory, cache):
         ("train", _moe(f"{EP2} --save {dirs['ep2']} {interrupted}", cache)),
         ("train", _moe(f"{EP2} --load {dirs['ep2']}", cache)),
         ("resave", _moe(f"{EP2} --load {dirs['one']}", cache), str(dirs["one_to_ep2"])),
+        ("resave", _moe(f"{EP2} --moe-grouped-gemm --load {dirs['one']}", cache), str(dirs["one_to_ep2_grouped"])),
         ("train", _moe(f"{EP2} --ckpt-format torch --save {dirs['ep2_torch']} {interrupted}", cache)),
         ("resave", _moe(f"{EP2} --ckpt-format torch --load {dirs['one_torch']}", cache), str(dirs["one_to_ep2_torch"])),
     ]
@@ -226,6 +265,46 @@ def test_torch_dist_moves_between_ep2_expert_dp2_distributed_optimizer_and_ep1(e
     losses = _resave_here(_moe(f"--load {dirs['ep2']}", cache), tmp_path / "ep2_to_one")
     _assert_same_checkpoint(_iter(tmp_path / "ep2_to_one"), _iter(dirs["ep2"]), "EP=2 x expert-DP=2 -> EP=1")
     _assert_close(losses, results[0][2], "EP=1 after loading the EP=2 checkpoint")
+
+
+def _as_loop_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A full state with ``--moe-grouped-gemm``'s ``[E, ...]`` expert tensors as one tensor per
+    expert (the loop's keys); the grouped tensor's one ``step`` is every expert's."""
+    import re
+
+    out = {}
+    for key, value in state.items():
+        match = re.match(r"^(.*\.experts\.)(linear_fc[12]\.(?:weight|bias))$", key)
+        if match is None:
+            out[key] = value
+            continue
+        experts = MOE_EXPERTS if value.dim() == 0 else value.shape[0]
+        for g in range(experts):
+            out[f"{match[1]}local_experts.{g}.{match[2]}"] = value if value.dim() == 0 else value[g]
+    return out
+
+
+def test_torch_dist_loads_across_moe_grouped_gemm_on_and_off(ep_runs, tmp_path, cache):
+    """Grouped ``[E, ...]`` expert weights and the loop's per-expert ones are the same tensors:
+    EP=1 loop -> EP=2 grouped (4 ranks, distributed optimizer), loop -> grouped -> loop in one
+    process, bitwise, and the grouped run trains on the loop run's curve within 1e-5."""
+    dirs, never_stopped, results = ep_runs
+    one = _read_full(_iter(dirs["one"]))
+    grouped = _read_full(_iter(dirs["one_to_ep2_grouped"]))
+    assert any(k.endswith(".experts.linear_fc1.weight") for k in grouped)
+    loop_form = _as_loop_experts(grouped)
+    assert set(loop_form) == set(one)
+    for key in one:
+        assert torch.equal(loop_form[key], one[key]), f"EP=1 loop -> EP=2 grouped: {key}"
+    for rank_results in results:
+        _assert_close(rank_results[4], never_stopped["torch_dist"][SAVE_AT:], "EP=2 grouped after loading EP=1 loop")
+    (dirs["one_to_ep2_grouped"] / "latest_checkpointed_iteration.txt").write_text(str(SAVE_AT))
+    losses = _resave_here(_moe(f"--load {dirs['one_to_ep2_grouped']}", cache), tmp_path / "back")
+    _assert_same_checkpoint(_iter(tmp_path / "back"), _iter(dirs["one"]), "loop -> grouped -> loop")
+    _assert_close(losses, never_stopped["torch_dist"][SAVE_AT:], "loop after loading the grouped checkpoint")
+    losses = _resave_here(_moe(f"--moe-grouped-gemm --load {dirs['one']}", cache), tmp_path / "grouped")
+    _assert_same_checkpoint(_iter(tmp_path / "grouped"), _iter(dirs["one_to_ep2_grouped"]), "loop -> grouped, EP=1")
+    _assert_close(losses, never_stopped["torch_dist"][SAVE_AT:], "grouped after loading the loop checkpoint")
 
 
 def _torch_file(folder, rank_dir):
@@ -294,3 +373,16 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_flag(tmp_path, cach
     parallel_state.destroy(saver.pg)
     with pytest.raises(ValueError, match=flag):
         build_trainer(_moe(f"--ckpt-format {ckpt_format} --load {tmp_path} {changed}", cache))
+
+
+@pytest.mark.parametrize("saved, loaded", [("", "--moe-grouped-gemm"), ("--moe-grouped-gemm", "")])
+def test_torch_format_refuses_the_other_expert_form_naming_the_flag_and_torch_dist(tmp_path, cache, saved, loaded):
+    from megatron.core import parallel_state
+    from megatron.training.training import build_trainer
+
+    saver = build_trainer(_moe(f"--ckpt-format torch {saved} --save {tmp_path}", cache))
+    saver.save_checkpoint()
+    saver.close()
+    parallel_state.destroy(saver.pg)
+    with pytest.raises(ValueError, match=r"--moe-grouped-gemm.*--ckpt-format torch_dist"):
+        build_trainer(_moe(f"--ckpt-format torch {loaded} --load {tmp_path}", cache))

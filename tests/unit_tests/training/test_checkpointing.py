@@ -305,6 +305,29 @@ def test_other_model_shape_names_file_and_field(tmp_path):
         build("--train-iters", 2, "--load", c, "--swiglu")
 
 
+@pytest.mark.parametrize(
+    "field, flag",
+    [
+        ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+        ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+    ],
+)
+def test_torch_format_refuses_another_tp_or_pp_naming_the_flag_and_torch_dist(tmp_path, field, flag):
+    trainer = build("--train-iters", 2)
+    saved = checkpointing.config_to_dict(trainer.cfg)
+    saved["parallel"][field] = 2  # as a file saved at TP=2 (or PP=2) would hold
+    with pytest.raises(ValueError) as info:
+        checkpointing.check_config(saved, trainer.cfg, "/c/iter_0000002/mp_rank_01")
+    msg = str(info.value)
+    assert f"{field}=2, this run has 1 ({flag})" in msg
+    assert "--ckpt-format torch_dist" in msg
+    saved = checkpointing.config_to_dict(trainer.cfg)
+    saved["model"]["hidden_size"] = 64  # another model, same layout: no word of torch_dist
+    with pytest.raises(ValueError) as info:
+        checkpointing.check_config(saved, trainer.cfg, "/c")
+    assert "torch_dist" not in str(info.value)
+
+
 def test_load_errors(tmp_path):
     with pytest.raises(ValueError, match=r"--load .*nope does not exist"):
         build("--train-iters", 2, "--load", tmp_path / "nope")
