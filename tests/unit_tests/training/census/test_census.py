@@ -138,7 +138,7 @@ _VALUE_MATTERS = {
 }
 
 
-MAX_TRAINING_RUNS = 10  # the whole census stays well under 3 minutes on 2 cores
+MAX_TRAINING_RUNS = 14  # the whole census stays well under 3 minutes on 2 cores
 
 
 def training_subset() -> list[str]:
@@ -181,6 +181,15 @@ def test_census_config_trains(name, tmp_path, capsys):
         import pretrain_hybrid
 
         kwargs = dict(model_provider=pretrain_hybrid.model_provider, forward_step=pretrain_hybrid.forward_step)
+    if entry["MODEL_ARGS"].get("--error-injection-type") == "transient_error":
+        # Upstream's transient-error config: the injected result is not reproduced by the
+        # re-run, so the job stops with exit code 17 without saving (its launcher restarts it).
+        from megatron.core.rerun_state_machine import RerunExit
+
+        with pytest.raises(RerunExit) as stop:
+            pretrain(argv, **kwargs)
+        assert stop.value.code == 17
+        return
     trainer = pretrain(argv, **kwargs)
     losses = [r["lm loss"] for r in trainer.history]
     assert trainer.iteration == trainer.cfg.training.train_iters
