@@ -534,7 +534,9 @@ class RunConfig(Freezable):
         cfg.parallel.resolve_model(cfg.model, stages_from_pattern=cfg.mamba.parsed_pattern is not None)
         cfg.cuda_graph.resolve()
         if cfg.optimizer.optimizer == "dist_muon":  # Megatron's deprecated spelling
-            warnings.warn("--optimizer dist_muon is deprecated; use --optimizer muon --use-distributed-optimizer.")
+            warnings.warn(
+                "--optimizer dist_muon is deprecated; use --optimizer muon --use-distributed-optimizer.", stacklevel=2
+            )
             cfg.optimizer.optimizer = "muon"
             cfg.ddp.use_distributed_optimizer = True
         t = cfg.training
