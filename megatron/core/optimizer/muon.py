@@ -52,20 +52,14 @@ def validate_muon(config, precision) -> None:
     check_coefficients(config.muon_coefficient_type, config.muon_num_ns_steps)
 
 
-def is_stacked_expert(param: torch.Tensor) -> bool:
-    """Whether ``param`` holds one tensor per local expert along its first dimension (every expert parameter)."""
-    return bool(getattr(param, "is_expert", False))
-
-
 def uses_muon(name: str, param: torch.Tensor) -> bool:
-    """Megatron's rule: 2-D weights (per expert for stacked expert weights), except the word
-    embedding, the output layer and parameters marked ``use_muon = False``."""
-    if not getattr(param, "use_muon", True):
+    """Megatron's rule: 2-D weights (stacked ``[experts, out, in]`` expert weights: per expert), except
+    biases, the word embedding, the output layer and parameters marked ``use_muon = False``."""
+    if not getattr(param, "use_muon", True) or name.endswith(".bias"):
         return False
     if name.endswith("embedding.word_embeddings.weight") or name.endswith("output_layer.weight"):
         return False
-    ndim = param.ndim - 1 if is_stacked_expert(param) else param.ndim
-    return ndim == 2 and not name.endswith(".bias")
+    return param.ndim == 2 or (param.ndim == 3 and bool(getattr(param, "is_expert", False)))
 
 
 @dataclasses.dataclass(frozen=True)
