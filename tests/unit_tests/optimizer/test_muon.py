@@ -14,7 +14,6 @@ from megatron.core import parallel_state
 from megatron.core.optimizer.muon import MatrixInfo, MuonWithAdam
 from megatron.core.optimizer.newton_schulz import coefficients
 from megatron.training.training import build_trainer
-
 from tests.unit_tests.optimizer.test_newton_schulz import reference
 
 

@@ -52,7 +52,10 @@ def test_schedules_cycle_or_repeat_the_last_set():
     assert list(coefficients("polar_express", 10)) == list(polar) + [polar[-1]] * 2
     torch.manual_seed(1)
     x = torch.randn(16, 32)
-    assert rel(newton_schulz(x, 9, "aol"), reference(x, list(COEFFICIENT_SETS["aol"]) * 2 + [COEFFICIENT_SETS["aol"][0]])) < 1e-5
+    assert (
+        rel(newton_schulz(x, 9, "aol"), reference(x, list(COEFFICIENT_SETS["aol"]) * 2 + [COEFFICIENT_SETS["aol"][0]]))
+        < 1e-5
+    )
 
 
 def test_bfloat16_iteration_follows_the_float64_one():
