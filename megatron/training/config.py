@@ -206,7 +206,7 @@ class OptimizerConfig(Freezable):
     (float32 on the CPU); low is refused (torch has no such precision)."""
 
     muon_coefficient_type: str = "quintic"
-    """Newton-Schulz coefficient set: simple, quintic, polar_express, cans, aol or deepseekv4."""
+    """Newton-Schulz coefficient set: simple, quintic, polar_express, cans, aol, deepseekv4 or cubic5 (5 steps)."""
 
     muon_num_ns_steps: int = 5
     """Newton-Schulz iterations per Muon update."""
@@ -223,7 +223,8 @@ class OptimizerConfig(Freezable):
     """Extra factor on Muon's scaled orthogonalized update."""
 
     muon_scalar_optimizer: str = flag_field("adam", choices=("adam", "lion"))
-    """Optimizer of the parameters Muon leaves out (embeddings, output layer, norms, biases): adam."""
+    """Optimizer of the parameters Muon leaves out (embeddings, output layer, norms, biases): adam (lion is not
+    supported yet)."""
 
 
 @dataclasses.dataclass
