@@ -6,7 +6,7 @@ high``: float32 Newton-Schulz, as bfloat16 would round the layouts' 1e-7 differe
 gloo CPU processes. Loss and gradient norm must match the single-process run within 1e-5
 relative: the sums run in another order (TP partial products, DP reductions), so not bitwise.
 ``blockwise`` orthogonalizes each TP shard on its own, a different update by design: it only
-has to train. The 2-rank runs share one set of processes.
+has to train. The 2-rank runs share one set of processes; TP = 2 x DP = 2 runs on 4.
 """
 
 import pytest
@@ -87,3 +87,24 @@ def test_blockwise_orthogonalizes_shards_on_their_own(singles, two_rank):
     curve = [loss for loss, _ in two_rank[0]["tp2_blockwise"]]
     assert curve[-1] < curve[0] - 0.05
     assert curve[1:] != [loss for loss, _ in singles["blockwise"]][1:]  # another update rule than the whole matrix
+
+
+def test_tp2_dp2_distributed_optimizer_matches_single_process(singles, cache):
+    argv = _argv("--tensor-model-parallel-size 2 --use-distributed-optimizer --muon-tp-mode distributed", cache)
+    for rank, runs in enumerate(run_distributed(_rank_runs, 4, {"tp2_dp2": argv}, timeout=600)):
+        _assert_close(runs["tp2_dp2"], singles["dense"], f"TP=2 x DP=2 (rank {rank})")
+
+
+@pytest.mark.gpu
+def test_cuda_newton_schulz_follows_the_cpu_one_gpu():
+    import torch
+
+    from megatron.core.optimizer.newton_schulz import newton_schulz
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 96, 64)
+    want = newton_schulz(x, 5, "quintic")
+    got = newton_schulz(x.cuda(), 5, "quintic").cpu()  # float32 (TF32 off by default for matmuls)
+    assert ((got - want).norm() / want.norm()).item() < 1e-4
+    low = newton_schulz(x.cuda(), 5, "quintic", bf16=True).cpu()  # --muon-fp32-matmul-prec medium
+    assert ((low - want).norm() / want.norm()).item() < 2e-2
