@@ -67,3 +67,14 @@ def test_distributed_optimizer_resume_is_bitwise(tmp_path, cache, fmt):
     # The checkpoint of two ranks resumes in one process without the distributed optimizer.
     (alone,) = run_distributed(_runs, 1, [_argv(f"{FP32} --ckpt-format {fmt} --load {tmp_path / 'c'}", cache)])[0]
     assert alone == pytest.approx(full[4:], rel=1e-5)
+
+
+def test_torch_dist_checkpoint_of_tp2_resumes_in_one_process(tmp_path, cache):
+    # torch_dist keys the momentum by parameter name: a TP = 2 checkpoint loads whole in one process.
+    (full,) = run_distributed(_runs, 1, [_argv(FP32, cache)])[0]
+    save = f"{FP32} --ckpt-format torch_dist --save {tmp_path / 'c'} --exit-interval 4 --tensor-model-parallel-size 2"
+    run_distributed(_runs, 2, [_argv(save, cache)], timeout=300)
+    (resumed,) = run_distributed(_runs, 1, [_argv(f"{FP32} --ckpt-format torch_dist --load {tmp_path / 'c'}", cache)])[
+        0
+    ]
+    assert resumed == pytest.approx(full[4:], rel=1e-5)
