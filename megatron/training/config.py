@@ -22,6 +22,7 @@ import torch
 from megatron.core.config_utils import Freezable, flag_field, freeze, require
 from megatron.core.datasets.builder import parse_split
 from megatron.core.datasets.fim import validate_fim_config
+from megatron.core.optimizer.muon import validate_muon
 from megatron.core.parallel_state import ParallelConfig
 from megatron.core.ssm.gated_delta_net.config import LinearAttentionConfig
 from megatron.core.ssm.mamba_config import MambaConfig
@@ -121,7 +122,9 @@ class OptimizerConfig(Freezable):
     """Optimizer and learning-rate schedule."""
 
     optimizer: str = flag_field("adam", choices=("adam", "sgd", "muon", "dist_muon"))
-    """Optimizer: adam (AdamW, decoupled weight decay, as Megatron) or sgd."""
+    """Optimizer: adam (AdamW, decoupled weight decay, as Megatron), sgd, or muon (Newton-Schulz orthogonalized
+    momentum on 2-D hidden weights, the --muon-scalar-optimizer elsewhere); dist_muon is the deprecated spelling of
+    --optimizer muon --use-distributed-optimizer."""
 
     lr: float = 1e-4
     """Peak learning rate."""
@@ -184,6 +187,44 @@ class OptimizerConfig(Freezable):
 
     sgd_momentum: float = 0.9
     """SGD momentum."""
+
+    muon_momentum: float = 0.9
+    """Momentum (EMA coefficient of the gradient) of Muon."""
+
+    muon_split_qkv: bool = flag_field(True, flag="--muon-no-split-qkv")
+    """Orthogonalize the query, key and value parts of the fused QKV weight separately."""
+
+    muon_nesterov: bool = False
+    """Nesterov-style momentum in Muon: orthogonalize the gradient moved toward the momentum."""
+
+    muon_scale_mode: str = flag_field("spectral", choices=("spectral", "unit_rms_norm", "shape_scaling"))
+    """Scale of Muon's orthogonalized update of an (out, in) weight: sqrt(max(out, in)) (spectral),
+    sqrt(out / in) (unit_rms_norm) or sqrt(max(1, out / in)) (shape_scaling)."""
+
+    muon_fp32_matmul_prec: str = flag_field("medium", choices=("low", "medium", "high"))
+    """fp32 matmul precision of the Newton-Schulz iteration: medium runs it in bfloat16, high in TF32 on CUDA
+    (float32 on the CPU); low is refused (torch has no such precision)."""
+
+    muon_coefficient_type: str = "quintic"
+    """Newton-Schulz coefficient set: simple, quintic, polar_express, cans, aol, deepseekv4 or cubic5 (5 steps)."""
+
+    muon_num_ns_steps: int = 5
+    """Newton-Schulz iterations per Muon update."""
+
+    muon_tp_mode: str = flag_field("duplicated", choices=("blockwise", "duplicated", "distributed"))
+    """Newton-Schulz of a tensor-parallel weight: each shard on its own (blockwise), the whole matrix gathered on
+    every TP rank (duplicated), or the whole matrix with the Gram matrices all-reduced over TP (distributed)."""
+
+    muon_use_syrk: bool = False
+    """Compute the symmetric Gram products with a SYRK kernel (Megatron: Triton on CUDA); here the same products
+    through matmul."""
+
+    muon_extra_scale_factor: float = 1.0
+    """Extra factor on Muon's scaled orthogonalized update."""
+
+    muon_scalar_optimizer: str = flag_field("adam", choices=("adam", "lion"))
+    """Optimizer of the parameters Muon leaves out (embeddings, output layer, norms, biases): adam (lion is not
+    supported yet)."""
 
 
 @dataclasses.dataclass
@@ -493,6 +534,12 @@ class RunConfig(Freezable):
         cfg.parallel.resolve()
         cfg.parallel.resolve_model(cfg.model, stages_from_pattern=cfg.mamba.parsed_pattern is not None)
         cfg.cuda_graph.resolve()
+        if cfg.optimizer.optimizer == "dist_muon":  # Megatron's deprecated spelling
+            warnings.warn(
+                "--optimizer dist_muon is deprecated; use --optimizer muon --use-distributed-optimizer.", stacklevel=2
+            )
+            cfg.optimizer.optimizer = "muon"
+            cfg.ddp.use_distributed_optimizer = True
         t = cfg.training
         if t.step_batch_size_schedule is not None:
             require(
@@ -666,7 +713,8 @@ class RunConfig(Freezable):
             p.accumulate_allreduce_grads_in_fp32,
             "reduced-precision gradient buffers are not supported yet; main_grad is always fp32.",
         )
-        require(o.optimizer in ("adam", "sgd"), f"--optimizer {o.optimizer} is not supported yet; use adam or sgd.")
+        if o.optimizer == "muon":
+            validate_muon(o, p)
         require(
             o.decoupled_min_lr is None or o.decoupled_lr is not None,
             "--decoupled-min-lr needs --decoupled-lr.",

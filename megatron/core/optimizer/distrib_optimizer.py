@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.distributed_data_parallel import is_expert_param
-from megatron.core.optimizer.optimizer import GROUP_ORDER, MixedPrecisionOptimizer, group_settings, param_group_rule
+from megatron.core.optimizer.muon import matrix_infos
+from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer, group_order, group_settings, param_group_rule
 
 # torch >= 2.10 renamed the single-tensor all-gather; the old name warns.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -129,6 +130,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 grad_norm_tensors=None if all_count else norm_pieces,
                 grad_norm_groups=(pg.mp, pg.intra_dp),
             )
+        if config.optimizer == "muon":
+            infos = matrix_infos([ddp.module], pg, config)
+            kwargs["muon_info"] = lambda piece: infos[id(full_of[id(piece)])]
+            kwargs["muon_assemble"] = self._assemble_muon
         super().__init__(
             pieces,
             config=config,
@@ -172,12 +177,30 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _piece_range(self, index: int) -> tuple[torch.nn.Parameter, int, int]:
         return self.shards[index]
 
+    def _assemble_muon(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, int, int]]:
+        """Muon's whole matrices: every rank's update pieces all-gathered over (instance) DP, per bucket.
+
+        A collective over the data-parallel group(s): every rank calls it each step, with or
+        without pieces of Muon parameters.
+        """
+        index = {id(main): i for i, main in enumerate(self.main_params)}
+        updates = {i: update for i, update in ((index[id(main)], update) for main, update in pairs)}
+        zero = torch.zeros(0, dtype=torch.float32, device=self.device)
+        flats = self._gather_flat(lambda i: updates.get(i, zero), only=updates)
+        wholes = []
+        for main, _update in pairs:
+            param, start, end = self.shards[index[id(main)]]
+            buffer = self._buffer_of(param)
+            lo, hi = buffer.param_range(param)
+            wholes.append((flats[id(buffer)][lo:hi], start, end))
+        return wholes
+
     # ------------------------------------------------------------------ legacy (torch format) checkpoints
 
     def _full_order(self) -> list[torch.nn.Parameter]:
         """The non-distributed optimizer's parameter order: group by group (``GROUP_ORDER``)."""
         params = list(dict.fromkeys(p for p in self.ddp.module.parameters() if p.requires_grad))
-        return [p for key in GROUP_ORDER for p in params if self.group_of(p) == key]
+        return [p for key in group_order(self.config) for p in params if self.group_of(p) == key]
 
     def _lowp_order(self) -> list[torch.nn.Parameter]:
         """Model order of the bf16/fp16 parameters (the non-distributed ``main_params`` list)."""
@@ -189,12 +212,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         expert = self.ddp.expert_grad_buffer
         return expert if expert is not None and is_expert_param(param) else self.ddp.grad_buffer
 
-    def _gather_flat(self, pieces_of) -> dict[int, torch.Tensor]:
+    def _gather_flat(self, pieces_of, only=None) -> dict[int, torch.Tensor]:
         """Per gradient buffer (by ``id``), one fp32 tensor laid out like it, with every
         rank's shards filled in: the dense buffer's over DP, the expert buffer's over
         expert-DP (of this rank's optimizer instance, which holds the whole state).
 
-        ``pieces_of(i)`` gives this rank's flat tensor for piece ``i``.
+        ``pieces_of(i)`` gives this rank's flat tensor for piece ``i`` (for the indices in ``only``
+        when given; the other pieces stay zero).
         """
         pg = self.pg
         groups = [(self.ddp.grad_buffer, pg.intra_dp, pg.intra_dp_rank, pg.intra_dp_size)]
@@ -205,6 +229,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             for buffer, *_ in groups
         }
         for i, (param, start, end) in enumerate(self.shards):
+            if only is not None and i not in only:
+                continue
             buffer = self._buffer_of(param)
             at = buffer.param_range(param)[0] + start
             flats[id(buffer)][at : at + end - start].copy_(pieces_of(i).reshape(-1))
@@ -228,13 +254,28 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         pieces = self.state_pieces()
         # Every rank steps every piece, so all ranks hold the same state names.
         names = sorted({k for piece in pieces for k, v in piece.state.items() if torch.is_tensor(v)})
-        flats = {k: self._gather_flat(lambda i, k=k: pieces[i].state[k]) for k in names if k != "step"}
+        # Every rank steps every piece, but with Muon a piece holds its kind's state only.
+        for group in dict.fromkeys((self.pg.intra_dp, self.pg.intra_expt_dp)):
+            if group is not None and self.config.optimizer == "muon":
+                every = [None] * dist.get_world_size(group)
+                dist.all_gather_object(every, names, group=group)
+                names = sorted({k for ks in every for k in ks})
+        zero = torch.zeros(0, dtype=torch.float32, device=buffer.data.device)
+        flats = {
+            k: self._gather_flat(
+                lambda i, k=k: pieces[i].state[k] if k in pieces[i].state else zero,
+                only={i for i, piece in enumerate(pieces) if k in piece.state},
+            )
+            for k in names
+            if k != "step"
+        }
         steps = None
         if "step" in names:
             index = {id(p): i for i, p in enumerate(order)}
             steps = torch.zeros(len(order), dtype=torch.float32, device=buffer.data.device)
             for piece in pieces:
-                steps[index[id(piece.param)]] = piece.state["step"].to(steps.device, torch.float32)
+                if "step" in piece.state:
+                    steps[index[id(piece.param)]] = piece.state["step"].to(steps.device, torch.float32)
             for group in dict.fromkeys((self.pg.intra_dp, self.pg.intra_expt_dp)):  # the owners of every piece
                 if group is not None:
                     dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=group)
@@ -246,18 +287,24 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             start, end = owner.param_range(param)
             return per_buffer[id(owner)][start:end].view(param.shape).clone()
 
+        names_for = getattr(self.optimizer, "state_names_for", None)  # Muon: each kind its own state
         state = {}
         if names:
             for i, param in enumerate(order):
-                entry = {k: of(per_buffer, param) for k, per_buffer in flats.items()}
-                if steps is not None:
+                kept = names if names_for is None else names_for(group_settings(self.group_of(param), self.config))
+                entry = {k: of(per_buffer, param) for k, per_buffer in flats.items() if k in kept}
+                if steps is not None and "step" in kept:
                     entry["step"] = steps[i].cpu().clone()
                 state[i] = entry
-        template = {k: v for k, v in self.optimizer.param_groups[0].items() if k not in ("params", "max_lr", "min_lr")}
         groups, first = [], 0
-        for key in GROUP_ORDER:
+        for key in group_order(self.config):
             members = [i for i, p in enumerate(order) if self.group_of(p) == key]
             if members:
+                if hasattr(self.optimizer, "group_template"):
+                    live = self.optimizer.group_template(key[2])
+                else:
+                    live = self.optimizer.param_groups[0]
+                template = {k: v for k, v in live.items() if k not in ("params", "max_lr", "min_lr")}
                 group = dict(template, **group_settings(key, self.config))  # lr: the scheduler sets it on load
                 groups.append(dict(group, params=list(range(first, first + len(members)))))
                 first += len(members)
@@ -335,6 +382,9 @@ def build_optimizer(ddp, *, pg, config, precision, preallocate_state: bool = Fal
     params = [p for p in ddp.module.parameters() if p.requires_grad]
     buffers = [b.data for b in ddp.grad_buffers]
     kwargs.setdefault("group_of", param_group_rule(ddp.module, config))
+    if config.optimizer == "muon":
+        infos = matrix_infos([ddp.module], pg, config)
+        kwargs.setdefault("muon_info", lambda param: infos[id(param)])
     if ddp.expert_grad_buffer is not None and expert_norm_separate(pg):
         # Dense gradients are replicated over DP: summed over MP. Expert gradients are
         # replicated over expert-DP only: summed over EP, expert TP (the shards) and PP;

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron.core.optimizer.muon import MatrixInfo, MuonWithAdam, uses_muon
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -46,11 +47,19 @@ def _uses_weight_decay(param: torch.Tensor) -> bool:
     return param.ndim >= 2
 
 
-GroupKey = tuple[bool, bool]
-"""A parameter's optimizer group: (gets weight decay, uses --decoupled-lr)."""
+GroupKey = tuple[bool, ...]
+"""A parameter's optimizer group: (gets weight decay, uses --decoupled-lr), and with --optimizer muon a third
+element: orthogonalized by Muon (else stepped by Adam)."""
 
 GROUP_ORDER: tuple[GroupKey, ...] = ((True, False), (False, False), (True, True), (False, True))
 """The order of the param groups (and of a non-distributed state dict's parameters)."""
+
+
+def group_order(config) -> tuple[GroupKey, ...]:
+    """``GROUP_ORDER``; with --optimizer muon the Muon groups first, then the Adam ones."""
+    if getattr(config, "optimizer", None) != "muon":
+        return GROUP_ORDER
+    return tuple(key + (True,) for key in GROUP_ORDER) + tuple(key + (False,) for key in GROUP_ORDER)
 
 
 def _default_group(param: torch.Tensor) -> GroupKey:
@@ -62,11 +71,13 @@ def param_group_rule(module: torch.nn.Module, config) -> Callable[[torch.Tensor]
 
     No weight decay for 1-D parameters and biases, except (``--apply-wd-to-qk-layernorm``)
     the q/k layernorm ones; with ``--decoupled-lr`` the input embedding and the output
-    layer weights form groups of their own.
+    layer weights form groups of their own; with ``--optimizer muon`` Muon's parameters
+    (``muon.uses_muon``) and Adam's are in separate groups.
     """
     names = {id(p): n for n, p in module.named_parameters()}
     qk = bool(getattr(config, "apply_wd_to_qk_layernorm", False))
     decoupled = getattr(config, "decoupled_lr", None) is not None
+    muon = getattr(config, "optimizer", None) == "muon"
 
     def group_of(param: torch.Tensor) -> GroupKey:
         name = names.get(id(param), "")
@@ -74,6 +85,8 @@ def param_group_rule(module: torch.nn.Module, config) -> Callable[[torch.Tensor]
         if qk and ("q_layernorm." in name or "k_layernorm." in name):
             decays = True
         embedding_or_output = name.endswith("embedding.word_embeddings.weight") or name.endswith("output_layer.weight")
+        if muon:
+            return decays, decoupled and embedding_or_output, uses_muon(name, param)
         return decays, decoupled and embedding_or_output
 
     return group_of
@@ -81,16 +94,20 @@ def param_group_rule(module: torch.nn.Module, config) -> Callable[[torch.Tensor]
 
 def group_settings(key: GroupKey, config) -> dict[str, Any]:
     """The hyper-parameters of one param group: weight decay and, for --decoupled-lr, its lr range."""
-    decays, decoupled = key
+    decays, decoupled = key[:2]
     settings: dict[str, Any] = {"weight_decay": config.weight_decay if decays else 0.0}
+    if len(key) > 2:
+        settings["use_muon"] = key[2]
     if decoupled:
         settings["max_lr"] = config.decoupled_lr
         settings["min_lr"] = config.decoupled_min_lr if config.decoupled_min_lr is not None else config.min_lr
     return settings
 
 
-def _build_inner(groups: list[dict[str, Any]], config, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW or SGD, fused on CUDA when this torch supports it, else foreach."""
+def _build_inner(groups: list[dict[str, Any]], config, device: torch.device, **muon) -> torch.optim.Optimizer:
+    """AdamW or SGD, fused on CUDA when this torch supports it, else foreach; or Muon with AdamW."""
+    if config.optimizer == "muon":
+        return MuonWithAdam(groups, config=config, **muon)
     if config.optimizer == "adam":
         cls = torch.optim.AdamW
         kwargs = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
@@ -168,7 +185,9 @@ class MixedPrecisionOptimizer:
             the gradients whose squared norms are summed over different groups (dense
             and expert gradients under expert parallelism); the global norm adds them.
         group_of: ``param -> (decays, decoupled lr)`` (``param_group_rule``; default: 2-D
-            and larger params decay, no decoupled lr).
+            and larger params decay, no decoupled lr). --optimizer muon needs the rule.
+        muon_info: ``param -> MatrixInfo`` of the Muon parameters (--optimizer muon).
+        muon_assemble: How Muon gets whole matrices (``muon.Assemble``; the distributed optimizer's).
     """
 
     def __init__(
@@ -184,6 +203,8 @@ class MixedPrecisionOptimizer:
         grad_norm_groups: Sequence[Any] = (),
         grad_norm_parts: Sequence[tuple[Sequence[torch.Tensor], Sequence[Any]]] | None = None,
         group_of: Callable[[torch.Tensor], GroupKey] = _default_group,
+        muon_info: Callable[[torch.Tensor], MatrixInfo] | None = None,
+        muon_assemble=None,
     ):
         self.config = config
         self.skip_non_finite = skip_non_finite
@@ -225,12 +246,19 @@ class MixedPrecisionOptimizer:
 
         keys = [group_of(p) for p in self.model_params]
         groups = []
-        for key in GROUP_ORDER:
+        for key in group_order(config):
             members = [m for m, k in zip(self.main_params, keys) if k == key]
             if members:
                 groups.append({"params": members, **group_settings(key, config)})
+        assert sum(len(g["params"]) for g in groups) == len(self.main_params), "group_of gave keys out of order"
         self.device = self.main_params[0].device
-        self.optimizer = _build_inner(groups, config, self.device)
+        muon = {}
+        if config.optimizer == "muon":
+            if muon_info is None:
+                raise ValueError("--optimizer muon needs muon_info (build the optimizer with build_optimizer).")
+            param_of = {id(m): p for m, p in zip(self.main_params, self.model_params)}
+            muon = dict(info_of=lambda main: muon_info(param_of[id(main)]), assemble=muon_assemble)
+        self.optimizer = _build_inner(groups, config, self.device, **muon)
         self._fused = bool(self.optimizer.param_groups[0].get("fused"))  # takes found_inf on the device
         self._fused_adam = config.optimizer == "adam" and self._fused
         self._fused_lists: tuple | None = None  # see _build_fused_lists
@@ -273,6 +301,8 @@ class MixedPrecisionOptimizer:
         if self.config.optimizer == "adam":
             amsgrad = any(group.get("amsgrad") for group in self.optimizer.param_groups)
             return ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+        if self.config.optimizer == "muon":
+            return ["step", "exp_avg", "exp_avg_sq", "momentum_buffer"]
         return ["momentum_buffer"] if self.config.sgd_momentum else []
 
     def allocate_state(self, names: Iterable[str], *, only_empty: bool = False) -> None:
@@ -282,13 +312,15 @@ class MixedPrecisionOptimizer:
         ``only_empty`` a tensor whose state exists already is left alone.
         """
         names = list(names)
+        names_for = getattr(self.optimizer, "state_names_for", None)  # Muon: what each kind of group holds
         for group in self.optimizer.param_groups:
             on_device = group.get("fused") or group.get("capturable")
+            wanted = names if names_for is None else [n for n in names if n in names_for(group)]
             for p in group["params"]:
                 state = self.optimizer.state[p]
                 if only_empty and state:
                     continue
-                for name in names:
+                for name in wanted:
                     if name in state:
                         continue
                     if name == "step":

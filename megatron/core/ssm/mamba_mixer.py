@@ -185,6 +185,7 @@ class MambaMixer(torch.nn.Module):
             device=device,
         )
         self.in_proj.weight.partition_sizes = self._split_sizes()  # rank-local [z, x, B, C, dt] rows
+        self.in_proj.weight.use_muon = False  # Megatron steps it with Adam under --optimizer muon
 
         conv_dim = self.d_inner_local + 2 * self.ngroups_local * self.d_state  # x, B, C
         self.conv1d = ConvWeights(conv_dim, d_conv, device=device, dtype=dtype)
