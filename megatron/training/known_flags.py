@@ -251,8 +251,6 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
     "--recompute-modules": not_yet("--recompute-modules", LIST, "", "use --recompute-granularity selective"),
     "--fine-grained-activation-offloading": not_yet("--fine-grained-activation-offloading", SWITCH),
     "--offload-modules": not_yet("--offload-modules", LIST),
-    "--use-mup": not_yet("--use-mup", SWITCH, "muP parametrization"),
-    "--mup-base-hidden-size": not_yet("--mup-base-hidden-size", VALUE, "muP parametrization"),
     "--muon-momentum": not_yet("--muon-momentum", VALUE, "the Muon optimizer", "use --optimizer adam"),
     "--muon-extra-scale-factor": not_yet("--muon-extra-scale-factor", VALUE, "the Muon optimizer"),
     "--muon-scale-mode": not_yet("--muon-scale-mode", VALUE, "the Muon optimizer"),

@@ -40,7 +40,13 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.distributed_data_parallel import is_expert_param
-from megatron.core.optimizer.optimizer import GROUP_ORDER, MixedPrecisionOptimizer, group_settings, param_group_rule
+from megatron.core.optimizer.optimizer import (
+    GROUP_ORDER,
+    MixedPrecisionOptimizer,
+    group_settings,
+    mup_width_mult_of,
+    param_group_rule,
+)
 
 # torch >= 2.10 renamed the single-tensor all-gather; the old name warns.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -258,7 +264,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for key in GROUP_ORDER:
             members = [i for i, p in enumerate(order) if self.group_of(p) == key]
             if members:
-                group = dict(template, **group_settings(key, self.config))  # lr: the scheduler sets it on load
+                # lr: the scheduler sets it on load
+                group = dict(template, **group_settings(key, self.config, self.mup_width_mult))
                 groups.append(dict(group, params=list(range(first, first + len(members)))))
                 first += len(members)
         return {
@@ -328,6 +335,7 @@ def build_optimizer(ddp, *, pg, config, precision, preallocate_state: bool = Fal
         preallocate_state: Allocate Adam's moments now (CUDA graphs).
         kwargs: Further ``MixedPrecisionOptimizer`` arguments (``skip_non_finite``).
     """
+    kwargs.setdefault("mup_width_mult", mup_width_mult_of(ddp.module))
     if ddp.use_distributed_optimizer:
         return DistributedOptimizer(
             ddp, pg=pg, config=config, precision=precision, preallocate_state=preallocate_state, **kwargs

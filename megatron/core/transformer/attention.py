@@ -84,7 +84,8 @@ class SelfAttention(torch.nn.Module):
         self.num_heads = heads // tp_size  # local to this TP rank
         self.num_groups = groups // tp_size
         self.heads_per_group = heads // groups
-        self.softmax_scale = 1.0 / math.sqrt(kv)
+        scale = getattr(config, "softmax_scale", None)  # set by muP
+        self.softmax_scale = scale if scale is not None else 1.0 / math.sqrt(kv)
         self.attention_dropout = config.attention_dropout
         self.attention_backend = getattr(config, "attention_backend", "auto")
         self.recompute_core_attention = getattr(config, "recompute_granularity", None) == "selective"
@@ -98,7 +99,7 @@ class SelfAttention(torch.nn.Module):
             config.hidden_size,
             ((2 if self.output_gate else 1) * heads + 2 * groups) * kv,
             config=config,
-            init_method=init_method_normal(config.init_method_std),
+            init_method=init_method_normal(config.hidden_init_std()),
             bias=config.add_bias_linear,
             gather_output=False,
             pg=pg,
@@ -108,7 +109,7 @@ class SelfAttention(torch.nn.Module):
             heads * kv,
             config.hidden_size,
             config=config,
-            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+            init_method=scaled_init_method_normal(config.hidden_init_std(), config.num_layers),
             bias=config.add_bias_linear,
             input_is_parallel=True,
             skip_bias_add=False,  # in the GEMM: no fused bias-dropout-add kernel to defer it to

@@ -7,6 +7,7 @@ filled by ``finalize()``; ``validate()`` raises ``ValueError`` naming the flag.
 """
 
 import dataclasses
+import math
 
 import torch
 
@@ -132,6 +133,33 @@ class TransformerConfig(Freezable):
     recompute_num_layers: int | None = None
     """Layers per recompute chunk (uniform) or recomputed layers (block)."""
 
+    use_mup: bool = False
+    """Maximal Update Parametrization (muP): hidden weights initialised with std / sqrt(m) (output
+    projections std / (sqrt(2 L) sqrt(m))), hidden matrices trained with lr / m (Adam: eps / m too;
+    SGD: vector-like params with lr * m instead), attention scaled by 1 / d_head and logits by
+    --mup-output-mult, where m = --hidden-size / --mup-base-hidden-size."""
+
+    mup_base_hidden_size: int | None = None
+    """Hidden size of the muP base (proxy) model; defaults to --hidden-size (m = 1)."""
+
+    mup_embedding_mult: float = 1.0
+    """muP: multiplier of the embedding output."""
+
+    mup_output_mult: float = 1.0
+    """muP: multiplier of the output logits; left at 1.0 it becomes 1 / m."""
+
+    mup_base_head_dim: float | None = None
+    """muP: the attention scale becomes sqrt(this) / kv_channels ** --mup-attn-scale-power (default numerator 1)."""
+
+    mup_attn_scale_power: float = 1.0
+    """muP: power of kv_channels in the attention scale (1.0: 1 / d_head, 0.5: standard 1 / sqrt(d_head))."""
+
+    mup_width_mult: float = flag_field(1.0, no_flag=True)
+    """muP width multiplier m = --hidden-size / --mup-base-hidden-size (derived; 1.0 without muP)."""
+
+    softmax_scale: float | None = flag_field(None, no_flag=True)
+    """Scale of Q K^T before the softmax (derived: set by muP; None means 1 / sqrt(kv_channels))."""
+
     vocab_size: int | None = flag_field(None, no_flag=True)
     """Padded vocabulary size, set by the tokenizer setup (the --vocab-size flag lives in the data config)."""
 
@@ -161,9 +189,32 @@ class TransformerConfig(Freezable):
             self.num_query_groups = 1  # Megatron's default: --group-query-attention alone is multi-query
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+        if self.use_mup:
+            self._finalize_mup()
         self.moe.finalize(self)
         self.linear_attention.finalize(self)
         return self
+
+    def _finalize_mup(self) -> None:
+        # Megatron's order: width multiplier, attention scale, then the output multiplier's default.
+        if self.mup_base_hidden_size is None:
+            self.mup_base_hidden_size = self.hidden_size
+        if self.mup_base_hidden_size <= 0:
+            return  # validate() names the flag
+        self.mup_width_mult = self.hidden_size / self.mup_base_hidden_size
+        if self.softmax_scale is None and self.kv_channels is not None:
+            numerator = 1.0 if self.mup_base_head_dim is None else self.mup_base_head_dim**0.5
+            self.softmax_scale = numerator / (self.kv_channels**self.mup_attn_scale_power)
+        if self.mup_output_mult == 1.0 and self.mup_width_mult != 1.0:
+            self.mup_output_mult = 1.0 / self.mup_width_mult
+
+    def hidden_init_std(self) -> float:
+        """Std of the normal init of hidden weights: --init-method-std, over sqrt(m) with muP.
+
+        The embeddings (and an untied output layer) keep --init-method-std; residual output
+        projections divide this by sqrt(2 * --num-layers).
+        """
+        return self.init_method_std / math.sqrt(self.mup_width_mult) if self.use_mup else self.init_method_std
 
     def validate(self) -> None:
         """Raises ``ValueError`` for inconsistent model flags."""
@@ -212,6 +263,11 @@ class TransformerConfig(Freezable):
             "--transformer-impl inference_optimized is not supported: this trainer does not do inference; "
             "use --transformer-impl local or transformer_engine.",
         )
+        if self.use_mup:
+            require(
+                self.mup_base_hidden_size is None or self.mup_base_hidden_size > 0,
+                f"--mup-base-hidden-size must be positive, got {self.mup_base_hidden_size}.",
+            )
         self._validate_recompute()
 
     def _validate_recompute(self) -> None:

@@ -200,8 +200,8 @@ def test_known_unsupported_flags_raise(argv, flag):
 
 def test_all_rejections_are_reported_together():
     with pytest.raises(ValueError) as info:
-        parse_args(BASE + ["--use-mup", "--fp8-format", "hybrid"])
-    assert "--use-mup" in str(info.value) and "--fp8-format" in str(info.value)
+        parse_args(BASE + ["--muon-momentum", "0.9", "--fp8-format", "hybrid"])
+    assert "--muon-momentum" in str(info.value) and "--fp8-format" in str(info.value)
 
 
 def test_known_accepted_flags_are_no_ops():

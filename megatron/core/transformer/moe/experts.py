@@ -454,7 +454,7 @@ class GroupedMLP(torch.nn.Module):
         self.num_local_experts = num_local_experts
         self.gated = config.gated_linear_unit
         ffn = config.moe.moe_ffn_hidden_size
-        std = config.init_method_std
+        std = config.hidden_init_std()
         out_std = std / (2.0 * config.num_layers) ** 0.5
         h = config.hidden_size
         bias = config.add_bias_linear
@@ -545,7 +545,7 @@ class SharedExpertMLP(MLP):
                 torch.empty(1, config.hidden_size, device=resolve_device(device), dtype=config.params_dtype)
             )
             with torch.no_grad():
-                self.gate_weight.normal_(0.0, config.init_method_std)
+                self.gate_weight.normal_(0.0, config.hidden_init_std())
             # Applied to a sequence shard: its gradient is partial on each TP rank.
             self.gate_weight.sequence_parallel = uses_sequence_parallel(pg)
         else:
