@@ -50,7 +50,6 @@ _OUT_OF_SCOPE_PREFIXES = (
 # Flags of features with open issues here (expect: not_yet).
 _NOT_YET_FLAGS = (
     "--is-hybrid-model",
-    "--recompute-modules",
     "--fine-grained-activation-offloading",
 )
 # --spec values that name the layers our scripts build (megatron/training/known_flags.py says

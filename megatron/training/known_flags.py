@@ -248,7 +248,6 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
         accepted_values=("megatron.core.models.hybrid.hybrid_layer_specs hybrid_stack_spec",),
         note="the hybrid stack spec of Megatron's hybrid command lines is the one pretrain_hybrid.py builds",
     ),
-    "--recompute-modules": not_yet("--recompute-modules", LIST, "", "use --recompute-granularity selective"),
     "--fine-grained-activation-offloading": not_yet("--fine-grained-activation-offloading", SWITCH),
     "--offload-modules": not_yet("--offload-modules", LIST),
     "--muon-momentum": not_yet("--muon-momentum", VALUE, "the Muon optimizer", "use --optimizer adam"),

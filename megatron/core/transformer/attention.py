@@ -41,6 +41,7 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.tensor_parallel.random import fork_if
 from megatron.core.transformer.norm import build_norm
+from megatron.core.transformer.recompute import recomputes
 
 # --attention-backend -> SDPA kernels allowed (CUDA; see the module docstring for the CPU).
 _SDPA_BACKENDS = {
@@ -88,7 +89,7 @@ class SelfAttention(torch.nn.Module):
         self.softmax_scale = scale if scale is not None else 1.0 / math.sqrt(kv)
         self.attention_dropout = config.attention_dropout
         self.attention_backend = getattr(config, "attention_backend", "auto")
-        self.recompute_core_attention = getattr(config, "recompute_granularity", None) == "selective"
+        self.recompute_core_attention = recomputes(config, "core_attn")
         self.rope = apply_rotary_pos_emb_interleaved if getattr(config, "rotary_interleaved", False) else None
         self.output_gate = getattr(config, "attention_output_gate", False)
         self.q_layernorm = self.k_layernorm = None

@@ -14,6 +14,7 @@ import torch
 from megatron.core.config_utils import Freezable, flag_field, require
 from megatron.core.ssm.gated_delta_net.config import LinearAttentionConfig
 from megatron.core.transformer.moe.moe_config import MoEConfig
+from megatron.core.transformer.recompute import SELECTIVE_MODULES
 
 
 @dataclasses.dataclass
@@ -124,7 +125,8 @@ class TransformerConfig(Freezable):
     (Megatron's default) runs them with one line saying so."""
 
     recompute_granularity: str | None = flag_field(None, choices=("full", "selective"))
-    """Activation recompute: full recomputes whole layers in backward, selective only core attention."""
+    """Activation recompute: full recomputes whole layers in backward, selective the parts --recompute-modules
+    names."""
 
     recompute_method: str | None = flag_field(None, choices=("uniform", "block"))
     """With --recompute-granularity full: uniform recomputes chunks of --recompute-num-layers layers
@@ -132,6 +134,12 @@ class TransformerConfig(Freezable):
 
     recompute_num_layers: int | None = None
     """Layers per recompute chunk (uniform) or recomputed layers (block)."""
+
+    recompute_modules: list[str] | None = flag_field(None, nargs="*")
+    """What --recompute-granularity selective recomputes (default core_attn): core_attn (core attention),
+    mlp (dense MLPs), moe (MoE layers), shared_experts, layernorm (the two norms' outputs) and moe_act
+    (the experts' activation, with --moe-grouped-gemm); the last two are not kept but recomputed for
+    the backward of the ops that read them."""
 
     use_mup: bool = False
     """Maximal Update Parametrization (muP): hidden weights initialised with std / sqrt(m) (output
@@ -189,6 +197,8 @@ class TransformerConfig(Freezable):
             self.num_query_groups = 1  # Megatron's default: --group-query-attention alone is multi-query
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+        if self.recompute_modules is None:
+            self.recompute_modules = ["core_attn"]  # Megatron's default
         if self.use_mup:
             self._finalize_mup()
         self.moe.finalize(self)
@@ -279,6 +289,7 @@ class TransformerConfig(Freezable):
                 n is None,
                 "--recompute-num-layers applies to --recompute-granularity full only; drop it with selective.",
             )
+            self._validate_recompute_modules()
             return
         require(m is not None, "--recompute-granularity full needs --recompute-method uniform or block.")
         require(n is not None and n >= 1, "--recompute-granularity full needs --recompute-num-layers N (N >= 1).")
@@ -287,3 +298,25 @@ class TransformerConfig(Freezable):
                 n <= self.num_layers,
                 f"--recompute-num-layers ({n}) exceeds --num-layers ({self.num_layers}) with --recompute-method block.",
             )
+
+    def _validate_recompute_modules(self) -> None:
+        modules = self.recompute_modules or []
+        elsewhere = {
+            "mla_up_proj": "multi-latent attention is not supported by this trainer",
+            "mhc": "hyper-connections (--enable-mhc-connections) are not supported by this trainer",
+            "gdp_in_proj": "GatedDeltaProduct (--experimental-attention-variant gdn2) is not supported yet",
+            "gdp_qkv": "GatedDeltaProduct (--experimental-attention-variant gdn2) is not supported yet",
+            "gdn_norm_out": "recomputing the GatedDeltaNet output norm is not supported yet",
+        }
+        for name in modules:
+            if name in elsewhere:
+                raise ValueError(f"--recompute-modules {name}: {elsewhere[name]}; drop {name}.")
+            require(
+                name in SELECTIVE_MODULES,
+                f"--recompute-modules: invalid choice {name!r}; choose from {' '.join(SELECTIVE_MODULES)}.",
+            )
+        require(
+            "moe_act" not in modules or self.moe.moe_grouped_gemm,
+            "--recompute-modules moe_act is only supported with --moe-grouped-gemm (as in Megatron); "
+            "add --moe-grouped-gemm or drop moe_act.",
+        )
