@@ -248,8 +248,6 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
         accepted_values=("megatron.core.models.hybrid.hybrid_layer_specs hybrid_stack_spec",),
         note="the hybrid stack spec of Megatron's hybrid command lines is the one pretrain_hybrid.py builds",
     ),
-    "--fine-grained-activation-offloading": not_yet("--fine-grained-activation-offloading", SWITCH),
-    "--offload-modules": not_yet("--offload-modules", LIST),
     "--muon-momentum": not_yet("--muon-momentum", VALUE, "the Muon optimizer", "use --optimizer adam"),
     "--muon-extra-scale-factor": not_yet("--muon-extra-scale-factor", VALUE, "the Muon optimizer"),
     "--muon-scale-mode": not_yet("--muon-scale-mode", VALUE, "the Muon optimizer"),

@@ -14,6 +14,7 @@ import torch
 from megatron.core.config_utils import Freezable, flag_field, require
 from megatron.core.ssm.gated_delta_net.config import LinearAttentionConfig
 from megatron.core.transformer.moe.moe_config import MoEConfig
+from megatron.core.transformer.offload import OFFLOAD_MODULES
 from megatron.core.transformer.recompute import SELECTIVE_MODULES
 
 
@@ -168,6 +169,17 @@ class TransformerConfig(Freezable):
     softmax_scale: float | None = flag_field(None, no_flag=True)
     """Scale of Q K^T before the softmax (derived: set by muP; None means 1 / sqrt(kv_channels))."""
 
+    fine_grained_activation_offloading: bool = False
+    """Offload what the --offload-modules parts save for backward to host memory (pinned with CUDA),
+    copied back for their backward: the same results, less device memory."""
+
+    offload_modules: list[str] = flag_field(default_factory=list, nargs="*")
+    """Parts whose saved tensors are offloaded: attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm,
+    expert_fc1, moe_act (the last two with --moe-grouped-gemm)."""
+
+    min_offloaded_tensor_size: int = 1024 * 1024
+    """Saved tensors smaller than this many bytes stay on the device."""
+
     vocab_size: int | None = flag_field(None, no_flag=True)
     """Padded vocabulary size, set by the tokenizer setup (the --vocab-size flag lives in the data config)."""
 
@@ -279,6 +291,7 @@ class TransformerConfig(Freezable):
                 f"--mup-base-hidden-size must be positive, got {self.mup_base_hidden_size}.",
             )
         self._validate_recompute()
+        self._validate_offloading()
 
     def _validate_recompute(self) -> None:
         g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
@@ -319,4 +332,45 @@ class TransformerConfig(Freezable):
             "moe_act" not in modules or self.moe.moe_grouped_gemm,
             "--recompute-modules moe_act is only supported with --moe-grouped-gemm (as in Megatron); "
             "add --moe-grouped-gemm or drop moe_act.",
+        )
+
+    def _validate_offloading(self) -> None:
+        if not self.fine_grained_activation_offloading:
+            return
+        modules = set(self.offload_modules)
+        flag = "--fine-grained-activation-offloading"
+        require(bool(modules), f"{flag} needs --offload-modules NAME ... ({' '.join(OFFLOAD_MODULES)}).")
+        for name in sorted(modules - set(OFFLOAD_MODULES)):
+            if name == "fused_group_mlp":
+                raise ValueError(
+                    "--offload-modules fused_group_mlp needs Transformer Engine's op fuser, which this trainer "
+                    "does not use; offload expert_fc1 and moe_act instead."
+                )
+            if name == "gdp_qkv":
+                raise ValueError(
+                    "--offload-modules gdp_qkv: GatedDeltaProduct (--experimental-attention-variant gdn2) is not "
+                    "supported yet; drop gdp_qkv."
+                )
+            raise ValueError(f"--offload-modules: invalid choice {name!r}; choose from {' '.join(OFFLOAD_MODULES)}.")
+        require(
+            "attn_proj" not in modules or "core_attn" in modules,
+            "--offload-modules attn_proj needs core_attn too: attn_proj's input is core attention's output, which "
+            "core attention's backward needs (as in Megatron).",
+        )
+        inside_moe = sorted(modules & {"expert_fc1", "moe_act"})
+        if inside_moe and self.moe.enabled:
+            require(
+                self.moe.moe_grouped_gemm,
+                f"--offload-modules {' '.join(inside_moe)} needs --moe-grouped-gemm here (the expert loop without it "
+                "is one autograd function); add --moe-grouped-gemm or drop them.",
+            )
+        require(
+            not (inside_moe and self.recompute_granularity == "selective" and "moe" in (self.recompute_modules or ())),
+            f"--offload-modules {' '.join(inside_moe)} inside MoE layers that --recompute-modules moe recomputes "
+            "keeps nothing to offload (as in Megatron); drop moe from --recompute-modules or those from "
+            "--offload-modules.",
+        )
+        require(
+            self.min_offloaded_tensor_size >= 0,
+            f"--min-offloaded-tensor-size must be >= 0, got {self.min_offloaded_tensor_size}.",
         )

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.transformer.cuda_graphs.regions import GraphRegions, RegionSpec
+from megatron.core.transformer.offload import offloader_for
 from megatron.core.transformer.recompute import OutputDiscarder, checkpointed, recomputes
 from megatron.core.transformer.spec_utils import build_module
 
@@ -69,6 +70,7 @@ class TransformerLayer(torch.nn.Module):
         # Selective recompute (--recompute-modules): norm outputs discarded, the dense MLP checkpointed.
         self.recompute_layernorm = recomputes(config, "layernorm")
         self.recompute_mlp = recomputes(config, "mlp")
+        self.offload = offloader_for(config)  # --offload-modules attn_norm mlp_norm
 
     def _recomputing(self) -> bool:
         return self.training and torch.is_grad_enabled()
@@ -96,7 +98,8 @@ class TransformerLayer(torch.nn.Module):
         assert rotary_pos_emb is not None or not self.uses_rope, "a RoPE model must pass rotary_pos_emb"
         discarder = self._norm_discarder()
         with self._readers(discarder):
-            ln_out = self._norm(self.input_layernorm, hidden_states, discarder)
+            with self.offload.scope("attn_norm", self.training):
+                ln_out = self._norm(self.input_layernorm, hidden_states, discarder)
             out, bias = self.self_attention(ln_out, rotary_pos_emb=rotary_pos_emb)
         return self._bias_dropout_add(out, bias, hidden_states)
 
@@ -104,7 +107,8 @@ class TransformerLayer(torch.nn.Module):
         """MLP region: norm -> MLP -> bias-dropout-add onto the residual."""
         discarder = self._norm_discarder()
         with self._readers(discarder):
-            ln_out = self._norm(self.pre_mlp_layernorm, hidden_states, discarder)
+            with self.offload.scope("mlp_norm", self.training):
+                ln_out = self._norm(self.pre_mlp_layernorm, hidden_states, discarder)
             if self.recompute_mlp and self._recomputing():
                 out, bias = checkpointed(self.mlp, ln_out)
             else:

@@ -46,6 +46,7 @@ from megatron.core.tensor_parallel.layers import (
     uses_sequence_parallel,
 )
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.offload import offloader_for
 from megatron.core.transformer.recompute import OutputDiscarder, recomputes
 
 
@@ -455,6 +456,7 @@ class GroupedMLP(torch.nn.Module):
         device = resolve_device(device)
         self.num_local_experts = num_local_experts
         self.recompute_activation = recomputes(config, "moe_act")
+        self.offload = offloader_for(config)  # --offload-modules expert_fc1 moe_act
         self.gated = config.gated_linear_unit
         ffn = config.moe.moe_ffn_hidden_size
         std = config.hidden_init_std()
@@ -508,7 +510,8 @@ class GroupedMLP(torch.nn.Module):
         # Row-major tokens and activations, column-major (transposed) weights: each has a
         # unit stride and a leading stride of h or ffn elements (grouped_mm_shapes_conform).
         tokens = tokens.contiguous()
-        intermediate = F.grouped_mm(tokens, fc1.weight.transpose(-2, -1), offs=offs)
+        with self.offload.scope("expert_fc1", self.training):
+            intermediate = F.grouped_mm(tokens, fc1.weight.transpose(-2, -1), offs=offs)
         if fc1.bias is not None or fc2.bias is not None:
             experts = torch.arange(n, device=device)
             row_expert = torch.repeat_interleave(experts, counts, output_size=tokens.shape[0])
@@ -531,7 +534,9 @@ class GroupedMLP(torch.nn.Module):
             for i, (x, p) in enumerate(zip(torch.split(tokens, counts), torch.split(probs, counts))):
                 b1 = None if fc1.bias is None else fc1.bias[i]
                 b2 = None if fc2.bias is None else fc2.bias[i]
-                act = self._scaled_activation(F.linear(x, fc1.weight[i], b1), p, discarder)
+                with self.offload.scope("expert_fc1", self.training):
+                    intermediate = F.linear(x, fc1.weight[i], b1)
+                act = self._scaled_activation(intermediate, p, discarder)
                 outs.append(F.linear(act, fc2.weight[i], b2))
         return torch.cat(outs, dim=0)
 
@@ -545,7 +550,8 @@ class GroupedMLP(torch.nn.Module):
         def scaled(x, p):
             return _activate(x, self.gated) * p.unsqueeze(-1).to(x.dtype)
 
-        return scaled(intermediate, probs) if discarder is None else discarder.run(scaled, intermediate, probs)
+        with self.offload.scope("moe_act", self.training):
+            return scaled(intermediate, probs) if discarder is None else discarder.run(scaled, intermediate, probs)
 
 
 class SharedExpertMLP(MLP):

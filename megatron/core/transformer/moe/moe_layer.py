@@ -337,7 +337,8 @@ class MoETransformerLayer(TransformerLayer):
             with self._readers(discarder):
                 if not (self.recompute_moe and self._recomputing()):
                     return self._forward_moe_phases(hidden_states, discarder)
-                ln_out = self._norm(self.pre_mlp_layernorm, hidden_states, discarder)
+                with self.offload.scope("mlp_norm", self.training):
+                    ln_out = self._norm(self.pre_mlp_layernorm, hidden_states, discarder)
                 out, stats = checkpointed(self.mlp, ln_out)
             return self._bias_dropout_add(out, None, hidden_states), stats
         return self._forward_moe_phases(hidden_states)
@@ -358,7 +359,8 @@ class MoETransformerLayer(TransformerLayer):
 
     def _forward_moe_router(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Router region: ``(norm output, probs, routing_map, stats[, shared experts' output])``."""
-        ln_out = self._norm(self.pre_mlp_layernorm, hidden_states, self._router_norm_discarder)
+        with self.offload.scope("mlp_norm", self.training):
+            ln_out = self._norm(self.pre_mlp_layernorm, hidden_states, self._router_norm_discarder)
         probs, routing_map, stats = self.mlp.route(ln_out)
         if self.mlp.shared_experts is None:
             return ln_out, probs, routing_map, stats
