@@ -21,6 +21,7 @@ same inputs, once more in backward. Recompute is off in evaluation and under
 ``torch.no_grad()``.
 """
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -103,8 +104,9 @@ class OutputDiscarder:
     """
 
     def __init__(self):
-        # Per output: its identity (no reference: the output must be freed) and how to recompute it.
-        self._outputs: list[tuple[tuple, Callable, tuple]] = []
+        # Per output: a weak reference (the output must be freed once its readers ran) and how to
+        # recompute it.
+        self._outputs: list[tuple[weakref.ref, Callable, tuple]] = []
 
     def run(self, fn: Callable, *args) -> torch.Tensor:
         """``fn(*args)``, registered for discarding (a plain call when autograd does not record)."""
@@ -112,14 +114,21 @@ class OutputDiscarder:
             return fn(*args)
         out = checkpointed(fn, *args)
         inputs = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-        self._outputs.append((_identity(out), fn, inputs))
+        self._outputs.append((weakref.ref(out), fn, inputs))
         return out
 
     def _match(self, tensor: torch.Tensor) -> int | None:
-        # While the readers run the output is alive (their caller holds it): its address is its own.
-        key = _identity(tensor)
-        for i, (identity, _, _) in enumerate(self._outputs):
-            if key == identity:
+        # Only a live output matches: a freed one's memory may already hold another tensor of the
+        # same shape (a loop's next activation). While alive, its address and layout are its own.
+        key = None
+        for i, (ref, _, _) in enumerate(self._outputs):
+            out = ref()
+            if out is None:
+                continue
+            if tensor is out:
+                return i
+            key = _identity(tensor) if key is None else key
+            if key == _identity(out):
                 return i
         return None
 

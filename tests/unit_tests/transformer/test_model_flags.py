@@ -1,6 +1,8 @@
 """Model flags from Megatron command lines: recompute, layernorm-1p, squared ReLU, QK norm,
 interleaved RoPE, attention backends (CPU)."""
 
+import contextlib
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend
@@ -233,4 +235,31 @@ def test_output_discarder_keeps_no_output_and_recomputes_it():
     grads = torch.autograd.grad(loss, [x, norm.weight, lin.weight])
     # Backward: once without autograd for the linear's saved input, once in the norm's checkpoint.
     assert sorted(calls) == [False, True, True]
+    assert torch.equal(loss, ref) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+
+
+def test_output_discarder_does_not_mistake_a_freed_outputs_memory_for_it():
+    """A loop whose activations are freed after their reader ran (the next one may land in the same
+    memory, as the allocator decides): only live outputs are discarded, loss and gradients equal the
+    plain loop's (fp64, bitwise)."""
+    from megatron.core.transformer.recompute import OutputDiscarder
+
+    torch.manual_seed(0)
+    w1, w2 = (torch.randn(6, 6, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    xs = [torch.randn(4, 6, dtype=torch.float64) for _ in range(3)]
+
+    def forward(discarder):
+        outs = []
+        hs = [x @ w1 for x in xs]
+        with contextlib.nullcontext() if discarder is None else discarder.hooks():
+            for h in hs:
+                act = torch.nn.functional.silu(h) if discarder is None else discarder.run(torch.nn.functional.silu, h)
+                outs.append(act @ w2)
+                del act  # the next activation may land in its memory
+        return torch.cat(outs).square().sum()
+
+    ref = forward(None)
+    ref_grads = torch.autograd.grad(ref, [w1, w2])
+    loss = forward(OutputDiscarder())
+    grads = torch.autograd.grad(loss, [w1, w2])
     assert torch.equal(loss, ref) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
