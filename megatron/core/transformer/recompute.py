@@ -69,7 +69,8 @@ def recomputes(config, module: str) -> bool:
     """Whether ``--recompute-granularity selective`` recomputes ``module`` (a --recompute-modules name)."""
     if getattr(config, "recompute_granularity", None) != "selective":
         return False
-    return module in (getattr(config, "recompute_modules", None) or ())
+    modules = getattr(config, "recompute_modules", None)
+    return module in (("core_attn",) if modules is None else modules)  # unset: Megatron's default
 
 
 def checkpointed(fn: Callable, *args):

@@ -137,7 +137,7 @@ class TransformerConfig(Freezable):
     """Layers per recompute chunk (uniform) or recomputed layers (block)."""
 
     recompute_modules: list[str] | None = flag_field(None, nargs="*")
-    """What --recompute-granularity selective recomputes (default core_attn): core_attn (core attention),
+    """What --recompute-granularity selective recomputes (unset: core_attn, Megatron's default): core_attn (core attention),
     mlp (dense MLPs), moe (MoE layers), shared_experts, layernorm (the two norms' outputs) and moe_act
     (the experts' activation, with --moe-grouped-gemm); the last two are not kept but recomputed for
     the backward of the ops that read them."""
@@ -209,8 +209,6 @@ class TransformerConfig(Freezable):
             self.num_query_groups = 1  # Megatron's default: --group-query-attention alone is multi-query
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
-        if self.recompute_modules is None:
-            self.recompute_modules = ["core_attn"]  # Megatron's default
         if self.use_mup:
             self._finalize_mup()
         self.moe.finalize(self)
@@ -313,7 +311,7 @@ class TransformerConfig(Freezable):
             )
 
     def _validate_recompute_modules(self) -> None:
-        modules = self.recompute_modules or []
+        modules = ["core_attn"] if self.recompute_modules is None else self.recompute_modules
         elsewhere = {
             "mla_up_proj": "multi-latent attention is not supported by this trainer",
             "mhc": "hyper-connections (--enable-mhc-connections) are not supported by this trainer",

@@ -184,7 +184,7 @@ def test_bad_value_exits(capsys):
 @pytest.mark.parametrize(
     "argv, flag",
     [
-        (["--recompute-modules", "core_attn"], "--recompute-modules"),
+        (["--muon-scale-mode", "spectral"], "--muon-scale-mode"),
         (["--fp8-format", "hybrid"], "--fp8-format"),
         (["--multi-latent-attention"], "--multi-latent-attention"),
         (["--spec", "moe_spec", "moe_block_spec"], "--spec"),
