@@ -622,6 +622,11 @@ class RunConfig(Freezable):
             "--recompute-granularity with --cuda-graph-impl local is not supported yet: a recomputed layer would "
             "replay its graphs out of the captured order. Drop one of them.",
         )
+        require(
+            not (self.cuda_graph.enabled and self.model.fine_grained_activation_offloading),
+            "--fine-grained-activation-offloading with --cuda-graph-impl local is not supported: the host copies "
+            "would be captured into the graphs and replayed into the same buffers. Drop one of them.",
+        )
         p, t, o = self.precision, self.training, self.optimizer
         require(not (p.bf16 and p.fp16), "--bf16 and --fp16 cannot be combined; pick one.")
         require(t.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {t.micro_batch_size}.")

@@ -41,7 +41,13 @@ import torch.distributed as dist
 
 from megatron.core.distributed.distributed_data_parallel import is_expert_param
 from megatron.core.optimizer.muon import matrix_infos
-from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer, group_order, group_settings, param_group_rule
+from megatron.core.optimizer.optimizer import (
+    MixedPrecisionOptimizer,
+    group_order,
+    group_settings,
+    mup_width_mult_of,
+    param_group_rule,
+)
 
 # torch >= 2.10 renamed the single-tensor all-gather; the old name warns.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -301,11 +307,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             members = [i for i, p in enumerate(order) if self.group_of(p) == key]
             if members:
                 if hasattr(self.optimizer, "group_template"):
-                    live = self.optimizer.group_template(key[2])
+                    live = self.optimizer.group_template(key[3])
                 else:
                     live = self.optimizer.param_groups[0]
                 template = {k: v for k, v in live.items() if k not in ("params", "max_lr", "min_lr")}
-                group = dict(template, **group_settings(key, self.config))  # lr: the scheduler sets it on load
+                # lr: the scheduler sets it on load
+                group = dict(template, **group_settings(key, self.config, self.mup_width_mult))
                 groups.append(dict(group, params=list(range(first, first + len(members)))))
                 first += len(members)
         return {
@@ -375,6 +382,7 @@ def build_optimizer(ddp, *, pg, config, precision, preallocate_state: bool = Fal
         preallocate_state: Allocate Adam's moments now (CUDA graphs).
         kwargs: Further ``MixedPrecisionOptimizer`` arguments (``skip_non_finite``).
     """
+    kwargs.setdefault("mup_width_mult", mup_width_mult_of(ddp.module))
     if ddp.use_distributed_optimizer:
         return DistributedOptimizer(
             ddp, pg=pg, config=config, precision=precision, preallocate_state=preallocate_state, **kwargs

@@ -37,71 +37,18 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from megatron.core.optimizer.muon import MatrixInfo, MuonWithAdam, uses_muon
+from megatron.core.optimizer.muon import MatrixInfo, MuonWithAdam
+from megatron.core.optimizer.param_groups import (  # noqa: F401  (re-exported: the optimizer's group rule)
+    GROUP_ORDER,
+    GroupKey,
+    default_group,
+    group_order,
+    group_settings,
+    mup_width_mult_of,
+    param_group_rule,
+)
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-def _uses_weight_decay(param: torch.Tensor) -> bool:
-    """Megatron's rule: biases and other 1-D params (norm weights) get no weight decay."""
-    return param.ndim >= 2
-
-
-GroupKey = tuple[bool, ...]
-"""A parameter's optimizer group: (gets weight decay, uses --decoupled-lr), and with --optimizer muon a third
-element: orthogonalized by Muon (else stepped by Adam)."""
-
-GROUP_ORDER: tuple[GroupKey, ...] = ((True, False), (False, False), (True, True), (False, True))
-"""The order of the param groups (and of a non-distributed state dict's parameters)."""
-
-
-def group_order(config) -> tuple[GroupKey, ...]:
-    """``GROUP_ORDER``; with --optimizer muon the Muon groups first, then the Adam ones."""
-    if getattr(config, "optimizer", None) != "muon":
-        return GROUP_ORDER
-    return tuple(key + (True,) for key in GROUP_ORDER) + tuple(key + (False,) for key in GROUP_ORDER)
-
-
-def _default_group(param: torch.Tensor) -> GroupKey:
-    return _uses_weight_decay(param), False
-
-
-def param_group_rule(module: torch.nn.Module, config) -> Callable[[torch.Tensor], GroupKey]:
-    """Megatron's param-group rule for the parameters of ``module``, by name.
-
-    No weight decay for 1-D parameters and biases, except (``--apply-wd-to-qk-layernorm``)
-    the q/k layernorm ones; with ``--decoupled-lr`` the input embedding and the output
-    layer weights form groups of their own; with ``--optimizer muon`` Muon's parameters
-    (``muon.uses_muon``) and Adam's are in separate groups.
-    """
-    names = {id(p): n for n, p in module.named_parameters()}
-    qk = bool(getattr(config, "apply_wd_to_qk_layernorm", False))
-    decoupled = getattr(config, "decoupled_lr", None) is not None
-    muon = getattr(config, "optimizer", None) == "muon"
-
-    def group_of(param: torch.Tensor) -> GroupKey:
-        name = names.get(id(param), "")
-        decays = not (param.ndim < 2 or name.endswith(".bias"))
-        if qk and ("q_layernorm." in name or "k_layernorm." in name):
-            decays = True
-        embedding_or_output = name.endswith("embedding.word_embeddings.weight") or name.endswith("output_layer.weight")
-        if muon:
-            return decays, decoupled and embedding_or_output, uses_muon(name, param)
-        return decays, decoupled and embedding_or_output
-
-    return group_of
-
-
-def group_settings(key: GroupKey, config) -> dict[str, Any]:
-    """The hyper-parameters of one param group: weight decay and, for --decoupled-lr, its lr range."""
-    decays, decoupled = key[:2]
-    settings: dict[str, Any] = {"weight_decay": config.weight_decay if decays else 0.0}
-    if len(key) > 2:
-        settings["use_muon"] = key[2]
-    if decoupled:
-        settings["max_lr"] = config.decoupled_lr
-        settings["min_lr"] = config.decoupled_min_lr if config.decoupled_min_lr is not None else config.min_lr
-    return settings
 
 
 def _build_inner(groups: list[dict[str, Any]], config, device: torch.device, **muon) -> torch.optim.Optimizer:
@@ -184,8 +131,10 @@ class MixedPrecisionOptimizer:
         grad_norm_parts: Instead of the two above, ``[(tensors, groups), ...]``: parts of
             the gradients whose squared norms are summed over different groups (dense
             and expert gradients under expert parallelism); the global norm adds them.
-        group_of: ``param -> (decays, decoupled lr)`` (``param_group_rule``; default: 2-D
-            and larger params decay, no decoupled lr). --optimizer muon needs the rule.
+        group_of: ``param -> (decays, decoupled lr, muP-scaled[, Muon])`` (``param_group_rule``;
+            default: 2-D and larger params decay, no decoupled lr, no muP). --optimizer muon
+            needs the rule.
+        mup_width_mult: muP's width multiplier for the muP-scaled groups (``group_settings``).
         muon_info: ``param -> MatrixInfo`` of the Muon parameters (--optimizer muon).
         muon_assemble: How Muon gets whole matrices (``muon.Assemble``; the distributed optimizer's).
     """
@@ -202,11 +151,13 @@ class MixedPrecisionOptimizer:
         grad_norm_tensors: Sequence[torch.Tensor] | None = None,
         grad_norm_groups: Sequence[Any] = (),
         grad_norm_parts: Sequence[tuple[Sequence[torch.Tensor], Sequence[Any]]] | None = None,
-        group_of: Callable[[torch.Tensor], GroupKey] = _default_group,
+        group_of: Callable[[torch.Tensor], GroupKey] = default_group,
+        mup_width_mult: float = 1.0,
         muon_info: Callable[[torch.Tensor], MatrixInfo] | None = None,
         muon_assemble=None,
     ):
         self.config = config
+        self.mup_width_mult = mup_width_mult
         self.skip_non_finite = skip_non_finite
         self.non_finite: torch.Tensor | None = None
         self.precision = precision
@@ -249,7 +200,7 @@ class MixedPrecisionOptimizer:
         for key in group_order(config):
             members = [m for m, k in zip(self.main_params, keys) if k == key]
             if members:
-                groups.append({"params": members, **group_settings(key, config)})
+                groups.append({"params": members, **group_settings(key, config, mup_width_mult)})
         assert sum(len(g["params"]) for g in groups) == len(self.main_params), "group_of gave keys out of order"
         self.device = self.main_params[0].device
         muon = {}

@@ -178,7 +178,7 @@ class MambaMixer(torch.nn.Module):
             self.d_model,
             2 * self.d_inner + 2 * n_bc + self.nheads,  # z, x, B, C, dt
             config=config,
-            init_method=init_method_normal(config.init_method_std),
+            init_method=init_method_normal(config.hidden_init_std()),
             bias=False,
             gather_output=False,
             pg=pg,
@@ -223,7 +223,7 @@ class MambaMixer(torch.nn.Module):
             self.d_inner,
             self.d_model,
             config=config,
-            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+            init_method=scaled_init_method_normal(config.hidden_init_std(), config.num_layers),
             bias=False,
             input_is_parallel=True,
             skip_bias_add=True,

@@ -41,6 +41,8 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.tensor_parallel.random import fork_if
 from megatron.core.transformer.norm import build_norm
+from megatron.core.transformer.offload import offloader_for
+from megatron.core.transformer.recompute import recomputes
 
 # --attention-backend -> SDPA kernels allowed (CUDA; see the module docstring for the CPU).
 _SDPA_BACKENDS = {
@@ -84,10 +86,12 @@ class SelfAttention(torch.nn.Module):
         self.num_heads = heads // tp_size  # local to this TP rank
         self.num_groups = groups // tp_size
         self.heads_per_group = heads // groups
-        self.softmax_scale = 1.0 / math.sqrt(kv)
+        scale = getattr(config, "softmax_scale", None)  # set by muP
+        self.softmax_scale = scale if scale is not None else 1.0 / math.sqrt(kv)
         self.attention_dropout = config.attention_dropout
         self.attention_backend = getattr(config, "attention_backend", "auto")
-        self.recompute_core_attention = getattr(config, "recompute_granularity", None) == "selective"
+        self.recompute_core_attention = recomputes(config, "core_attn")
+        self.offload = offloader_for(config)  # --offload-modules qkv_linear core_attn attn_proj
         self.rope = apply_rotary_pos_emb_interleaved if getattr(config, "rotary_interleaved", False) else None
         self.output_gate = getattr(config, "attention_output_gate", False)
         self.q_layernorm = self.k_layernorm = None
@@ -98,7 +102,7 @@ class SelfAttention(torch.nn.Module):
             config.hidden_size,
             ((2 if self.output_gate else 1) * heads + 2 * groups) * kv,
             config=config,
-            init_method=init_method_normal(config.init_method_std),
+            init_method=init_method_normal(config.hidden_init_std()),
             bias=config.add_bias_linear,
             gather_output=False,
             pg=pg,
@@ -108,7 +112,7 @@ class SelfAttention(torch.nn.Module):
             heads * kv,
             config.hidden_size,
             config=config,
-            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+            init_method=scaled_init_method_normal(config.hidden_init_std(), config.num_layers),
             bias=config.add_bias_linear,
             input_is_parallel=True,
             skip_bias_add=False,  # in the GEMM: no fused bias-dropout-add kernel to defer it to
@@ -131,7 +135,8 @@ class SelfAttention(torch.nn.Module):
         """
         g, hpg, d = self.num_groups, self.heads_per_group, self.kv_channels
         n = self.num_heads
-        qkv, _ = self.linear_qkv(hidden_states)  # [s, b, g * parts * d]: local groups, whole sequence
+        with self.offload.scope("qkv_linear", self.training):
+            qkv, _ = self.linear_qkv(hidden_states)  # [s, b, g * parts * d]: local groups, whole sequence
         s, b = qkv.shape[0], qkv.shape[1]  # with sequence parallelism the input held s / TP rows
         parts = (2 * hpg if self.output_gate else hpg) + 2  # heads of a group in the fused projection
         gate = None
@@ -150,12 +155,14 @@ class SelfAttention(torch.nn.Module):
             # Selective recompute: keep q, k, v, recompute the attention in backward (same RNG state).
             context = torch.utils.checkpoint.checkpoint(self._core_attention, q, k, v, use_reentrant=False)
         else:
-            context = self._core_attention(q, k, v)  # [b, n, s, d]
+            with self.offload.scope("core_attn", self.training):
+                context = self._core_attention(q, k, v)  # [b, n, s, d]
         context = context.permute(2, 0, 1, 3)  # [s, b, n, d]
         if gate is not None:
             fp32 = torch.promote_types(context.dtype, torch.float32)  # at least float32
             context = (context.to(fp32) * torch.sigmoid(gate.to(fp32))).to(context.dtype)
-        return self.linear_proj(context.reshape(s, b, n * d))
+        with self.offload.scope("attn_proj", self.training):
+            return self.linear_proj(context.reshape(s, b, n * d))
 
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """SDPA on ``[b, n, s, d]`` q, k, v with the kernels --attention-backend allows.

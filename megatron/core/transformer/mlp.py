@@ -43,7 +43,7 @@ class MLP(torch.nn.Module):
             config.hidden_size,
             2 * ffn if self.gated else ffn,
             config=config,
-            init_method=init_method_normal(config.init_method_std),
+            init_method=init_method_normal(config.hidden_init_std()),
             bias=config.add_bias_linear,
             gather_output=False,
             pg=pg,
@@ -54,7 +54,7 @@ class MLP(torch.nn.Module):
             ffn,
             config.hidden_size,
             config=config,
-            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+            init_method=scaled_init_method_normal(config.hidden_init_std(), config.num_layers),
             bias=config.add_bias_linear,
             input_is_parallel=True,
             skip_bias_add=False,  # in the GEMM (after the all-reduce at TP > 1); see the module docstring

@@ -10,13 +10,25 @@ alive until backward:
 - ``block``: the first ``--recompute-num-layers`` layers, one at a time; the rest run
   normally.
 
+Selective recompute (``--recompute-granularity selective --recompute-modules ...``)
+uses the two helpers at the end of this file: ``checkpointed`` (a module keeps only its
+inputs; ``core_attn``, ``mlp``, ``moe``, ``shared_experts``) and ``OutputDiscarder``
+(an elementwise part's output is not kept by the ops that read it: it is recomputed from
+its inputs when their backward needs it; ``layernorm``, ``moe_act``).
+
 Losses and gradients equal the run without recompute: the same kernels run on the
-same inputs, once more in backward. Selective recompute (core attention only) lives
-in ``attention.py``. Recompute is off in evaluation and under ``torch.no_grad()``.
+same inputs, once more in backward. Recompute is off in evaluation and under
+``torch.no_grad()``.
 """
+
+import weakref
+from collections.abc import Callable
 
 import torch
 import torch.utils.checkpoint
+
+SELECTIVE_MODULES = ("core_attn", "moe_act", "layernorm", "mlp", "moe", "shared_experts")
+"""``--recompute-modules`` values this trainer implements (Megatron's, less MLA, GatedDeltaNet/Product and mHC)."""
 
 
 def _run_chunk(layers, hidden_states, rotary_pos_emb):
@@ -51,3 +63,92 @@ def run_layers(layers, hidden_states: torch.Tensor, rotary_pos_emb, config) -> t
         else:
             hidden_states = _run_chunk(chunk, hidden_states, rotary_pos_emb)
     return hidden_states
+
+
+def recomputes(config, module: str) -> bool:
+    """Whether ``--recompute-granularity selective`` recomputes ``module`` (a --recompute-modules name)."""
+    if getattr(config, "recompute_granularity", None) != "selective":
+        return False
+    modules = getattr(config, "recompute_modules", None)
+    return module in (("core_attn",) if modules is None else modules)  # unset: Megatron's default
+
+
+def checkpointed(fn: Callable, *args):
+    """``fn(*args)``, keeping only ``args`` for backward (non-reentrant; RNG state replayed) when
+    autograd records, else a plain call."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+
+def _identity(tensor: torch.Tensor) -> tuple:
+    return tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device
+
+
+class _Recomputed:
+    """What a saved tensor becomes when it is a discarded output: the index of that output."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+class OutputDiscarder:
+    """Megatron's output-discarding checkpoint, on saved-tensor hooks.
+
+    ``run(fn, *args)`` computes ``fn(*args)`` inside a checkpoint (so ``fn`` keeps only its
+    inputs). Ops run inside ``hooks()`` that save that output for their backward save a
+    marker instead; their backward gets ``fn(*args)`` recomputed (without autograd, once per
+    output and backward pass). The recomputation must give the same values: ``fn`` is
+    deterministic and draws no random numbers (norms, activations).
+    """
+
+    def __init__(self):
+        # Per output: a weak reference (the output must be freed once its readers ran) and how to
+        # recompute it.
+        self._outputs: list[tuple[weakref.ref, Callable, tuple]] = []
+
+    def run(self, fn: Callable, *args) -> torch.Tensor:
+        """``fn(*args)``, registered for discarding (a plain call when autograd does not record)."""
+        if not torch.is_grad_enabled():
+            return fn(*args)
+        out = checkpointed(fn, *args)
+        inputs = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        self._outputs.append((weakref.ref(out), fn, inputs))
+        return out
+
+    def _match(self, tensor: torch.Tensor) -> int | None:
+        # Only a live output matches: a freed one's memory may already hold another tensor of the
+        # same shape (a loop's next activation). While alive, its address and layout are its own.
+        key = None
+        for i, (ref, _, _) in enumerate(self._outputs):
+            out = ref()
+            if out is None:
+                continue
+            if tensor is out:
+                return i
+            key = _identity(tensor) if key is None else key
+            if key == _identity(out):
+                return i
+        return None
+
+    def hooks(self):
+        """The saved-tensor hooks under which the outputs' readers run."""
+        specs = self._outputs  # the list, shared: outputs registered later match too
+        cache: dict[int, torch.Tensor] = {}
+
+        def pack(tensor: torch.Tensor):
+            index = self._match(tensor) if specs else None
+            return tensor if index is None else _Recomputed(index)
+
+        def unpack(saved):
+            if not isinstance(saved, _Recomputed):
+                return saved
+            if saved.index not in cache:
+                _, fn, args = specs[saved.index]
+                with torch.no_grad():
+                    cache[saved.index] = fn(*args)
+            return cache[saved.index]
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

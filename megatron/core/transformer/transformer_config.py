@@ -7,12 +7,15 @@ filled by ``finalize()``; ``validate()`` raises ``ValueError`` naming the flag.
 """
 
 import dataclasses
+import math
 
 import torch
 
 from megatron.core.config_utils import Freezable, flag_field, require
 from megatron.core.ssm.gated_delta_net.config import LinearAttentionConfig
 from megatron.core.transformer.moe.moe_config import MoEConfig
+from megatron.core.transformer.offload import OFFLOAD_MODULES
+from megatron.core.transformer.recompute import SELECTIVE_MODULES
 
 
 @dataclasses.dataclass
@@ -123,7 +126,8 @@ class TransformerConfig(Freezable):
     (Megatron's default) runs them with one line saying so."""
 
     recompute_granularity: str | None = flag_field(None, choices=("full", "selective"))
-    """Activation recompute: full recomputes whole layers in backward, selective only core attention."""
+    """Activation recompute: full recomputes whole layers in backward, selective the parts --recompute-modules
+    names."""
 
     recompute_method: str | None = flag_field(None, choices=("uniform", "block"))
     """With --recompute-granularity full: uniform recomputes chunks of --recompute-num-layers layers
@@ -131,6 +135,50 @@ class TransformerConfig(Freezable):
 
     recompute_num_layers: int | None = None
     """Layers per recompute chunk (uniform) or recomputed layers (block)."""
+
+    recompute_modules: list[str] | None = flag_field(None, nargs="*")
+    """What --recompute-granularity selective recomputes (unset: core_attn, Megatron's default): core_attn (core attention),
+    mlp (dense MLPs), moe (MoE layers), shared_experts, layernorm (the two norms' outputs) and moe_act
+    (the experts' activation, with --moe-grouped-gemm); the last two are not kept but recomputed for
+    the backward of the ops that read them."""
+
+    use_mup: bool = False
+    """Maximal Update Parametrization (muP): hidden weights initialised with std / sqrt(m) (output
+    projections std / (sqrt(2 L) sqrt(m))), hidden matrices trained with lr / m (Adam: eps / m too;
+    SGD: vector-like params with lr * m instead), attention scaled by 1 / d_head and logits by
+    --mup-output-mult, where m = --hidden-size / --mup-base-hidden-size."""
+
+    mup_base_hidden_size: int | None = None
+    """Hidden size of the muP base (proxy) model; defaults to --hidden-size (m = 1)."""
+
+    mup_embedding_mult: float = 1.0
+    """muP: multiplier of the embedding output."""
+
+    mup_output_mult: float = 1.0
+    """muP: multiplier of the output logits; left at 1.0 it becomes 1 / m."""
+
+    mup_base_head_dim: float | None = None
+    """muP: the attention scale becomes sqrt(this) / kv_channels ** --mup-attn-scale-power (default numerator 1)."""
+
+    mup_attn_scale_power: float = 1.0
+    """muP: power of kv_channels in the attention scale (1.0: 1 / d_head, 0.5: standard 1 / sqrt(d_head))."""
+
+    mup_width_mult: float = flag_field(1.0, no_flag=True)
+    """muP width multiplier m = --hidden-size / --mup-base-hidden-size (derived; 1.0 without muP)."""
+
+    softmax_scale: float | None = flag_field(None, no_flag=True)
+    """Scale of Q K^T before the softmax (derived: set by muP; None means 1 / sqrt(kv_channels))."""
+
+    fine_grained_activation_offloading: bool = False
+    """Offload what the --offload-modules parts save for backward to host memory (pinned with CUDA),
+    copied back for their backward: the same results, less device memory."""
+
+    offload_modules: list[str] = flag_field(default_factory=list, nargs="*")
+    """Parts whose saved tensors are offloaded: attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm,
+    expert_fc1, moe_act (the last two with --moe-grouped-gemm)."""
+
+    min_offloaded_tensor_size: int = 1024 * 1024
+    """Saved tensors smaller than this many bytes stay on the device."""
 
     vocab_size: int | None = flag_field(None, no_flag=True)
     """Padded vocabulary size, set by the tokenizer setup (the --vocab-size flag lives in the data config)."""
@@ -161,9 +209,32 @@ class TransformerConfig(Freezable):
             self.num_query_groups = 1  # Megatron's default: --group-query-attention alone is multi-query
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+        if self.use_mup:
+            self._finalize_mup()
         self.moe.finalize(self)
         self.linear_attention.finalize(self)
         return self
+
+    def _finalize_mup(self) -> None:
+        # Megatron's order: width multiplier, attention scale, then the output multiplier's default.
+        if self.mup_base_hidden_size is None:
+            self.mup_base_hidden_size = self.hidden_size
+        if self.mup_base_hidden_size <= 0:
+            return  # validate() names the flag
+        self.mup_width_mult = self.hidden_size / self.mup_base_hidden_size
+        if self.softmax_scale is None and self.kv_channels is not None:
+            numerator = 1.0 if self.mup_base_head_dim is None else self.mup_base_head_dim**0.5
+            self.softmax_scale = numerator / (self.kv_channels**self.mup_attn_scale_power)
+        if self.mup_output_mult == 1.0 and self.mup_width_mult != 1.0:
+            self.mup_output_mult = 1.0 / self.mup_width_mult
+
+    def hidden_init_std(self) -> float:
+        """Std of the normal init of hidden weights: --init-method-std, over sqrt(m) with muP.
+
+        The embeddings (and an untied output layer) keep --init-method-std; residual output
+        projections divide this by sqrt(2 * --num-layers).
+        """
+        return self.init_method_std / math.sqrt(self.mup_width_mult) if self.use_mup else self.init_method_std
 
     def validate(self) -> None:
         """Raises ``ValueError`` for inconsistent model flags."""
@@ -212,7 +283,13 @@ class TransformerConfig(Freezable):
             "--transformer-impl inference_optimized is not supported: this trainer does not do inference; "
             "use --transformer-impl local or transformer_engine.",
         )
+        if self.use_mup:
+            require(
+                self.mup_base_hidden_size is None or self.mup_base_hidden_size > 0,
+                f"--mup-base-hidden-size must be positive, got {self.mup_base_hidden_size}.",
+            )
         self._validate_recompute()
+        self._validate_offloading()
 
     def _validate_recompute(self) -> None:
         g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
@@ -223,6 +300,7 @@ class TransformerConfig(Freezable):
                 n is None,
                 "--recompute-num-layers applies to --recompute-granularity full only; drop it with selective.",
             )
+            self._validate_recompute_modules()
             return
         require(m is not None, "--recompute-granularity full needs --recompute-method uniform or block.")
         require(n is not None and n >= 1, "--recompute-granularity full needs --recompute-num-layers N (N >= 1).")
@@ -231,3 +309,66 @@ class TransformerConfig(Freezable):
                 n <= self.num_layers,
                 f"--recompute-num-layers ({n}) exceeds --num-layers ({self.num_layers}) with --recompute-method block.",
             )
+
+    def _validate_recompute_modules(self) -> None:
+        modules = ["core_attn"] if self.recompute_modules is None else self.recompute_modules
+        elsewhere = {
+            "mla_up_proj": "multi-latent attention is not supported by this trainer",
+            "mhc": "hyper-connections (--enable-mhc-connections) are not supported by this trainer",
+            "gdp_in_proj": "GatedDeltaProduct (--experimental-attention-variant gdn2) is not supported yet",
+            "gdp_qkv": "GatedDeltaProduct (--experimental-attention-variant gdn2) is not supported yet",
+            "gdn_norm_out": "recomputing the GatedDeltaNet output norm is not supported yet",
+        }
+        for name in modules:
+            if name in elsewhere:
+                raise ValueError(f"--recompute-modules {name}: {elsewhere[name]}; drop {name}.")
+            require(
+                name in SELECTIVE_MODULES,
+                f"--recompute-modules: invalid choice {name!r}; choose from {' '.join(SELECTIVE_MODULES)}.",
+            )
+        require(
+            "moe_act" not in modules or self.moe.moe_grouped_gemm,
+            "--recompute-modules moe_act is only supported with --moe-grouped-gemm (as in Megatron); "
+            "add --moe-grouped-gemm or drop moe_act.",
+        )
+
+    def _validate_offloading(self) -> None:
+        if not self.fine_grained_activation_offloading:
+            return
+        modules = set(self.offload_modules)
+        flag = "--fine-grained-activation-offloading"
+        require(bool(modules), f"{flag} needs --offload-modules NAME ... ({' '.join(OFFLOAD_MODULES)}).")
+        for name in sorted(modules - set(OFFLOAD_MODULES)):
+            if name == "fused_group_mlp":
+                raise ValueError(
+                    "--offload-modules fused_group_mlp needs Transformer Engine's op fuser, which this trainer "
+                    "does not use; offload expert_fc1 and moe_act instead."
+                )
+            if name == "gdp_qkv":
+                raise ValueError(
+                    "--offload-modules gdp_qkv: GatedDeltaProduct (--experimental-attention-variant gdn2) is not "
+                    "supported yet; drop gdp_qkv."
+                )
+            raise ValueError(f"--offload-modules: invalid choice {name!r}; choose from {' '.join(OFFLOAD_MODULES)}.")
+        require(
+            "attn_proj" not in modules or "core_attn" in modules,
+            "--offload-modules attn_proj needs core_attn too: attn_proj's input is core attention's output, which "
+            "core attention's backward needs (as in Megatron).",
+        )
+        inside_moe = sorted(modules & {"expert_fc1", "moe_act"})
+        if inside_moe and self.moe.enabled:
+            require(
+                self.moe.moe_grouped_gemm,
+                f"--offload-modules {' '.join(inside_moe)} needs --moe-grouped-gemm here (the expert loop without it "
+                "is one autograd function); add --moe-grouped-gemm or drop them.",
+            )
+        require(
+            not (inside_moe and self.recompute_granularity == "selective" and "moe" in (self.recompute_modules or ())),
+            f"--offload-modules {' '.join(inside_moe)} inside MoE layers that --recompute-modules moe recomputes "
+            "keeps nothing to offload (as in Megatron); drop moe from --recompute-modules or those from "
+            "--offload-modules.",
+        )
+        require(
+            self.min_offloaded_tensor_size >= 0,
+            f"--min-offloaded-tensor-size must be >= 0, got {self.min_offloaded_tensor_size}.",
+        )

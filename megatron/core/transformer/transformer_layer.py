@@ -9,6 +9,7 @@ syncs, no data-dependent control flow (only ``self.training`` and the config cho
 branches).
 """
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -16,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.transformer.cuda_graphs.regions import GraphRegions, RegionSpec
+from megatron.core.transformer.offload import offloader_for
+from megatron.core.transformer.recompute import OutputDiscarder, checkpointed, recomputes
 from megatron.core.transformer.spec_utils import build_module
 
 
@@ -64,6 +67,25 @@ class TransformerLayer(torch.nn.Module):
         )
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config=config, hidden_size=h, device=device)
         self.mlp = build_module(submodules.mlp, config=config, pg=pg, device=device)
+        # Selective recompute (--recompute-modules): norm outputs discarded, the dense MLP checkpointed.
+        self.recompute_layernorm = recomputes(config, "layernorm")
+        self.recompute_mlp = recomputes(config, "mlp")
+        self.offload = offloader_for(config)  # --offload-modules attn_norm mlp_norm
+
+    def _recomputing(self) -> bool:
+        return self.training and torch.is_grad_enabled()
+
+    def _norm_discarder(self) -> OutputDiscarder | None:
+        """An ``OutputDiscarder`` for this call's norm output when layernorm is recomputed."""
+        return OutputDiscarder() if self.recompute_layernorm and self._recomputing() else None
+
+    @staticmethod
+    def _norm(norm, hidden_states: torch.Tensor, discarder: OutputDiscarder | None) -> torch.Tensor:
+        return norm(hidden_states) if discarder is None else discarder.run(norm, hidden_states)
+
+    @staticmethod
+    def _readers(discarder: OutputDiscarder | None):
+        return contextlib.nullcontext() if discarder is None else discarder.hooks()
 
     def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``."""
@@ -74,12 +96,23 @@ class TransformerLayer(torch.nn.Module):
     ) -> torch.Tensor:
         """Attention region: norm -> self-attention -> bias-dropout-add onto the residual."""
         assert rotary_pos_emb is not None or not self.uses_rope, "a RoPE model must pass rotary_pos_emb"
-        out, bias = self.self_attention(self.input_layernorm(hidden_states), rotary_pos_emb=rotary_pos_emb)
+        discarder = self._norm_discarder()
+        with self._readers(discarder):
+            with self.offload.scope("attn_norm", self.training):
+                ln_out = self._norm(self.input_layernorm, hidden_states, discarder)
+            out, bias = self.self_attention(ln_out, rotary_pos_emb=rotary_pos_emb)
         return self._bias_dropout_add(out, bias, hidden_states)
 
     def _forward_mlp(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """MLP region: norm -> MLP -> bias-dropout-add onto the residual."""
-        out, bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        discarder = self._norm_discarder()
+        with self._readers(discarder):
+            with self.offload.scope("mlp_norm", self.training):
+                ln_out = self._norm(self.pre_mlp_layernorm, hidden_states, discarder)
+            if self.recompute_mlp and self._recomputing():
+                out, bias = checkpointed(self.mlp, ln_out)
+            else:
+                out, bias = self.mlp(ln_out)
         return self._bias_dropout_add(out, bias, hidden_states)
 
     def _bias_dropout_add(self, out: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:

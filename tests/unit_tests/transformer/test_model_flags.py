@@ -1,6 +1,8 @@
 """Model flags from Megatron command lines: recompute, layernorm-1p, squared ReLU, QK norm,
 interleaved RoPE, attention backends (CPU)."""
 
+import contextlib
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend
@@ -170,3 +172,94 @@ def test_full_recompute_trains_like_no_recompute_with_fused_wgrad(model, tmp_pat
     recompute = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
     losses = [[r["lm loss"] for r in pretrain(argv + extra).history] for extra in ([], recompute)]
     assert len(losses[0]) == 3 and losses[0] == losses[1]
+
+
+@pytest.mark.parametrize(
+    "model,modules",
+    [
+        ("dense", "core_attn mlp layernorm"),
+        ("moe", "moe layernorm"),
+        ("moe_grouped", "moe_act shared_experts layernorm core_attn"),
+    ],
+)
+def test_selective_recompute_modules_train_like_no_recompute(model, modules, tmp_path):
+    """--recompute-modules through the trainer (dropout on, weight gradients into main_grad): the
+    same losses, gradient norms and final weights bit for bit as without recompute."""
+    from megatron.training.training import pretrain
+
+    argv = (
+        "--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
+        "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 --train-iters 3 "
+        f"--tokenizer-type NullTokenizer --vocab-size 64 --lr 1e-3 --log-interval 1 --data-cache-path {tmp_path}"
+    ).split()
+    if model != "dense":
+        argv += "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-aux-loss-coeff 0.01".split()
+    if model == "moe_grouped":
+        argv += "--moe-grouped-gemm --moe-shared-expert-intermediate-size 32 --swiglu".split()
+    recompute = ["--recompute-granularity", "selective", "--recompute-modules", *modules.split()]
+    runs = [pretrain(argv + extra) for extra in ([], recompute)]
+    for key in ("lm loss", "grad-norm"):
+        values = [[r[key] for r in run.history] for run in runs]
+        assert len(values[0]) == 3 and values[0] == values[1], key
+    for (name, a), (_, b) in zip(*(run.model.module.named_parameters() for run in runs)):
+        assert torch.equal(a, b), name
+    recomputed = runs[1].model.module.decoder.layers[0]
+    assert recomputed.recompute_layernorm and recomputed.self_attention.recompute_core_attention == (
+        "core_attn" in modules
+    )
+
+
+def test_output_discarder_keeps_no_output_and_recomputes_it():
+    """The linear saves a marker instead of the norm output, which its backward recomputes; the
+    norm itself keeps only its input (a checkpoint). Loss and gradients equal the plain run (fp64,
+    bitwise)."""
+    from megatron.core.transformer.recompute import OutputDiscarder
+
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(8, dtype=torch.float64)
+    lin = torch.nn.Linear(8, 4, dtype=torch.float64)
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    ref = lin(norm(x)).square().sum()
+    ref_grads = torch.autograd.grad(ref, [x, norm.weight, lin.weight])
+    calls = []
+
+    def counted(t):
+        calls.append(torch.is_grad_enabled())
+        return norm(t)
+
+    discarder = OutputDiscarder()
+    with discarder.hooks():
+        y = lin(discarder.run(counted, x))
+    loss = y.square().sum()
+    assert calls == [True]
+    grads = torch.autograd.grad(loss, [x, norm.weight, lin.weight])
+    # Backward: once without autograd for the linear's saved input, once in the norm's checkpoint.
+    assert sorted(calls) == [False, True, True]
+    assert torch.equal(loss, ref) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+
+
+def test_output_discarder_does_not_mistake_a_freed_outputs_memory_for_it():
+    """A loop whose activations are freed after their reader ran (the next one may land in the same
+    memory, as the allocator decides): only live outputs are discarded, loss and gradients equal the
+    plain loop's (fp64, bitwise)."""
+    from megatron.core.transformer.recompute import OutputDiscarder
+
+    torch.manual_seed(0)
+    w1, w2 = (torch.randn(6, 6, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    xs = [torch.randn(4, 6, dtype=torch.float64) for _ in range(3)]
+
+    def forward(discarder):
+        outs = []
+        hs = [x @ w1 for x in xs]
+        with contextlib.nullcontext() if discarder is None else discarder.hooks():
+            for h in hs:
+                act = torch.nn.functional.silu(h) if discarder is None else discarder.run(torch.nn.functional.silu, h)
+                outs.append(act @ w2)
+                del act  # the next activation may land in its memory
+        return torch.cat(outs).square().sum()
+
+    ref = forward(None)
+    ref_grads = torch.autograd.grad(ref, [w1, w2])
+    loss = forward(OutputDiscarder())
+    grads = torch.autograd.grad(loss, [w1, w2])
+    assert torch.equal(loss, ref) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))

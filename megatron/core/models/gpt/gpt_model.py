@@ -41,6 +41,13 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_block import TransformerBlock
 
 
+def scale_logits(logits: torch.Tensor, config) -> torch.Tensor:
+    """muP's output multiplier (``--mup-output-mult``, 1 / m by default) applied to the logits."""
+    if getattr(config, "use_mup", False) and config.mup_output_mult != 1.0:
+        return logits * config.mup_output_mult
+    return logits
+
+
 class LanguageModelEmbedding(torch.nn.Module):
     """Word embeddings (+ learned absolute positions) + dropout, producing ``[s, b, h]``.
 
@@ -57,7 +64,8 @@ class LanguageModelEmbedding(torch.nn.Module):
         self, config, vocab_size: int, max_sequence_length: int, position_embedding_type: str, pg=None, device=None
     ):
         super().__init__()
-        init = init_method_normal(config.init_method_std)
+        init = init_method_normal(config.init_method_std)  # muP too: embeddings keep the base std
+        self.embedding_mult = config.mup_embedding_mult if getattr(config, "use_mup", False) else 1.0
         self.embedding_dropout = config.hidden_dropout
         self.sequence_parallel = uses_sequence_parallel(pg)
         self.tp_group = tp_group(pg)
@@ -98,6 +106,8 @@ class LanguageModelEmbedding(torch.nn.Module):
                 embeddings = embeddings + self.position_embeddings(position_ids.t())
             if self.sequence_parallel:
                 embeddings = scatter_to_sequence_parallel_region(embeddings, self.tp_group)
+        if self.embedding_mult != 1.0:
+            embeddings = embeddings * self.embedding_mult
         if self.training and self.embedding_dropout > 0.0:
             with fork_if(self.sequence_parallel):  # each rank drops on its own rows
                 embeddings = F.dropout(embeddings, p=self.embedding_dropout, training=True)
@@ -280,6 +290,7 @@ class GPTModel(torch.nn.Module):
             hidden_states = self.decoder.final_layernorm(hidden_states)
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, v]
+        logits = scale_logits(logits, self.config)
         if labels is None:
             logits = gather_from_tensor_model_parallel_region(logits, tp_group(self.pg))
             return logits.transpose(0, 1).contiguous()  # [b, s, v]

@@ -14,7 +14,7 @@ as in GPT.
 import torch
 
 from megatron.core.models.common.rotary import RotaryEmbedding
-from megatron.core.models.gpt.gpt_model import GPTModel, LanguageModelEmbedding, build_output_layer
+from megatron.core.models.gpt.gpt_model import GPTModel, LanguageModelEmbedding, build_output_layer, scale_logits
 from megatron.core.models.hybrid.hybrid_block import HybridStack
 from megatron.core.models.hybrid.hybrid_layer_allocation import (
     Symbols,
@@ -137,6 +137,7 @@ class HybridModel(torch.nn.Module):
             hidden_states = self.decoder.final_norm(hidden_states)
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, v]
+        logits = scale_logits(logits, self.config)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         loss = vocab_parallel_cross_entropy(logits, labels.t(), pg=self.pg, fused=self.config.cross_entropy_loss_fusion)

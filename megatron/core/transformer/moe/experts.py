@@ -31,6 +31,7 @@ features (SwiGLU's gate and up halves split separately), fc2 by input features, 
 dispatcher all-gathers their inputs over ETP and sums the fc2 partial outputs.
 """
 
+import contextlib
 import dataclasses
 import warnings
 
@@ -45,6 +46,8 @@ from megatron.core.tensor_parallel.layers import (
     uses_sequence_parallel,
 )
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.offload import offloader_for
+from megatron.core.transformer.recompute import OutputDiscarder, recomputes
 
 
 def mark_expert_params(module: torch.nn.Module) -> None:
@@ -452,9 +455,11 @@ class GroupedMLP(torch.nn.Module):
         super().__init__()
         device = resolve_device(device)
         self.num_local_experts = num_local_experts
+        self.recompute_activation = recomputes(config, "moe_act")
+        self.offload = offloader_for(config)  # --offload-modules expert_fc1 moe_act
         self.gated = config.gated_linear_unit
         ffn = config.moe.moe_ffn_hidden_size
-        std = config.init_method_std
+        std = config.hidden_init_std()
         out_std = std / (2.0 * config.num_layers) ** 0.5
         h = config.hidden_size
         bias = config.add_bias_linear
@@ -505,14 +510,17 @@ class GroupedMLP(torch.nn.Module):
         # Row-major tokens and activations, column-major (transposed) weights: each has a
         # unit stride and a leading stride of h or ffn elements (grouped_mm_shapes_conform).
         tokens = tokens.contiguous()
-        intermediate = F.grouped_mm(tokens, fc1.weight.transpose(-2, -1), offs=offs)
+        with self.offload.scope("expert_fc1", self.training):
+            intermediate = F.grouped_mm(tokens, fc1.weight.transpose(-2, -1), offs=offs)
         if fc1.bias is not None or fc2.bias is not None:
             experts = torch.arange(n, device=device)
             row_expert = torch.repeat_interleave(experts, counts, output_size=tokens.shape[0])
         if fc1.bias is not None:
             intermediate = intermediate + fc1.bias.index_select(0, row_expert)
-        act = _activate(intermediate, self.gated) * probs.unsqueeze(-1).to(intermediate.dtype)
-        out = F.grouped_mm(act.contiguous(), fc2.weight.transpose(-2, -1), offs=offs)
+        discarder = self._act_discarder()
+        with contextlib.nullcontext() if discarder is None else discarder.hooks():
+            act = self._scaled_activation(intermediate, probs, discarder)
+            out = F.grouped_mm(act.contiguous(), fc2.weight.transpose(-2, -1), offs=offs)
         if fc2.bias is not None:
             out = out + fc2.bias.index_select(0, row_expert)
         return out
@@ -521,12 +529,29 @@ class GroupedMLP(torch.nn.Module):
         counts = _as_host_counts(tokens_per_expert)
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         outs = []
-        for i, (x, p) in enumerate(zip(torch.split(tokens, counts), torch.split(probs, counts))):
-            b1 = None if fc1.bias is None else fc1.bias[i]
-            b2 = None if fc2.bias is None else fc2.bias[i]
-            act = _activate(F.linear(x, fc1.weight[i], b1), self.gated) * p.unsqueeze(-1).to(x.dtype)
-            outs.append(F.linear(act, fc2.weight[i], b2))
+        discarder = self._act_discarder()
+        with contextlib.nullcontext() if discarder is None else discarder.hooks():
+            for i, (x, p) in enumerate(zip(torch.split(tokens, counts), torch.split(probs, counts))):
+                b1 = None if fc1.bias is None else fc1.bias[i]
+                b2 = None if fc2.bias is None else fc2.bias[i]
+                with self.offload.scope("expert_fc1", self.training):
+                    intermediate = F.linear(x, fc1.weight[i], b1)
+                act = self._scaled_activation(intermediate, p, discarder)
+                outs.append(F.linear(act, fc2.weight[i], b2))
         return torch.cat(outs, dim=0)
+
+    def _act_discarder(self) -> OutputDiscarder | None:
+        """--recompute-modules moe_act: the activation's output is recomputed for fc2's backward."""
+        return OutputDiscarder() if self.recompute_activation and self.training and torch.is_grad_enabled() else None
+
+    def _scaled_activation(self, intermediate, probs, discarder: OutputDiscarder | None) -> torch.Tensor:
+        """``act(fc1 output) * probs`` (Megatron's order: the probability scales the activation)."""
+
+        def scaled(x, p):
+            return _activate(x, self.gated) * p.unsqueeze(-1).to(x.dtype)
+
+        with self.offload.scope("moe_act", self.training):
+            return scaled(intermediate, probs) if discarder is None else discarder.run(scaled, intermediate, probs)
 
 
 class SharedExpertMLP(MLP):
@@ -545,7 +570,7 @@ class SharedExpertMLP(MLP):
                 torch.empty(1, config.hidden_size, device=resolve_device(device), dtype=config.params_dtype)
             )
             with torch.no_grad():
-                self.gate_weight.normal_(0.0, config.init_method_std)
+                self.gate_weight.normal_(0.0, config.hidden_init_std())
             # Applied to a sequence shard: its gradient is partial on each TP rank.
             self.gate_weight.sequence_parallel = uses_sequence_parallel(pg)
         else:

@@ -23,6 +23,7 @@ from megatron.core.transformer.cuda_graphs.regions import GraphRegions, RegionSp
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, SharedExpertMLP
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import build_token_dispatcher
+from megatron.core.transformer.recompute import checkpointed, recomputes
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
@@ -78,6 +79,7 @@ class MoELayer(torch.nn.Module):
             self.shared_experts = SharedExpertMLP(config, pg, device=device)
         else:
             self.shared_experts = None
+        self.recompute_shared_experts = recomputes(config, "shared_experts")
         device = resolve_device(device)
         self.metric_names = self.router.metric_names()
         self.register_buffer("metrics", torch.zeros(len(self.metric_names), device=device), persistent=False)
@@ -89,7 +91,10 @@ class MoELayer(torch.nn.Module):
         return self.router(hidden_states)
 
     def shared(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Graphable. The shared experts' output, ``[s, b, h]``."""
+        """Graphable. The shared experts' output, ``[s, b, h]`` (checkpointed with --recompute-modules
+        shared_experts)."""
+        if self.recompute_shared_experts and self.training:
+            return checkpointed(self.shared_experts, hidden_states)
         return self.shared_experts(hidden_states)
 
     def preprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
@@ -305,6 +310,13 @@ class MoETransformerLayer(TransformerLayer):
         whole_when=_block_graphable,
     )
 
+    _router_norm_discarder = None  # set by _forward_moe_phases for the router region's norm (eager only)
+
+    @property
+    def recompute_moe(self) -> bool:
+        """--recompute-modules moe: the MoE layer keeps only its input."""
+        return recomputes(self.config, "moe")
+
     def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``."""
         hidden_states = self._forward_attention(hidden_states, rotary_pos_emb)
@@ -314,8 +326,29 @@ class MoETransformerLayer(TransformerLayer):
         return hidden_states
 
     def _forward_moe(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MoE block: ``[s, b, h] -> (hidden [s, b, h], router stats)``."""
-        routed = self._forward_moe_router(hidden_states)
+        """The MoE block: ``[s, b, h] -> (hidden [s, b, h], router stats)``.
+
+        Selective recompute (eager only: CUDA graphs refuse it): with ``layernorm`` the norm's
+        output is discarded and recomputed for its readers' backward; with ``moe`` the MoE
+        layer keeps only its input (``MoELayer.forward``, the same phases in the same order).
+        """
+        discarder = self._norm_discarder()
+        if discarder is not None or (self.recompute_moe and self._recomputing()):
+            with self._readers(discarder):
+                if not (self.recompute_moe and self._recomputing()):
+                    return self._forward_moe_phases(hidden_states, discarder)
+                with self.offload.scope("mlp_norm", self.training):
+                    ln_out = self._norm(self.pre_mlp_layernorm, hidden_states, discarder)
+                out, stats = checkpointed(self.mlp, ln_out)
+            return self._bias_dropout_add(out, None, hidden_states), stats
+        return self._forward_moe_phases(hidden_states)
+
+    def _forward_moe_phases(self, hidden_states: torch.Tensor, discarder=None) -> tuple[torch.Tensor, torch.Tensor]:
+        self._router_norm_discarder = discarder
+        try:
+            routed = self._forward_moe_router(hidden_states)
+        finally:
+            self._router_norm_discarder = None
         ln_out, probs, routing_map, stats = routed[:4]
         permuted, slot_probs, token_idx, tokens_per_expert = self._forward_moe_preprocess(ln_out, probs, routing_map)
         combined = self.mlp.dispatch_experts_combine(
@@ -326,7 +359,8 @@ class MoETransformerLayer(TransformerLayer):
 
     def _forward_moe_router(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Router region: ``(norm output, probs, routing_map, stats[, shared experts' output])``."""
-        ln_out = self.pre_mlp_layernorm(hidden_states)
+        with self.offload.scope("mlp_norm", self.training):
+            ln_out = self._norm(self.pre_mlp_layernorm, hidden_states, self._router_norm_discarder)
         probs, routing_map, stats = self.mlp.route(ln_out)
         if self.mlp.shared_experts is None:
             return ln_out, probs, routing_map, stats

@@ -58,7 +58,7 @@ class TopKRouter(torch.nn.Module):
             torch.empty(self.num_experts, config.hidden_size, device=device, dtype=config.params_dtype)
         )
         with torch.no_grad():
-            self.weight.normal_(0.0, config.init_method_std)
+            self.weight.normal_(0.0, config.hidden_init_std())
         if config.add_bias_linear:
             self.bias = torch.nn.Parameter(torch.zeros(self.num_experts, device=device, dtype=config.params_dtype))
         else:
