@@ -7,21 +7,11 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_model import LanguageModelEmbedding, build_gpt_model
-from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.arguments import parse_args
 from megatron.training.training import build_trainer
+from tests.unit_tests.models.gpt.test_gpt_model import config  # the same tiny model config
 
 VOCAB = 64
-
-
-def config(**kw):
-    base = dict(
-        num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, hidden_dropout=0.0, attention_dropout=0.0
-    )
-    base.update(kw)
-    cfg = TransformerConfig(**base).finalize()
-    cfg.validate()
-    return cfg
 
 
 def test_derived_values_match_hand_computation():
