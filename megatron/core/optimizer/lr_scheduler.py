@@ -133,53 +133,33 @@ def build_scheduler(
     each iteration's global batch. With ``train_samples`` the sample flags apply;
     without, the iteration flags times ``global_batch_size``.
     """
+    o = opt_config
     if sample_steps is not None:
         batch, train_samples = sample_steps
-        o = opt_config
         if train_samples is not None:
             decay = o.lr_decay_samples if o.lr_decay_samples is not None else train_samples
             warmup = o.lr_warmup_samples
         else:
             decay = (o.lr_decay_iters if o.lr_decay_iters is not None else train_iters) * batch
             warmup = o.lr_warmup_iters * batch
-        if o.lr_warmup_fraction is not None:
-            warmup = o.lr_warmup_fraction * decay
-        return OptimizerParamScheduler(
-            optimizer,
-            max_lr=o.lr,
-            min_lr=o.min_lr,
-            lr_warmup_steps=warmup,
-            lr_decay_steps=decay,
-            lr_decay_style=o.lr_decay_style,
-        )
-    if samples_per_iteration is not None:
-        decay_samples = opt_config.lr_decay_samples
-        decay_iters = (decay_samples / samples_per_iteration) if decay_samples is not None else train_iters
-        warmup = opt_config.lr_warmup_samples / samples_per_iteration
-        if opt_config.lr_warmup_fraction is not None:
-            warmup = opt_config.lr_warmup_fraction * decay_iters
-        return OptimizerParamScheduler(
-            optimizer,
-            max_lr=opt_config.lr,
-            min_lr=opt_config.min_lr,
-            lr_warmup_steps=warmup,
-            lr_decay_steps=decay_iters,
-            lr_decay_style=opt_config.lr_decay_style,
-        )
-    decay_iters = opt_config.lr_decay_iters if opt_config.lr_decay_iters is not None else train_iters
-    if opt_config.lr_warmup_fraction is not None:
-        require(
-            0.0 <= opt_config.lr_warmup_fraction < 1.0,
-            f"--lr-warmup-fraction must be in [0, 1), got {opt_config.lr_warmup_fraction}.",
-        )
-        warmup = opt_config.lr_warmup_fraction * decay_iters
+    elif samples_per_iteration is not None:
+        decay = (o.lr_decay_samples / samples_per_iteration) if o.lr_decay_samples is not None else train_iters
+        warmup = o.lr_warmup_samples / samples_per_iteration
     else:
-        warmup = opt_config.lr_warmup_iters
+        decay = o.lr_decay_iters if o.lr_decay_iters is not None else train_iters
+        warmup = o.lr_warmup_iters
+        if o.lr_warmup_fraction is not None:
+            require(
+                0.0 <= o.lr_warmup_fraction < 1.0,
+                f"--lr-warmup-fraction must be in [0, 1), got {o.lr_warmup_fraction}.",
+            )
+    if o.lr_warmup_fraction is not None:
+        warmup = o.lr_warmup_fraction * decay
     return OptimizerParamScheduler(
         optimizer,
-        max_lr=opt_config.lr,
-        min_lr=opt_config.min_lr,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
         lr_warmup_steps=warmup,
-        lr_decay_steps=decay_iters,
-        lr_decay_style=opt_config.lr_decay_style,
+        lr_decay_steps=decay,
+        lr_decay_style=o.lr_decay_style,
     )
