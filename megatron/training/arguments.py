@@ -37,8 +37,8 @@ import typing
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Union
 
-from megatron.training.config import RunConfig
 from megatron.training.known_flags import KNOWN_MEGATRON_FLAGS, KnownFlag
+from megatron.training.run_config import RunConfig
 
 __all__ = ["KNOWN_MEGATRON_FLAGS", "KnownFlag", "build_parser", "flags_markdown", "parse_args"]
 

@@ -46,9 +46,9 @@ from megatron.training import checkpointing, dist_checkpointing, save_lock
 from megatron.training import logging_utils as logs
 from megatron.training.arguments import parse_args
 from megatron.training.batch_steps import StepBatches
-from megatron.training.config import RunConfig
 from megatron.training.data import build_data_iterators, setup_tokenizer
 from megatron.training.exit_conditions import ExitConditions
+from megatron.training.run_config import RunConfig
 from megatron.training.save_retention import SaveRetention
 from megatron.training.train_state import TrainState, get_rng_state, set_rng_state
 from megatron.training.training_log import IterationLogging, LossWindow

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler, build_scheduler
-from megatron.training.config import OptimizerConfig
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 
 def _opt():

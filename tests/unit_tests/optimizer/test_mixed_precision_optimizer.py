@@ -12,8 +12,9 @@ import torch
 
 from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.parallel_state import ProcessGroups
-from megatron.training.config import DDPConfig, OptimizerConfig, PrecisionConfig
+from megatron.training.config import DDPConfig, PrecisionConfig
 
 
 class _Net(torch.nn.Module):

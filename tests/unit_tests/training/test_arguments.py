@@ -10,7 +10,7 @@ import pytest
 
 from megatron.training import arguments
 from megatron.training.arguments import KNOWN_MEGATRON_FLAGS, build_parser, field_docstrings, flags_markdown, parse_args
-from megatron.training.config import RunConfig
+from megatron.training.run_config import RunConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 

@@ -1,0 +1,309 @@
+"""``RunConfig``: every concern's config of one run, and the checks that span them.
+
+The training-side concerns are in ``config.py``; the model, parallel, MoE, Mamba and
+cuda-graph configs live with the core code they configure, ``OptimizerConfig`` with the
+optimizer.
+
+A run's config goes through four steps, once each: ``parse_args`` fills the
+dataclasses; ``RunConfig.resolve(world_size)`` returns a copy with every derived value
+computed (defaults that depend on other flags, the data-parallel sizes, the dtype, the
+iteration count); ``validate()`` only reads and raises ``ValueError`` naming the flag;
+the trainer sets the padded vocabulary size from the tokenizer and calls ``freeze()``,
+after which assigning a field raises.
+"""
+
+import copy
+import dataclasses
+import warnings
+
+from megatron.core.config_utils import Freezable, freeze, require
+from megatron.core.datasets.builder import parse_split
+from megatron.core.datasets.fim import validate_fim_config
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.parallel_state import ParallelConfig
+from megatron.core.ssm.gated_delta_net.config import LinearAttentionConfig
+from megatron.core.ssm.mamba_config import MambaConfig
+from megatron.core.tokenizers.tokenizer import TOKENIZER_TYPES
+from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig, validate_overlap_switches
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.batch_schedule import BatchSchedule, parse_step_schedule
+from megatron.training.config import (
+    CheckpointConfig,
+    DataConfig,
+    DDPConfig,
+    LoggingConfig,
+    PrecisionConfig,
+    TrainingConfig,
+)
+
+
+@dataclasses.dataclass
+class RunConfig(Freezable):
+    """Every concern of one run, as parsed from the command line."""
+
+    model: TransformerConfig = dataclasses.field(default_factory=TransformerConfig)
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+    ddp: DDPConfig = dataclasses.field(default_factory=DDPConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    cuda_graph: CudaGraphConfig = dataclasses.field(default_factory=CudaGraphConfig)
+    mamba: MambaConfig = dataclasses.field(default_factory=MambaConfig)
+    linear_attention: LinearAttentionConfig = dataclasses.field(default_factory=LinearAttentionConfig)
+    ignored_flags: list[str] = dataclasses.field(default_factory=list)
+    """Given Megatron flags that are accepted with no effect (speed and I/O knobs), for the start-up line."""
+
+    def resolve(self, world_size: int = 1) -> "RunConfig":
+        """A copy of this config with every derived value computed, for a run of ``world_size`` processes.
+
+        The only place derived values are set (but the padded vocabulary size, which
+        needs the tokenizer); with ``--auto-detect-ckpt-format`` the format is the one of
+        the ``--load`` checkpoint. Values the flags leave undefined (a batch size of 0, say)
+        stay as given for ``validate()`` to name; a hybrid pattern that cannot be parsed
+        raises ``ValueError`` here.
+        """
+        cfg = copy.deepcopy(self)
+        cfg._warn_ignored_flags()  # on the flags as given, before defaults fill them in
+        cfg.model.moe = cfg.moe  # the model reads its MoE flags as config.moe
+        cfg.model.linear_attention = cfg.linear_attention  # and its attention variant as config.linear_attention
+        cfg.mamba.resolve(cfg.model, cfg.parallel)  # before finalize: the hybrid pattern sets --num-layers
+        cfg.model.finalize()
+        cfg.model.params_dtype = cfg.precision.params_dtype
+        cfg.parallel.world_size = world_size
+        cfg.parallel.resolve()
+        cfg.parallel.resolve_model(cfg.model, stages_from_pattern=cfg.mamba.parsed_pattern is not None)
+        cfg.cuda_graph.resolve()
+        if cfg.optimizer.optimizer == "dist_muon":  # Megatron's deprecated spelling
+            warnings.warn(
+                "--optimizer dist_muon is deprecated; use --optimizer muon --use-distributed-optimizer.", stacklevel=2
+            )
+            cfg.optimizer.optimizer = "muon"
+            cfg.ddp.use_distributed_optimizer = True
+        t = cfg.training
+        if t.step_batch_size_schedule is not None:
+            require(
+                t.global_batch_size is None,
+                "--step-batch-size-schedule and --global-batch-size cannot both be set (as in Megatron); the "
+                "schedule gives every batch size, drop --global-batch-size.",
+            )
+            require(
+                t.rampup_batch_size is None,
+                "--step-batch-size-schedule and --rampup-batch-size cannot both be set; pick one.",
+            )
+            steps = parse_step_schedule(t.step_batch_size_schedule, cfg.model.seq_length)
+            t.global_batch_size = steps[-1][1]  # the batch the schedule ends with (eval, lr in iterations)
+        if t.global_batch_size is None:
+            t.global_batch_size = t.micro_batch_size * cfg.parallel.data_parallel_size
+        require(  # the iteration count derives from one of them
+            t.train_iters is None or t.train_samples is None,
+            "--train-iters and --train-samples cannot both be set; pick one.",
+        )
+        if t.rerun_mode == "report_stats":  # Megatron's config spells it so; its state machine the other way
+            t.rerun_mode = "report_determinism_stats"
+        if t.train_samples is not None:
+            if t.train_samples >= 1 and t.global_batch_size >= 1:
+                batches = cfg.batch_schedule
+                if batches.varies:
+                    batches.validate()
+                t.train_iters = max(1, batches.iterations_for(t.train_samples))
+        elif t.train_iters is None:
+            t.train_iters = 100
+        if cfg.ddp.overlap_param_gather and cfg.cuda_graph.enabled:
+            # A graph replay bypasses the forward pre-hooks that wait for each bucket's gather.
+            warnings.warn(
+                "--overlap-param-gather is off with CUDA graphs: parameters are gathered right after "
+                "the optimizer step instead.",
+                stacklevel=2,
+            )
+            cfg.ddp.overlap_param_gather = False
+        d = cfg.data
+        if d.tokenizer_type is None:
+            # Megatron's pretrain_gpt.py: vocab and merge files mean GPT-2 BPE.
+            d.tokenizer_type = "GPT2BPETokenizer" if d.vocab_file and d.merge_file else "NullTokenizer"
+        c = cfg.checkpoint
+        if c.auto_detect_ckpt_format and c.load:
+            from megatron.training.dist_checkpointing import detect_format  # reads the --load folder
+
+            c.ckpt_format = detect_format(c.load) or c.ckpt_format
+        object.__setattr__(cfg, "_resolved", True)
+        return cfg
+
+    def freeze(self) -> "RunConfig":
+        """Makes this config read-only (every concern in it); returns self."""
+        return freeze(self)
+
+    def validate(self) -> None:
+        """Checks each concern, then the rules that span several of them. Reads only.
+
+        Call on the config ``resolve()`` returned.
+        """
+        assert self.__dict__.get("_resolved"), "validate() checks a resolved config: call cfg = cfg.resolve(world_size)"
+        self.mamba.validate(self.model, self.parallel)
+        self.model.validate()
+        par = self.parallel
+        etp = par.expert_tensor_parallel_size or par.tensor_model_parallel_size
+        self.moe.validate(self.model, par.expert_model_parallel_size, etp)
+        validate_overlap_switches(
+            self.ignored_flags, self.moe, self.model, par, self.precision.bf16 or self.precision.fp16
+        )
+        self.linear_attention.validate(self.model, par)
+        self.parallel.validate()
+        require(
+            not self.moe.enabled or par.tensor_model_parallel_size == 1 or par.sequence_parallel,
+            "--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel (as in Megatron): "
+            "each tensor-parallel rank then routes its own sequence shard, which the expert gradients assume.",
+        )
+        self.cuda_graph.validate()
+        pattern = self.mamba.parsed_pattern
+        self.parallel.validate_model(self.model, stages_from_pattern=pattern is not None)
+        require(
+            not (self.cuda_graph.enabled and self.model.recompute_granularity),
+            "--recompute-granularity with --cuda-graph-impl local is not supported yet: a recomputed layer would "
+            "replay its graphs out of the captured order. Drop one of them.",
+        )
+        require(
+            not (self.cuda_graph.enabled and self.model.fine_grained_activation_offloading),
+            "--fine-grained-activation-offloading with --cuda-graph-impl local is not supported: the host copies "
+            "would be captured into the graphs and replayed into the same buffers. Drop one of them.",
+        )
+        p, t, o = self.precision, self.training, self.optimizer
+        require(not (p.bf16 and p.fp16), "--bf16 and --fp16 cannot be combined; pick one.")
+        require(t.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {t.micro_batch_size}.")
+        dp = self.parallel.data_parallel_size
+        require(
+            t.global_batch_size >= 1,
+            f"--global-batch-size must be >= 1, got {t.global_batch_size}; drop it for --micro-batch-size x "
+            "data-parallel size.",
+        )
+        require(
+            t.global_batch_size % (t.micro_batch_size * dp) == 0,
+            f"--global-batch-size ({t.global_batch_size}) must be divisible by --micro-batch-size "
+            f"({t.micro_batch_size}) x data-parallel size ({dp}).",
+        )
+        self.batch_schedule.validate()
+        validate_fim_config(self.data)
+        require(
+            t.error_injection_rate >= 0,
+            f"--error-injection-rate must be >= 0, got {t.error_injection_rate} (0 turns injection off).",
+        )
+        require(
+            t.error_injection_rate == 0 or t.rerun_mode != "disabled",
+            "--error-injection-rate injects results for the re-run checks, which --rerun-mode disabled turns off; "
+            "pass --rerun-mode validate_results or drop --error-injection-rate.",
+        )
+        if t.train_samples is not None:
+            require(t.train_samples >= 1, f"--train-samples must be >= 1, got {t.train_samples}.")
+        require(t.train_iters >= 1, f"--train-iters must be >= 1, got {t.train_iters}.")
+        require(
+            not (t.train_samples is None and (o.lr_warmup_samples or o.lr_decay_samples is not None)),
+            "--lr-warmup-samples / --lr-decay-samples count samples and go with --train-samples; "
+            "with --train-iters use --lr-warmup-iters / --lr-decay-iters.",
+        )
+        require(
+            not (t.train_samples is not None and (o.lr_warmup_iters or o.lr_decay_iters is not None)),
+            "--lr-warmup-iters / --lr-decay-iters go with --train-iters; with --train-samples use "
+            "--lr-warmup-samples / --lr-decay-samples.",
+        )
+        require(t.manual_gc_interval >= 0, f"--manual-gc-interval must be >= 0, got {t.manual_gc_interval}.")
+        if t.eval_global_batch_size is not None:
+            require(
+                t.eval_global_batch_size % (t.micro_batch_size * dp) == 0,
+                f"--eval-global-batch-size ({t.eval_global_batch_size}) must be divisible by --micro-batch-size "
+                f"({t.micro_batch_size}) x data-parallel size ({dp}).",
+            )
+        require(
+            t.exit_interval is None or t.exit_interval >= 1,
+            f"--exit-interval must be >= 1, got {t.exit_interval}; drop it to train all --train-iters.",
+        )
+        require(
+            t.exit_duration_in_mins is None or t.exit_duration_in_mins > 0,
+            f"--exit-duration-in-mins must be positive, got {t.exit_duration_in_mins}.",
+        )
+        require(
+            t.eval_interval >= 1,
+            f"--eval-interval must be >= 1, got {t.eval_interval}; turn evaluation off with --eval-iters 0.",
+        )
+        require(t.eval_iters >= 0, f"--eval-iters must be >= 0, got {t.eval_iters} (0 turns evaluation off).")
+        require(
+            not self.ddp.overlap_param_gather or self.ddp.use_distributed_optimizer,
+            "--overlap-param-gather needs --use-distributed-optimizer; add it or drop --overlap-param-gather.",
+        )
+        instances = self.parallel.num_distributed_optimizer_instances
+        require(
+            instances == 1 or self.ddp.use_distributed_optimizer,
+            f"--num-distributed-optimizer-instances {instances} needs --use-distributed-optimizer (it shards the "
+            "distributed optimizer within each instance); add it or drop --num-distributed-optimizer-instances.",
+        )
+        require(
+            p.accumulate_allreduce_grads_in_fp32,
+            "reduced-precision gradient buffers are not supported yet; main_grad is always fp32.",
+        )
+        o.validate(p)
+        d = self.data
+        require(
+            d.mock_data or d.data_path,
+            "no training data: pass --mock-data for synthetic documents, or --data-path PREFIX.",
+        )
+        split = self._split_weights()
+        require(
+            split[0] > 0,
+            f"--split {d.split} gives the train split no data; give it a weight, e.g. --split 969,30,1.",
+        )
+        require(
+            t.eval_iters == 0 or split[1] > 0,
+            f"--eval-iters {t.eval_iters} needs validation data, but --split {d.split} gives the valid split none; "
+            "give it a weight (e.g. --split 969,30,1) or pass --eval-iters 0.",
+        )
+        require(
+            d.tokenizer_type in TOKENIZER_TYPES,
+            f"--tokenizer-type {d.tokenizer_type} is not supported yet; use one of {', '.join(TOKENIZER_TYPES)} "
+            "(HuggingFaceTokenizer reads a tokenizer.json).",
+        )
+        if d.tokenizer_type == "NullTokenizer":
+            require(
+                d.vocab_size is not None and d.vocab_size >= 2,
+                "--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2).",
+            )
+        self.logging.validate(self.checkpoint.save)
+        self.checkpoint.validate()
+
+    def _split_weights(self) -> list[float]:
+        return parse_split(self.data.split)  # the data code owns the format
+
+    def _warn_ignored_flags(self) -> None:
+        """Warns about flags that are accepted but change nothing in this combination."""
+        m, g = self.model, self.cuda_graph
+        if not m.group_query_attention and m.num_query_groups not in (None, m.num_attention_heads):
+            warnings.warn(
+                f"--num-query-groups {m.num_query_groups} is ignored without --group-query-attention "
+                "(every head has its own keys and values); add --group-query-attention to use it.",
+                stacklevel=3,
+            )
+        if m.recompute_granularity is None and (m.recompute_method is not None or m.recompute_num_layers is not None):
+            warnings.warn(
+                "--recompute-method / --recompute-num-layers have no effect without --recompute-granularity full "
+                "(nothing is recomputed), as in Megatron.",
+                stacklevel=3,
+            )
+        if g.cuda_graph_impl == "none" and g.cuda_graph_scope:
+            scope = " ".join(g.cuda_graph_scope) if isinstance(g.cuda_graph_scope, list) else g.cuda_graph_scope
+            warnings.warn(
+                f"--cuda-graph-scope {scope} has no effect without --cuda-graph-impl local (the run is eager).",
+                stacklevel=3,
+            )
+
+    @property
+    def batch_schedule(self) -> BatchSchedule:
+        """The global batch size per step (constant, ramp-up or step schedule)."""
+        return BatchSchedule.from_config(self.training, self.parallel.data_parallel_size, self.model.seq_length)
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per step at --global-batch-size (the batch after any ramp-up; evaluation's)."""
+        t = self.training
+        return t.global_batch_size // (t.micro_batch_size * self.parallel.data_parallel_size)
