@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megatron.core.parallel_state import ParallelConfig
+    from megatron.core.parallel_config import ParallelConfig
 
 
 def rank_groups(sizes: dict[str, int], axes: tuple[str, ...]) -> list[list[int]]:

@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from megatron.training import checkpoint_config, sharded_state
 from megatron.training import checkpointing as ckpt
-from megatron.training import sharded_state
 from megatron.training.logging_utils import print_rank_0
 from megatron.training.save_lock import remove_leftovers
 from megatron.training.train_state import get_rng_state, set_rng_state
@@ -158,7 +158,7 @@ def save(trainer) -> None:
         "consumed_samples": trainer.consumed_samples,
         "opt_param_scheduler": trainer.scheduler.state_dict(),
         "rng_state": rng_states,
-        "config": ckpt.config_to_dict(cfg),
+        "config": checkpoint_config.config_to_dict(cfg),
     }
     entries = _entries(trainer, with_optimizer=True)
     _check_finite(trainer, entries)
@@ -340,7 +340,7 @@ def load(trainer, iteration_dir: str, iteration: int, release: bool) -> int:
     common = _read_common(os.path.join(iteration_dir, COMMON_FILENAME))
     saved_config = dict(common.get("config", {}))
     saved_config.pop("parallel", None)  # layout-free: any TP x PP x DP reads it
-    ckpt.check_config(saved_config, trainer.cfg, iteration_dir)
+    checkpoint_config.check_config(saved_config, trainer.cfg, iteration_dir)
     weights_only = c.finetune or release
     with_optimizer = not weights_only and not c.no_load_optim
     reader = dcp.FileSystemReader(iteration_dir)

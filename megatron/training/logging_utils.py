@@ -301,7 +301,7 @@ def _import_wandb():
 def wandb_settings(cfg, run_config: dict[str, Any]) -> dict[str, Any] | None:
     """``wandb.init`` keyword arguments from the --wandb-* flags (Megatron's), or None without --wandb-project.
 
-    ``run_config`` is the run's config as plain nested dicts (``checkpointing.config_to_dict``).
+    ``run_config`` is the run's config as plain nested dicts (``checkpoint_config.config_to_dict``).
     """
     lg = cfg.logging
     if not lg.wandb_project:

@@ -20,7 +20,7 @@ from megatron.core.config_utils import Freezable, freeze, require
 from megatron.core.datasets.builder import parse_split
 from megatron.core.datasets.fim import validate_fim_config
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
-from megatron.core.parallel_state import ParallelConfig
+from megatron.core.parallel_config import ParallelConfig
 from megatron.core.ssm.gated_delta_net.config import LinearAttentionConfig
 from megatron.core.ssm.mamba_config import MambaConfig
 from megatron.core.tokenizers.tokenizer import TOKENIZER_TYPES

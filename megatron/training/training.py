@@ -38,11 +38,11 @@ from megatron.core.optimizer.distrib_optimizer import build_optimizer
 from megatron.core.optimizer.lr_scheduler import build_scheduler
 from megatron.core.pipeline_parallel import embedding_grads as pipeline_grads
 from megatron.core.pipeline_parallel import layout, p2p_communication, schedules
-from megatron.core.tensor_parallel.random import get_rng_tracker, model_parallel_manual_seed
+from megatron.core.tensor_parallel.random import model_parallel_manual_seed
 from megatron.core.transformer import cuda_graphs
 from megatron.core.transformer.cuda_graphs.streams import side_stream
 from megatron.core.transformer.moe import moe_layer as moe_hooks
-from megatron.training import checkpointing, dist_checkpointing, save_lock
+from megatron.training import checkpoint_config, checkpointing, dist_checkpointing, save_lock
 from megatron.training import logging_utils as logs
 from megatron.training.arguments import parse_args
 from megatron.training.batch_steps import StepBatches
@@ -50,7 +50,8 @@ from megatron.training.data import build_data_iterators, setup_tokenizer
 from megatron.training.exit_conditions import ExitConditions
 from megatron.training.run_config import RunConfig
 from megatron.training.save_retention import SaveRetention
-from megatron.training.train_state import TrainState, get_rng_state, set_rng_state
+from megatron.training.step_checks import StepChecks
+from megatron.training.train_state import TrainState
 from megatron.training.training_log import IterationLogging, LossWindow
 
 
@@ -65,7 +66,7 @@ def _set_determinism(cfg: RunConfig, use_cuda: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-class Trainer(IterationLogging, StepBatches):
+class Trainer(IterationLogging, StepBatches, StepChecks):
     """One training run. ``pretrain()`` builds it from flags and calls ``train()``.
 
     Args:
@@ -148,7 +149,7 @@ class Trainer(IterationLogging, StepBatches):
                 cfg.logging.metrics_file,
                 cfg.logging.tensorboard_dir,
                 enabled_on_this_rank=pg.is_last_rank,
-                wandb=logs.wandb_settings(cfg, checkpointing.config_to_dict(cfg)),
+                wandb=logs.wandb_settings(cfg, checkpoint_config.config_to_dict(cfg)),
             )
         except BaseException:
             self.close()
@@ -263,18 +264,6 @@ class Trainer(IterationLogging, StepBatches):
         self.last_checkpointed_iteration = None if loaded.weights_only else self.iteration
         self._load_rerun_state()
         return self.iteration
-
-    def _load_rerun_state(self) -> None:
-        """A validation the previous job left pending in the loaded checkpoint (``--rerun-mode``)."""
-        if not self.cfg.checkpoint.load or self.iteration == 0:
-            return
-        folder = os.path.join(self.cfg.checkpoint.load, checkpointing.iteration_dir_name(self.iteration))
-        pending = rerun.read_state(folder)
-        if pending is not None and pending.get("iteration") == self.iteration + 1:
-            self.rerun.load_pending(pending)
-            logs.print_rank_0(
-                f"> re-running iteration {self.iteration + 1} to validate its result ({pending['message']})"
-            )
 
     # ------------------------------------------------------------------ one step
     def _next_batch(self, data_iterator) -> dict[str, torch.Tensor]:
@@ -397,80 +386,6 @@ class Trainer(IterationLogging, StepBatches):
             loss = loss / self.pg.dp_size
         return loss, local
 
-    def _rng_snapshot(self) -> dict:
-        return {"global": get_rng_state(self.device.type == "cuda"), "tracker": get_rng_tracker().get_states()}
-
-    def _restore_rng(self, snapshot: dict) -> None:
-        set_rng_state(snapshot["global"], include_cuda=self.device.type == "cuda")
-        get_rng_tracker().set_states(snapshot["tracker"])
-
-    def _validated_gradients(self, data_iterator) -> torch.Tensor:
-        """``_gradients`` under ``--rerun-mode``: the loss is checked before the optimizer step and the
-        iteration re-run from the same state (micro-batches, RNG, weights) when it fails a check
-        (``rerun_state_machine.py`` has the outcomes). Returns the loss to step with, or raises
-        ``RerunExit``."""
-        rr, iteration = self.rerun, self.iteration + 1
-        snapshot, batches = self._rng_snapshot(), []
-
-        def record():
-            batches.append(self._next_batch(data_iterator))
-            return batches[-1]
-
-        loss, local = self._gradients(data_iterator, record, keep_local=True)
-
-        def rerun_in_place():
-            self.graphs.end_of_iteration()  # a captured replay order starts over
-            self._restore_rng(snapshot)
-            replay = iter(batches)
-            return self._gradients(data_iterator, lambda: next(replay), keep_local=True)
-
-        if rr.mode == "report_determinism_stats":
-            initial = local.item()
-            loss, local = rerun_in_place()
-            rr.record_stats(iteration, initial, local.item(), self._world)
-            return loss
-        if rr.state is rerun.RerunState.RERUNNING_FROM_CHECKPOINT:
-            code = rr.after_rerun_from_checkpoint(local.item(), self._world)
-            if code == rerun.EXIT_CODE_RESUME_TO_DISAMBIGUATE:
-                raise rerun.RerunExit(
-                    code,
-                    "Exiting now. Please resume the job from the same checkpoint to rerun the last iteration and "
-                    "establish a diagnostic",
-                )
-            raise rerun.RerunExit(
-                code, "Exiting now. A checkpoint at the last iteration already exists if further examination is needed"
-            )
-        message, initial = rr.first_failure(iteration, local, self._world)
-        if message is None:
-            return loss
-        logs.print_rank_0(f"> iteration {iteration}: {message}; re-running it to check that the result reproduces")
-        loss, local = rerun_in_place()
-        decision = rr.after_rerun_in_place(iteration, message, initial, local.item(), self._world)
-        if decision == "continue":
-            logs.print_rank_0("> continuing normal execution because the failed validation was not fatal")
-            return loss
-        if decision == "exit" or not self.cfg.checkpoint.save:
-            why = "" if decision == "exit" else " (the result reproduced, but there is no --save to checkpoint to)"
-            raise rerun.RerunExit(
-                rerun.EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
-                f"Exiting now{why}. The job can be resumed from a previous checkpoint",
-            )
-        # Reproducible: checkpoint the state before this iteration (its update never ran) and exit.
-        self._restore_rng(snapshot)
-        self._save_attempted = self.iteration
-        self.save_checkpoint()
-        dist_checkpointing.wait_for_pending_save()
-        if self.pg.rank == 0:
-            folder = os.path.join(self.cfg.checkpoint.save, checkpointing.iteration_dir_name(self.iteration))
-            rerun.write_state(folder, rr.pending_state(iteration, message, initial))
-        if self._world is not None:
-            dist.barrier()
-        raise rerun.RerunExit(
-            rerun.EXIT_CODE_RESUME_TO_DISAMBIGUATE,
-            "Saving a checkpoint and exiting now. Please resume the job from the checkpoint to rerun the last "
-            "iteration and establish a diagnostic",
-        )
-
     # ------------------------------------------------------------------ loop
     def train(self) -> list[dict]:
         cfg = self.cfg
@@ -550,49 +465,6 @@ class Trainer(IterationLogging, StepBatches):
         self.close()
         return history
 
-    def _count_overflow(self) -> None:
-        """Warns when a static fp16 loss scale overflows step after step (nothing trains)."""
-        self._consecutive_skips += 1
-        p = self.cfg.precision
-        if p.fp16 and p.loss_scale is not None and self._consecutive_skips == _STATIC_SCALE_WARN_AFTER:
-            logs.print_rank_0(
-                f"WARNING: the last {self._consecutive_skips} iterations all overflowed with the static loss "
-                f"scale --loss-scale {p.loss_scale:g}, so no update was applied; lower --loss-scale or drop it "
-                "for dynamic loss scaling."
-            )
-
-    def _check_nan_window(self) -> None:
-        """Stops the run (NaN guard on) if an iteration since the last check was not finite.
-
-        Reads the window's device flag: one host sync.
-        """
-        if not self.cfg.ddp.check_for_nan_in_loss_and_grad or not hasattr(self, "_window"):
-            return
-        count, first = self._window.read_nan()
-        if count:
-            raise self._nan_error(count, first)
-
-    def _nan_error(self, count: int, first: int) -> RuntimeError:
-        last = self.last_checkpointed_iteration
-        saved = f"the last checkpoint is iteration {last}" if last is not None else "no checkpoint was saved"
-        return RuntimeError(
-            f"non-finite lm loss or grad norm at iteration {first} on rank {self.pg.rank} ({count} such "
-            f"iteration(s) up to iteration {self.iteration}); their updates were skipped, so the weights are "
-            f"those before iteration {first}, and {saved}. Lower --lr or check the data; pass "
-            "--no-check-for-nan-in-loss-and-grad to keep training through it."
-        )
-
-    def _save_checked(self) -> None:
-        """Saves unless the NaN guard has something to report; never saves non-finite weights."""
-        self._check_nan_window()
-        self._save_attempted = self.iteration
-        try:
-            self.save_checkpoint()
-        except checkpointing.NonFiniteCheckpointError as e:
-            if self.cfg.ddp.check_for_nan_in_loss_and_grad:
-                raise
-            logs.print_rank_0(f"WARNING: {e}; training goes on (--no-check-for-nan-in-loss-and-grad).")
-
     def evaluate(self, data_iterator, where: str) -> float:
         """Mean lm loss over --eval-iters global batches of validation data (no grad).
 
@@ -630,10 +502,6 @@ class Trainer(IterationLogging, StepBatches):
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter()
-
-
-_STATIC_SCALE_WARN_AFTER = 10
-"""Consecutive fp16 overflows with a static --loss-scale before the run warns."""
 
 
 def default_model_provider(cfg: RunConfig, vocab_size: int, pg, device) -> torch.nn.Module:

@@ -8,7 +8,8 @@ import warnings
 import pytest
 import torch
 
-from megatron.core.parallel_state import ParallelConfig, ProcessGroups
+from megatron.core.parallel_config import ParallelConfig
+from megatron.core.parallel_state import ProcessGroups
 from megatron.core.rank_grid import dense_grid, expert_grid, grid_ranks, rank_groups
 from megatron.core.transformer.transformer_config import TransformerConfig
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron.core.parallel_state import ParallelConfig
+from megatron.core.parallel_config import ParallelConfig
 from megatron.core.pipeline_parallel import layout
 from megatron.training.arguments import parse_args
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron.core.parallel_state import ParallelConfig
+from megatron.core.parallel_config import ParallelConfig
 from megatron.core.ssm.mamba_config import MambaConfig
 from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.transformer_config import TransformerConfig

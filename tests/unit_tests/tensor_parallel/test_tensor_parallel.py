@@ -18,7 +18,8 @@ HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _pg(rank, world, sequence_parallel=False):
-    from megatron.core.parallel_state import ParallelConfig, build_groups
+    from megatron.core.parallel_config import ParallelConfig
+    from megatron.core.parallel_state import build_groups
 
     cfg = ParallelConfig(world_size=world, tensor_model_parallel_size=2, sequence_parallel=sequence_parallel).resolve()
     cfg.validate()

@@ -12,7 +12,7 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.config_utils import thawed_copy
-from megatron.training import checkpointing
+from megatron.training import checkpoint_config, checkpointing
 from megatron.training.checkpointing import get_checkpoint_name, read_tracker, tracker_path
 from megatron.training.train_state import TrainState
 from megatron.training.training import build_trainer, pretrain
@@ -99,7 +99,7 @@ def test_config_to_dict_is_plain():
         inner: Inner = dataclasses.field(default_factory=Inner)
         flag: bool = True
 
-    plain = checkpointing.config_to_dict(Outer())
+    plain = checkpoint_config.config_to_dict(Outer())
     assert plain == {"inner": {"dtype": "torch.bfloat16", "kind": 3, "scopes": ["attn", "mlp"]}, "flag": True}
     assert type(plain["inner"]["kind"]) is int  # not the IntEnum: weights_only could not load it
     _assert_plain(plain)
@@ -314,17 +314,17 @@ def test_other_model_shape_names_file_and_field(tmp_path):
 )
 def test_torch_format_refuses_another_tp_or_pp_naming_the_flag_and_torch_dist(tmp_path, field, flag):
     trainer = build("--train-iters", 2)
-    saved = checkpointing.config_to_dict(trainer.cfg)
+    saved = checkpoint_config.config_to_dict(trainer.cfg)
     saved["parallel"][field] = 2  # as a file saved at TP=2 (or PP=2) would hold
     with pytest.raises(ValueError) as info:
-        checkpointing.check_config(saved, trainer.cfg, "/c/iter_0000002/mp_rank_01")
+        checkpoint_config.check_config(saved, trainer.cfg, "/c/iter_0000002/mp_rank_01")
     msg = str(info.value)
     assert f"{field}=2, this run has 1 ({flag})" in msg
     assert "--ckpt-format torch_dist" in msg
-    saved = checkpointing.config_to_dict(trainer.cfg)
+    saved = checkpoint_config.config_to_dict(trainer.cfg)
     saved["model"]["hidden_size"] = 64  # another model, same layout: no word of torch_dist
     with pytest.raises(ValueError) as info:
-        checkpointing.check_config(saved, trainer.cfg, "/c")
+        checkpoint_config.check_config(saved, trainer.cfg, "/c")
     assert "torch_dist" not in str(info.value)
 
 

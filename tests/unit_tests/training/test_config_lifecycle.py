@@ -16,7 +16,7 @@ import pytest
 
 from megatron.core.config_utils import is_frozen, thawed_copy
 from megatron.training.arguments import parse_args
-from megatron.training.checkpointing import config_to_dict
+from megatron.training.checkpoint_config import config_to_dict
 from tests.unit_tests.training.census import test_census as census
 
 GOLDEN = json.loads((pathlib.Path(census.__file__).parent / "derived_values.json").read_text())

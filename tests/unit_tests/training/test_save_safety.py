@@ -132,7 +132,8 @@ def test_full_disk_names_the_folder_and_removes_the_partial_save(tmp_path, monke
 def _save_fails_on_rank_1(rank, world, save_dir):
     import time
 
-    from megatron.core.parallel_state import ParallelConfig, build_groups
+    from megatron.core.parallel_config import ParallelConfig
+    from megatron.core.parallel_state import build_groups
     from megatron.training.arguments import parse_args
     from megatron.training.train_state import TrainState
 

@@ -41,8 +41,9 @@ SEQ, BATCH, HIDDEN = 8, 2, 8
 
 def _groups(world, sizes):
     from megatron.core import parallel_state
+    from megatron.core.parallel_config import ParallelConfig
 
-    cfg = parallel_state.ParallelConfig(world_size=world, sequence_parallel=True, **sizes).resolve()
+    cfg = ParallelConfig(world_size=world, sequence_parallel=True, **sizes).resolve()
     cfg.validate()
     import torch.distributed as dist
 
