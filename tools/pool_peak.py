@@ -161,7 +161,23 @@ def main():
     )
     for site, nbytes, n in by_site(blocks)[: args.top]:
         print(f"  {nbytes / 2**20:9.1f} MiB  x{n:<4d} {site}")
+    print("pool segments (reserved, live at the peak, stream):")
+    for total, live, stream in segments_at_peak(snapshot, trainer.graphs.pools[0].handle, device, blocks):
+        print(f"  {total / 2**20:9.1f} MiB reserved {live / 2**20:9.1f} MiB live  stream {stream:#x}")
     parallel_state.destroy(trainer.pg)
+
+
+def segments_at_peak(snapshot: dict, pool_id, device: int, blocks: Sequence[dict]) -> list[tuple[int, int, int]]:
+    """``(reserved bytes, bytes of ``blocks`` inside it, stream)`` per segment of one pool."""
+    want = _pool_id(pool_id)
+    rows = []
+    for s in snapshot["segments"]:
+        if s.get("device", device) != device or _pool_id(s.get("segment_pool_id", (0, 0))) != want:
+            continue
+        lo, hi = s["address"], s["address"] + s["total_size"]
+        live = sum(b["size"] for b in blocks if lo <= b["addr"] < hi)
+        rows.append((s["total_size"], live, s.get("stream", 0)))
+    return rows
 
 
 def steady(trainer, args) -> None:
