@@ -112,6 +112,7 @@ class MambaConfig(Freezable):
                     stacklevel=2,
                 )
             model.num_layers = parsed.num_layers
+            model.is_hybrid_model = True
         if parallel is not None and parallel.virtual_pipeline_model_parallel_size is None:
             vpp = virtual_pipeline_size(parsed, parallel.pipeline_model_parallel_size)
             parallel.virtual_pipeline_model_parallel_size = vpp

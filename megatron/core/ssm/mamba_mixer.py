@@ -37,7 +37,6 @@ from megatron.core.tensor_parallel.layers import (
     get_tensor_model_parallel_size,
     init_method_normal,
     resolve_device,
-    scaled_init_method_normal,
 )
 
 try:  # optional fused kernels; never required
@@ -223,7 +222,7 @@ class MambaMixer(torch.nn.Module):
             self.d_inner,
             self.d_model,
             config=config,
-            init_method=scaled_init_method_normal(config.hidden_init_std(), config.num_layers),
+            init_method=init_method_normal(config.output_init_std()),
             bias=False,
             input_is_parallel=True,
             skip_bias_add=True,

@@ -37,7 +37,6 @@ from megatron.core.tensor_parallel.layers import (
     RowParallelLinear,
     get_tensor_model_parallel_size,
     init_method_normal,
-    scaled_init_method_normal,
 )
 from megatron.core.tensor_parallel.random import fork_if
 from megatron.core.transformer.norm import build_norm
@@ -112,7 +111,7 @@ class SelfAttention(torch.nn.Module):
             heads * kv,
             config.hidden_size,
             config=config,
-            init_method=scaled_init_method_normal(config.hidden_init_std(), config.num_layers),
+            init_method=init_method_normal(config.output_init_std()),
             bias=config.add_bias_linear,
             input_is_parallel=True,
             skip_bias_add=False,  # in the GEMM: no fused bias-dropout-add kernel to defer it to

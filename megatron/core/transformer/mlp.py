@@ -19,7 +19,6 @@ from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     init_method_normal,
-    scaled_init_method_normal,
 )
 
 
@@ -54,7 +53,7 @@ class MLP(torch.nn.Module):
             ffn,
             config.hidden_size,
             config=config,
-            init_method=scaled_init_method_normal(config.hidden_init_std(), config.num_layers),
+            init_method=init_method_normal(config.output_init_std()),
             bias=config.add_bias_linear,
             input_is_parallel=True,
             skip_bias_add=False,  # in the GEMM (after the all-reduce at TP > 1); see the module docstring

@@ -144,9 +144,9 @@ class TransformerConfig(Freezable):
 
     use_mup: bool = False
     """Maximal Update Parametrization (muP): hidden weights initialised with std / sqrt(m) (output
-    projections std / (sqrt(2 L) sqrt(m))), hidden matrices trained with lr / m (Adam: eps / m too;
-    SGD: vector-like params with lr * m instead), attention scaled by 1 / d_head and logits by
-    --mup-output-mult, where m = --hidden-size / --mup-base-hidden-size."""
+    projections std / (sqrt(2 L) sqrt(m)); sqrt(L) for 2 L in hybrid models), hidden matrices trained
+    with lr / m (Adam: eps / m too; SGD: vector-like params with lr * m instead), attention scaled by
+    1 / d_head and logits by --mup-output-mult, where m = --hidden-size / --mup-base-hidden-size."""
 
     mup_base_hidden_size: int | None = None
     """Hidden size of the muP base (proxy) model; defaults to --hidden-size (m = 1)."""
@@ -162,6 +162,10 @@ class TransformerConfig(Freezable):
 
     mup_attn_scale_power: float = 1.0
     """muP: power of kv_channels in the attention scale (1.0: 1 / d_head, 0.5: standard 1 / sqrt(d_head))."""
+
+    is_hybrid_model: bool = flag_field(False, no_flag=True)
+    """A hybrid model (derived: set from --hybrid-layer-pattern). As in Megatron, its residual output
+    projections are initialised with std / sqrt(L), not std / sqrt(2 L)."""
 
     mup_width_mult: float = flag_field(1.0, no_flag=True)
     """muP width multiplier m = --hidden-size / --mup-base-hidden-size (derived; 1.0 without muP)."""
@@ -232,9 +236,16 @@ class TransformerConfig(Freezable):
         """Std of the normal init of hidden weights: --init-method-std, over sqrt(m) with muP.
 
         The embeddings (and an untied output layer) keep --init-method-std; residual output
-        projections divide this by sqrt(2 * --num-layers).
+        projections use ``output_init_std``.
         """
         return self.init_method_std / math.sqrt(self.mup_width_mult) if self.use_mup else self.init_method_std
+
+    def output_init_std(self) -> float:
+        """Std of the residual output projections (attention, MLP, Mamba and GDN ``out_proj``):
+        ``hidden_init_std`` over sqrt(2 L), or over sqrt(L) in a hybrid model (Megatron's
+        multiplier 1 there), L = --num-layers."""
+        multiplier = 1.0 if self.is_hybrid_model else 2.0
+        return self.hidden_init_std() / math.sqrt(multiplier * self.num_layers)
 
     def validate(self) -> None:
         """Raises ``ValueError`` for inconsistent model flags."""

@@ -46,7 +46,6 @@ from megatron.core.tensor_parallel.layers import (
     get_tensor_model_parallel_size,
     init_method_normal,
     resolve_device,
-    scaled_init_method_normal,
 )
 from megatron.core.transformer.norm import build_norm
 
@@ -188,7 +187,7 @@ class GatedDeltaNet(torch.nn.Module):
             self.num_value_heads * self.value_head_dim,
             config.hidden_size,
             config=config,
-            init_method=scaled_init_method_normal(config.hidden_init_std(), config.num_layers),
+            init_method=init_method_normal(config.output_init_std()),
             bias=False,
             input_is_parallel=True,
             skip_bias_add=True,

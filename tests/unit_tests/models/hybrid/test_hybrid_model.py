@@ -50,6 +50,24 @@ def test_parameter_names_follow_megatron_and_shapes():
     assert model(tokens).shape == (2, 16, VOCAB)
 
 
+def test_residual_output_projections_use_megatrons_hybrid_init():
+    """Megatron inits a hybrid model's residual output projections with std / sqrt(L) (a GPT's:
+    std / sqrt(2 L)); every other hidden weight keeps --init-method-std."""
+    cfg, mc = configs(hidden_size=256, num_attention_heads=4, ffn_hidden_size=512, init_method_std=0.05)
+    assert cfg.is_hybrid_model and cfg.num_layers == 8
+    torch.manual_seed(0)
+    params = dict(build_hybrid_model(cfg, mc, VOCAB, device="cpu").named_parameters())
+    out = 0.05 / 8**0.5
+    for name in ("mixer.out_proj.weight", "self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
+        found = [p for n, p in params.items() if n.endswith(name)]
+        assert found, name
+        for p in found:
+            assert abs(p.std().item() - out) < 0.05 * out, name
+    for name in ("mixer.in_proj.weight", "self_attention.linear_qkv.weight", "mlp.linear_fc1.weight"):
+        for p in (p for n, p in params.items() if n.endswith(name)):
+            assert abs(p.std().item() - 0.05) < 0.05 * 0.05, name
+
+
 def test_needs_a_pattern_and_a_known_position_type():
     cfg, mc = configs()
     with pytest.raises(ValueError, match="--hybrid-layer-pattern"):
