@@ -23,7 +23,7 @@ from megatron.core.models.hybrid.hybrid_layer_allocation import (
     virtual_pipeline_size,
 )
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron.core.tensor_parallel.layers import resolve_device
+from megatron.core.tensor_parallel.layers import resolve_device, uses_sequence_parallel
 from megatron.core.transformer.cuda_graphs import regions
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -124,6 +124,12 @@ class HybridModel(torch.nn.Module):
             config, vocab_size, pg, pre_process, post_process, share_embeddings_and_output_weights, device
         )
         self.input_tensor: torch.Tensor | None = None  # a later pipeline stage's input (set_input_tensor)
+        if uses_sequence_parallel(pg):
+            # As in the GPT model: replicated decoder parameters (norms) see one sequence
+            # shard per TP rank, so their gradients are partial sums over TP.
+            for param in self.decoder.parameters():
+                if not getattr(param, "tensor_model_parallel", False):
+                    param.sequence_parallel = True
 
     shared_embedding_or_output_weight = GPTModel.shared_embedding_or_output_weight
     set_input_tensor = GPTModel.set_input_tensor
