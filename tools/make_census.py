@@ -117,7 +117,7 @@ def expectation(args: dict) -> str:
         return "unsupported"
     if args.get("--ckpt-format") == "fsdp_dtensor" or args.get("--transformer-impl") == "inference_optimized":
         return "unsupported"
-    if flags & set(_NOT_YET_FLAGS) or args.get("--experimental-attention-variant") == "gdn2":
+    if flags & set(_NOT_YET_FLAGS):
         return "not_yet"
     if "--spec" in flags and str(args["--spec"]).strip("[]") not in _ACCEPTED_SPECS:
         return "not_yet"

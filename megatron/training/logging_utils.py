@@ -190,6 +190,8 @@ def num_floating_point_operations(
         + 2 * vh * dk * dv * 4                 the rule: state decay-and-update, read (as Megatron)
         + 2 * vh*dv * h                        out-projection
 
+    GDN2 (``gdn2``) has the in-projection ``2 * h * (4*kh*dk + 3*vh*dv)`` (q, k, v, z, f, b, w).
+
     Training costs 3x the forward (backward computes input and weight gradients).
     Causal attention computes half of the s x s square, and is counted so, as Megatron
     counts it. Total = 3 * batch_size * s * per-token.
@@ -232,7 +234,7 @@ def _gated_delta_net_layers_and_flops(config) -> tuple[int, int]:
     qk = la.linear_num_key_heads * la.linear_key_head_dim
     v = la.linear_num_value_heads * la.linear_value_head_dim
     flops = (
-        2 * h * (2 * qk + 2 * v + 2 * la.linear_num_value_heads)  # in-projection
+        2 * h * ((4 * qk + 3 * v) if la.is_gdn2 else (2 * qk + 2 * v + 2 * la.linear_num_value_heads))  # in-proj
         + 2 * la.linear_conv_kernel_dim * (2 * qk + v)  # causal conv
         + 2 * la.linear_num_value_heads * la.linear_key_head_dim * la.linear_value_head_dim * 4  # the rule
         + 2 * v * h  # out-projection

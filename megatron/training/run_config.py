@@ -151,7 +151,7 @@ class RunConfig(Freezable):
         validate_overlap_switches(
             self.ignored_flags, self.moe, self.model, par, self.precision.bf16 or self.precision.fp16
         )
-        self.linear_attention.validate(self.model, par)
+        self.linear_attention.validate(self.model, par, hybrid_pattern=self.mamba.hybrid_layer_pattern)
         self.parallel.validate()
         require(
             not self.moe.enabled or par.tensor_model_parallel_size == 1 or par.sequence_parallel,

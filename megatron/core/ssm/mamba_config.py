@@ -30,8 +30,9 @@ class MambaConfig(Freezable):
     """Hybrid Mamba/attention models: the layer pattern and the Mamba mixer's sizes."""
 
     hybrid_layer_pattern: str | None = None
-    """One symbol per layer: M (Mamba), * (attention), - (MLP), E (MoE); | separates pipeline
-    segments (their count / PP gives the virtual pipeline size). Sets the number of layers."""
+    """One symbol per layer: M (Mamba), G (gated delta net; GDN2 with --experimental-attention-variant
+    gdn2), * (attention), - (MLP), E (MoE); | separates pipeline segments (their count / PP gives the
+    virtual pipeline size). Sets the number of layers."""
 
     hybrid_override_pattern: str | None = None
     """Deprecated alias of --hybrid-layer-pattern."""

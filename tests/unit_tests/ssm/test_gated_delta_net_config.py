@@ -88,7 +88,12 @@ def test_linear_flags_without_a_variant_are_ignored():
     "flags, message",
     [
         ("--experimental-attention-variant gdn", "needs --linear-attention-freq"),
-        ("--experimental-attention-variant gdn2 --linear-attention-freq 2", "gdn2 .* is not supported yet"),
+        ("--experimental-attention-variant gdn2", "gdn2 needs --linear-attention-freq"),
+        (
+            "--hybrid-layer-pattern *G-G --linear-num-key-heads 4 --linear-num-value-heads 6",
+            r"--linear-num-value-heads \(6\) must be a multiple of --linear-num-key-heads \(4\)",
+        ),
+        ("--hybrid-layer-pattern *G-G --experimental-attention-variant gdn", "gdn needs --linear-attention-freq"),
         ("--experimental-attention-variant dsa", "dsa is not supported"),
         (
             "--experimental-attention-variant gdn --linear-attention-freq 2 --linear-num-key-heads 4 "
@@ -108,6 +113,21 @@ def test_tensor_parallel_size_must_divide_the_heads():
     flags = (
         "--experimental-attention-variant gdn --linear-attention-freq 2 --linear-num-key-heads 1 "
         "--linear-num-value-heads 2 --tensor-model-parallel-size 2"
+    )
+    with pytest.raises(ValueError, match=r"--linear-num-key-heads \(1\) .* --tensor-model-parallel-size \(2\)"):
+        validated(flags, world_size=2)
+
+
+def test_gdn2_in_a_hybrid_model_needs_no_linear_attention_freq():
+    cfg = validated("--hybrid-layer-pattern *G-G --experimental-attention-variant gdn2")
+    assert cfg.linear_attention.is_gdn2 and cfg.linear_attention.linear_attention_pattern is None
+    cfg = validated("--experimental-attention-variant gdn2 --linear-attention-freq 2")
+    assert cfg.linear_attention.enabled and cfg.linear_attention.linear_attention_pattern == [1, 0, 1, 0]
+
+
+def test_tensor_parallel_size_must_divide_the_heads_of_hybrid_g_layers():
+    flags = (
+        "--hybrid-layer-pattern *G-G --linear-num-key-heads 1 --linear-num-value-heads 2 --tensor-model-parallel-size 2"
     )
     with pytest.raises(ValueError, match=r"--linear-num-key-heads \(1\) .* --tensor-model-parallel-size \(2\)"):
         validated(flags, world_size=2)

@@ -38,7 +38,7 @@ def get_gpt_moe_layer_local_spec() -> ModuleSpec:
 def get_gpt_decoder_layer_specs(config) -> list[ModuleSpec]:
     """One spec per layer: MoE where ``--moe-layer-freq`` says so (with ``--num-experts``), dense elsewhere;
     gated delta net attention where ``--linear-attention-freq`` says so (with ``--experimental-attention-variant
-    gdn``), softmax attention elsewhere."""
+    gdn``; GDN2 with ``gdn2``), softmax attention elsewhere."""
     moe, linear = config.moe, config.linear_attention
     if not moe.enabled and not linear.enabled:
         return [get_gpt_layer_local_spec()] * config.num_layers
@@ -52,6 +52,6 @@ def get_gpt_decoder_layer_specs(config) -> list[ModuleSpec]:
     if linear.enabled:
         from megatron.core.ssm.gated_delta_net.layers import get_gdn_layer_local_spec
 
-        specs[(True, False)] = get_gdn_layer_local_spec(moe=False)
-        specs[(True, True)] = get_gdn_layer_local_spec(moe=True)
+        specs[(True, False)] = get_gdn_layer_local_spec(moe=False, gdn2=linear.is_gdn2)
+        specs[(True, True)] = get_gdn_layer_local_spec(moe=True, gdn2=linear.is_gdn2)
     return [specs[(linear.is_linear(i), bool(moe_pattern[i]))] for i in range(config.num_layers)]

@@ -1,4 +1,4 @@
-"""The hybrid stack: one model chunk of Mamba, attention, MLP (and later MoE) layers from the pattern.
+"""The hybrid stack: one model chunk of Mamba, gated delta net, attention, MLP and MoE layers from the pattern.
 
 ``HybridStack`` is to a hybrid model what ``TransformerBlock`` is to GPT: it builds the
 layers of one pipeline chunk from that chunk's symbols of ``--hybrid-layer-pattern``
@@ -7,9 +7,12 @@ globally (``layer_offset + i + 1``), marks ``is_first_layer`` / ``is_last_layer`
 within the chunk (the layers at a chunk's edges read from or feed communication),
 names them to the CUDA-graph session (``graph_layers``), runs them in order and applies the final
 norm on the last stage. Every layer takes and returns ``[s, b, h]``; attention
-layers also read the rotary table, the others ignore it.
+layers also read the rotary table, the others ignore it. ``G`` layers build the
+``gdn_layer`` spec with its attention swapped for ``GatedDeltaNet2`` when
+``--experimental-attention-variant gdn2`` is set, as Megatron's hybrid block does.
 """
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -17,7 +20,7 @@ import torch
 
 from megatron.core.models.hybrid.hybrid_layer_allocation import PATTERN_FLAG, Symbols
 from megatron.core.transformer.norm import build_norm
-from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 
 @dataclasses.dataclass
@@ -25,6 +28,7 @@ class HybridStackSubmodules:
     """Specs of the layer kinds, one per pattern symbol (None: not available)."""
 
     mamba_layer: Any = None
+    gdn_layer: Any = None
     attention_layer: Any = None
     mlp_layer: Any = None
     moe_layer: Any = None
@@ -32,10 +36,27 @@ class HybridStackSubmodules:
 
 _SPEC_OF = {
     Symbols.MAMBA: "mamba_layer",
+    Symbols.GDN: "gdn_layer",
     Symbols.ATTENTION: "attention_layer",
     Symbols.MLP: "mlp_layer",
     Symbols.MOE: "moe_layer",
 }
+
+
+def gdn_layer_spec(spec, config):
+    """The spec a ``G`` layer builds: ``spec``, with ``GatedDeltaNet2`` attention under ``gdn2``."""
+    la = getattr(config, "linear_attention", None)
+    if la is None or not la.is_gdn2:
+        return spec
+    from megatron.core.ssm.gated_delta_net.gdn2 import GatedDeltaNet2
+
+    spec = copy.deepcopy(spec)
+    attention = spec.submodules.self_attention
+    if isinstance(attention, ModuleSpec):
+        attention.module = GatedDeltaNet2
+    else:
+        spec.submodules.self_attention = GatedDeltaNet2
+    return spec
 
 
 class HybridStack(torch.nn.Module):
@@ -86,11 +107,13 @@ class HybridStack(torch.nn.Module):
                 name = Symbols.NAMES[symbol]
                 raise ValueError(
                     f"{PATTERN_FLAG}: symbol {symbol!r} ({name}) - {name} layers are not available yet; "
-                    "use M, * and - layers."
+                    "use M, G, * and - layers."
                 )
             kwargs = dict(config=config, layer_number=layer_offset + i + 1, pg=pg, device=device)
             if symbol == Symbols.MAMBA:
                 kwargs["mamba_config"] = mamba_config
+            if symbol == Symbols.GDN:
+                spec = gdn_layer_spec(spec, config)
             layers.append(build_module(spec, **kwargs))
         self.layers = torch.nn.ModuleList(layers)
         for i, layer in enumerate(self.layers):

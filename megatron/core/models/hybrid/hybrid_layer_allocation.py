@@ -1,13 +1,13 @@
 """The hybrid layer pattern (``--hybrid-layer-pattern``): parsing and pipeline segments.
 
-One character per layer, Megatron's symbols: ``M`` Mamba, ``*`` attention, ``-`` MLP,
-``E`` MoE; ``|`` separates pipeline segments. The pattern gives the layer count. With
+One character per layer, Megatron's symbols: ``M`` Mamba, ``G`` gated delta net (GDN2
+with ``--experimental-attention-variant gdn2``), ``*`` attention, ``-`` MLP, ``E`` MoE;
+``|`` separates pipeline segments. The pattern gives the layer count. With
 ``|`` the segments are the model chunks: segment ``vp_stage * PP + pp_rank`` runs on
 that rank, so 4 segments on PP=2 mean two virtual stages per rank. A pattern without
 ``|`` on PP > 1 is split evenly (Megatron's deprecated fallback).
 
-Megatron's other symbols (``G`` gated delta net, ``D`` DSA, ``+`` MLA, ``/`` MTP
-patterns) parse to a clear "not supported" error. Every error names the flag and the
+Megatron's other symbols (``D`` DSA, ``+`` MLA, ``/`` MTP patterns) parse to a clear "not supported" error. Every error names the flag and the
 offending symbol.
 """
 
@@ -20,17 +20,18 @@ class Symbols:
     """Layer symbols of a hybrid pattern (Megatron's)."""
 
     MAMBA = "M"
+    GDN = "G"
     ATTENTION = "*"
     MLP = "-"
     MOE = "E"
     PIPE = "|"
-    VALID_LAYERS = (MAMBA, ATTENTION, MLP, MOE)
+    VALID_LAYERS = (MAMBA, GDN, ATTENTION, MLP, MOE)
     # Megatron symbols this trainer has no layer for (symbol -> what it is).
-    UNSUPPORTED = {"G": "gated delta net", "D": "DSA attention", "+": "MLA attention", "/": "MTP pattern separator"}
-    NAMES = {MAMBA: "Mamba", ATTENTION: "attention", MLP: "MLP", MOE: "MoE"}
+    UNSUPPORTED = {"D": "DSA attention", "+": "MLA attention", "/": "MTP pattern separator"}
+    NAMES = {MAMBA: "Mamba", GDN: "gated delta net", ATTENTION: "attention", MLP: "MLP", MOE: "MoE"}
 
 
-_VALID_TEXT = "M (Mamba), * (attention), - (MLP), E (MoE), | (pipeline segment separator)"
+_VALID_TEXT = "M (Mamba), G (gated delta net), * (attention), - (MLP), E (MoE), | (pipeline segment separator)"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,11 @@
-"""The ``*``, ``-`` and ``E`` layers of a hybrid model: a transformer layer with only attention,
-only the MLP, or only the MoE block.
+"""The ``G``, ``*``, ``-`` and ``E`` layers of a hybrid model: a transformer layer with only
+attention (gated delta net or softmax), only the MLP, or only the MoE block.
 
 They reuse ``TransformerLayer`` / ``MoETransformerLayer`` as they are: the constructor,
 with the absent part's specs building nothing (``absent``), and the region methods.
-Attention and MLP layers offer their one region and may be captured whole; the MoE
+Attention, gated delta net and MLP layers offer their one region and may be captured
+whole (a ``G`` layer's region is ``attn``, as Megatron graphs a transformer layer with
+gated delta net attention under its ``attn`` scope); the MoE
 layer offers the MoE layer's ``moe_router``, ``moe_preprocess`` and ``moe`` regions with
 their rules (whole only with drop-and-pad). Parameter names are the transformer
 layer's (``input_layernorm``, ``self_attention`` / ``pre_mlp_layernorm``, ``mlp``), as
@@ -30,6 +32,11 @@ class AttentionLayer(TransformerLayer):
     def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``."""
         return self._forward_attention(hidden_states, rotary_pos_emb)
+
+
+class GDNLayer(AttentionLayer):
+    """``x + gdn(norm(x))``: a transformer layer with gated delta net (or GDN2) attention and no MLP
+    (pattern symbol ``G``)."""
 
 
 class MLPLayer(TransformerLayer):

@@ -23,7 +23,7 @@ from megatron.core.models.hybrid.hybrid_layer_allocation import (
     virtual_pipeline_size,
 )
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron.core.tensor_parallel.layers import resolve_device
+from megatron.core.tensor_parallel.layers import resolve_device, uses_sequence_parallel
 from megatron.core.transformer.cuda_graphs import regions
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -124,6 +124,12 @@ class HybridModel(torch.nn.Module):
             config, vocab_size, pg, pre_process, post_process, share_embeddings_and_output_weights, device
         )
         self.input_tensor: torch.Tensor | None = None  # a later pipeline stage's input (set_input_tensor)
+        if uses_sequence_parallel(pg):
+            # As in the GPT model: replicated decoder parameters (norms) see one sequence
+            # shard per TP rank, so their gradients are partial sums over TP.
+            for param in self.decoder.parameters():
+                if not getattr(param, "tensor_model_parallel", False):
+                    param.sequence_parallel = True
 
     shared_embedding_or_output_weight = GPTModel.shared_embedding_or_output_weight
     set_input_tensor = GPTModel.set_input_tensor
@@ -154,6 +160,7 @@ def pattern_layer_classes(mamba_config, stack_submodules=None) -> list[type]:
         stack_submodules = get_hybrid_stack_local_spec()
     spec_names = {
         Symbols.MAMBA: "mamba_layer",
+        Symbols.GDN: "gdn_layer",
         Symbols.ATTENTION: "attention_layer",
         Symbols.MLP: "mlp_layer",
         Symbols.MOE: "moe_layer",
@@ -177,10 +184,15 @@ def check_graph_scopes(scopes, mamba_config, model_config=None, stack_submodules
         regions.resolve(scopes, pattern_layer_classes(mamba_config, stack_submodules), model_config)
     except ValueError as error:
         missing = [
-            f"no {symbol} ({Symbols.NAMES[symbol]}) layers"
-            for scope, symbol in (("mamba", Symbols.MAMBA), ("attn", Symbols.ATTENTION), ("mlp", Symbols.MLP))
-            if scope in scopes and symbol not in pattern
+            " or ".join(f"{symbol} ({Symbols.NAMES[symbol]})" for symbol in symbols)
+            for scope, symbols in (
+                ("mamba", (Symbols.MAMBA,)),
+                ("attn", (Symbols.ATTENTION, Symbols.GDN)),
+                ("mlp", (Symbols.MLP,)),
+            )
+            if scope in scopes and not any(symbol in pattern for symbol in symbols)
         ]
+        missing = [f"no {symbols} layers" for symbols in missing]
         hint = f": it has {', '.join(missing)}" if missing else ""
         raise ValueError(f"{error} The layers come from --hybrid-layer-pattern {pattern!r}{hint}.") from None
 
@@ -247,12 +259,33 @@ def build_hybrid_stage_chunks(config, mamba_config, vocab_size: int, pg, device=
     return chunks
 
 
+def gdn_layer_flops(config, tokens: int) -> float:
+    """Forward FLOPs of one ``G`` layer over ``tokens`` (Megatron's ``gdn_layer_flops``; GDN2's wider in-projection
+    under ``gdn2``)."""
+    la = config.linear_attention
+    qk = la.linear_key_head_dim * la.linear_num_key_heads
+    v = la.linear_value_head_dim * la.linear_num_value_heads
+    in_proj = 4 * qk + 3 * v if la.is_gdn2 else 2 * qk + 2 * v + 2 * la.linear_num_value_heads
+    h = config.hidden_size
+    return (
+        2
+        * tokens
+        * (
+            h * in_proj
+            + la.linear_conv_kernel_dim * (2 * qk + v)
+            + la.linear_num_value_heads * la.linear_value_head_dim**2 * 4
+            + h * v
+        )
+    )
+
+
 def num_floating_point_operations(config, mamba_config, batch_size: int, seq_length: int, vocab_size: int) -> float:
     """Model FLOPs of one forward + backward (3 x forward) over ``batch_size`` sequences.
 
     Megatron's hybrid accounting (``hybrid_flops`` in its training.py): per layer kind,
     GEMMs at 2 FLOPs per multiply-add, causal attention counted at half the square,
-    the scan at ``7 * tokens * d_in * state``, plus the logits.
+    the scan at ``7 * tokens * d_in * state``, a gated delta net layer at its projections,
+    conv and ``4 * value heads * value head dim^2`` for the rule, plus the logits.
     """
     pattern = parse_hybrid_pattern(mamba_config.hybrid_layer_pattern)
     tokens = batch_size * seq_length
@@ -267,7 +300,8 @@ def num_floating_point_operations(config, mamba_config, batch_size: int, seq_len
     n, g = mamba_config.mamba_state_dim, mamba_config.mamba_num_groups
     mamba = 2 * tokens * h * (2 * d_in + 2 * g * n + heads) + 7 * tokens * d_in * n + 2 * tokens * d_in * h
     forward = (
-        pattern.count(Symbols.ATTENTION) * attn
+        pattern.count(Symbols.GDN) * gdn_layer_flops(config, tokens)
+        + pattern.count(Symbols.ATTENTION) * attn
         + pattern.count(Symbols.MLP) * mlp
         + pattern.count(Symbols.MAMBA) * mamba
         + 2 * tokens * h * vocab_size

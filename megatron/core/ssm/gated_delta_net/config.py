@@ -5,10 +5,14 @@ Field names, flags and defaults are Megatron's (upstream keeps them in
 ``TransformerConfig.linear_attention``). ``--experimental-attention-variant gdn``
 (or its deprecated spelling ``gated_delta_net``) makes the layers that
 ``--linear-attention-freq`` picks gated delta net layers; the others keep softmax
-attention. ``finalize()`` turns the flag into ``linear_attention_pattern`` (one 0/1 per
-layer); a list expression such as ``([1]*3+[0]*1)*2`` is parsed with ``ast`` (list
-literals, integers, ``+`` and ``*`` only, no ``eval``), as ``--moe-layer-freq`` is.
-Without a variant the ``--linear-*`` flags are ignored, as in Megatron.
+attention; ``gdn2`` makes them GDN2 (Gated DeltaNet-2) layers instead. ``finalize()``
+turns the flag into ``linear_attention_pattern`` (one 0/1 per layer); a list expression
+such as ``([1]*3+[0]*1)*2`` is parsed with ``ast`` (list literals, integers, ``+`` and
+``*`` only, no ``eval``), as ``--moe-layer-freq`` is. Without a variant the
+``--linear-*`` flags are ignored, as in Megatron, except in a hybrid model: the ``G``
+symbols of ``--hybrid-layer-pattern`` are gated delta net layers (GDN2 with ``gdn2``)
+of these sizes. There ``--linear-attention-freq`` is unused, but, as in Megatron, still
+required with ``gdn``.
 """
 
 import dataclasses
@@ -18,6 +22,7 @@ from megatron.core.config_utils import Freezable, flag_field, require
 from megatron.core.transformer.moe.moe_config import eval_list_expression
 
 GDN = "gdn"
+GDN2 = "gdn2"
 _DEPRECATED_ALIASES = {"gated_delta_net": GDN}
 _FREQ_FLAG = "--linear-attention-freq"
 
@@ -68,13 +73,16 @@ class LinearAttentionConfig(Freezable):
     """Experimental attention variants: gated delta net layers and their sizes."""
 
     experimental_attention_variant: str | None = flag_field(None, choices=("gdn", "gated_delta_net", "gdn2", "dsa"))
-    """Attention variant of the layers --linear-attention-freq picks: gdn (gated delta net linear
-    attention; gated_delta_net is its deprecated spelling). gdn2 and dsa are not supported here."""
+    """Attention variant of the layers --linear-attention-freq picks and of the G layers of
+    --hybrid-layer-pattern: gdn (gated delta net linear attention; gated_delta_net is its deprecated
+    spelling) or gdn2 (Gated DeltaNet-2: channel-wise decay, erase and write gates). dsa is not
+    supported here."""
 
     linear_attention_freq: str | None = None
     """Which layers are linear attention: an int N (every N-th layer is softmax attention, the
     other N-1 of every N are linear) or a list expression with one 1 (linear) / 0 (softmax) per
-    layer, e.g. ([1]*3+[0]*1)*2. Required with --experimental-attention-variant gdn."""
+    layer, e.g. ([1]*3+[0]*1)*2. Required with --experimental-attention-variant gdn, and with gdn2
+    outside hybrid models."""
 
     linear_conv_kernel_dim: int = 4
     """Taps of the gated delta net's causal convolution over q, k and v."""
@@ -96,8 +104,13 @@ class LinearAttentionConfig(Freezable):
 
     @property
     def enabled(self) -> bool:
-        """Gated delta net layers are asked for (``gdn`` or its deprecated spelling)."""
-        return self.experimental_attention_variant in (GDN, *_DEPRECATED_ALIASES)
+        """Gated delta net layers are asked for (``gdn``, its deprecated spelling, or ``gdn2``)."""
+        return self.experimental_attention_variant in (GDN, GDN2, *_DEPRECATED_ALIASES)
+
+    @property
+    def is_gdn2(self) -> bool:
+        """The gated delta net layers are GDN2 layers."""
+        return self.experimental_attention_variant == GDN2
 
     def is_linear(self, layer_index: int) -> bool:
         """Whether the layer with this 0-based global index is a gated delta net layer."""
@@ -124,34 +137,35 @@ class LinearAttentionConfig(Freezable):
             self.linear_attention_pattern = pattern
         return self
 
-    def validate(self, model=None, parallel=None) -> None:
+    def validate(self, model=None, parallel=None, *, hybrid_pattern: str | None = None) -> None:
         """Checks the variant and the gated delta net sizes (after ``finalize``; reads only).
 
         Args:
             model: The run's ``TransformerConfig`` (a pattern must match its layer count).
             parallel: The run's ``ParallelConfig``: the TP size must divide both head counts.
+            hybrid_pattern: The ``--hybrid-layer-pattern`` of a hybrid model (None: a GPT model). Its
+                ``G`` layers need valid sizes with or without a variant; ``gdn2`` needs no
+                ``--linear-attention-freq`` there.
 
         Raises:
             ValueError: Naming the flag.
         """
         variant = self.experimental_attention_variant
         require(
-            variant != "gdn2",
-            "--experimental-attention-variant gdn2 (Gated DeltaNet-2) is not supported yet; use gdn.",
-        )
-        require(
             variant != "dsa",
             "--experimental-attention-variant dsa is not supported: this trainer does not do multi-latent "
             "attention, which DSA sparse attention builds on; drop the flag.",
         )
-        if not self.enabled:
+        gdn_layers = hybrid_pattern is not None and "G" in hybrid_pattern
+        if not self.enabled and not gdn_layers:
             return
+        freq_needed = self.enabled and not (hybrid_pattern is not None and self.is_gdn2)
         require(
-            self.linear_attention_freq is not None,
+            self.linear_attention_freq is not None or not freq_needed,
             f"--experimental-attention-variant {variant} needs {_FREQ_FLAG}: an int N (every N-th layer is "
             "softmax attention, the others gated delta net) or a 0/1 list expression such as ([1]*3+[0]*1).",
         )
-        if model is not None:
+        if model is not None and self.enabled and self.linear_attention_freq is not None:
             pattern = self.linear_attention_pattern
             assert pattern is not None and len(pattern) == model.num_layers, "validate() needs finalize() first"
         for name in (

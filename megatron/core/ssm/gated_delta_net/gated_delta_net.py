@@ -80,6 +80,12 @@ def section_shard(full: torch.Tensor, local_sections: list[int], tp_size: int, t
     return torch.cat([section[tp_rank * s : (tp_rank + 1) * s] for section, s in zip(sections, local_sections)])
 
 
+def _rank_slice(full: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """This rank's contiguous share of dim 0 (its heads, or its heads' channels)."""
+    size = full.shape[0] // tp_size
+    return full[tp_rank * size : (tp_rank + 1) * size]
+
+
 def _sectioned_init(init_method, local_sections: list[int], tp_size: int):
     """An init method for a column-parallel weight whose rank-local rows are ``local_sections``.
 
@@ -170,18 +176,17 @@ class GatedDeltaNet(torch.nn.Module):
         conv_sections = sections[:3]  # q, k, v
         self.conv1d = ConvWeights(sum(conv_sections), self.conv_kernel_dim, device=device, dtype=dtype, bias=False)
         full_conv = torch.empty(sum(conv_sections) * tp, 1, self.conv_kernel_dim, device=device, dtype=dtype)
-        full_a = torch.empty(self.num_value_heads, device=device, dtype=dtype)
         with torch.no_grad():
             if conv_init is not None:
                 full_conv.uniform_(-conv_init, conv_init)
             else:
                 torch.nn.init.kaiming_uniform_(full_conv, a=math.sqrt(5))
             self.conv1d.weight.copy_(section_shard(full_conv, conv_sections, tp, tp_rank))
+            full_dt_bias = self._draw_dt_bias(device, dtype)
             assert 0 < A_init_range[0] <= A_init_range[1], A_init_range
-            full_a.uniform_(*A_init_range)
-        local_heads = slice(tp_rank * self.num_value_heads_local, (tp_rank + 1) * self.num_value_heads_local)
-        self.dt_bias = torch.nn.Parameter(torch.ones(self.num_value_heads_local, device=device, dtype=dtype))
-        self.A_log = torch.nn.Parameter(torch.log(full_a[local_heads]))
+            full_a = torch.empty(self._a_log_size(), device=device, dtype=dtype).uniform_(*A_init_range)
+        self.dt_bias = torch.nn.Parameter(_rank_slice(full_dt_bias, tp, tp_rank).clone())
+        self.A_log = torch.nn.Parameter(torch.log(_rank_slice(full_a, tp, tp_rank)))
         self.out_norm = build_norm(config, self.value_head_dim, device=device)
         self.out_proj = RowParallelLinear(
             self.num_value_heads * self.value_head_dim,
@@ -210,15 +215,33 @@ class GatedDeltaNet(torch.nn.Module):
         nv = self.num_value_heads_local
         return [qk, qk, v, v, nv, nv]
 
+    def _draw_dt_bias(self, device, dtype) -> torch.Tensor:
+        """The one-process ``dt_bias``: ones, one per value head (Megatron's GDN init; draws nothing)."""
+        return torch.ones(self.num_value_heads, device=device, dtype=dtype)
+
+    def _a_log_size(self) -> int:
+        """Entries of the one-process ``A_log``: one per value head."""
+        return self.num_value_heads
+
+    def _gates(self, beta: torch.Tensor, alpha: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The rule's decay and write strength from the in-projection's ``beta, alpha`` sections (``[b, s, heads]``)."""
+        g = -_at_least_fp32(self.A_log).exp() * F.softplus(_at_least_fp32(alpha) + _at_least_fp32(self.dt_bias))
+        return {"g": g, "beta": _at_least_fp32(beta).sigmoid()}
+
+    def _rule(self, q, k, v, gates: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The gated delta rule on the prepared inputs: ``[b, s, heads, V]``."""
+        return gated_delta_rule(q, k, v, gates["g"], gates["beta"], self.chunk_size, use_fused=self.use_fused_kernels)
+
     def forward(
         self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, None]:
         """``[s, b, h] -> (out [s, b, h], None)``; ``rotary_pos_emb`` is accepted for a uniform call and unused
         (positions enter through the causal conv and the recurrence)."""
-        qk, _, v_width, _, _, _ = self._split_sizes()
+        sections = self._split_sizes()
+        qk, v_width = sections[0], sections[2]
         projected, _ = self.in_proj(hidden_states)  # [s, b, local width]: the whole sequence
         projected = rearrange(projected, "s b d -> b s d")
-        qkv, z, beta, alpha = projected.split([2 * qk + v_width, v_width, *self._split_sizes()[4:]], dim=-1)
+        qkv, z, *gate_features = projected.split([2 * qk + v_width, v_width, *sections[4:]], dim=-1)
         qkv = self._conv(qkv)
         q, k, v = qkv.split([qk, qk, v_width], dim=-1)
         q = rearrange(q, "b s (h d) -> b s h d", d=self.key_head_dim)
@@ -229,10 +252,7 @@ class GatedDeltaNet(torch.nn.Module):
         repeat = self.num_value_heads // self.num_key_heads
         if repeat > 1:  # value head j reads key head j // repeat
             q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
-        g = -_at_least_fp32(self.A_log).exp() * F.softplus(_at_least_fp32(alpha) + _at_least_fp32(self.dt_bias))
-        o = gated_delta_rule(
-            q, k, v, g, _at_least_fp32(beta).sigmoid(), self.chunk_size, use_fused=self.use_fused_kernels
-        )
+        o = self._rule(q, k, v, self._gates(*gate_features))
         z = rearrange(z, "b s (h d) -> b s h d", d=self.value_head_dim)
         o = (_at_least_fp32(self.out_norm(o)) * self.activation(_at_least_fp32(z))).to(o.dtype)
         out, _ = self.out_proj(rearrange(o, "b s h d -> s b (h d)"))

@@ -13,6 +13,7 @@ the reason); their MLP / MoE regions are offered as in the layers they extend.
 import dataclasses
 
 from megatron.core.ssm.gated_delta_net.gated_delta_net import GatedDeltaNet
+from megatron.core.ssm.gated_delta_net.gdn2 import GatedDeltaNet2
 from megatron.core.transformer.cuda_graphs.regions import GraphRegions
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoETransformerLayer
@@ -45,13 +46,13 @@ class GatedDeltaNetMoELayer(MoETransformerLayer):
     graph_regions = attention_not_graphed(MoETransformerLayer.graph_regions)
 
 
-def get_gdn_layer_local_spec(moe: bool = False) -> ModuleSpec:
-    """Spec of a GPT layer with gated delta net attention and a dense MLP (or an ``MoELayer``)."""
+def get_gdn_layer_local_spec(moe: bool = False, gdn2: bool = False) -> ModuleSpec:
+    """Spec of a GPT layer with gated delta net (``gdn2``: GDN2) attention and a dense MLP (or an ``MoELayer``)."""
     return ModuleSpec(
         module=GatedDeltaNetMoELayer if moe else GatedDeltaNetLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=build_norm,
-            self_attention=GatedDeltaNet,
+            self_attention=GatedDeltaNet2 if gdn2 else GatedDeltaNet,
             pre_mlp_layernorm=build_norm,
             mlp=MoELayer if moe else MLP,
         ),

@@ -355,7 +355,7 @@ def layer_part_kinds(layer_class: type) -> tuple[str, ...]:
     own = layer_class.__name__
     if own == "MambaLayer":
         return ("mamba",)
-    if own == "AttentionLayer":
+    if own in ("AttentionLayer", "GDNLayer"):  # a G layer's attention is estimated as softmax attention's
         return ("attn",)
     if own == "MLPLayer":
         return ("mlp",)

@@ -22,7 +22,7 @@ def test_parse_counts_layers_and_segments():
     [
         ("M*X-", r"--hybrid-layer-pattern 'M\*X-': 'X' at position 2 is not a layer symbol"),
         ("MM m", r"' ' at position 2 is not a layer symbol"),
-        ("M*G", r"symbol 'G' at position 2 \(gated delta net\) is not supported here"),
+        ("M*GD", r"symbol 'D' at position 3 \(DSA attention\) is not supported here"),
         ("M+", r"symbol '\+' at position 1 \(MLA attention\)"),
         ("M*M*/MM", r"symbol '/' at position 4 \(MTP pattern separator\)"),
         ("", r"--hybrid-layer-pattern '' has no layers"),
@@ -32,6 +32,13 @@ def test_parse_counts_layers_and_segments():
 def test_errors_name_the_flag_and_the_symbol(pattern, needle):
     with pytest.raises(ValueError, match=needle):
         parse_hybrid_pattern(pattern)
+
+
+def test_gated_delta_net_layers_count_and_split_over_pipeline_stages():
+    p = parse_hybrid_pattern("MGM*|GG-E")
+    assert (p.count("G"), p.count("M"), p.num_layers, p.segments) == (3, 2, 8, ("MGM*", "GG-E"))
+    assert select_pipeline_segment(p, 1, 2) == ("GG-E", 4)
+    assert select_pipeline_segment(parse_hybrid_pattern("G*G-G*G-"), 1, 4) == ("G-", 2)
 
 
 def test_errors_name_the_alias_when_it_was_given():
