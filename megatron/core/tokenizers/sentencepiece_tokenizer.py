@@ -17,7 +17,9 @@ pieces (in the order given; those it has keep their ids), splits the text at eac
 encoding (dropping a lone ``▁`` piece right after one), and decodes them as words separated by single
 spaces. ``--no-tokenizer-sentencepiece-ignore-extra-whitespaces`` keeps runs of spaces visible to a
 model that collapses them, through upstream's marker trick (a ``☯`` placed between doubled spaces, each
-part encoded with the marker and its last id dropped).
+part encoded with the marker and the marker's id dropped). Unusual here: on a byte-fallback model the
+marker is three byte pieces and all three are dropped (upstream drops the last only, leaving two stray
+bytes in the ids).
 
 Megatron before its 2025 tokenizer rewrite gave these names other vocabularies (SentencePieceTokenizer
 added ``<CLS> <SEP> <EOD> <MASK>`` and ``--vocab-extra-ids`` sentinels; Llama2Tokenizer prepended BOS);
@@ -95,6 +97,9 @@ class SentencePieceTokenizer:
             self._add_special_token(token)
         self._special_names = {i: t for t, i in self._special.items()}
         self._separator_id = self._sp.piece_to_id(_WORD_SEPARATOR)
+        # With byte fallback the marker is encoded as its three UTF-8 byte pieces, not as one unk.
+        marker = [self._sp.piece_to_id(f"<0x{b:02X}>") for b in _SPACE_MARK.encode("utf-8")]
+        self._marker_byte_ids = marker if all(self._sp.is_byte(i) for i in marker) else None
         # A model trained to collapse whitespace encodes "x  y" as "x y".
         self.removed_extra_spaces = self._sp.encode_as_pieces("x  y") == self._sp.encode_as_pieces("x y")
 
@@ -148,11 +153,14 @@ class SentencePieceTokenizer:
         return _DOUBLE_OR_EDGE_SPACE.sub(f" {_SPACE_MARK} ", text)
 
     def _encode_keeping_spaces(self, text: str) -> list[int]:
-        # Each part carries the marker, whose pieces absorb the part's trailing space; its last id goes.
+        # Each part carries the marker, so its trailing space is encoded as a piece; the marker's ids go.
         ids: list[int] = []
         for part in text.split(_SPACE_MARK):
             if part:
-                ids.extend(self._sp.encode_as_ids(part + _SPACE_MARK)[:-1])
+                part_ids = self._sp.encode_as_ids(part + _SPACE_MARK)
+                marker = self._marker_byte_ids
+                drop = len(marker) if marker and part_ids[-len(marker) :] == marker else 1
+                ids.extend(part_ids[:-drop])
         return ids
 
     def tokenize(self, text: str) -> list[int]:
