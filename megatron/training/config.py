@@ -220,8 +220,8 @@ class DataConfig(Freezable):
     tokenizer_sentencepiece_ignore_extra_whitespaces: bool = flag_field(
         True, aliases=("--disable-tokenizer-sentencepiece-ignore-extra-whitespaces",)
     )
-    """SentencePiece types: let a model that collapses runs of spaces collapse them; turned off, a
-    marker keeps them visible (Megatron's rule)."""
+    """Let a SentencePiece model that collapses runs of spaces collapse them (turned off, a marker keeps
+    them visible: Megatron's rule)."""
 
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary so its size is divisible by this value (times TP)."""

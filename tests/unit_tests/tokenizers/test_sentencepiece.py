@@ -6,9 +6,13 @@ are trained here in a few milliseconds each.
 """
 
 import importlib.util
+import json
+import math
 import os
+import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from megatron.core.tokenizers import SENTENCEPIECE_TYPES, SentencePieceTokenizer, build_tokenizer
@@ -219,3 +223,50 @@ def test_vocab_padding_by_divisor_times_tp(divisible_by, tp, padded):
     )
     tok = setup_tokenizer(cfg, SimpleNamespace(tp_size=tp))
     assert tok.vocab_size == 512 and cfg.model.vocab_size == padded
+
+
+def _preprocess(*args):
+    tool = os.path.join(REPO, "tools", "preprocess_data.py")
+    return subprocess.run([sys.executable, tool, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_preprocess_then_train(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.training.training import pretrain
+
+    words = "the train left at 7:15 and the driver sang to the valley café".split()
+    texts = [" ".join(words[(i + j) % len(words)] for j in range(8 + i % 9)) + f" <CLS> doc {i}" for i in range(60)]
+    corpus = tmp_path / "in.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    prefix = str(tmp_path / "sp")
+    flags = ["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", MODEL, "--tokenizer-sentencepiece-legacy",
+             "--tokenizer-special-tokens", "<CLS>", "--vocab-extra-ids", "0"]  # fmt: skip
+    result = _preprocess("--input", str(corpus), "--output-prefix", prefix, "--append-eod", "--workers", "2", *flags)
+    assert result.returncode == 0, result.stderr
+    tok = _build("Llama2Tokenizer", tokenizer_sentencepiece_legacy=True, tokenizer_special_tokens=["<CLS>"])
+    sp = _processor(MODEL)
+    ds = IndexedDataset(prefix + "_text_document")
+    assert ds.dtype == np.uint16 and len(ds) == len(texts)
+    for i, text in enumerate(texts):
+        head, tail = (sp.encode_as_ids(part) for part in text.split("<CLS>"))
+        assert ds[i].tolist() == head + [512] + tail + [sp.eos_id()]
+        assert tok.detokenize(ds[i].tolist()[:-1]) == f"{sp.decode_ids(head)} <CLS> {sp.decode_ids(tail)}".strip()
+
+    argv = BASE[:-1] + ["--global-batch-size", "2", "--train-iters", "4", "--lr", "1e-3", "--data-path",
+                        prefix + "_text_document", "--split", "100,0,0", "--data-cache-path", str(tmp_path / "cache"),
+                        "--num-workers", "0", "--log-interval", "1", "--eval-iters", "0", *flags]  # fmt: skip
+    trainer = pretrain(argv)
+    assert trainer.iteration == 4 and trainer.cfg.model.vocab_size == 640  # 513 ids padded to a multiple of 128
+    assert all(math.isfinite(r["lm loss"]) for r in trainer.history)
+
+
+def test_preprocess_append_eod_needs_an_eos_piece(tmp_path):
+    corpus = tmp_path / "in.jsonl"
+    corpus.write_text('{"text": "hello"}\n', encoding="utf-8")
+    model = _model(tmp_path, "noeos.model", eos_id=-1)
+    result = _preprocess("--input", str(corpus), "--output-prefix", str(tmp_path / "o"), "--append-eod",
+                         "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", model)  # fmt: skip
+    assert result.returncode != 0 and "--append-eod" in result.stderr and "end-of-sentence" in result.stderr
+    result = _preprocess("--input", str(corpus), "--output-prefix", str(tmp_path / "o"),
+                         "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", model)  # fmt: skip
+    assert result.returncode == 0, result.stderr
