@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from megatron.core.tokenizers import SENTENCEPIECE_TYPES, SentencePieceTokenizer, build_tokenizer
 from megatron.training.arguments import parse_args
@@ -270,3 +271,38 @@ def test_preprocess_append_eod_needs_an_eos_piece(tmp_path):
     result = _preprocess("--input", str(corpus), "--output-prefix", str(tmp_path / "o"),
                          "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", model)  # fmt: skip
     assert result.returncode == 0, result.stderr
+
+
+def test_pad_rule_of_the_datasets():
+    from types import SimpleNamespace as T
+
+    from megatron.core.datasets.gpt_dataset import pad_id_to_mask
+
+    assert pad_id_to_mask(T(pad=3, eod=2, eos=2)) == 3
+    assert pad_id_to_mask(T(pad=-1, eod=2, eos=2)) is None  # the model has no pad piece
+    assert pad_id_to_mask(T(pad=2, eod=2)) is None  # pad == end of document (GPT-2, NullTokenizer here)
+    assert pad_id_to_mask(T(pad=5, eod=2, eos=5)) is None
+    assert pad_id_to_mask(_build()) is None
+
+
+def test_mock_samples_mask_the_models_pad_id(tmp_path):
+    from megatron.core.datasets import build_train_valid_test_datasets
+
+    def first_samples(model):
+        tok = _build("GPTSentencePieceTokenizer", model=model)
+        cfg = DataConfig(mock_data=True, split="1,0,0")
+        train, _, _ = build_train_valid_test_datasets(cfg, tok, seq_length=600, seed=5, num_samples=(4, 0, 0))
+        return tok, [train[i] for i in range(4)]
+
+    plain_tok, plain = first_samples(MODEL)
+    pad_tok, padded = first_samples(_model(tmp_path, "pad.model", pad_id=3))
+    assert pad_tok.pad == 3 and plain_tok.pad == -1 and pad_tok.vocab_size == plain_tok.vocab_size
+    masked = 0
+    for a, b in zip(plain, padded):  # the same mock documents: ids cycle through the whole vocabulary
+        assert torch.equal(a["loss_mask"], torch.ones(600))
+        is_pad = a["labels"] == 3
+        masked += int(is_pad.sum())
+        assert torch.equal(b["loss_mask"], (~is_pad).float())
+        assert torch.equal(b["labels"], torch.where(is_pad, 0, a["labels"]))
+        assert torch.equal(b["tokens"], torch.where(a["tokens"] == 3, 0, a["tokens"]))
+    assert masked > 0
