@@ -21,7 +21,7 @@ part encoded with the marker and the marker's id dropped). Unusual here: on a by
 marker is three byte pieces and all three are dropped (upstream drops the last only, leaving two stray
 bytes in the ids).
 
-Megatron before its 2025 tokenizer rewrite gave these names other vocabularies (SentencePieceTokenizer
+Megatron's legacy tokenizers (removed in 2026-02) gave these names other vocabularies (SentencePieceTokenizer
 added ``<CLS> <SEP> <EOD> <MASK>`` and ``--vocab-extra-ids`` sentinels; Llama2Tokenizer prepended BOS);
 runs of that code are not reproduced. The ``sentencepiece`` package is optional and imported only here.
 """
