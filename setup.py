@@ -20,10 +20,11 @@ setup(
             "tensorboard>=2.14",
             "matplotlib>=3.7",
             "tokenizers>=0.15",
+            "sentencepiece>=0.2",
             "triton>=3.0; platform_system == 'Linux'",
         ],
         "tensorboard": ["tensorboard>=2.14"],
-        "tokenizers": ["tokenizers>=0.15", "tqdm>=4.60"],
+        "tokenizers": ["tokenizers>=0.15", "sentencepiece>=0.2", "tqdm>=4.60"],
         # Transformer Engine is optional and never required; apex builds from source only
         # (the package called "apex" on the index is an unrelated project).
         "te": ["transformer-engine>=2.0"],

@@ -10,9 +10,12 @@ one's ``MODEL_ARGS`` with only these changes, so it runs on a 2-core CPU in seco
   micro/global batch, experts, vocabulary), iterations set to 10 (samples to 10 global
   batches), evaluation to 1 batch, data-loader workers to 0;
 - real data replaced: ``--data-path`` by ``--mock-data``, vocab/merge/tokenizer files by
-  the tiny test tokenizer in ``tests/assets/tokenizer``, output folders by placeholders
+  the tiny test tokenizers in ``tests/assets/tokenizer`` (``tokenizer.model`` for the
+  SentencePiece types), output folders by placeholders
   (``${SAVE}``, ``${TENSORBOARD}``, ``${DATA_CACHE}``) the test fills in; ``--load`` of a
-  pretrained checkpoint (configs that do not also ``--save``) is dropped.
+  pretrained checkpoint (configs that do not also ``--save``) is dropped;
+- the ``--wandb-*`` flags are dropped: W&B is an outside service (its package, an account),
+  and upstream's configs take the run name and folder from the environment.
 
 Every other flag stays as upstream wrote it. Each entry also records what the run is
 expected to do, from the flags alone (``expect``): ``train``; ``not_yet`` (parallel
@@ -103,6 +106,7 @@ _SIZES = {
     "--eval-iters": lambda v: min(int(v), 1),
     "--num-workers": lambda v: 0,
 }
+_SP_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")  # read a .model file
 _PLACEHOLDERS = {"--save": "${SAVE}", "--tensorboard-dir": "${TENSORBOARD}", "--data-cache-path": "${DATA_CACHE}"}
 
 
@@ -127,7 +131,13 @@ def expectation(args: dict) -> str:
     expert_tp = args.get("--expert-tensor-parallel-size", args.get("--tensor-model-parallel-size", 1))
     if "--num-experts" in flags and str(expert_tp) != "1" and "--disable-bias-linear" not in flags:
         return "not_yet"  # expert biases split over expert tensor parallelism
-    if args.get("--tokenizer-type") not in (None, "GPT2BPETokenizer", "NullTokenizer", "HuggingFaceTokenizer"):
+    if args.get("--tokenizer-type") not in (
+        None,
+        "GPT2BPETokenizer",
+        "NullTokenizer",
+        "HuggingFaceTokenizer",
+        *_SP_TYPES,
+    ):
         return "not_yet"
     return "train"
 
@@ -147,7 +157,7 @@ def scale(args: dict) -> dict:
         "--moe-shared-expert-intermediate-size": 64 * tp,
     }
     for flag, value in args.items():
-        if flag in ("--data-path", "--split", "--per-split-data-args-path"):
+        if flag in ("--data-path", "--split", "--per-split-data-args-path") or flag.startswith("--wandb-"):
             continue
         if flag == "--load":
             if saves:
@@ -160,7 +170,8 @@ def scale(args: dict) -> dict:
         elif flag == "--merge-file":
             out[flag] = "${ASSETS}/merges.txt"
         elif flag == "--tokenizer-model":
-            out[flag] = "${ASSETS}/tokenizer.json"
+            sentencepiece = args.get("--tokenizer-type") in _SP_TYPES
+            out[flag] = "${ASSETS}/tokenizer.model" if sentencepiece else "${ASSETS}/tokenizer.json"
         elif flag in by_layout:
             out[flag] = by_layout[flag]
         elif flag == "--num-experts":

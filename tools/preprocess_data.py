@@ -105,6 +105,9 @@ def _data_config(args: argparse.Namespace) -> DataConfig:
         vocab_file=args.vocab_file,
         merge_file=args.merge_file,
         tokenizer_model=args.tokenizer_model,
+        tokenizer_sentencepiece_legacy=args.tokenizer_sentencepiece_legacy,
+        tokenizer_special_tokens=args.tokenizer_special_tokens or [],
+        tokenizer_sentencepiece_ignore_extra_whitespaces=args.tokenizer_sentencepiece_ignore_extra_whitespaces,
     )
 
 
@@ -122,7 +125,27 @@ def get_args(argv=None) -> argparse.Namespace:
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json (GPT2BPETokenizer).")
     group.add_argument("--merge-file", default=None, help="GPT-2 merges.txt (GPT2BPETokenizer).")
-    group.add_argument("--tokenizer-model", default=None, help="tokenizer.json (HuggingFaceTokenizer).")
+    group.add_argument(
+        "--tokenizer-model", default=None, help="tokenizer.json (HuggingFaceTokenizer) or a SentencePiece .model file."
+    )
+    group.add_argument(
+        "--tokenizer-sentencepiece-legacy",
+        action="store_true",
+        help="SentencePiece types: allow --tokenizer-special-tokens.",
+    )
+    group.add_argument(
+        "--tokenizer-special-tokens",
+        nargs="+",
+        default=None,
+        help="SentencePiece types with --tokenizer-sentencepiece-legacy: special tokens, in id order.",
+    )
+    group.add_argument(
+        "--no-tokenizer-sentencepiece-ignore-extra-whitespaces",
+        "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces",
+        dest="tokenizer_sentencepiece_ignore_extra_whitespaces",
+        action="store_false",
+        help="SentencePiece types: keep runs of spaces visible to a model that collapses them.",
+    )
     group.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size (NullTokenizer).")
     group.add_argument(
         "--append-eod", action="store_true", help="Append the end-of-document id to every non-empty document."
@@ -141,12 +164,12 @@ def get_args(argv=None) -> argparse.Namespace:
     group.add_argument(
         "--keep-sequential-samples", action="store_true", help="Accepted: documents always keep the input order."
     )
-    group.add_argument("--vocab-extra-ids", type=int, default=0, help="Extra ids of T5 tokenizers (only 0 here).")
+    group.add_argument(
+        "--vocab-extra-ids", type=int, default=0, help="Accepted and ignored, as Megatron's tool does (it sets 0)."
+    )
     args = parser.parse_args(argv)
     if args.split_sentences:
         parser.error("--split-sentences is not supported; drop it (documents are tokenised whole).")
-    if args.vocab_extra_ids:
-        parser.error("--vocab-extra-ids is not supported (T5-style sentinel tokens); drop it.")
     if args.partitions < 1:
         parser.error(f"--partitions must be >= 1, got {args.partitions}.")
     if args.workers < 1:
@@ -167,6 +190,12 @@ def main(argv=None) -> None:
         tokenizer = build_tokenizer(_data_config(args))  # fail fast, before any worker starts
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    if args.append_eod and tokenizer.eod < 0:
+        raise SystemExit(
+            f"error: --append-eod: --tokenizer-type {args.tokenizer_type} has no end-of-document id here "
+            f"(the model in --tokenizer-model {args.tokenizer_model} has no end-of-sentence piece); drop --append-eod "
+            "or use a model with one."
+        )
     dtype = optimal_dtype(tokenizer.vocab_size)
     paths = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
     builders = {key: IndexedDatasetBuilder(p + ".bin", dtype) for key, p in paths.items()}

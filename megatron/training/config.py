@@ -184,12 +184,12 @@ class DataConfig(Freezable):
             "ByteLevelTokenizer",
             "GPT2BPETokenizer",
             "HuggingFaceTokenizer",
-            # Megatron's other tokenizers: they parse and are refused in validate().
-            "BertWordPieceLowerCase",
-            "BertWordPieceCase",
             "SentencePieceTokenizer",
             "GPTSentencePieceTokenizer",
             "Llama2Tokenizer",
+            # Megatron's other tokenizers: they parse and are refused in validate().
+            "BertWordPieceLowerCase",
+            "BertWordPieceCase",
             "TikTokenizer",
             "MultimodalTokenizer",
             "NullMultimodalTokenizer",
@@ -208,7 +208,20 @@ class DataConfig(Freezable):
     """GPT-2 BPE merges.txt."""
 
     tokenizer_model: str | None = None
-    """Hugging Face tokenizer.json."""
+    """Hugging Face tokenizer.json, or the SentencePiece .model file of the SentencePiece types."""
+
+    tokenizer_sentencepiece_legacy: bool = False
+    """SentencePiece types: allow --tokenizer-special-tokens (added after the model's pieces when new,
+    matched in the text before encoding)."""
+
+    tokenizer_special_tokens: list[str] = flag_field(default_factory=list, nargs="+")
+    """SentencePiece types with --tokenizer-sentencepiece-legacy: special tokens, in id order."""
+
+    tokenizer_sentencepiece_ignore_extra_whitespaces: bool = flag_field(
+        True, aliases=("--disable-tokenizer-sentencepiece-ignore-extra-whitespaces",)
+    )
+    """Let a SentencePiece model that collapses runs of spaces collapse them (turned off, a marker keeps
+    them visible: Megatron's rule)."""
 
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary so its size is divisible by this value (times TP)."""

@@ -200,6 +200,9 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
         SWITCH, "torch_dist optimizer state here is always keyed by global parameter names"
     ),
     "--verify-integrity": noop(SWITCH, "checks checkpoint files; the loaded values are the same"),
+    "--vocab-extra-ids": noop(
+        VALUE, "Megatron's tokenizers no longer read it (it gave the removed legacy T5/BERT tokenizers sentinel ids)"
+    ),
     "--no-mmap-bin-files": noop(SWITCH, "reads .bin files with or without mmap give the same bytes"),
     "--no-create-attention-mask-in-dataloader": noop(
         SWITCH, "no attention mask is built here anyway; attention is causal in the kernel"

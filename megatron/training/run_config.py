@@ -23,7 +23,7 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.parallel_config import ParallelConfig
 from megatron.core.ssm.gated_delta_net.config import LinearAttentionConfig
 from megatron.core.ssm.mamba_config import MambaConfig
-from megatron.core.tokenizers.tokenizer import TOKENIZER_TYPES
+from megatron.core.tokenizers.tokenizer import SENTENCEPIECE_TYPES, TOKENIZER_TYPES
 from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
 from megatron.core.transformer.moe.moe_config import MoEConfig, validate_overlap_switches
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -262,12 +262,28 @@ class RunConfig(Freezable):
         require(
             d.tokenizer_type in TOKENIZER_TYPES,
             f"--tokenizer-type {d.tokenizer_type} is not supported yet; use one of {', '.join(TOKENIZER_TYPES)} "
-            "(HuggingFaceTokenizer reads a tokenizer.json).",
+            "(HuggingFaceTokenizer reads a tokenizer.json, the SentencePiece types a .model file).",
         )
+        if d.tokenizer_type in SENTENCEPIECE_TYPES:
+            require(
+                d.tokenizer_model,
+                f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model PATH (a SentencePiece .model file).",
+            )
         if d.tokenizer_type == "NullTokenizer":
             require(
                 d.vocab_size is not None and d.vocab_size >= 2,
                 "--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2).",
+            )
+        if d.tokenizer_special_tokens:
+            require(
+                d.tokenizer_type in SENTENCEPIECE_TYPES,
+                f"--tokenizer-special-tokens with --tokenizer-type {d.tokenizer_type} is not supported yet "
+                f"(only with {', '.join(SENTENCEPIECE_TYPES)}); drop the flag.",
+            )
+            require(
+                d.tokenizer_sentencepiece_legacy,
+                "--tokenizer-special-tokens needs --tokenizer-sentencepiece-legacy (Megatron's rule); "
+                "add the switch or drop the tokens.",
             )
         self.logging.validate(self.checkpoint.save)
         self.checkpoint.validate()

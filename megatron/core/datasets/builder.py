@@ -20,7 +20,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from megatron.core.datasets.blended_dataset import BlendedDataset
-from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset, MockGPTLowLevelDataset, default_cache_dir
+from megatron.core.datasets.gpt_dataset import (
+    GPTDataset,
+    MockGPTDataset,
+    MockGPTLowLevelDataset,
+    default_cache_dir,
+    pad_id_to_mask,
+)
 from megatron.core.datasets.indexed_dataset import IndexedDataset, exists
 
 logger = logging.getLogger(__name__)
@@ -146,6 +152,7 @@ def build_train_valid_test_datasets(
         eod_mask_loss=eod_mask_loss,
         vocab_size=tokenizer.vocab_size,
         fim=fim,
+        pad=pad_id_to_mask(tokenizer),
     )
     wanted = [n if n else 0 for n in num_samples]
 

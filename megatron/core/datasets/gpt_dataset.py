@@ -13,6 +13,9 @@ Three index arrays turn it into samples of ``seq_length + 1`` tokens:
   samples share one token and samples run across document boundaries;
 - shuffle index: a permutation of the samples (same RandomState, same epoch rule).
 
+Labels that are the tokenizer's pad id carry no loss and the id is fed as 0 (Megatron's
+rule, ``pad_id_to_mask``: only a pad id distinct from end of document and sentence).
+
 Same seed, data and split give Megatron's sample order. Unusual here: the sample index is
 computed with a cumulative sum and a binary search instead of Megatron's C++ loop (same
 result, no compiled helper), and the arrays are cached atomically (see ``index_cache``).
@@ -142,6 +145,8 @@ class GPTDataset(torch.utils.data.Dataset):
             ``ValueError`` naming the data (instead of an index error in the embedding).
         fim: A ``fim.FIMRewriter`` (``--fim-data``): each sample's tokens are rewritten in
             fill-in-the-middle format with its own random stream.
+        pad: Megatron's pad id (``pad_id_to_mask(tokenizer)``) or None: where a label is this id
+            its loss is zeroed, and the id is replaced by 0 in tokens and labels.
 
     Each item is a dict of tensors: ``tokens`` int64 [s], ``labels`` int64 [s] (tokens
     shifted by one), ``loss_mask`` float32 [s], ``position_ids`` int64 [s].
@@ -162,6 +167,7 @@ class GPTDataset(torch.utils.data.Dataset):
         eod_mask_loss: bool = False,
         vocab_size: int | None = None,
         fim=None,
+        pad: int | None = None,
     ):
         if seq_length < 1:
             raise ValueError(f"--seq-length must be >= 1, got {seq_length}.")
@@ -176,6 +182,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.eod_mask_loss = eod_mask_loss
         self.vocab_size = vocab_size
         self.fim = fim
+        self.pad = pad
         if len(self.documents) == 0:
             raise ValueError(
                 f"the {split_name} split of {path_prefix or 'the mock data'} has no documents; "
@@ -253,11 +260,26 @@ class GPTDataset(torch.utils.data.Dataset):
         loss_mask = torch.ones(self.seq_length, dtype=torch.float32)
         if self.eod_mask_loss:
             loss_mask[tokens == self.eod] = 0.0
+        if self.pad is not None:
+            loss_mask[labels == self.pad] = 0.0
+            tokens[tokens == self.pad] = 0
+            labels[labels == self.pad] = 0
         return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": self._position_ids.clone()}
 
 
 def _md5(array: np.ndarray) -> str:
     return hashlib.md5(np.ascontiguousarray(array).tobytes()).hexdigest()
+
+
+def pad_id_to_mask(tokenizer) -> int | None:
+    """Megatron's pad rule: the tokenizer's ``pad`` id, unless it has none (or -1) or the id is also
+    its end of document or sentence (then no id is masked)."""
+    pad = getattr(tokenizer, "pad", None)
+    if pad is None or pad < 0:
+        return None
+    if pad in (getattr(tokenizer, "eod", None), getattr(tokenizer, "eos", None)):
+        return None
+    return int(pad)
 
 
 class MockGPTLowLevelDataset:

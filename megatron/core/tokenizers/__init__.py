@@ -1,6 +1,7 @@
 """Tokenizers: ``build_tokenizer(data_config)`` and ``vocab_size_with_padding``."""
 
 from megatron.core.tokenizers.gpt2_bpe import GPT2BPETokenizer
+from megatron.core.tokenizers.sentencepiece_tokenizer import SENTENCEPIECE_TYPES, SentencePieceTokenizer
 from megatron.core.tokenizers.tokenizer import (
     TOKENIZER_TYPES,
     ByteLevelTokenizer,
@@ -16,6 +17,8 @@ __all__ = [
     "GPT2BPETokenizer",
     "HuggingFaceTokenizer",
     "NullTokenizer",
+    "SENTENCEPIECE_TYPES",
+    "SentencePieceTokenizer",
     "build_tokenizer",
     "vocab_size_with_padding",
 ]

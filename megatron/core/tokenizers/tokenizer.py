@@ -3,8 +3,9 @@
 Every tokenizer has the same small surface: ``vocab_size`` (unpadded), ``eod``,
 ``tokenize(text) -> list[int]`` and ``detokenize(ids) -> str``. The core needs no
 tokenizer package: NullTokenizer, ByteLevelTokenizer and GPT2BPETokenizer are pure
-Python; only HuggingFaceTokenizer imports the optional ``tokenizers`` package, and only
-when it is asked for.
+Python; only HuggingFaceTokenizer imports the optional ``tokenizers`` package and the
+SentencePiece types (``sentencepiece_tokenizer.py``) the optional ``sentencepiece``
+package, and only when they are asked for.
 
 NullTokenizer follows current Megatron: ``--vocab-size N`` is the whole vocabulary,
 ids ``0..N-1``, and the last one, ``N-1``, is the end-of-document id. (Megatron before
@@ -18,8 +19,15 @@ import os
 from collections.abc import Iterable
 
 from megatron.core.tokenizers.gpt2_bpe import GPT2BPETokenizer
+from megatron.core.tokenizers.sentencepiece_tokenizer import SENTENCEPIECE_TYPES, SentencePieceTokenizer
 
-TOKENIZER_TYPES = ("NullTokenizer", "ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
+TOKENIZER_TYPES = (
+    "NullTokenizer",
+    "ByteLevelTokenizer",
+    "GPT2BPETokenizer",
+    "HuggingFaceTokenizer",
+    *SENTENCEPIECE_TYPES,
+)
 
 
 class NullTokenizer:
@@ -224,6 +232,14 @@ def build_tokenizer(data_config):
         if path and os.path.isdir(path):
             path = os.path.join(path, "tokenizer.json")
         return HuggingFaceTokenizer(_require_file(path, "--tokenizer-model", kind))
+    if kind in SENTENCEPIECE_TYPES:
+        return SentencePieceTokenizer(
+            _require_file(data_config.tokenizer_model, "--tokenizer-model", kind),
+            tokenizer_type=kind,
+            legacy=data_config.tokenizer_sentencepiece_legacy,
+            special_tokens=data_config.tokenizer_special_tokens or (),
+            ignore_extra_whitespaces=data_config.tokenizer_sentencepiece_ignore_extra_whitespaces,
+        )
     raise ValueError(f"--tokenizer-type {kind} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}.")
 
 

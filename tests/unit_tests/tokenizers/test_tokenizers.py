@@ -133,7 +133,8 @@ def test_hugging_face_without_package(monkeypatch):
             "--tokenizer-model /no/tok.json does not exist",
         ),
         (dict(tokenizer_type="HuggingFaceTokenizer"), "needs --tokenizer-model"),
-        (dict(tokenizer_type="SentencePieceTokenizer"), "not supported"),
+        (dict(tokenizer_type="SentencePieceTokenizer"), "needs --tokenizer-model"),
+        (dict(tokenizer_type="BertWordPieceCase"), "not supported"),
     ],
 )
 def test_missing_files_name_the_flag(fields, message):
