@@ -310,8 +310,8 @@ class LoggingConfig(Freezable):
     wandb_project: str = ""
     """Weights & Biases project to log the TensorBoard scalars to (needs the wandb package); empty: none."""
 
-    wandb_exp_name: str = ""
-    """Weights & Biases run name (required with --wandb-project)."""
+    wandb_exp_name: str | None = None
+    """Weights & Biases run name (unset: wandb names the run; an empty name is refused, as Megatron)."""
 
     wandb_save_dir: str = ""
     """Folder for the local Weights & Biases files (default: <--save>/wandb)."""
@@ -327,8 +327,9 @@ class LoggingConfig(Freezable):
         require(self.log_interval >= 1, "--log-interval must be >= 1.")
         if self.wandb_project:
             require(
-                self.wandb_exp_name,
-                f"--wandb-project {self.wandb_project} needs --wandb-exp-name NAME (the run's name).",
+                self.wandb_exp_name != "",
+                f"--wandb-project {self.wandb_project} with an empty --wandb-exp-name: give the run a name, or drop "
+                "--wandb-exp-name for one wandb chooses.",
             )
             require(
                 self.wandb_save_dir or save,

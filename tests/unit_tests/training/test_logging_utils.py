@@ -333,12 +333,14 @@ def test_wandb_gets_the_tensorboard_records_of_a_training_run(tmp_path, monkeypa
 def test_wandb_flag_errors_name_the_fix(tmp_path, monkeypatch, tiny_argv):
     from megatron.training.arguments import parse_args
 
-    def validate(extra):
-        cfg = parse_args(tiny_argv("--train-iters 2", extra)).resolve(world_size=1)
+    def validate(extra, *more):
+        cfg = parse_args(tiny_argv("--train-iters 2", extra) + list(more)).resolve(world_size=1)
         cfg.validate()
 
-    with pytest.raises(ValueError, match="--wandb-project proj needs --wandb-exp-name"):
-        validate("--wandb-project proj")
+    # As Megatron: no --wandb-exp-name lets wandb name the run; an empty one is refused.
+    with pytest.raises(ValueError, match="--wandb-project proj with an empty --wandb-exp-name"):
+        validate("--wandb-project proj", "--wandb-exp-name", "")
+    validate(f"--wandb-project proj --wandb-save-dir {tmp_path}")
     with pytest.raises(ValueError, match="--wandb-project needs --wandb-save-dir DIR"):
         validate("--wandb-project proj --wandb-exp-name r")
     validate(f"--wandb-project proj --wandb-exp-name r --wandb-save-dir {tmp_path}")
