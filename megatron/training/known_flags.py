@@ -70,7 +70,9 @@ _MOE = {
     "--moe-pad-experts-for-cuda-graph-inference": SWITCH,
 }
 
-_HYBRID = {
+# Flags of Megatron's post-training scripts (ModelOpt export, the multimodal example's model
+# provider), which upstream's configs pass through to those scripts; nothing a pretraining run reads.
+_POST_TRAINING = {
     "--is-hybrid-model": SWITCH,
     "--model-provider": VALUE,
     "--export-model-type": VALUE,
@@ -243,7 +245,6 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
     ),
     # ---- not supported yet: features with open issues, or no ask yet.
     **_family(_MOE, lambda f, n: not_yet(f, n, "", "drop the flag")),
-    **_family(_HYBRID, lambda f, n: not_yet(f, n, "hybrid Mamba models", "use pretrain_gpt.py flags for a GPT")),
     **_family(_PARALLEL, lambda f, n: not_yet(f, n, "parallel layouts")),
     "--spec": KnownFlag(
         LIST,
@@ -264,6 +265,12 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
     **_family(_TP_OVERLAP, lambda f, n: never(f, n, "TE userbuffers / TP communication overlap")),
     **_family(_FSDP, lambda f, n: never(f, n, "FSDP", "use --use-distributed-optimizer or plain DP")),
     **_family(_INFERENCE, lambda f, n: never(f, n, "inference", "this is a training script")),
+    **_family(
+        _POST_TRAINING,
+        lambda f, n: never(
+            f, n, "post-training model export", "this is a pretraining script (hybrid models: --hybrid-layer-pattern)"
+        ),
+    ),
     **_family(_RL, lambda f, n: never(f, n, "RL")),
     **_family(_DISTILL, lambda f, n: never(f, n, "knowledge distillation")),
     "--sft": never("--sft", SWITCH, "SFT"),
