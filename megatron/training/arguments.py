@@ -54,6 +54,7 @@ _GROUP_TITLES = {
     "data": "data",
     "logging": "logging",
     "checkpoint": "checkpoint",
+    "profiling": "profiling",
     "cuda_graph": "cuda graphs",
     "mamba": "mamba and hybrid",
     "linear_attention": "experimental attention variant",

@@ -252,10 +252,6 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
         accepted_values=("megatron.core.models.hybrid.hybrid_layer_specs hybrid_stack_spec",),
         note="the hybrid stack spec of Megatron's hybrid command lines is the one pretrain_hybrid.py builds",
     ),
-    "--profile": not_yet("--profile", SWITCH, "", "run under nsys or torch.profiler yourself"),
-    "--profile-step-start": not_yet("--profile-step-start", VALUE),
-    "--profile-step-end": not_yet("--profile-step-end", VALUE),
-    "--use-pytorch-profiler": not_yet("--use-pytorch-profiler", SWITCH),
     # ---- not supported: outside this project.
     **_family(_FP8, lambda f, n: never(f, n, "FP8 training", "use --bf16")),
     **_family(_MLA, lambda f, n: never(f, n, "multi-latent attention")),

@@ -34,6 +34,7 @@ from megatron.training.config import (
     DDPConfig,
     LoggingConfig,
     PrecisionConfig,
+    ProfilingConfig,
     TrainingConfig,
 )
 
@@ -52,6 +53,7 @@ class RunConfig(Freezable):
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    profiling: ProfilingConfig = dataclasses.field(default_factory=ProfilingConfig)
     cuda_graph: CudaGraphConfig = dataclasses.field(default_factory=CudaGraphConfig)
     mamba: MambaConfig = dataclasses.field(default_factory=MambaConfig)
     linear_attention: LinearAttentionConfig = dataclasses.field(default_factory=LinearAttentionConfig)
@@ -287,6 +289,7 @@ class RunConfig(Freezable):
             )
         self.logging.validate(self.checkpoint.save)
         self.checkpoint.validate()
+        self.profiling.validate()
 
     def _split_weights(self) -> list[float]:
         return parse_split(self.data.split)  # the data code owns the format

@@ -48,6 +48,7 @@ from megatron.training.arguments import parse_args
 from megatron.training.batch_steps import StepBatches
 from megatron.training.data import build_data_iterators, setup_tokenizer
 from megatron.training.exit_conditions import ExitConditions
+from megatron.training.profiling import StepProfiler
 from megatron.training.run_config import RunConfig
 from megatron.training.save_retention import SaveRetention
 from megatron.training.step_checks import StepChecks
@@ -91,6 +92,10 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
         self.device = pg.device
         self.forward_step = forward_step
         self.schedule = self._schedule(cfg, pg)
+        # Before the model: --record-memory-history sees every allocation.
+        self.profiler = StepProfiler(
+            cfg.profiling, pg.rank, cfg.logging.tensorboard_dir, cuda=self.device.type == "cuda"
+        )
         t = cfg.training
         # The same seed on every rank (layers draw full weights and keep their shard);
         # the tracker's per-TP-rank streams serve dropout inside TP regions.
@@ -209,7 +214,10 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
         return lock
 
     def close(self) -> None:
-        """Closes the metrics sinks and releases the ``--save`` lock. Safe to call twice."""
+        """Stops profiling, closes the metrics sinks and releases the ``--save`` lock. Safe to call twice."""
+        profiler = getattr(self, "profiler", None)
+        if profiler is not None:
+            profiler.stop()
         metrics = getattr(self, "metrics", None)
         if metrics is not None:
             metrics.close()
@@ -346,12 +354,14 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
             loss or the grad norm is not finite (the NaN guard skipped that update).
         """
         with self.on_stream():
-            if self.rerun.active:
-                loss = self._validated_gradients(data_iterator)
-            else:
-                loss, _ = self._gradients(data_iterator)
+            with self.profiler.range("forward-backward"):
+                if self.rerun.active:
+                    loss = self._validated_gradients(data_iterator)
+                else:
+                    loss, _ = self._gradients(data_iterator)
             bad_loss = torch.logical_not(torch.isfinite(loss))
-            success, grad_norm, num_zeros = self.optimizer.step(skip=bad_loss)
+            with self.profiler.range("optimizer"):
+                success, grad_norm, num_zeros = self.optimizer.step(skip=bad_loss)
             if self.has_moe:  # expert-bias update from this step's token counts
                 moe_hooks.moe_after_optimizer_step(self.model, self.pg.dp)
             self._prefetch(data_iterator)
@@ -406,9 +416,11 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
             gc.collect()
             gc.disable()
         first_iteration = self.iteration + 1  # 1, or the one after a loaded checkpoint
+        self.profiler.start()
         with exits:
             while self.iteration < t.train_iters:
                 self._next_step_batch()
+                self.profiler.before_iteration(self.iteration)
                 try:
                     loss, grad_norm, success, non_finite = self.train_step(train_iter)
                 except rerun.RerunExit as e:
@@ -417,6 +429,7 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
                     self.close()
                     raise
                 self.iteration += 1
+                self.profiler.after_iteration(self.iteration)
                 self.consumed_samples += self.step_batch
                 self._window_microbatches += self.step_microbatches
                 if not success:
@@ -430,6 +443,7 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
                 if self.iteration == first_iteration and self.graphs.captured:
                     self._log_capture()
                 if self.iteration == 1 or self.iteration % lg.log_interval == 0:  # Megatron's: after 1, then every N
+                    self.profiler.dump_memory_snapshot()
                     now = self._sync_time()
                     elapsed_ms = (now - last_time) * 1000.0 / self._window.iterations
                     record = self._log_iteration(grad_norm, elapsed_ms, skipped_count=window_skipped)

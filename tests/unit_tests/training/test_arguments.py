@@ -192,7 +192,7 @@ def test_bad_value_exits(capsys):
         (["--multi-latent-attention"], "--multi-latent-attention"),
         (["--spec", "moe_spec", "moe_block_spec"], "--spec"),
         (["--split-sentences"], "--split-sentences"),
-        (["--profile"], "--profile"),
+        (["--export-model-type", "HybridModel"], "--export-model-type"),
     ],
 )
 def test_known_unsupported_flags_raise(argv, flag):
