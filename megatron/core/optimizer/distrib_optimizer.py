@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.distributed_data_parallel import is_expert_param
-from megatron.core.optimizer.muon import matrix_infos
+from megatron.core.optimizer.muon import check_saved_scalar, matrix_infos
 from megatron.core.optimizer.optimizer import (
     MixedPrecisionOptimizer,
     group_order,
@@ -334,6 +334,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 f"this model has {len(order)} ({len(lowp)}): it was saved with another model or precision; load it "
                 "with the saving run's model flags and --bf16/--fp16 setting, or pass --no-load-optim."
             )
+        if self.config.optimizer == "muon":
+            check_saved_scalar(saved["param_groups"], self.config)
         index = {id(p): i for i, p in enumerate(order)}
         lowp_index = {id(p): i for i, p in enumerate(lowp)}
         names = sorted({k for entry in saved["state"].values() for k in entry})

@@ -117,8 +117,14 @@ class OptimizerConfig(Freezable):
     """Extra factor on Muon's scaled orthogonalized update."""
 
     muon_scalar_optimizer: str = flag_field("adam", choices=("adam", "lion"))
-    """Optimizer of the parameters Muon leaves out (embeddings, output layer, norms, biases): adam (lion is not
-    supported yet)."""
+    """Optimizer of the parameters Muon leaves out (embeddings, output layer, norms, biases): adam (AdamW with the
+    Adam flags) or lion (Lion with --lion-beta1 and --lion-beta2)."""
+
+    lion_beta1: float = 0.95
+    """Lion's beta1: the weight of the momentum against the gradient inside the sign of the update."""
+
+    lion_beta2: float = 0.98
+    """Lion's beta2: the EMA coefficient of its momentum."""
 
     def validate(self, precision) -> None:
         """The optimizer flags' own checks (``precision``: the run's ``PrecisionConfig``); raises ``ValueError``."""
