@@ -95,7 +95,6 @@ def matrix_infos(modules: Sequence[torch.nn.Module], pg, config) -> dict[int, Ma
                 kv = sub.kv_channels
                 parts = (q, q, kv, kv) if getattr(sub, "output_gate", False) else (q, kv, kv)
                 qkv_rows[id(qkv.weight)] = parts
-    tp_size = getattr(pg, "tp_size", 1) if pg is not None else 1
     infos = {}
     for module in modules:
         for name, param in module.named_parameters():
@@ -104,24 +103,31 @@ def matrix_infos(modules: Sequence[torch.nn.Module], pg, config) -> dict[int, Ma
             split = qkv_rows.get(id(param)) if config.muon_split_qkv else None
             if split is not None and param.shape[0] % sum(split):
                 split = None  # Megatron skips a QKV weight whose rows are not whole groups
-            expert = bool(getattr(param, "is_expert", False))
-            if expert and getattr(param, "tensor_model_parallel", False):
-                raise ValueError(
-                    "--optimizer muon with expert tensor parallelism (--expert-tensor-parallel-size > 1) is not "
-                    "supported yet; set --expert-tensor-parallel-size 1."
-                )
+            group, size = _tp_group_of(param, pg)
             partition = None
-            if not expert and tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            if size > 1 and getattr(param, "tensor_model_parallel", False):
                 partition = getattr(param, "partition_dim", None)
-                partition = None if partition in (None, -1) else partition
+                if partition in (None, -1):
+                    partition = None
+                else:
+                    partition -= param.ndim - 2  # stacked experts [experts, out, in]: a dim of each matrix
             infos[id(param)] = MatrixInfo(
                 tuple(param.shape),
                 None if split is None else tuple(split),
                 partition,
-                pg.tp if partition is not None else None,
-                tp_size if partition is not None else 1,
+                group if partition is not None else None,
+                size if partition is not None else 1,
             )
     return infos
+
+
+def _tp_group_of(param: torch.Tensor, pg) -> tuple[Any, int]:
+    """The group a parameter's TP shards span and its size: expert-TP for expert weights, else TP."""
+    if pg is None:
+        return None, 1
+    if getattr(param, "is_expert", False):
+        return getattr(pg, "expt_tp", None), getattr(pg, "expt_tp_size", 1)
+    return getattr(pg, "tp", None), getattr(pg, "tp_size", 1)
 
 
 def orthogonalize(update: torch.Tensor, info: MatrixInfo, config) -> torch.Tensor:
