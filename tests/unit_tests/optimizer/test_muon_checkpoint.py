@@ -86,3 +86,18 @@ def test_torch_dist_checkpoint_of_tp2_resumes_in_one_process(tmp_path, cache):
         0
     ]
     assert resumed == pytest.approx(full[4:], rel=1e-5)
+
+
+def test_torch_dist_checkpoint_of_etp2_with_lion_resumes(tmp_path, cache):
+    # Expert weights split over expert TP (their ETP blocks named by partition_dim) and Lion's moments:
+    # bitwise at the saving layout, within 1e-5 relative in one process.
+    moe = f"{FP32} --muon-scalar-optimizer lion --num-experts 2 --moe-ffn-hidden-size 16 --moe-grouped-gemm --swiglu"
+    moe += " --disable-bias-linear --ckpt-format torch_dist"
+    etp = f"{moe} --expert-tensor-parallel-size 2"
+    argvs = [_argv(etp, cache), _argv(f"{etp} --save {tmp_path / 'c'} --exit-interval 4", cache)]
+    argvs.append(_argv(f"{etp} --load {tmp_path / 'c'}", cache))
+    for full, part, resumed in run_distributed(_runs, 2, argvs, timeout=400):
+        assert part == full[:4]
+        assert resumed == full[4:]
+    (alone,) = run_distributed(_runs, 1, [_argv(f"{moe} --load {tmp_path / 'c'}", cache)])[0]
+    assert alone == pytest.approx(full[4:], rel=1e-5)
