@@ -107,7 +107,8 @@ class OptimizerConfig(Freezable):
 
     muon_tp_mode: str = flag_field("duplicated", choices=("blockwise", "duplicated", "distributed"))
     """Newton-Schulz of a tensor-parallel weight: each shard on its own (blockwise), the whole matrix gathered on
-    every TP rank (duplicated), or the whole matrix with the Gram matrices all-reduced over TP (distributed)."""
+    every TP rank (duplicated), or the whole matrix with the Gram matrices all-reduced over TP (distributed); expert
+    weights split by --expert-tensor-parallel-size likewise over expert TP, each expert on its own."""
 
     muon_use_syrk: bool = False
     """Compute the symmetric Gram products with a SYRK kernel (Megatron: Triton on CUDA); here the same products
