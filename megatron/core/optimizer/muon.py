@@ -107,7 +107,8 @@ def matrix_infos(modules: Sequence[torch.nn.Module], pg, config) -> dict[int, Ma
             partition = None
             if size > 1 and getattr(param, "tensor_model_parallel", False):
                 partition = getattr(param, "partition_dim", None)
-                if partition in (None, -1):
+                assert partition is not None, f"{name} is split over tensor parallelism but has no partition_dim"
+                if partition == -1:  # Megatron's "not split"
                     partition = None
                 else:
                     partition -= param.ndim - 2  # stacked experts [experts, out, in]: a dim of each matrix

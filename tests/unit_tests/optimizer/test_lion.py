@@ -144,3 +144,20 @@ def test_state_dict_of_the_other_scalar_optimizer_is_refused_naming_the_flag():
     adam.step()
     with pytest.raises(ValueError, match="--muon-scalar-optimizer adam"):
         lion.load_state_dict(copy.deepcopy(adam.state_dict()))
+
+
+@pytest.mark.gpu
+def test_cuda_lion_follows_the_cpu_one_gpu():
+    torch.manual_seed(5)
+    w = torch.randn(256, 16)
+    grads = [torch.randn(256, 16) for _ in range(3)]
+    results = []
+    for device in ("cpu", "cuda"):
+        p = w.clone().to(device)
+        opt = Lion([p], lr=0.01, betas=(0.9, 0.99), weight_decay=0.1)
+        for g in grads:
+            p.grad = g.to(device)
+            opt.step()
+        results.append((p.cpu(), opt.state[p]["exp_avg"].cpu()))
+    (cpu_w, cpu_m), (gpu_w, gpu_m) = results
+    assert _rel(gpu_w, cpu_w.double()) < RTOL and _rel(gpu_m, cpu_m.double()) < RTOL  # FMA rounding only

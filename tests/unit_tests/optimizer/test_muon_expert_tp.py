@@ -60,7 +60,7 @@ def _wholes():
 
 @pytest.fixture(scope="module")
 def orthogonalized():
-    return run_distributed(_orthogonalize_shards, 2, _wholes(), timeout=120)
+    return run_distributed(_orthogonalize_shards, 2, _wholes(), timeout=300)
 
 
 def _expected(whole, mode, partition, world_size):
