@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.distributed_data_parallel import is_expert_param
-from megatron.core.optimizer.muon import matrix_infos
+from megatron.core.optimizer.muon import check_saved_scalar, matrix_infos
 from megatron.core.optimizer.optimizer import (
     MixedPrecisionOptimizer,
     group_order,
@@ -58,9 +58,10 @@ def counts_for_norm(param: torch.nn.Parameter, pg) -> bool:
     """Whether this rank adds ``param``'s gradient to the global norm: TP-split parameters
     on every TP rank, replicated ones on TP rank 0 only (each TP rank holds a copy); never
     the last pipeline stage's copy of a tied embedding (the first stage counts it).
-    Expert parameters are not split over TP (expert TP is 1), but TP ranks route their own
-    sequence shards, so they are summed over TP as part of expert-DP: each counts once
-    per expert-DP group, which the expert norm groups account for."""
+    Expert parameters count on every rank: with expert TP = 1 the TP ranks route their own
+    sequence shards and are expert-DP ranks, with expert TP > 1 each holds its own shard of
+    the experts; the expert norm groups (``expert_norm_separate``) count each element once
+    per expert-DP group."""
     if getattr(param, "shared_embedding", False):
         return False
     if is_expert_param(param):
@@ -70,10 +71,11 @@ def counts_for_norm(param: torch.nn.Parameter, pg) -> bool:
 
 def expert_norm_separate(pg) -> bool:
     """Whether the expert gradients' squared norm needs groups of its own: under expert
-    parallelism other ranks hold other experts, which the dense groups (DP x MP) do not
-    cover once each. With EP = 1 (and TP = 1) an expert element is where a dense one
-    would be: one set of groups serves both."""
-    return pg.ep_size > 1 or pg.tp_size > 1
+    parallelism other ranks hold other experts, and under expert tensor parallelism other
+    shards of them, which the dense groups (DP x MP) do not cover once each. With EP = 1
+    and TP = ETP = 1 an expert element is where a dense one would be: one set of groups
+    serves both."""
+    return pg.ep_size > 1 or pg.tp_size > 1 or getattr(pg, "expt_tp_size", 1) > 1
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
@@ -334,6 +336,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 f"this model has {len(order)} ({len(lowp)}): it was saved with another model or precision; load it "
                 "with the saving run's model flags and --bf16/--fp16 setting, or pass --no-load-optim."
             )
+        if self.config.optimizer == "muon":
+            check_saved_scalar(saved["param_groups"], self.config)
         index = {id(p): i for i, p in enumerate(order)}
         lowp_index = {id(p): i for i, p in enumerate(lowp)}
         names = sorted({k for entry in saved["state"].values() for k in entry})

@@ -1,10 +1,12 @@
-"""Muon (``--optimizer muon``): orthogonalized momentum on hidden weight matrices, Adam elsewhere.
+"""Muon (``--optimizer muon``): orthogonalized momentum on hidden weight matrices, a scalar optimizer elsewhere.
 
 Megatron's split: a parameter is a *Muon* parameter when it is a 2-D weight that is
 neither the word embedding nor the output layer and is not marked ``use_muon = False``
 (Mamba's ``in_proj``); everything else (1-D norm weights, biases, embeddings, the
-output layer) is stepped by AdamW with the Adam flags. Stacked expert weights
-``[experts, out, in]`` are one matrix per expert, as Megatron's per-expert weights.
+output layer) is stepped by the ``--muon-scalar-optimizer``: AdamW with the Adam flags
+(``adam``) or Lion with ``--lion-beta1`` / ``--lion-beta2`` (``lion``, ``lion.py``), both
+with decoupled weight decay. Stacked expert weights ``[experts, out, in]`` are one matrix
+per expert, as Megatron's per-expert weights.
 
 One Muon update of a weight ``W`` with gradient ``G`` (fp32 main params, after clipping):
 ``W <- W - lr * wd * W`` (decoupled weight decay), ``M <- M + (1 - mu) (G - M)``,
@@ -15,15 +17,17 @@ matrix's shape times ``--muon-extra-scale-factor``. With ``--muon-split-qkv`` (t
 default) the query, key and value rows of each fused QKV weight are orthogonalized
 separately (gated attention: query, gate, key, value).
 
-``MuonWithAdam`` is one ``torch.optim.Optimizer`` over both kinds of parameter groups
-(a group's ``use_muon`` says which), so its state dict indexes every parameter in
-group order as a single optimizer's does. The Adam groups are stepped by an inner
-``torch.optim.AdamW`` that shares this optimizer's state and group dicts.
+``Muon`` is one ``torch.optim.Optimizer`` over both kinds of parameter groups (a
+group's ``use_muon`` says which), so its state dict indexes every parameter in group
+order as a single optimizer's does. The other groups are stepped by an inner
+``torch.optim.AdamW`` or ``Lion`` that shares this optimizer's state and group dicts.
 
 Newton-Schulz needs whole matrices: the optimizer asks ``assemble`` for each Muon
 parameter's input as the whole (TP-local) matrix. Without the distributed optimizer
 that is the tensor itself; with it, the shards are all-gathered over data-parallel
-ranks (``DistributedOptimizer``). Tensor-parallel shards follow ``--muon-tp-mode``.
+ranks (``DistributedOptimizer``). Tensor-parallel shards follow ``--muon-tp-mode``, over
+the TP group for dense weights and over the expert-TP group for expert weights split by
+``--expert-tensor-parallel-size`` (each expert's shard of ``[experts, out, in]`` on its own).
 """
 
 import contextlib
@@ -34,16 +38,15 @@ from typing import Any
 import torch
 
 from megatron.core.config_utils import require
+from megatron.core.optimizer.lion import Lion, check_betas
 from megatron.core.optimizer.newton_schulz import check_coefficients, newton_schulz_tp, scale_factor
 
 
 def validate_muon(config, precision) -> None:
     """Megatron's checks of the Muon flags (``OptimizerConfig``, ``PrecisionConfig``); raises ``ValueError``."""
     require(not precision.fp16, "--optimizer muon does not support --fp16 (as in Megatron); use --bf16.")
-    require(
-        config.muon_scalar_optimizer == "adam",
-        f"--muon-scalar-optimizer {config.muon_scalar_optimizer} (Lion) is not supported yet; use adam.",
-    )
+    if config.muon_scalar_optimizer == "lion":
+        check_betas(config.lion_beta1, config.lion_beta2)
     require(
         config.muon_fp32_matmul_prec in ("medium", "high"),
         f"--muon-fp32-matmul-prec {config.muon_fp32_matmul_prec}: torch has no such float32 matmul precision "
@@ -92,7 +95,6 @@ def matrix_infos(modules: Sequence[torch.nn.Module], pg, config) -> dict[int, Ma
                 kv = sub.kv_channels
                 parts = (q, q, kv, kv) if getattr(sub, "output_gate", False) else (q, kv, kv)
                 qkv_rows[id(qkv.weight)] = parts
-    tp_size = getattr(pg, "tp_size", 1) if pg is not None else 1
     infos = {}
     for module in modules:
         for name, param in module.named_parameters():
@@ -101,24 +103,32 @@ def matrix_infos(modules: Sequence[torch.nn.Module], pg, config) -> dict[int, Ma
             split = qkv_rows.get(id(param)) if config.muon_split_qkv else None
             if split is not None and param.shape[0] % sum(split):
                 split = None  # Megatron skips a QKV weight whose rows are not whole groups
-            expert = bool(getattr(param, "is_expert", False))
-            if expert and getattr(param, "tensor_model_parallel", False):
-                raise ValueError(
-                    "--optimizer muon with expert tensor parallelism (--expert-tensor-parallel-size > 1) is not "
-                    "supported yet; set --expert-tensor-parallel-size 1."
-                )
+            group, size = _tp_group_of(param, pg)
             partition = None
-            if not expert and tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            if size > 1 and getattr(param, "tensor_model_parallel", False):
                 partition = getattr(param, "partition_dim", None)
-                partition = None if partition in (None, -1) else partition
+                assert partition is not None, f"{name} is split over tensor parallelism but has no partition_dim"
+                if partition == -1:  # Megatron's "not split"
+                    partition = None
+                else:
+                    partition -= param.ndim - 2  # stacked experts [experts, out, in]: a dim of each matrix
             infos[id(param)] = MatrixInfo(
                 tuple(param.shape),
                 None if split is None else tuple(split),
                 partition,
-                pg.tp if partition is not None else None,
-                tp_size if partition is not None else 1,
+                group if partition is not None else None,
+                size if partition is not None else 1,
             )
     return infos
+
+
+def _tp_group_of(param: torch.Tensor, pg) -> tuple[Any, int]:
+    """The group a parameter's TP shards span and its size: expert-TP for expert weights, else TP."""
+    if pg is None:
+        return None, 1
+    if getattr(param, "is_expert", False):
+        return getattr(pg, "expt_tp", None), getattr(pg, "expt_tp_size", 1)
+    return getattr(pg, "tp", None), getattr(pg, "tp_size", 1)
 
 
 def orthogonalize(update: torch.Tensor, info: MatrixInfo, config) -> torch.Tensor:
@@ -161,19 +171,60 @@ def _whole(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.T
     return [(update, 0, update.numel()) for _main, update in pairs]
 
 
-class MuonWithAdam(torch.optim.Optimizer):
-    """Muon on the groups with ``use_muon``, AdamW on the others; one optimizer's state dict.
+def scalar_state_names(config) -> list[str]:
+    """The state the ``--muon-scalar-optimizer`` keeps per tensor once stepped."""
+    return ["exp_avg"] if config.muon_scalar_optimizer == "lion" else ["step", "exp_avg", "exp_avg_sq"]
+
+
+def check_saved_scalar(groups: list[dict], config) -> None:
+    """Raises ``ValueError`` when a saved state dict's scalar groups are the other scalar optimizer's
+    (their hyper-parameters and moments would be taken for this one's)."""
+    for group in groups:
+        if group.get("use_muon", True):
+            continue
+        saved = "adam" if "eps" in group else "lion"
+        if saved != config.muon_scalar_optimizer:
+            raise ValueError(
+                f"the checkpoint's optimizer state was saved with --muon-scalar-optimizer {saved}, this run has "
+                f"{config.muon_scalar_optimizer}: pass --muon-scalar-optimizer {saved}, or --no-load-optim to start "
+                "the optimizer afresh."
+            )
+
+
+def _build_scalar(groups: list[dict], config) -> torch.optim.Optimizer:
+    """The ``--muon-scalar-optimizer`` over ``groups``: AdamW or Lion."""
+    if config.muon_scalar_optimizer == "lion":
+        return Lion(
+            groups, lr=config.lr, betas=(config.lion_beta1, config.lion_beta2), weight_decay=config.weight_decay
+        )
+    # foreach, not fused: the step reads the skip flag on the host (see MixedPrecisionOptimizer.step).
+    return torch.optim.AdamW(
+        groups,
+        lr=config.lr,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_eps,
+        weight_decay=config.weight_decay,
+        foreach=True,
+    )
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon on the groups with ``use_muon``, the scalar optimizer (AdamW or Lion) on the others; one
+    optimizer's state dict.
 
     Args:
         groups: Param groups (``params``, ``weight_decay``, ``use_muon``, optional lr range).
         config: ``OptimizerConfig``.
         info_of: ``main tensor -> MatrixInfo`` for the Muon tensors.
         assemble: See ``Assemble``; default: each tensor is its whole matrix.
+
+    Attributes:
+        scalar: The inner optimizer of the groups without ``use_muon`` (None when there are none).
     """
 
     def __init__(self, groups: list[dict], *, config, info_of: Callable[[torch.Tensor], MatrixInfo], assemble=None):
         muon = [g for g in groups if g["use_muon"]]
-        adam = [g for g in groups if not g["use_muon"]]
+        others = [g for g in groups if not g["use_muon"]]
         if not muon:
             raise ValueError("--optimizer muon found no 2-D hidden weight to orthogonalize; use --optimizer adam.")
         self.config = config
@@ -186,28 +237,18 @@ class MuonWithAdam(torch.optim.Optimizer):
             nesterov=config.muon_nesterov,
         )
         super().__init__(muon, defaults)
-        self.adam = None
-        if adam:
-            # foreach, not fused: the step reads the skip flag on the host (see MixedPrecisionOptimizer.step).
-            self.adam = torch.optim.AdamW(
-                adam,
-                lr=config.lr,
-                betas=(config.adam_beta1, config.adam_beta2),
-                eps=config.adam_eps,
-                weight_decay=config.weight_decay,
-                foreach=True,
-            )
+        self.scalar = _build_scalar(others, self.config) if others else None
         self.param_groups = list(groups)  # the given order, the same dicts
         self._link()
 
     def _link(self) -> None:
-        if self.adam is not None:
-            self.adam.param_groups = [g for g in self.param_groups if not g["use_muon"]]
-            self.adam.state = self.state
+        if self.scalar is not None:
+            self.scalar.param_groups = [g for g in self.param_groups if not g["use_muon"]]
+            self.scalar.state = self.state
 
     def state_names_for(self, group: dict) -> list[str]:
         """The state a tensor of ``group`` holds once stepped."""
-        return ["momentum_buffer"] if group["use_muon"] else ["step", "exp_avg", "exp_avg_sq"]
+        return ["momentum_buffer"] if group["use_muon"] else scalar_state_names(self.config)
 
     def group_template(self, use_muon: bool) -> dict:
         """The hyper-parameters (no ``params``) of a group of the given kind, from a live group when one exists."""
@@ -216,28 +257,22 @@ class MuonWithAdam(torch.optim.Optimizer):
                 return {k: v for k, v in group.items() if k != "params"}
         if use_muon:
             return dict(self.defaults, use_muon=True)
-        probe = torch.optim.AdamW(
-            [torch.zeros(1)],
-            lr=self.config.lr,
-            betas=(self.config.adam_beta1, self.config.adam_beta2),
-            eps=self.config.adam_eps,
-            weight_decay=self.config.weight_decay,
-            foreach=True,
-        )
+        probe = _build_scalar([torch.zeros(1)], self.config)
         return {k: v for k, v in probe.param_groups[0].items() if k != "params"} | {"use_muon": False}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's load, then the inner AdamW pointed at the new group dicts and state."""
+        """torch's load, then the scalar optimizer pointed at the new group dicts and state."""
+        check_saved_scalar(state_dict["param_groups"], self.config)
         super().load_state_dict(state_dict)
         self._link()
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One AdamW step of the Adam groups and one Muon step of the Muon groups."""
+        """One step of the scalar optimizer's groups and one Muon step of the Muon groups."""
         if closure is not None:
-            raise ValueError("MuonWithAdam.step takes no closure.")
-        if self.adam is not None:
-            self.adam.step()
+            raise ValueError("Muon.step takes no closure.")
+        if self.scalar is not None:
+            self.scalar.step()
         pending = []
         for group in self.param_groups:
             if not group["use_muon"]:

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from megatron.core.optimizer.muon import MatrixInfo, MuonWithAdam
+from megatron.core.optimizer.muon import MatrixInfo, Muon, scalar_state_names
 from megatron.core.optimizer.param_groups import (  # noqa: F401  (re-exported: the optimizer's group rule)
     GROUP_ORDER,
     GroupKey,
@@ -52,9 +52,9 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def _build_inner(groups: list[dict[str, Any]], config, device: torch.device, **muon) -> torch.optim.Optimizer:
-    """AdamW or SGD, fused on CUDA when this torch supports it, else foreach; or Muon with AdamW."""
+    """AdamW or SGD, fused on CUDA when this torch supports it, else foreach; or Muon (with AdamW or Lion)."""
     if config.optimizer == "muon":
-        return MuonWithAdam(groups, config=config, **muon)
+        return Muon(groups, config=config, **muon)
     if config.optimizer == "adam":
         cls = torch.optim.AdamW
         kwargs = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
@@ -253,7 +253,7 @@ class MixedPrecisionOptimizer:
             amsgrad = any(group.get("amsgrad") for group in self.optimizer.param_groups)
             return ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
         if self.config.optimizer == "muon":
-            return ["step", "exp_avg", "exp_avg_sq", "momentum_buffer"]
+            return scalar_state_names(self.config) + ["momentum_buffer"]
         return ["momentum_buffer"] if self.config.sgd_momentum else []
 
     def allocate_state(self, names: Iterable[str], *, only_empty: bool = False) -> None:

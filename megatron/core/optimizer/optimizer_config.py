@@ -107,7 +107,8 @@ class OptimizerConfig(Freezable):
 
     muon_tp_mode: str = flag_field("duplicated", choices=("blockwise", "duplicated", "distributed"))
     """Newton-Schulz of a tensor-parallel weight: each shard on its own (blockwise), the whole matrix gathered on
-    every TP rank (duplicated), or the whole matrix with the Gram matrices all-reduced over TP (distributed)."""
+    every TP rank (duplicated), or the whole matrix with the Gram matrices all-reduced over TP (distributed); expert
+    weights split by --expert-tensor-parallel-size likewise over expert TP, each expert on its own."""
 
     muon_use_syrk: bool = False
     """Compute the symmetric Gram products with a SYRK kernel (Megatron: Triton on CUDA); here the same products
@@ -117,8 +118,14 @@ class OptimizerConfig(Freezable):
     """Extra factor on Muon's scaled orthogonalized update."""
 
     muon_scalar_optimizer: str = flag_field("adam", choices=("adam", "lion"))
-    """Optimizer of the parameters Muon leaves out (embeddings, output layer, norms, biases): adam (lion is not
-    supported yet)."""
+    """Optimizer of the parameters Muon leaves out (embeddings, output layer, norms, biases): adam (AdamW with the
+    Adam flags) or lion (Lion with --lion-beta1 and --lion-beta2)."""
+
+    lion_beta1: float = 0.95
+    """Lion's beta1: the weight of the momentum against the gradient inside the sign of the update."""
+
+    lion_beta2: float = 0.98
+    """Lion's beta2: the EMA coefficient of its momentum."""
 
     def validate(self, precision) -> None:
         """The optimizer flags' own checks (``precision``: the run's ``PrecisionConfig``); raises ``ValueError``."""

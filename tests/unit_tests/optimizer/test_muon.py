@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.optimizer.muon import MatrixInfo, MuonWithAdam
+from megatron.core.optimizer.muon import MatrixInfo, Muon
 from megatron.core.optimizer.newton_schulz import coefficients
 from megatron.training.training import build_trainer
 from tests.unit_tests.optimizer.test_newton_schulz import reference
@@ -22,6 +22,7 @@ def config(**kw):
         lr=0.02, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, muon_momentum=0.9,
         muon_nesterov=False, muon_split_qkv=True, muon_scale_mode="spectral", muon_fp32_matmul_prec="high",
         muon_coefficient_type="quintic", muon_num_ns_steps=5, muon_tp_mode="duplicated", muon_extra_scale_factor=0.2,
+        muon_scalar_optimizer="adam", lion_beta1=0.95, lion_beta2=0.98,
     )  # fmt: skip
     base.update(kw)
     return types.SimpleNamespace(**base)
@@ -60,7 +61,7 @@ def test_two_steps_match_float64_reference(nesterov, split):
         {"params": [main], "weight_decay": cfg.weight_decay, "use_muon": True},
         {"params": [bias], "weight_decay": 0.0, "use_muon": False},
     ]
-    opt = MuonWithAdam(groups, config=cfg, info_of=lambda t: info)
+    opt = Muon(groups, config=cfg, info_of=lambda t: info)
     adam_bias = bias.clone().requires_grad_(False)
     adam = torch.optim.AdamW([adam_bias], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=True)
     ref_w, ref_m = w.double(), torch.zeros_like(w, dtype=torch.float64)
@@ -87,7 +88,7 @@ def test_state_dict_round_trip_keeps_both_kinds():
             {"params": [w], "weight_decay": 0.1, "use_muon": True},
             {"params": [b], "weight_decay": 0.0, "use_muon": False},
         ]
-        return MuonWithAdam(groups, config=cfg, info_of=lambda t: MatrixInfo((16, 8))), w, b
+        return Muon(groups, config=cfg, info_of=lambda t: MatrixInfo((16, 8))), w, b
 
     a, wa, ba = build()
     grads = [(torch.randn(16, 8), torch.randn(16)) for _ in range(3)]
@@ -102,7 +103,7 @@ def test_state_dict_round_trip_keeps_both_kinds():
         a.step()
         b.step()
     assert torch.equal(wa, wb) and torch.equal(ba, bb)
-    assert b.adam.state is b.state and b.adam.param_groups[0] is b.param_groups[1]
+    assert b.scalar.state is b.state and b.scalar.param_groups[0] is b.param_groups[1]
 
 
 FLAGS = (
@@ -165,7 +166,5 @@ def test_flags_are_megatrons_and_mistakes_name_the_flag():
         build_trainer(FLAGS + ["--muon-coefficient-type", "nope", "--train-iters", "3"])
     with pytest.raises(ValueError, match="--muon-fp32-matmul-prec low"):
         build_trainer(FLAGS + ["--muon-fp32-matmul-prec", "low", "--train-iters", "3"])
-    with pytest.raises(ValueError, match="--muon-scalar-optimizer lion"):
-        build_trainer(FLAGS + ["--muon-scalar-optimizer", "lion", "--train-iters", "3"])
     no_split = trainer_for("--train-iters", 3, "--muon-no-split-qkv")
     assert no_split.cfg.optimizer.muon_split_qkv is False

@@ -393,6 +393,7 @@ class GroupedLinear(torch.nn.Module):
             full.normal_(0.0, std)
             weight = shard_of(full[local.start : local.stop], shard_dim, etp_size, etp_rank, stride)
         self.weight = torch.nn.Parameter(weight.contiguous())
+        self.weight.partition_dim, self.weight.partition_stride = shard_dim, stride  # how ETP splits it
         bias_size = out_features // etp_size if shard_dim == 1 else out_features
         self.bias = (
             torch.nn.Parameter(torch.zeros(num_experts, bias_size, device=device, dtype=config.params_dtype))
