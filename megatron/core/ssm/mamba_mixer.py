@@ -34,9 +34,13 @@ from megatron.core.ssm.ssd import ssd_chunked_scan
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    get_tensor_model_parallel_rank,
     get_tensor_model_parallel_size,
     init_method_normal,
+    rank_slice,
     resolve_device,
+    section_shard,
+    sectioned_init,
 )
 
 try:  # optional fused kernels; never required
@@ -177,7 +181,7 @@ class MambaMixer(torch.nn.Module):
             self.d_model,
             2 * self.d_inner + 2 * n_bc + self.nheads,  # z, x, B, C, dt
             config=config,
-            init_method=init_method_normal(config.hidden_init_std()),
+            init_method=sectioned_init(init_method_normal(config.hidden_init_std()), self._split_sizes(), tp),
             bias=False,
             gather_output=False,
             pg=pg,
@@ -186,27 +190,35 @@ class MambaMixer(torch.nn.Module):
         self.in_proj.weight.partition_sizes = self._split_sizes()  # rank-local [z, x, B, C, dt] rows
         self.in_proj.weight.use_muon = False  # Megatron steps it with Adam under --optimizer muon
 
-        conv_dim = self.d_inner_local + 2 * self.ngroups_local * self.d_state  # x, B, C
-        self.conv1d = ConvWeights(conv_dim, d_conv, device=device, dtype=dtype)
+        # Every draw is of the one-process (full) tensor; this rank keeps its slices, so all TP
+        # layouts start from the same model.
+        tp_rank = get_tensor_model_parallel_rank(pg)
+        conv_sections = self._split_sizes()[1:4]  # rank-local [x, B, C] channels
+        self.conv1d = ConvWeights(sum(conv_sections), d_conv, device=device, dtype=dtype)
+        full_weight = torch.empty(sum(conv_sections) * tp, 1, d_conv, device=device, dtype=dtype)
+        full_bias = torch.empty(sum(conv_sections) * tp, device=device, dtype=dtype)
         with torch.no_grad():
             if conv_init is not None:
-                self.conv1d.weight.uniform_(-conv_init, conv_init)
+                full_weight.uniform_(-conv_init, conv_init)
             else:
-                torch.nn.init.kaiming_uniform_(self.conv1d.weight, a=math.sqrt(5))
+                torch.nn.init.kaiming_uniform_(full_weight, a=math.sqrt(5))
             bound = 1.0 / math.sqrt(d_conv)  # fan-in of a depthwise filter: 1 channel x d_conv taps
-            self.conv1d.bias.uniform_(-bound, bound)
+            full_bias.uniform_(-bound, bound)
+            self.conv1d.weight.copy_(section_shard(full_weight, conv_sections, tp, tp_rank))
+            self.conv1d.bias.copy_(section_shard(full_bias, conv_sections, tp, tp_rank))
 
         with torch.no_grad():
             # softplus(dt_bias) log-uniform in [dt_min, dt_max]; dt_bias is its inverse softplus.
             # Drawn in float32, then stored in the model's dtype, as Megatron's Float16Module casts them.
             dt = torch.exp(
-                torch.rand(self.nheads_local, device=device, dtype=torch.float32)
-                * (math.log(dt_max) - math.log(dt_min))
+                torch.rand(self.nheads, device=device, dtype=torch.float32) * (math.log(dt_max) - math.log(dt_min))
                 + math.log(dt_min)
             ).clamp(min=dt_init_floor)
-            inv_dt = dt + torch.log(-torch.expm1(-dt))
+            inv_dt = rank_slice(dt + torch.log(-torch.expm1(-dt)), tp, tp_rank)
             assert 0 < A_init_range[0] <= A_init_range[1], A_init_range
-            A = torch.empty(self.nheads_local, device=device, dtype=torch.float32).uniform_(*A_init_range)
+            A = rank_slice(
+                torch.empty(self.nheads, device=device, dtype=torch.float32).uniform_(*A_init_range), tp, tp_rank
+            )
         self.dt_bias = torch.nn.Parameter(inv_dt.to(dtype))
         self.A_log = torch.nn.Parameter(torch.log(A).to(dtype))
         self.D = torch.nn.Parameter(
@@ -232,8 +244,8 @@ class MambaMixer(torch.nn.Module):
         for p in (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D):
             p.tensor_model_parallel = True
             p.partition_dim = 0
-        for p in (self.conv1d.weight, self.conv1d.bias):  # rank-local [x, B, C] channels
-            p.partition_sizes = self._split_sizes()[1:4]
+        for p in (self.conv1d.weight, self.conv1d.bias):
+            p.partition_sizes = conv_sections
         if self.norm is not None:
             self.norm.weight.tensor_model_parallel = True
             self.norm.weight.partition_dim = 0

@@ -198,6 +198,41 @@ def shard_of(full: torch.Tensor, dim: int, tp_size: int, tp_rank: int, stride: i
     return torch.cat(pieces[tp_rank::tp_size], dim=dim).contiguous()
 
 
+def section_shard(full: torch.Tensor, local_sections: list[int], tp_size: int, tp_rank: int) -> torch.Tensor:
+    """This rank's rows of a tensor made of sections (dim 0): slice ``tp_rank`` of each full section.
+
+    Args:
+        full: The one-process tensor; its dim 0 is the sections ``tp_size * s`` for ``s`` in ``local_sections``.
+        local_sections: Each section's rows on one rank.
+        tp_size, tp_rank: The tensor-parallel layout.
+    """
+    sections = full.split([s * tp_size for s in local_sections], dim=0)
+    return torch.cat([section[tp_rank * s : (tp_rank + 1) * s] for section, s in zip(sections, local_sections)])
+
+
+def rank_slice(full: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """This rank's contiguous share of dim 0 (its heads, or its heads' channels)."""
+    size = full.shape[0] // tp_size
+    return full[tp_rank * size : (tp_rank + 1) * size]
+
+
+def sectioned_init(init_method, local_sections: list[int], tp_size: int):
+    """An init method for a column-parallel weight whose rank-local rows are ``local_sections``.
+
+    ``ColumnParallelLinear`` initialises the full weight and gives rank r its r-th block of
+    rows; this draws the full weight in the one-process (section after section) layout and
+    reorders it rank by rank, so that block is the rank's slice of every section.
+    """
+
+    def init_(full: torch.Tensor) -> None:
+        init_method(full)
+        if tp_size > 1:
+            with torch.no_grad():
+                full.copy_(torch.cat([section_shard(full, local_sections, tp_size, r) for r in range(tp_size)]))
+
+    return init_
+
+
 def full_from_shards(shards: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
     """Inverse of ``shard_of``: the full tensor from every rank's shard, in rank order."""
     blocks = [torch.chunk(s, stride, dim=dim) for s in shards]

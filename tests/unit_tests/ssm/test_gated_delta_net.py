@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.ssm.gated_delta_net.config import LinearAttentionConfig
-from megatron.core.ssm.gated_delta_net.gated_delta_net import GatedDeltaNet, section_shard
+from megatron.core.ssm.gated_delta_net.gated_delta_net import GatedDeltaNet
 from megatron.core.ssm.gated_delta_net.gated_delta_rule import sequential_gated_delta_rule
+from megatron.core.tensor_parallel.layers import section_shard
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.ssm.sequence_mixer_checks import assert_causal_and_every_parameter_learns
 

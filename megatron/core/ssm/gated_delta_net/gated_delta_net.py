@@ -45,7 +45,10 @@ from megatron.core.tensor_parallel.layers import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_size,
     init_method_normal,
+    rank_slice,
     resolve_device,
+    section_shard,
+    sectioned_init,
 )
 from megatron.core.transformer.norm import build_norm
 
@@ -66,41 +69,6 @@ def model_activation(config):
     if getattr(config, "squared_relu", False):
         return _squared_relu
     return F.gelu
-
-
-def section_shard(full: torch.Tensor, local_sections: list[int], tp_size: int, tp_rank: int) -> torch.Tensor:
-    """This rank's rows of a tensor made of sections (dim 0): slice ``tp_rank`` of each full section.
-
-    Args:
-        full: The one-process tensor; its dim 0 is the sections ``tp_size * s`` for ``s`` in ``local_sections``.
-        local_sections: Each section's rows on one rank.
-        tp_size, tp_rank: The tensor-parallel layout.
-    """
-    sections = full.split([s * tp_size for s in local_sections], dim=0)
-    return torch.cat([section[tp_rank * s : (tp_rank + 1) * s] for section, s in zip(sections, local_sections)])
-
-
-def _rank_slice(full: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
-    """This rank's contiguous share of dim 0 (its heads, or its heads' channels)."""
-    size = full.shape[0] // tp_size
-    return full[tp_rank * size : (tp_rank + 1) * size]
-
-
-def _sectioned_init(init_method, local_sections: list[int], tp_size: int):
-    """An init method for a column-parallel weight whose rank-local rows are ``local_sections``.
-
-    ``ColumnParallelLinear`` initialises the full weight and gives rank r its r-th block of
-    rows; this draws the full weight in the one-process (section after section) layout and
-    reorders it rank by rank, so that block is the rank's slice of every section.
-    """
-
-    def init_(full: torch.Tensor) -> None:
-        init_method(full)
-        if tp_size > 1:
-            with torch.no_grad():
-                full.copy_(torch.cat([section_shard(full, local_sections, tp_size, r) for r in range(tp_size)]))
-
-    return init_
 
 
 class GatedDeltaNet(torch.nn.Module):
@@ -165,7 +133,7 @@ class GatedDeltaNet(torch.nn.Module):
             config.hidden_size,
             sum(sections) * tp,
             config=config,
-            init_method=_sectioned_init(init_method_normal(config.hidden_init_std()), sections, tp),
+            init_method=sectioned_init(init_method_normal(config.hidden_init_std()), sections, tp),
             bias=False,
             gather_output=False,
             pg=pg,
@@ -185,8 +153,8 @@ class GatedDeltaNet(torch.nn.Module):
             full_dt_bias = self._draw_dt_bias(device, dtype)
             assert 0 < A_init_range[0] <= A_init_range[1], A_init_range
             full_a = torch.empty(self._a_log_size(), device=device, dtype=dtype).uniform_(*A_init_range)
-        self.dt_bias = torch.nn.Parameter(_rank_slice(full_dt_bias, tp, tp_rank).clone())
-        self.A_log = torch.nn.Parameter(torch.log(_rank_slice(full_a, tp, tp_rank)))
+        self.dt_bias = torch.nn.Parameter(rank_slice(full_dt_bias, tp, tp_rank).clone())
+        self.A_log = torch.nn.Parameter(torch.log(rank_slice(full_a, tp, tp_rank)))
         self.out_norm = build_norm(config, self.value_head_dim, device=device)
         self.out_proj = RowParallelLinear(
             self.num_value_heads * self.value_head_dim,

@@ -1,12 +1,11 @@
-"""A hybrid ``*G-G`` model (GDN and GDN2 ``G`` layers) at TP = 2 trains like one process.
+"""Hybrid models at TP = 2 train like one process: ``*G-G`` (GDN and GDN2 ``G`` layers) and ``M*M-``.
 
 20 fp32 iterations of ``pretrain_hybrid.py``'s model through the trainer on gloo, at
 TP = 2 and TP = 2 with sequence parallelism; loss and gradient-norm curves within 1e-5
 relative of one process's (the sums run in another order: partial out-projections
-all-reduced over TP, the shared ``out_norm`` gradient summed over TP). The gated delta
-net's weights are drawn in the one-process layout, so every layout trains the same model.
-The pattern has no ``M`` layer: a Mamba layer's initial weights at TP = 2 are not the
-one-process ones (its own concern), which would make the curves differ from iteration 1.
+all-reduced over TP, shared norm gradients summed over TP). Mamba and gated delta net
+weights are drawn in the one-process layout and each rank keeps its slice of every
+section, so every layout trains the same model from iteration 1.
 """
 
 import pytest
@@ -22,7 +21,7 @@ FLAGS = (
     "--min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 2 --seed 1234 --mock-data --tokenizer-type "
     "NullTokenizer --vocab-size 255 --hidden-dropout 0.0 --attention-dropout 0.0 --num-workers 0 --log-interval 1"
 )
-VARIANTS = {"gdn": "", "gdn2": "--experimental-attention-variant gdn2"}
+VARIANTS = {"gdn": "", "gdn2": "--experimental-attention-variant gdn2", "mamba": "--hybrid-layer-pattern M*M-"}
 TP2 = {"tp2": "--tensor-model-parallel-size 2", "tp2_sp": "--tensor-model-parallel-size 2 --sequence-parallel"}
 
 
@@ -52,7 +51,7 @@ def _argv(extra: str, cache: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    cache = str(tmp_path_factory.mktemp("hybrid_gdn_tp_cache"))
+    cache = str(tmp_path_factory.mktemp("hybrid_tp_cache"))
     single = {v: _argv(flags, cache) for v, flags in VARIANTS.items()}
     tp2 = {f"{v}_{t}": _argv(f"{flags} {tp}", cache) for v, flags in VARIANTS.items() for t, tp in TP2.items()}
     return run_distributed(_runs, 1, single, timeout=300)[0], run_distributed(_runs, 2, tp2, timeout=500)
@@ -60,7 +59,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", list(TP2))
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_g_hybrid_at_tp2_matches_single_process(runs, variant, layout):
+def test_hybrid_at_tp2_matches_single_process(runs, variant, layout):
     single, tp2 = runs
     for rank, r in enumerate(tp2):
-        _assert_close(r[f"{variant}_{layout}"], single[variant], f"*G-G {variant} {layout} (rank {rank})")
+        _assert_close(r[f"{variant}_{layout}"], single[variant], f"{variant} {layout} (rank {rank})")
