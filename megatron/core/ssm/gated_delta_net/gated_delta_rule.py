@@ -44,13 +44,39 @@ except ImportError:  # pragma: no cover - depends on the environment
 HAVE_FLA = _fla_chunk_gated_delta_rule is not None
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype the rules compute in: at least float32."""
     return torch.promote_types(t.dtype, torch.float32)
+
+
+def to_chunks(t: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[b, l, h(, d)]`` -> ``[b, h, n, c(, d)]`` in ``dtype``, zero-padded to ``n * c`` steps."""
+    t = t.to(dtype)
+    pad = -t.shape[1] % chunk_size
+    if pad:
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+    return rearrange(t, "b (n c) h ... -> b h n c ...", c=chunk_size)
+
+
+def pass_states(u0, x, q_decayed, qk, chunk_decay, k_to_end, state, length: int):
+    """The chunk-to-chunk part shared by the chunked rules: each chunk's output from the state
+    entering it, and the state it passes on. Per chunk ``i`` (all ``[b, h, n, ...]``):
+    ``u = u0_i - x_i S``, ``o_i = q_decayed_i S + qk_i u``, ``S <- chunk_decay_i * S + k_to_end_i^T u``.
+
+    Returns:
+        ``(o [b, length, h, V], final state)``, both in the compute dtype.
+    """
+    outputs = []
+    for i in range(u0.shape[2]):
+        u = u0[:, :, i] - x[:, :, i] @ state
+        outputs.append(q_decayed[:, :, i] @ state + qk[:, :, i] @ u)
+        state = chunk_decay[:, :, i] * state + k_to_end[:, :, i].transpose(-1, -2) @ u
+    return rearrange(torch.stack(outputs, dim=2), "b h n c d -> b (n c) h d")[:, :length], state
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(sum(x^2) + eps)`` over the last dimension, in at least float32 (fla's ``l2norm``)."""
-    x = x.to(_compute_dtype(x))
+    x = x.to(compute_dtype(x))
     return x * torch.rsqrt(x.square().sum(dim=-1, keepdim=True) + eps)
 
 
@@ -82,20 +108,12 @@ def chunk_gated_delta_rule(
         ``(o [b, l, h, V] in v's dtype, final state [b, h, K, V] in the compute dtype or None)``.
     """
     b, length, h, dk = k.shape
-    dv, out_dtype, dtype = v.shape[-1], v.dtype, _compute_dtype(v)
+    dv, out_dtype, dtype = v.shape[-1], v.dtype, compute_dtype(v)
     scale = dk**-0.5 if scale is None else scale
     c = chunk_size
-    n = -(-length // c)  # chunks (Python ints only: static shapes)
-    pad = n * c - length
 
-    def chunked(t: torch.Tensor) -> torch.Tensor:
-        """``[b, l, h(, d)]`` -> ``[b, h, n, c(, d)]`` in the compute dtype, zero-padded to ``n * c`` steps."""
-        t = t.to(dtype)
-        if pad:
-            t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
-        return rearrange(t, "b (n c) h ... -> b h n c ...", c=c)
-
-    q, k, v, g, beta = chunked(q) * scale, chunked(k), chunked(v), chunked(g), chunked(beta)
+    q, k, v, g, beta = (to_chunks(t, c, dtype) for t in (q, k, v, g, beta))
+    q = q * scale
 
     cum = g.cumsum(dim=-1)  # G: [b, h, n, c]
     causal = torch.ones(c, c, dtype=torch.bool, device=k.device).tril()
@@ -112,12 +130,7 @@ def chunk_gated_delta_rule(
     chunk_decay = last.exp().unsqueeze(-1)  # exp(G_C): [b, h, n, 1, 1]
 
     state = k.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.to(dtype)
-    outputs = []
-    for i in range(n):
-        u = u0[:, :, i] - w[:, :, i] @ state
-        outputs.append(q_decayed[:, :, i] @ state + qk[:, :, i] @ u)
-        state = chunk_decay[:, :, i] * state + k_to_end[:, :, i].transpose(-1, -2) @ u
-    o = rearrange(torch.stack(outputs, dim=2), "b h n c d -> b (n c) h d")[:, :length]
+    o, state = pass_states(u0, w, q_decayed, qk, chunk_decay, k_to_end, state, length)
     return o.to(out_dtype), (state if output_final_state else None)
 
 
@@ -135,7 +148,7 @@ def sequential_gated_delta_rule(
     """The recurrence of the module docstring, one step at a time (the reference; same arguments and
     results as ``chunk_gated_delta_rule``)."""
     b, length, h, dk = k.shape
-    dv, out_dtype, dtype = v.shape[-1], v.dtype, _compute_dtype(v)
+    dv, out_dtype, dtype = v.shape[-1], v.dtype, compute_dtype(v)
     scale = dk**-0.5 if scale is None else scale
     q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
     state = k.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.to(dtype)

@@ -41,8 +41,8 @@ are off; it is never required.
 """
 
 import torch
-import torch.nn.functional as F
-from einops import rearrange
+
+from megatron.core.ssm.gated_delta_net.gated_delta_rule import compute_dtype, pass_states, to_chunks
 
 try:  # optional fused kernel; never required
     from fla.ops.gdn2.chunk import chunk_gdn2 as _fla_chunk_gdn2
@@ -50,10 +50,6 @@ except ImportError:  # pragma: no cover - depends on the environment
     _fla_chunk_gdn2 = None
 
 HAVE_FLA_GDN2 = _fla_chunk_gdn2 is not None
-
-
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(t.dtype, torch.float32)
 
 
 def _block_bounds(c: int, block: int) -> list[tuple[int, int]]:
@@ -129,20 +125,12 @@ def chunk_gdn2(
         ``(o [b, l, h, V] in v's dtype, final state [b, h, K, V] in the compute dtype or None)``.
     """
     batch, length, h, dk = k.shape
-    dv, out_dtype, dtype = v.shape[-1], v.dtype, _compute_dtype(v)
+    dv, out_dtype, dtype = v.shape[-1], v.dtype, compute_dtype(v)
     scale = dk**-0.5 if scale is None else scale
     c = chunk_size
-    n = -(-length // c)  # chunks (Python ints only: static shapes)
-    pad = n * c - length
 
-    def chunked(t: torch.Tensor) -> torch.Tensor:
-        """``[b, l, h, d]`` -> ``[b, h, n, c, d]`` in the compute dtype, zero-padded to ``n * c`` steps."""
-        t = t.to(dtype)
-        if pad:
-            t = F.pad(t, (0, 0, 0, 0, 0, pad))
-        return rearrange(t, "b (n c) h d -> b h n c d", c=c)
-
-    q, k, v, g, b, w = chunked(q) * scale, chunked(k), chunked(v), chunked(g), chunked(b), chunked(w)
+    q, k, v, g, b, w = (to_chunks(t, c, dtype) for t in (q, k, v, g, b, w))
+    q = q * scale
 
     cum = g.cumsum(dim=-2)  # G: [b, h, n, c, K]
     erase_key = b * k
@@ -157,12 +145,7 @@ def chunk_gdn2(
     chunk_decay = last.transpose(-1, -2).exp()  # exp(G_C) per key channel: [b, h, n, K, 1]
 
     state = k.new_zeros(batch, h, dk, dv) if initial_state is None else initial_state.to(dtype)
-    outputs = []
-    for i in range(n):
-        u = u0[:, :, i] - x[:, :, i] @ state
-        outputs.append(q_decayed[:, :, i] @ state + qk[:, :, i] @ u)
-        state = chunk_decay[:, :, i] * state + k_to_end[:, :, i].transpose(-1, -2) @ u
-    o = rearrange(torch.stack(outputs, dim=2), "b h n c d -> b (n c) h d")[:, :length]
+    o, state = pass_states(u0, x, q_decayed, qk, chunk_decay, k_to_end, state, length)
     return o.to(out_dtype), (state if output_final_state else None)
 
 
@@ -181,7 +164,7 @@ def recurrent_gdn2(
     """The recurrence of the module docstring, one step at a time (the reference; same arguments and
     results as ``chunk_gdn2``)."""
     batch, length, h, dk = k.shape
-    dv, out_dtype, dtype = v.shape[-1], v.dtype, _compute_dtype(v)
+    dv, out_dtype, dtype = v.shape[-1], v.dtype, compute_dtype(v)
     scale = dk**-0.5 if scale is None else scale
     q, k, v, g, b, w = (t.to(dtype) for t in (q, k, v, g, b, w))
     state = k.new_zeros(batch, h, dk, dv) if initial_state is None else initial_state.to(dtype)
