@@ -146,6 +146,10 @@ class DDPConfig(Freezable):
     ddp_bucket_size: int | None = None
     """Elements per gradient bucket (default: max(40M, 1M * DP))."""
 
+    ddp_num_buckets: int | None = None
+    """Number of gradient buckets instead of a size: each holds up to (trainable parameters) // N
+    elements, as Megatron; not with --ddp-bucket-size."""
+
     use_distributed_optimizer: bool = False
     """Shard the fp32 main parameters and the optimizer state across data-parallel ranks
     (gradients reduce-scattered, parameters all-gathered after the step)."""

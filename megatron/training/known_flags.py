@@ -67,7 +67,6 @@ def _family(flags: dict[str, object], make) -> dict[str, KnownFlag]:
 
 _MOE = {
     "--moe-enable-routing-replay": SWITCH,
-    "--moe-pad-experts-for-cuda-graph-inference": SWITCH,
 }
 
 # Flags of Megatron's post-training scripts (ModelOpt export, the multimodal example's model
@@ -77,10 +76,6 @@ _POST_TRAINING = {
     "--model-provider": VALUE,
     "--export-model-type": VALUE,
     "--export-default-te-spec": SWITCH,
-}
-
-_PARALLEL = {
-    "--ddp-num-buckets": VALUE,
 }
 
 _FP8 = {
@@ -112,6 +107,7 @@ _FSDP = {
     "--megatron-fsdp-grad-comm-dtype": VALUE,
 }
 _INFERENCE = {
+    "--moe-pad-experts-for-cuda-graph-inference": SWITCH,
     "--inference-max-seq-length": VALUE,
     "--inference-max-requests": VALUE,
     "--inference-rng-tracker": SWITCH,
@@ -245,7 +241,6 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
     ),
     # ---- not supported yet: features with open issues, or no ask yet.
     **_family(_MOE, lambda f, n: not_yet(f, n, "", "drop the flag")),
-    **_family(_PARALLEL, lambda f, n: not_yet(f, n, "parallel layouts")),
     "--spec": KnownFlag(
         LIST,
         "--spec (custom layer specs) is not supported yet; drop it: layers are chosen from the model flags.",

@@ -101,12 +101,15 @@ class DistributedDataParallel(torch.nn.Module):
         self.config = config
         self.pg = pg
         self.dp_size = pg.dp_size
-        bucket_size = config.ddp_bucket_size
+        params = [p for p in module.parameters() if p.requires_grad]
+        bucket_size, num_buckets = config.ddp_bucket_size, getattr(config, "ddp_num_buckets", None)
+        if num_buckets is not None:
+            require(bucket_size is None, "--ddp-num-buckets and --ddp-bucket-size cannot both be given; pick one.")
+            require(num_buckets >= 1, f"--ddp-num-buckets must be >= 1, got {num_buckets}.")
+            bucket_size = max(1, sum(p.numel() for p in params) // num_buckets)  # Megatron's rule
         if bucket_size is None:
             bucket_size = default_bucket_size(self.dp_size)
         require(bucket_size >= 1, f"--ddp-bucket-size must be >= 1, got {bucket_size}; drop it for the default.")
-
-        params = [p for p in module.parameters() if p.requires_grad]
         devices = {p.device for p in params}
         require(
             len(devices) <= 1, f"all trainable parameters must live on one device, found {sorted(map(str, devices))}."

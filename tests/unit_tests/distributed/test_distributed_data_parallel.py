@@ -145,6 +145,21 @@ def test_buckets_split_as_configured():
 def test_bad_bucket_size_names_the_flag():
     with pytest.raises(ValueError, match="--ddp-bucket-size"):
         DistributedDataParallel(torch.nn.Linear(2, 2), config=DDPConfig(ddp_bucket_size=0), pg=ProcessGroups.single())
+    for config, match in (
+        (DDPConfig(ddp_num_buckets=0), "--ddp-num-buckets must be >= 1"),
+        (DDPConfig(ddp_num_buckets=2, ddp_bucket_size=10), "--ddp-num-buckets and --ddp-bucket-size"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            DistributedDataParallel(torch.nn.Linear(2, 2), config=config, pg=ProcessGroups.single())
+
+
+def test_num_buckets_sets_the_size_from_the_parameter_count():
+    """Megatron's --ddp-num-buckets N: buckets of (trainable parameters) // N elements (here 100 // 2)."""
+    module = torch.nn.Module()
+    module.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for n in (10, 20, 30, 40)])
+    module.frozen = torch.nn.Parameter(torch.zeros(50), requires_grad=False)  # not counted
+    ddp = DistributedDataParallel(module, config=DDPConfig(ddp_num_buckets=2), pg=ProcessGroups.single())
+    assert [[p.numel() for p in b.params] for b in ddp.buckets] == [[40, 30], [20, 10]]
 
 
 def test_unused_params_are_reduced_at_finish():
