@@ -75,7 +75,9 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, timeout: float,
         results.put(("error", rank, traceback.format_exc()))
         return
     try:
-        results.put(("ok", rank, value))
+        # By value: the queue's own pickler would share tensor storage through a file
+        # descriptor that dies with this process, which may exit before the parent reads it.
+        results.put(("ok", rank, pickle.dumps(value)))
     except Exception:  # noqa: BLE001 - an unpicklable return value
         results.put(("error", rank, "return value could not be sent:\n" + traceback.format_exc()))
     # Tear gloo down only once every rank is done: destroying it while a peer is still in
@@ -147,7 +149,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 if len(ready) == world_size:
                     deadline = time.monotonic() + timeout
             elif kind == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
                 done.add(rank)
             elif kind == "error":
                 failures.setdefault(rank, f"rank {rank} raised:\n{payload}")
@@ -206,3 +208,29 @@ def cpu_process_groups():
     world = dist.get_world_size()
     dp = dist.group.WORLD if world > 1 else None
     return ProcessGroups(rank=dist.get_rank(), world_size=world, device=torch.device("cpu"), dp=dp)
+
+
+def train_curves(rank: int, world_size: int, argvs: dict, hybrid: bool = False) -> dict:
+    """For ``run_distributed``: trains each command line of ``argvs`` (name -> argv) in turn
+    through the trainer (``pretrain_hybrid.py``'s model with ``hybrid``) and returns
+    ``{name: [(lm loss, grad-norm) of each logged iteration]}``."""
+    import importlib.util
+    import pathlib
+
+    from megatron.core import parallel_state
+    from megatron.training.training import build_trainer
+
+    providers = ()
+    if hybrid:
+        path = pathlib.Path(__file__).parents[2] / "pretrain_hybrid.py"
+        spec = importlib.util.spec_from_file_location("pretrain_hybrid", path)
+        entry = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(entry)
+        providers = (entry.model_provider, entry.forward_step)
+    out = {}
+    for name, argv in argvs.items():
+        trainer = build_trainer(argv, *providers)
+        history = trainer.train()
+        parallel_state.destroy(trainer.pg)
+        out[name] = [(r["lm loss"], r["grad-norm"]) for r in history]
+    return out

@@ -19,7 +19,7 @@ import types
 import pytest
 import torch
 
-from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.dist_utils import run_distributed, train_curves
 from tests.unit_tests.optimizer.test_newton_schulz import reference
 
 RTOL = 1e-5
@@ -100,20 +100,6 @@ GROUPED = "--moe-grouped-gemm"
 ETP2 = "--expert-tensor-parallel-size 2"
 
 
-def _run(argv):
-    from megatron.core import parallel_state
-    from megatron.training.training import build_trainer
-
-    trainer = build_trainer(argv)
-    history = trainer.train()
-    parallel_state.destroy(trainer.pg)
-    return [(r["lm loss"], r["grad-norm"]) for r in history]
-
-
-def _rank_runs(rank, world_size, argvs):
-    return {name: _run(argv) for name, argv in argvs.items()}
-
-
 def _argv(extra: str, cache: str) -> list[str]:
     return (FLAGS + " " + extra).split() + ["--data-cache-path", cache]
 
@@ -130,7 +116,7 @@ def singles(cache):
         "modules": _argv("--global-batch-size 4", cache),
         "grouped_gbs8": _argv(f"{GROUPED} --global-batch-size 8", cache),
     }
-    return run_distributed(_rank_runs, 1, argvs, timeout=400)[0]
+    return run_distributed(train_curves, 1, argvs, timeout=400)[0]
 
 
 def _assert_close(got, want, what):
@@ -154,7 +140,7 @@ TWO_RANK = {
 def two_rank(cache):
     argvs = {name: _argv(f"{flags} --global-batch-size 4", cache) for name, (_ref, flags) in TWO_RANK.items()}
     argvs["blockwise"] = _argv(f"{GROUPED} {ETP2} --muon-tp-mode blockwise --global-batch-size 4", cache)
-    return run_distributed(_rank_runs, 2, argvs, timeout=600)
+    return run_distributed(train_curves, 2, argvs, timeout=600)
 
 
 @pytest.mark.parametrize("name", list(TWO_RANK))
@@ -180,6 +166,6 @@ FOUR_RANK = {
 
 def test_four_ranks_match_single_process(singles, cache):
     argvs = {name: _argv(f"{GROUPED} {flags} --global-batch-size 8", cache) for name, flags in FOUR_RANK.items()}
-    for rank, runs in enumerate(run_distributed(_rank_runs, 4, argvs, timeout=600)):
+    for rank, runs in enumerate(run_distributed(train_curves, 4, argvs, timeout=600)):
         for name in FOUR_RANK:
             _assert_close(runs[name], singles["grouped_gbs8"], f"{name} (rank {rank})")

@@ -11,7 +11,7 @@ has to train. The 2-rank runs share one set of processes; TP = 2 x DP = 2 runs o
 
 import pytest
 
-from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.dist_utils import run_distributed, train_curves
 
 FLAGS = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
@@ -32,20 +32,6 @@ LAYOUTS = {
 }
 
 
-def _run(argv):
-    from megatron.core import parallel_state
-    from megatron.training.training import build_trainer
-
-    trainer = build_trainer(argv)
-    history = trainer.train()
-    parallel_state.destroy(trainer.pg)
-    return [(r["lm loss"], r["grad-norm"]) for r in history]
-
-
-def _rank_runs(rank, world_size, argvs):
-    return {name: _run(argv) for name, argv in argvs.items()}
-
-
 def _argv(extra: str, cache: str) -> list[str]:
     return (FLAGS + " " + extra).split() + ["--data-cache-path", cache]
 
@@ -58,14 +44,14 @@ def cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def singles(cache):
     argvs = {"dense": _argv("", cache), "moe": _argv(MOE, cache), "blockwise": _argv("", cache)}
-    return run_distributed(_rank_runs, 1, argvs, timeout=300)[0]
+    return run_distributed(train_curves, 1, argvs, timeout=300)[0]
 
 
 @pytest.fixture(scope="module")
 def two_rank(cache):
     argvs = {name: _argv(flags, cache) for name, (_ref, flags) in LAYOUTS.items()}
     argvs["tp2_blockwise"] = _argv("--tensor-model-parallel-size 2 --muon-tp-mode blockwise", cache)
-    return run_distributed(_rank_runs, 2, argvs, timeout=600)
+    return run_distributed(train_curves, 2, argvs, timeout=600)
 
 
 def _assert_close(got, want, what):
@@ -91,7 +77,7 @@ def test_blockwise_orthogonalizes_shards_on_their_own(singles, two_rank):
 
 def test_tp2_dp2_distributed_optimizer_matches_single_process(singles, cache):
     argv = _argv("--tensor-model-parallel-size 2 --use-distributed-optimizer --muon-tp-mode distributed", cache)
-    for rank, runs in enumerate(run_distributed(_rank_runs, 4, {"tp2_dp2": argv}, timeout=600)):
+    for rank, runs in enumerate(run_distributed(train_curves, 4, {"tp2_dp2": argv}, timeout=600)):
         _assert_close(runs["tp2_dp2"], singles["dense"], f"TP=2 x DP=2 (rank {rank})")
 
 

@@ -10,7 +10,7 @@ section, so every layout trains the same model from iteration 1.
 
 import pytest
 
-from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.dist_utils import run_distributed, train_curves
 from tests.unit_tests.training.test_parallel_layouts import _assert_close
 
 FLAGS = (
@@ -25,26 +25,6 @@ VARIANTS = {"gdn": "", "gdn2": "--experimental-attention-variant gdn2", "mamba":
 TP2 = {"tp2": "--tensor-model-parallel-size 2", "tp2_sp": "--tensor-model-parallel-size 2 --sequence-parallel"}
 
 
-def _runs(rank, world_size, argvs):
-    import importlib.util
-    import os
-
-    from megatron.core import parallel_state
-    from megatron.training.training import build_trainer
-
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
-    spec = importlib.util.spec_from_file_location("pretrain_hybrid", os.path.join(repo, "pretrain_hybrid.py"))
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
-    out = {}
-    for name, argv in argvs.items():
-        trainer = build_trainer(argv, entry.model_provider, entry.forward_step)
-        history = trainer.train()
-        parallel_state.destroy(trainer.pg)
-        out[name] = [(r["lm loss"], r["grad-norm"]) for r in history]
-    return out
-
-
 def _argv(extra: str, cache: str) -> list[str]:
     return f"{FLAGS} {extra}".split() + ["--data-cache-path", cache]
 
@@ -54,7 +34,8 @@ def runs(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("hybrid_tp_cache"))
     single = {v: _argv(flags, cache) for v, flags in VARIANTS.items()}
     tp2 = {f"{v}_{t}": _argv(f"{flags} {tp}", cache) for v, flags in VARIANTS.items() for t, tp in TP2.items()}
-    return run_distributed(_runs, 1, single, timeout=300)[0], run_distributed(_runs, 2, tp2, timeout=500)
+    one = run_distributed(train_curves, 1, single, True, timeout=300)[0]
+    return one, run_distributed(train_curves, 2, tp2, True, timeout=500)
 
 
 @pytest.mark.parametrize("layout", list(TP2))
