@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron.core.optimizer.lion import Lion
 from megatron.core.optimizer.muon import MatrixInfo, Muon, scalar_state_names
 from megatron.core.optimizer.param_groups import (  # noqa: F401  (re-exported: the optimizer's group rule)
     GROUP_ORDER,
@@ -52,9 +53,13 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def _build_inner(groups: list[dict[str, Any]], config, device: torch.device, **muon) -> torch.optim.Optimizer:
-    """AdamW or SGD, fused on CUDA when this torch supports it, else foreach; or Muon (with AdamW or Lion)."""
+    """AdamW or SGD, fused on CUDA when this torch supports it, else foreach; Lion; or Muon (with AdamW or Lion)."""
     if config.optimizer == "muon":
         return Muon(groups, config=config, **muon)
+    if config.optimizer == "lion":
+        return Lion(
+            groups, lr=config.lr, betas=(config.lion_beta1, config.lion_beta2), weight_decay=config.weight_decay
+        )
     if config.optimizer == "adam":
         cls = torch.optim.AdamW
         kwargs = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
@@ -62,7 +67,7 @@ def _build_inner(groups: list[dict[str, Any]], config, device: torch.device, **m
         cls = torch.optim.SGD
         kwargs = dict(lr=config.lr, momentum=config.sgd_momentum)
     else:
-        raise ValueError(f"--optimizer {config.optimizer!r} is not supported; use adam or sgd.")
+        raise ValueError(f"--optimizer {config.optimizer!r} is not supported; use adam, sgd, lion or muon.")
     kwargs["weight_decay"] = config.weight_decay
     if device.type == "cuda":
         try:
@@ -254,6 +259,8 @@ class MixedPrecisionOptimizer:
             return ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
         if self.config.optimizer == "muon":
             return scalar_state_names(self.config) + ["momentum_buffer"]
+        if self.config.optimizer == "lion":
+            return ["exp_avg"]
         return ["momentum_buffer"] if self.config.sgd_momentum else []
 
     def allocate_state(self, names: Iterable[str], *, only_empty: bool = False) -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import math
 
 from megatron.core.config_utils import Freezable, flag_field, require
+from megatron.core.optimizer.lion import check_betas
 from megatron.core.optimizer.muon import validate_muon
 
 
@@ -15,10 +16,11 @@ from megatron.core.optimizer.muon import validate_muon
 class OptimizerConfig(Freezable):
     """Optimizer and learning-rate schedule."""
 
-    optimizer: str = flag_field("adam", choices=("adam", "sgd", "muon", "dist_muon"))
-    """Optimizer: adam (AdamW, decoupled weight decay, as Megatron), sgd, or muon (Newton-Schulz orthogonalized
-    momentum on 2-D hidden weights, the --muon-scalar-optimizer elsewhere); dist_muon is the deprecated spelling of
-    --optimizer muon --use-distributed-optimizer."""
+    optimizer: str = flag_field("adam", choices=("adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"))
+    """Optimizer: adam (AdamW, decoupled weight decay, as Megatron), sgd, lion (Lion with --lion-beta1 and
+    --lion-beta2, decoupled weight decay), or muon (Newton-Schulz orthogonalized momentum on 2-D hidden weights, the
+    --muon-scalar-optimizer elsewhere); dist_muon is the deprecated spelling of --optimizer muon
+    --use-distributed-optimizer. soap and adaptive_muon are not supported yet."""
 
     lr: float = 1e-4
     """Peak learning rate."""
@@ -122,7 +124,8 @@ class OptimizerConfig(Freezable):
     Adam flags) or lion (Lion with --lion-beta1 and --lion-beta2)."""
 
     lion_beta1: float = 0.95
-    """Lion's beta1: the weight of the momentum against the gradient inside the sign of the update."""
+    """Lion's beta1 (--optimizer lion, --muon-scalar-optimizer lion): the weight of the momentum against the
+    gradient inside the sign of the update."""
 
     lion_beta2: float = 0.98
     """Lion's beta2: the EMA coefficient of its momentum."""
@@ -149,8 +152,14 @@ class OptimizerConfig(Freezable):
             math.isfinite(self.lr) and math.isfinite(self.min_lr),
             f"--lr ({self.lr}) and --min-lr ({self.min_lr}) must be finite.",
         )
+        require(
+            self.optimizer not in ("soap", "adaptive_muon"),
+            f"--optimizer {self.optimizer} is not supported yet; use adam, sgd, lion or muon.",
+        )
         if self.optimizer == "muon":
             validate_muon(self, precision)
+        if self.optimizer == "lion":
+            check_betas(self.lion_beta1, self.lion_beta2)
         require(
             self.decoupled_min_lr is None or self.decoupled_lr is not None,
             "--decoupled-min-lr needs --decoupled-lr.",
