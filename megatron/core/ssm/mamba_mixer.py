@@ -214,7 +214,7 @@ class MambaMixer(torch.nn.Module):
                 torch.rand(self.nheads, device=device, dtype=torch.float32) * (math.log(dt_max) - math.log(dt_min))
                 + math.log(dt_min)
             ).clamp(min=dt_init_floor)
-            inv_dt = rank_slice(dt + torch.log(-torch.expm1(-dt)), tp, tp_rank)
+            inv_dt = rank_slice(dt + torch.log(-torch.expm1(-dt)), tp, tp_rank).clone()  # its own storage
             assert 0 < A_init_range[0] <= A_init_range[1], A_init_range
             A = rank_slice(
                 torch.empty(self.nheads, device=device, dtype=torch.float32).uniform_(*A_init_range), tp, tp_rank
