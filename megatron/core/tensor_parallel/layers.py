@@ -18,7 +18,6 @@ are allocated on the target device (``device`` argument, default: torch's curren
 default device).
 """
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -125,11 +124,6 @@ def init_method_normal(std: float) -> InitMethod:
             tensor.normal_(mean=0.0, std=std)
 
     return init_
-
-
-def scaled_init_method_normal(std: float, num_layers: int) -> InitMethod:
-    """N(0, std / sqrt(2 * num_layers)): Megatron's init for the output projections of residual branches."""
-    return init_method_normal(std / math.sqrt(2.0 * num_layers))
 
 
 def resolve_device(device=None) -> torch.device:

@@ -13,7 +13,6 @@ from megatron.core.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     init_method_normal,
-    scaled_init_method_normal,
 )
 from megatron.core.tensor_parallel.random import model_parallel_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -70,7 +69,8 @@ def test_init_std_and_scaled_init():
     w = torch.empty(400, 400)
     init_method_normal(0.02)(w)
     assert abs(w.std().item() - 0.02) < 5e-4 and abs(w.mean().item()) < 5e-4
-    scaled_init_method_normal(0.02, 8)(w)
+    # Residual output projections: std / sqrt(2 L) (TransformerConfig.output_init_std).
+    init_method_normal(TransformerConfig(num_layers=8, init_method_std=0.02).output_init_std())(w)
     assert abs(w.std().item() - 0.02 / 4.0) < 2e-4
 
 
