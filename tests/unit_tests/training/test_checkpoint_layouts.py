@@ -13,8 +13,6 @@ into the non-distributed layout, so a DP=2 checkpoint resumes at DP=2 bitwise an
 at DP=1 without the flag.
 """
 
-import io
-
 import pytest
 import torch
 
@@ -79,17 +77,6 @@ def _assemble(snaps: list[dict]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _to_bytes(value) -> bytes:
-    """Tensors leave a rank as bytes (the queue would pass shared memory of an exiting process)."""
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
-
-
-def _from_bytes(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=True)
-
-
 def _assert_equal_states(got: dict, want: dict, what: str) -> None:
     assert set(got) == set(want), what
     for key in want:
@@ -112,11 +99,11 @@ def _four_ranks(rank, world_size, argv_save, argv_load):
     loaded = _snapshot(loader)
     loader.history = loader.train()
     parallel_state.destroy(loader.pg)
-    return _to_bytes((_snapshot(saver), _losses(saver), loaded, _losses(loader)))
+    return _snapshot(saver), _losses(saver), loaded, _losses(loader)
 
 
 def map_results(fn, world_size, *args):
-    return [_from_bytes(r) for r in run_distributed(fn, world_size, *args, timeout=400)]
+    return run_distributed(fn, world_size, *args, timeout=400)
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +164,7 @@ def _dp2_legacy(rank, world_size, argv_full, argv_first, argv_second):
     from megatron.training.training import pretrain
 
     full, first, second = pretrain(argv_full), pretrain(argv_first), pretrain(argv_second)
-    return _to_bytes((_losses(full), _losses(first), _losses(second), _snapshot(first)))
+    return _losses(full), _losses(first), _losses(second), _snapshot(first)
 
 
 def test_torch_format_distributed_optimizer_resumes_and_loads_without_the_flag(tmp_path, cache):

@@ -19,9 +19,7 @@ from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.training.test_checkpoint_layouts import (
     _assemble,
     _assert_equal_states,
-    _from_bytes,
     _snapshot,
-    _to_bytes,
 )
 
 FLAGS = (
@@ -89,7 +87,7 @@ def _four_ranks(rank, world_size, argvs):
         loader.history = loader.train()
         parallel_state.destroy(loader.pg)
         out[f"rest_{name}"] = [r["lm loss"] for r in loader.history]
-    return _to_bytes(out)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +108,7 @@ def runs(cache, tmp_path_factory):
         "load_n2_torch_dist": _argv(f"{N2} --load {folder / 'torch_dist'}", cache),
         "load_n2_torch": _argv(f"{N2} --ckpt-format torch --load {folder / 'torch'}", cache),
     }
-    results = [_from_bytes(r) for r in run_distributed(_four_ranks, 4, argvs, timeout=600)]
+    results = run_distributed(_four_ranks, 4, argvs, timeout=600)
     return results, folder
 
 
