@@ -26,6 +26,7 @@ from megatron.core.ssm.mamba_config import MambaConfig
 from megatron.core.tokenizers.tokenizer import SENTENCEPIECE_TYPES, TOKENIZER_TYPES
 from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
 from megatron.core.transformer.moe.moe_config import MoEConfig, validate_overlap_switches
+from megatron.core.transformer.recompute import check_recompute_with_graphs
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.batch_schedule import BatchSchedule, parse_step_schedule
 from megatron.training.config import (
@@ -163,11 +164,8 @@ class RunConfig(Freezable):
         self.cuda_graph.validate()
         pattern = self.mamba.parsed_pattern
         self.parallel.validate_model(self.model, stages_from_pattern=pattern is not None)
-        require(
-            not (self.cuda_graph.enabled and self.model.recompute_granularity),
-            "--recompute-granularity with --cuda-graph-impl local is not supported yet: a recomputed layer would "
-            "replay its graphs out of the captured order. Drop one of them.",
-        )
+        if self.cuda_graph.enabled:
+            check_recompute_with_graphs(self.model, self.cuda_graph.cuda_graph_scope)
         require(
             not (self.cuda_graph.enabled and self.model.fine_grained_activation_offloading),
             "--fine-grained-activation-offloading with --cuda-graph-impl local is not supported: the host copies "

@@ -19,6 +19,13 @@ its inputs when their backward needs it; ``layernorm``, ``moe_act``).
 Losses and gradients equal the run without recompute: the same kernels run on the
 same inputs, once more in backward. Recompute is off in evaluation and under
 ``torch.no_grad()``.
+
+With ``--cuda-graph-impl local`` (``check_recompute_with_graphs``), as in Megatron: full
+recompute is refused, and each selectively recomputed module must lie wholly inside one
+graphed region or wholly outside the graphs. Inside a region the recompute is captured
+into the region's backward graph; a module outside runs and recomputes eagerly between
+the graphs. A module recomputed inside a graph must draw no random numbers: the
+backward graph's replay would draw a different dropout mask than its forward did.
 """
 
 import weakref
@@ -26,6 +33,8 @@ from collections.abc import Callable
 
 import torch
 import torch.utils.checkpoint
+
+from megatron.core.config_utils import require
 
 SELECTIVE_MODULES = ("core_attn", "moe_act", "layernorm", "mlp", "moe", "shared_experts")
 """``--recompute-modules`` values this trainer implements (Megatron's, less MLA, GatedDeltaNet/Product and mHC)."""
@@ -65,6 +74,47 @@ def run_layers(layers, hidden_states: torch.Tensor, rotary_pos_emb, config) -> t
     return hidden_states
 
 
+def check_recompute_with_graphs(config, scopes: list[str]) -> None:
+    """Raises ``ValueError`` when ``config``'s recompute cannot run with ``--cuda-graph-impl local``
+    graphing ``scopes`` (empty: whole layers). ``config`` is a ``TransformerConfig``."""
+    granularity = getattr(config, "recompute_granularity", None)
+    require(
+        granularity != "full",
+        "--recompute-granularity full with --cuda-graph-impl local is not supported (as in Megatron, where "
+        "full recompute needs --cuda-graph-impl full_iteration): a recomputed layer would replay its graphs "
+        "again in backward. Use --recompute-granularity selective --recompute-modules ..., or drop "
+        "--cuda-graph-impl local.",
+    )
+    if granularity != "selective":
+        return
+    graphed = set(scopes) if scopes else {"attn", "mlp", "moe", "mamba"}
+    if graphed & {"moe_router", "moe_preprocess"} and "moe" not in graphed:
+        fix = (
+            "Drop {0} from --recompute-modules, or graph the whole MoE block instead (--cuda-graph-scope attn "
+            "moe, with drop-and-pad)."
+        )
+        require(
+            not recomputes(config, "moe"),
+            "--recompute-modules moe with --cuda-graph-scope moe_router: recomputing an MoE layer would replay "
+            "its router graph again in backward. " + fix.format("moe"),
+        )
+        require(
+            not (config.moe.enabled and recomputes(config, "layernorm")),
+            "--recompute-modules layernorm with --cuda-graph-scope moe_router: an MoE layer's pre-MLP norm runs "
+            "in the router graph and its output leaves that graph for the experts, so it cannot be discarded "
+            "there. " + fix.format("layernorm"),
+        )
+    # Only core attention draws random numbers inside what is recomputed (the MLPs' dropout is applied
+    # after them, outside the checkpoint).
+    require(
+        not (config.attention_dropout > 0 and "attn" in graphed and recomputes(config, "core_attn")),
+        "--recompute-modules core_attn inside the graphed attn region needs --attention-dropout 0 (as in "
+        "Megatron): its backward graph would recompute the attention with another dropout mask than the "
+        "forward graph drew. Set --attention-dropout 0, drop core_attn from --recompute-modules, or leave attn "
+        "out of --cuda-graph-scope.",
+    )
+
+
 def recomputes(config, module: str) -> bool:
     """Whether ``--recompute-granularity selective`` recomputes ``module`` (a --recompute-modules name)."""
     if getattr(config, "recompute_granularity", None) != "selective":
@@ -73,12 +123,19 @@ def recomputes(config, module: str) -> bool:
     return module in (("core_attn",) if modules is None else modules)  # unset: Megatron's default
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def checkpointed(fn: Callable, *args):
     """``fn(*args)``, keeping only ``args`` for backward (non-reentrant; RNG state replayed) when
-    autograd records, else a plain call."""
+    autograd records, else a plain call.
+
+    Under CUDA-graph capture the RNG state cannot be read, and a module recomputed inside a
+    graph draws no random numbers (``check_recompute_with_graphs``), so none is replayed."""
     if not torch.is_grad_enabled():
         return fn(*args)
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=not _capturing())
 
 
 def _identity(tensor: torch.Tensor) -> tuple:

@@ -194,9 +194,11 @@ def test_run_config_accepts_cuda_graphs_with_pipelines(extra):
     assert cfg.cuda_graph.enabled and cfg.parallel.pipeline_model_parallel_size == 2
 
 
-def test_run_config_still_refuses_recompute_with_cuda_graphs_under_pipelines():
-    cfg = _run_config("--pipeline-model-parallel-size 2 --cuda-graph-impl local --recompute-granularity selective")
-    with pytest.raises(ValueError, match="--recompute-granularity with --cuda-graph-impl local"):
+def test_run_config_takes_selective_recompute_with_cuda_graphs_under_pipelines_but_not_full():
+    base = "--pipeline-model-parallel-size 2 --cuda-graph-impl local --recompute-granularity"
+    _run_config(f"{base} selective --recompute-modules core_attn mlp layernorm --attention-dropout 0").validate()
+    cfg = _run_config(f"{base} full --recompute-method uniform --recompute-num-layers 1")
+    with pytest.raises(ValueError, match="--recompute-granularity full with --cuda-graph-impl local"):
         cfg.validate()
 
 

@@ -209,6 +209,67 @@ def test_selective_recompute_modules_train_like_no_recompute(model, modules, tmp
     )
 
 
+GRAPHS = "--cuda-graph-impl local --cuda-graph-scope"
+MOE = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32"
+DROP_PAD = "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity"
+
+
+def _recompute_run_config(extra: str):
+    from megatron.training.arguments import parse_args
+
+    flags = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+    flags += "--micro-batch-size 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 255 "
+    return parse_args((flags + extra).split()).resolve(world_size=1)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        f"{GRAPHS} --recompute-granularity selective --attention-dropout 0",  # whole layers, core_attn
+        f"{GRAPHS} attn mlp --recompute-granularity selective --recompute-modules core_attn mlp layernorm "
+        "--attention-dropout 0",
+        f"{GRAPHS} attn --recompute-granularity selective --recompute-modules mlp layernorm",
+        f"{GRAPHS} mlp --recompute-granularity selective --recompute-modules core_attn mlp layernorm",  # dropout 0.1
+        f"{GRAPHS} attn moe_router moe_preprocess --recompute-granularity selective --recompute-modules "
+        f"core_attn shared_experts moe_act --attention-dropout 0 {MOE} --moe-grouped-gemm "
+        "--moe-shared-expert-intermediate-size 32",
+        f"{GRAPHS} attn moe --recompute-granularity selective --recompute-modules moe layernorm "
+        f"--attention-dropout 0 {MOE} {DROP_PAD}",
+        f"{GRAPHS} attn --recompute-granularity selective --recompute-modules moe layernorm {MOE}",
+    ],
+)
+def test_selective_recompute_is_accepted_with_graphs_where_each_module_is_in_or_out_of_a_region(extra):
+    cfg = _recompute_run_config(extra)
+    cfg.validate()
+    assert cfg.cuda_graph.enabled and cfg.model.recompute_granularity == "selective"
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (
+            f"{GRAPHS} attn --recompute-granularity full --recompute-method block --recompute-num-layers 1",
+            "--recompute-granularity full with --cuda-graph-impl local",
+        ),
+        (f"{GRAPHS} attn --recompute-granularity selective", "needs --attention-dropout 0"),
+        (f"{GRAPHS} --recompute-granularity selective --attention-dropout 0.1", "needs --attention-dropout 0"),
+        (
+            f"{GRAPHS} attn moe_router --recompute-granularity selective --recompute-modules moe {MOE}",
+            "recomputing an MoE layer would replay its router graph",
+        ),
+        (
+            f"{GRAPHS} moe_router moe_preprocess --recompute-granularity selective --recompute-modules layernorm {MOE}",
+            "pre-MLP norm runs in the router graph",
+        ),
+    ],
+)
+def test_recompute_that_would_cross_a_graph_is_refused_with_the_flags_and_the_fix(extra, needle):
+    cfg = _recompute_run_config(extra)
+    with pytest.raises(ValueError, match=needle) as err:
+        cfg.validate()
+    assert "--recompute-" in str(err.value) and ("Drop" in str(err.value) or "drop" in str(err.value))
+
+
 def test_output_discarder_keeps_no_output_and_recomputes_it():
     """The linear saves a marker instead of the norm output, which its backward recomputes; the
     norm itself keeps only its input (a checkpoint). Loss and gradients equal the plain run (fp64,
