@@ -1,4 +1,5 @@
-"""Test-wide setup: the ``gpu`` marker skips without CUDA; shared tiny models and tools."""
+"""Test-wide setup: the ``gpu`` marker skips without CUDA; determinism settings restored after each
+test; shared tiny models and tools."""
 
 import importlib.util
 import os
@@ -14,6 +15,23 @@ TINY_GPT_FLAGS = (
     "--lr 1e-3 --attention-dropout 0 --hidden-dropout 0 --num-workers 0 --log-interval 1000 --seed 3"
 )
 """A GPT small enough to train in well under a second per iteration on one CPU core."""
+
+
+@pytest.fixture(autouse=True)
+def _restore_determinism():
+    """Every test starts with the process's determinism settings as the previous one found them:
+    ``--deterministic-mode`` switches them on for the process (as in Megatron), and a later test's
+    kernels, and so its memory, would otherwise depend on which tests ran before it."""
+    cudnn = torch.backends.cudnn
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        cudnn.deterministic,
+        cudnn.benchmark,
+    )
+    yield
+    torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+    cudnn.deterministic, cudnn.benchmark = saved[2], saved[3]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -29,6 +29,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from megatron.core.transformer.cuda_graphs import regions as regions_lib
 from megatron.core.transformer.cuda_graphs.activations import (
     Kernels,
@@ -233,7 +235,8 @@ def eager_report(cfg, kernels: Kernels, argv: Sequence[str] = (), note: str = ""
     if any("attn" in layer_part_kinds(cls) for cls in classes):
         # One attention backward's fp32 dQ accumulator: a temporary at the pool's peak
         # (attn graphed) or at the eager cache's (attn eager); deterministic mode splits it.
-        deterministic = bool(cfg.training.deterministic_mode)
+        # The flag, or the process's setting the kernels follow (an earlier run may have set it).
+        deterministic = bool(cfg.training.deterministic_mode) or torch.are_deterministic_algorithms_enabled()
         totals["attn_bwd_dq_accumulator_bytes"] = flash_dq_accumulator_bytes(
             sh, deterministic=deterministic, sm_count=sm_count
         )
