@@ -11,9 +11,12 @@ layers with ``core_attn mlp layernorm`` recomputed must reserve at least the MLP
 activations of all but one layer less than graphing them without recompute.
 """
 
+import functools
+
 import pytest
 import torch
 
+from megatron.core.pipeline_parallel import schedules
 from megatron.core.transformer.cuda_graphs.pool import use_expandable_segments
 from tests.unit_tests.models.hybrid import test_hybrid_graphs_gpu as hybrid
 from tests.unit_tests.transformer.cuda_graphs.test_graphs_gpu import (
@@ -21,9 +24,14 @@ from tests.unit_tests.transformer.cuda_graphs.test_graphs_gpu import (
     DENSE8,
     NO_DROPOUT,
     SCOPES,
+    SMALL,
+    VPP_FLAGS,
     assert_same,
+    check_chunk_session,
+    chunk_schedule,
     graph_flags,
     peak_reserved,
+    train,
 )
 from tests.unit_tests.transformer.moe import test_moe_graphs_gpu as moe
 
@@ -58,6 +66,26 @@ def test_dense8_selective_recompute_graphed_equals_eager_every_scope():
     # recomputed in backward; all but the layer being recomputed must be missing from the peak.
     saved = peaks["layer without recompute"] - peaks["layer"]
     assert saved >= 7 * 64 * MiB, f"recompute inside the whole-layer graphs saved only {saved / MiB:.0f} MiB; {table}"
+
+
+@pytest.mark.parametrize("scope", ["layer", "attn"])
+def test_recompute_with_micro_batches_in_flight_and_interleaved_chunks_equals_sequential(scope):
+    """The pipeline shapes on one GPU: a 1F1B order with 2 micro-batches in flight, and a
+    pipeline rank's interleaved order of two chunks; recomputed modules inside and outside
+    the graphs, bitwise equal to the sequential run with the same recompute."""
+    recompute = f"{SELECTIVE} core_attn mlp layernorm"
+    flags = f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 --global-batch-size 8 {recompute}"  # 4 micro-batches
+    sequential = train(flags, 6)
+    in_flight = functools.partial(schedules.forward_backward_in_flight, num_warmup=1)
+    graphed = train(f"{flags} {graph_flags(scope)}", 6, schedule=in_flight)
+    assert graphed[2].graphs.captured and len(graphed[2].graphs.pools) == 2
+    assert_same(sequential, graphed, f"2 in flight, recompute, scope {scope}")
+    del graphed
+    flags = f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 {VPP_FLAGS} {recompute}"
+    sequential = train(flags, 6)
+    graphed = train(f"{flags} {graph_flags(scope)}", 6, schedule=chunk_schedule(0))
+    check_chunk_session(graphed[2].graphs, 0)
+    assert_same(sequential, graphed, f"interleaved rank 0, recompute, scope {scope}")
 
 
 # scope -> (needs drop-and-pad, --recompute-modules): each recomputed module wholly inside
