@@ -49,9 +49,10 @@ TWO_RANK = {
     # 4 layers + embedding + loss over 2 stages: [2, 2] (the counts themselves: test_layout.py).
     "pp2_account_for_embedding_and_loss": PP2
     + " --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split",
-    # Layout strings: 3 + 1 layers; and VPP = 3 with chunks of no layers (rank 0: E, nothing,
-    # layer 4; rank 1: layers 1-2, layer 3, the loss alone).
+    # Layout strings: 3 + 1 layers; VPP = 2 with chunks of 1, 1, 2 and 0 layers; and VPP = 3 with
+    # chunks of no layers (rank 0: E, nothing, layer 4; rank 1: layers 1-2, layer 3, the loss alone).
     "pp2_layout_uneven": PP2 + " --pipeline-model-parallel-layout Et*3|tL",
+    "pp2_vpp2_layout_uneven": PP2 + " --pipeline-model-parallel-layout Et|t|tt|L",
     "pp2_vpp3_layout_empty_stages": PP2 + " --pipeline-model-parallel-layout E|tt||t|t|L",
 }
 
