@@ -30,9 +30,17 @@ larger (heads and widths times TP), scaled as for one device, for that variant.
 """
 
 import argparse
+import os
+import re
 import subprocess
+import sys
 
 import yaml
+
+# Runnable from a checkout without installing: put the repository root on the path.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.core.pipeline_parallel.layout_string import parse_layout  # noqa: E402
 
 FAMILIES = ("gpt", "moe", "hybrid")
 _NOT_TRAINING = ("--prompts", "--prompt-file", "--perform-rl-step", "--inference-max-seq-length", "--sft")
@@ -64,7 +72,6 @@ _ACCEPTED_SPECS = ("megatron.core.models.hybrid.hybrid_layer_specs hybrid_stack_
 _NOT_YET_WITH_PIPELINES = {
     "--enable-cuda-graph",
     "--external-cuda-graph",
-    "--pipeline-model-parallel-layout",
 }
 # Parallel-layout flags; dropping them (sizes 1) gives the single-device variant.
 PARALLEL_LAYOUT_FLAGS = (
@@ -132,7 +139,7 @@ def expectation(args: dict) -> str:
         return "not_yet"
     if str(args.get("--pipeline-model-parallel-size", 1)) != "1":
         if flags & _NOT_YET_WITH_PIPELINES:
-            return "not_yet"  # deprecated graph switches with pipeline parallelism, explicit pipeline layouts
+            return "not_yet"  # deprecated graph switches with pipeline parallelism
     expert_tp = args.get("--expert-tensor-parallel-size", args.get("--tensor-model-parallel-size", 1))
     if "--num-experts" in flags and str(expert_tp) != "1" and "--disable-bias-linear" not in flags:
         return "not_yet"  # expert biases split over expert tensor parallelism
@@ -245,9 +252,14 @@ def _count(text: str) -> float:
 def _fit_pipeline_layers(args: dict, out: dict) -> None:
     """A pipelined config keeps its layout with few layers: one (or one per virtual stage) per
     pipeline rank, the uneven first/last stages scaled to that too, less the embedding and
-    loss where they count as layers."""
+    loss where they count as layers; a layout string keeps one layer per stage that has any."""
     pp = int(args.get("--pipeline-model-parallel-size", 1))
     if pp == 1 or "--num-layers" not in out:
+        return
+    layout = args.get("--pipeline-model-parallel-layout")
+    if layout is not None:  # each stage's run of layers becomes one layer; stages without stay so
+        out["--pipeline-model-parallel-layout"] = re.sub(r"t(\*\d+)?(,?t(\*\d+)?)*", "t", str(layout))
+        out["--num-layers"] = "".join(parse_layout(out["--pipeline-model-parallel-layout"])).count("t")
         return
     vpp = 1
     if "--num-virtual-stages-per-pipeline-rank" in args:

@@ -12,7 +12,15 @@ import warnings
 
 from megatron.core.config_utils import Freezable, flag_field, require
 
-_PIPELINE_LAYOUT_FIELDS = ("pipeline_model_parallel_layout",)
+# Flags that place the layers another way, which an explicit layout string replaces (as in Megatron).
+_LAYOUT_CONFLICTS = (
+    "num_layers_per_virtual_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank",
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+)
 
 
 @dataclasses.dataclass
@@ -55,7 +63,9 @@ class ParallelConfig(Freezable):
     """Virtual pipeline stages (model chunks) per pipeline rank, for the interleaved schedule."""
 
     pipeline_model_parallel_layout: str | None = None
-    """Explicit layer layout over pipeline stages (not supported yet)."""
+    """Layers of every (virtual) pipeline stage, e.g. "Et*3|(tt|)*2tL": stages split by '|', E embedding,
+    t transformer layer, L loss, x*N and (...)*N repeat, commas cosmetic; the stage count / PP gives
+    the virtual stages per rank."""
 
     decoder_first_pipeline_num_layers: int | None = None
     """Layers on the first pipeline stage (uneven pipelines); the other stages split the rest evenly."""
@@ -103,6 +113,8 @@ class ParallelConfig(Freezable):
             self.expert_tensor_parallel_size = self.tensor_model_parallel_size
         if self.virtual_pipeline_model_parallel_size is None:  # a disagreeing pair is left for validate
             self.virtual_pipeline_model_parallel_size = self.num_virtual_stages_per_pipeline_rank
+        if self.virtual_pipeline_model_parallel_size is None and self.pipeline_model_parallel_layout is not None:
+            self.virtual_pipeline_model_parallel_size = self._virtual_stages_of_layout()
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             warnings.warn(
                 "--sequence-parallel has no effect with --tensor-model-parallel-size 1; it is turned off.",
@@ -139,8 +151,7 @@ class ParallelConfig(Freezable):
             self.expert_tensor_parallel_size is not None and self.expert_tensor_parallel_size >= 1,
             f"--expert-tensor-parallel-size must be >= 1, got {self.expert_tensor_parallel_size}.",
         )
-        for name in _PIPELINE_LAYOUT_FIELDS:  # flags of the pipeline work: parsed now, run later
-            require(getattr(self, name) in (None, False), f"--{name.replace('_', '-')} is not supported yet; drop it.")
+        self._validate_layout_string()
         self._validate_virtual_stages()
         tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
         model_parallel = tp * pp * cp
@@ -174,6 +185,41 @@ class ParallelConfig(Freezable):
                 f"--num-distributed-optimizer-instances ({n}) must divide the {what} ({size}); launch a multiple "
                 f"of {n} data-parallel replicas or lower the instances.",
             )
+
+    def _virtual_stages_of_layout(self) -> int | None:
+        """Virtual stages per rank that ``--pipeline-model-parallel-layout`` gives (None: one, or a
+        string ``validate`` refuses)."""
+        from megatron.core.pipeline_parallel.layout_string import parse_layout
+
+        pp = self.pipeline_model_parallel_size
+        try:
+            stages = len(parse_layout(self.pipeline_model_parallel_layout))
+        except ValueError:
+            return None
+        return stages // pp if pp >= 1 and stages % pp == 0 and stages > pp else None
+
+    def _validate_layout_string(self) -> None:
+        """``--pipeline-model-parallel-layout``: alone among the layer-placing flags, a readable
+        string, and the virtual stages it gives."""
+        text = self.pipeline_model_parallel_layout
+        if text is None:
+            return
+        from megatron.core.pipeline_parallel.layout_string import FLAG, check_stages
+
+        given = [_flag(n) for n in _LAYOUT_CONFLICTS if getattr(self, n) not in (None, False)]
+        require(
+            not given,
+            f"{FLAG} places every layer itself and cannot be combined with {', '.join(given)} (as in Megatron); "
+            "drop one of them.",
+        )
+        pp = self.pipeline_model_parallel_size
+        stages = len(check_stages(text, pp))
+        vpp = self.virtual_pipeline_model_parallel_size or 1
+        require(
+            vpp * pp == stages,
+            f"--virtual-pipeline-model-parallel-size ({vpp}) disagrees with {FLAG}, whose {stages} stages on "
+            f"--pipeline-model-parallel-size {pp} give {stages // pp} per rank; drop the flag (the stages decide).",
+        )
 
     def _validate_virtual_stages(self) -> None:
         """The virtual-stage flags: one spelling at most, PP > 1, a sane group size."""

@@ -254,6 +254,13 @@ def startup_lines(cfg) -> list[str]:
         lines.append("> accepted with no effect here (speed / I/O knobs): " + " ".join(cfg.ignored_flags))
     if cfg.model.apply_query_key_layer_scaling:
         lines.append("> --apply-query-key-layer-scaling: no effect, the softmax runs in fp32 where the scalings cancel")
+    text = cfg.parallel.pipeline_model_parallel_layout
+    if text is not None:
+        from megatron.core.pipeline_parallel.layout_string import check_stages, describe
+
+        pp = cfg.parallel.pipeline_model_parallel_size
+        lines.append(f"> --pipeline-model-parallel-layout {text}, model chunks in order:")
+        lines += [f">   {line}" for line in describe(check_stages(text, pp), pp)]
     return lines
 
 

@@ -146,6 +146,11 @@ class RunConfig(Freezable):
         Call on the config ``resolve()`` returned.
         """
         assert self.__dict__.get("_resolved"), "validate() checks a resolved config: call cfg = cfg.resolve(world_size)"
+        require(
+            self.parallel.pipeline_model_parallel_layout is None or self.mamba.hybrid_layer_pattern is None,
+            "--pipeline-model-parallel-layout cannot be combined with --hybrid-layer-pattern (as in Megatron): "
+            "the pattern's '|' segments place a hybrid model's layers; drop the layout.",
+        )
         self.mamba.validate(self.model, self.parallel)
         self.model.validate()
         par = self.parallel

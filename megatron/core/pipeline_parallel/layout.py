@@ -9,7 +9,9 @@ and the last rank the loss head (its last chunk). Megatron's rules:
 - with virtual stages each rank's layers split evenly over its chunks;
 - ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``
   count the embedding / the loss as one more layer in the even split: the first / last
-  virtual stage then builds one transformer layer fewer (possibly none).
+  virtual stage then builds one transformer layer fewer (possibly none);
+- ``--pipeline-model-parallel-layout`` lists every virtual stage's layers itself
+  (``layout_string.py``); its stage count / PP is the virtual stages per rank.
 Layer numbers are global (``offset + i + 1``), so a layer knows its place in the model
 whatever the layout.
 """
@@ -17,6 +19,7 @@ whatever the layout.
 from __future__ import annotations
 
 from megatron.core.config_utils import require
+from megatron.core.pipeline_parallel import layout_string
 
 
 def virtual_stages_from_layers(parallel, num_layers: int) -> int | None:
@@ -76,6 +79,9 @@ def num_chunks(parallel) -> int:
 def rank_layer_counts(parallel, num_layers: int) -> list[int]:
     """Layers per pipeline rank, rank 0 first (raises ``ValueError`` naming the flags)."""
     pp = parallel.pipeline_model_parallel_size
+    if getattr(parallel, "pipeline_model_parallel_layout", None) is not None:
+        counts = stage_layer_counts(parallel, num_layers)
+        return [sum(counts[r::pp]) for r in range(pp)]
     first = getattr(parallel, "decoder_first_pipeline_num_layers", None)
     last = getattr(parallel, "decoder_last_pipeline_num_layers", None)
     vpp = num_chunks(parallel)
@@ -136,6 +142,11 @@ def _accounted(parallel) -> tuple[int, int]:
 def stage_layer_counts(parallel, num_layers: int) -> list[int]:
     """Layers per virtual stage, in model order (``c * PP + r``)."""
     pp, vpp = parallel.pipeline_model_parallel_size, num_chunks(parallel)
+    text = getattr(parallel, "pipeline_model_parallel_layout", None)
+    if text is not None:
+        stages = layout_string.check_stages(text, pp)
+        assert len(stages) == pp * vpp, "ParallelConfig.resolve sets the virtual stages from the layout"
+        return layout_string.layer_counts(stages, num_layers, text)
     embedding, loss = _accounted(parallel)
     if embedding or loss:
         flags = " / ".join(

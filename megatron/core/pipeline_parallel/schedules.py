@@ -309,8 +309,9 @@ def default_stage_forward(batch: dict, model: torch.nn.Module) -> torch.Tensor:
 def deallocate_output(output: torch.Tensor) -> None:
     """Frees a sent stage output's storage; its ``grad_fn`` stays for the backward
     (Megatron's ``deallocate_pipeline_outputs``; :func:`custom_backward` runs it). A view
-    keeps its storage (its base would keep it alive anyway)."""
-    if output._base is not None:
+    keeps its storage (its base would keep it alive anyway), and so does a leaf: the received
+    tensor a chunk of no layers passes on, which may be a receive buffer."""
+    if output._base is not None or output.grad_fn is None:
         return
     output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
 
@@ -459,11 +460,14 @@ def forward_backward_pipelining(
 
     def backward(chunk: int, mb: int, last: bool) -> torch.Tensor | None:
         stage = chunk * pp + rank
+        output, grad = outputs.pop((chunk, mb)), grads.pop((chunk, mb), None)
+        received = inputs.pop((chunk, mb), None)
+        slots[chunk].release((chunk, mb))
+        if output is received:  # a chunk of no layers passed its input on: its gradient goes back as is
+            return grad
         sync = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
         with sync:
-            custom_backward(outputs.pop((chunk, mb)), grads.pop((chunk, mb), None))
-        slots[chunk].release((chunk, mb))
-        received = inputs.pop((chunk, mb), None)
+            custom_backward(output, grad)
         return received.grad if stage > 0 else None
 
     for tick in ticks:

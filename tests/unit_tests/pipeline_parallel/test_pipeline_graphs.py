@@ -14,12 +14,13 @@ Graphs cannot be captured on the CPU, so each run goes as far as the CPU allows:
    static inputs where ``graph_comm.py`` says the slot is free, under
    ``receive_buffer``'s own check that the slot is not mid-cycle.
 
-Checked on every rank, for PP=2 and PP=4 1F1B (1, 2, 4, 8 micro-batches) and PP=2 with
+Checked on every rank, for PP=2 and PP=4 1F1B (1, 2, 4, 8 micro-batches), PP=2 with
 two virtual stages per rank, in both spellings (2, 4, 8 micro-batches; interleaving
-needs at least as many micro-batches as stages): the recorded order, slots, cycles and
-plans are those ``simulate.py`` and ``graph_comm.py`` predict for that rank; the graph
-count is at most regions x micro-batches in flight; receives land in place exactly as
-decided; losses equal a graphs-off run of the same layout bitwise (the same
+needs at least as many micro-batches as stages), and PP=2 with a
+``--pipeline-model-parallel-layout`` of three virtual stages per rank, some of them
+without layers (6 micro-batches): the recorded order, slots, cycles and plans are those
+``simulate.py`` and ``graph_comm.py`` predict for that rank; the graph count is at most
+regions x micro-batches in flight; receives land in place exactly as decided; losses equal a graphs-off run of the same layout bitwise (the same
 kernels on the same values: the stand-ins run the regions' own eager code); and a
 changed micro-batch count or interleaving group after capture is a clear error.
 Also: ``--cuda-graph-scope`` is checked against the layers of every stage (a hybrid
@@ -44,6 +45,7 @@ VPP = {
     "vpp2": PP2 + " --num-virtual-stages-per-pipeline-rank 2",
     "vpp2_layers": PP2 + " --num-layers-per-virtual-pipeline-stage 1",
 }
+LAYOUT = PP2 + " --pipeline-model-parallel-layout E|tt||t|t|L"
 GRAPHS = "--cuda-graph-impl local"
 
 
@@ -56,6 +58,10 @@ def cases(world_size):
     out["pp2_m4_mlp"] = (PP2, 4, "mlp")  # the other way round
     for name, flags in VPP.items():
         out.update({f"{name}_m{m}": (flags, m, "") for m in (2, 4, 8)})
+    # A layout string with chunks of no graphed region: rank 0 holds the embedding alone, an
+    # empty chunk and layer 4; rank 1 layers 1-2, layer 3 and the loss alone.
+    for scope in ("", "attn"):
+        out[f"layout_empty_stages_m6{'_' + scope if scope else ''}"] = (LAYOUT, 6, scope)
     return out
 
 
@@ -343,10 +349,11 @@ def test_receives_land_in_place_as_decided(results, name):
     for rank, r in enumerate(results[name]):
         got = r["graphed"]
         _, _, _, _, decided = _expected(name, rank, got)
-        first_inputs = {(regions[0], 0) for regions in got["chunk_regions"]}
+        first_inputs = {(regions[0], 0) for regions in got["chunk_regions"] if regions}
         wanted = []
         for (chunk, mb), in_place in decided.receive_in_place.items():
-            reads = (got["chunk_regions"][chunk][0], 0) in got["received_inputs"]
+            regions = got["chunk_regions"][chunk]  # none: a chunk without layers passes its input on
+            reads = bool(regions) and (regions[0], 0) in got["received_inputs"]
             if in_place and reads:
                 wanted.append(decided.slot_of[(chunk, mb)])
         # Every receive the decision allows asks receive_buffer, once per replayed iteration.

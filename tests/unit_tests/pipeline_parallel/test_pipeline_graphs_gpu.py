@@ -1,12 +1,13 @@
 """CUDA graphs under the real pipeline schedules, over NCCL on two GPUs (``pytest -m gpu``).
 
 Two processes (one GPU each) train the same model eagerly and with ``--cuda-graph-impl
-local`` (whole layers, and ``attn mlp``), as PP=2 1F1B and as PP=2 with two virtual
-stages per rank. Losses are compared bitwise over a few iterations (deterministic mode,
-dropout 0: the same kernels run eagerly and in the graphs, and the first iteration
-records eagerly). Each rank's graph count is printed (``pytest -s``) and checked
-against 2 (forward, backward) x regions x micro-batches in flight of its order; the
-post-capture line and the memory line name the rank's pipeline stage.
+local`` (whole layers, and ``attn mlp``), as PP=2 1F1B, as PP=2 with two virtual
+stages per rank and as a ``--pipeline-model-parallel-layout`` with chunks of no layers.
+Losses are compared bitwise over a few iterations (deterministic mode, dropout 0: the
+same kernels run eagerly and in the graphs, and the first iteration records eagerly).
+Each rank's graph count is printed (``pytest -s``) and checked against 2 (forward,
+backward) x regions x micro-batches in flight of its order; the post-capture line and
+the memory line name the rank's pipeline stage.
 Skipped unless two CUDA devices are visible.
 """
 
@@ -38,6 +39,8 @@ ITERATIONS = 4  # one recording, then captured replays
 LAYOUTS = {
     "pp2": "--pipeline-model-parallel-size 2",
     "pp2_vpp2": "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2",
+    # Three virtual stages per rank, some without layers (rank 0: embedding, nothing, layer 4).
+    "pp2_layout_empty_stages": "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout E|tt||t|t|L",
 }
 SCOPES = {"eager": None, "layer": "", "attn mlp": "attn mlp"}
 

@@ -1,7 +1,8 @@
 """Pipeline layouts follow the single-process run: PP, interleaved PP, uneven PP, TP x PP (x DP),
 and PP x DP in Megatron's tp-pp-dp rank order (``--use-tp-pp-dp-mapping``).
 
-The embedding/loss-accounted split runs through the trainer too.
+The embedding/loss-accounted split and ``--pipeline-model-parallel-layout`` strings (with model
+chunks that hold no transformer layer) run through the trainer too.
 
 Each layout trains the same small GPT (fp32, dropout 0, 4 layers, 4 micro-batches of 2,
 20 iterations) through the trainer on gloo CPU processes; its loss and gradient-norm
@@ -48,6 +49,11 @@ TWO_RANK = {
     # 4 layers + embedding + loss over 2 stages: [2, 2] (the counts themselves: test_layout.py).
     "pp2_account_for_embedding_and_loss": PP2
     + " --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split",
+    # Layout strings: 3 + 1 layers; VPP = 2 with chunks of 1, 1, 2 and 0 layers; and VPP = 3 with
+    # chunks of no layers (rank 0: E, nothing, layer 4; rank 1: layers 1-2, layer 3, the loss alone).
+    "pp2_layout_uneven": PP2 + " --pipeline-model-parallel-layout Et*3|tL",
+    "pp2_vpp2_layout_uneven": PP2 + " --pipeline-model-parallel-layout Et|t|tt|L",
+    "pp2_vpp3_layout_empty_stages": PP2 + " --pipeline-model-parallel-layout E|tt||t|t|L",
 }
 
 

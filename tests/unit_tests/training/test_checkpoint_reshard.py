@@ -5,9 +5,11 @@ torch_dist: a checkpoint is read back as full tensors by DCP's own planner
 that loads a checkpoint saves it again at once (before any step): that save must hold
 exactly the tensors it loaded, bitwise, whatever the two layouts; PP=1 / EP=1 names are
 the one-process model's, so a round trip through them checks the mapping itself. Cases:
-PP=2 x VPP=2 (both spellings) <-> PP=1, TP=2 x PP=2 -> PP=2 x DP=2 with the distributed
-optimizer -> one process, TP=2 x PP=2 x DP=2 with the distributed optimizer (8 ranks) <->
-one process, EP=2 x expert-DP=2 with the distributed optimizer <-> EP=1.
+PP=2 x VPP=2 (both spellings) <-> PP=1, two --pipeline-model-parallel-layout strings
+(uneven PP=2 -> PP=2 x VPP=3 with chunks of no layers), TP=2 x PP=2 -> PP=2 x DP=2 with
+the distributed optimizer -> one process, TP=2 x PP=2 x DP=2 with the distributed
+optimizer (8 ranks) <-> one process, EP=2 x expert-DP=2 with the distributed optimizer
+<-> EP=1.
 
 torch format with EP: the EP=2 files hold EP rank e's local expert i as global expert
 2e + i (checked against the EP=1 file directly); EP=2 -> EP=1 trains on the EP=1 curve,
@@ -134,6 +136,29 @@ def test_torch_dist_moves_between_pp2_vpp2_and_one_process(tmp_path, cache):
     losses = _resave_here(_argv(f"--load {pp2}", cache), pp2_to_one)
     _assert_same_checkpoint(_iter(pp2_to_one), _iter(pp2), "PP=2 x VPP=2 -> PP=1")
     _assert_close(losses, second[-1], "PP=1 after loading the PP=2 checkpoint")
+
+
+def test_torch_dist_moves_between_pipeline_layout_strings(tmp_path, cache):
+    """--pipeline-model-parallel-layout Et*3|tL (PP=2, 3 + 1 layers) -> E|tt||t|t|L (PP=2 x VPP=3,
+    chunks of no layers): the loaded state is the saved one, bitwise, and trains on the saving
+    layout's uninterrupted curve."""
+    uneven, moved = tmp_path / "uneven", tmp_path / "moved"
+    pp2 = "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout"
+    full, first, loaded = zip(
+        *run_distributed(
+            _steps,
+            2,
+            [
+                ("train", _argv(f"{pp2} Et*3|tL", cache)),
+                ("train", _interrupted(f"{pp2} Et*3|tL", uneven, cache)),
+                ("resave", _argv(f"{pp2} E|tt||t|t|L --load {uneven}", cache), str(moved)),
+            ],
+            timeout=300,
+        )
+    )
+    assert first[-1] == full[-1][:SAVE_AT]
+    _assert_same_checkpoint(_iter(moved), _iter(uneven), "layout Et*3|tL -> E|tt||t|t|L")
+    _assert_close(loaded[-1], full[-1][SAVE_AT:], "layout E|tt||t|t|L after loading the Et*3|tL checkpoint")
 
 
 def _resave_here(argv, folder):
