@@ -364,7 +364,8 @@ def validate_overlap_switches(given, moe: MoEConfig, model, parallel, half_preci
         require(
             parallel.virtual_pipeline_model_parallel_size is not None,
             f"{flag} with --pipeline-model-parallel-size > 1 needs virtual pipeline stages "
-            "(--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank), as in Megatron.",
+            "(--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank or a "
+            "--pipeline-model-parallel-layout of more stages than ranks), as in Megatron.",
         )
     require(
         parallel.expert_model_parallel_size > 1,
