@@ -65,7 +65,9 @@ def _family(flags: dict[str, object], make) -> dict[str, KnownFlag]:
     return {flag: make(flag, nargs) for flag, nargs in flags.items()}
 
 
-_MOE = {
+# Router replay: RL and inference frameworks record and replay routing decisions through Megatron's
+# Python API (RouterReplay); a pretraining command line alone never sets an action.
+_ROUTER_REPLAY = {
     "--moe-enable-routing-replay": SWITCH,
 }
 
@@ -240,7 +242,10 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
         "delays expert weight gradients to overlap the all-to-all; the same gradients (Megatron's rules checked)",
     ),
     # ---- not supported yet: features with open issues, or no ask yet.
-    **_family(_MOE, lambda f, n: not_yet(f, n, "", "drop the flag")),
+    **_family(
+        _ROUTER_REPLAY,
+        lambda f, n: never(f, n, "RL or inference, whose frameworks drive MoE router replay through Megatron's API"),
+    ),
     "--spec": KnownFlag(
         LIST,
         "--spec (custom layer specs) is not supported yet; drop it: layers are chosen from the model flags.",
