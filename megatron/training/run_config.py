@@ -307,6 +307,26 @@ class RunConfig(Freezable):
                 "(nothing is recomputed), as in Megatron.",
                 stacklevel=3,
             )
+        if m.window_attn_skip_freq is not None and m.window_size is None:
+            warnings.warn(
+                "--window-attn-skip-freq has no effect without --window-size (every layer attends fully), as in "
+                "Megatron.",
+                stacklevel=3,
+            )
+        window = [] if m.window_size is None else m.window_size.strip("() ").split(",")
+        if len(window) == 2 and window[1].strip() != "0":
+            warnings.warn(
+                f"--window-size {m.window_size}: the model is causal, so RIGHT is taken as 0 (as Transformer "
+                "Engine does).",
+                stacklevel=3,
+            )
+        gated = m.gated_linear_unit or m.quick_geglu
+        if not gated and (m.glu_linear_offset != 0.0 or m.activation_func_clamp_value is not None):
+            warnings.warn(
+                "--glu-linear-offset / --activation-func-clamp-value apply to gated activations (--swiglu, "
+                "--quick-geglu) only; the MLP here is not gated, so they change nothing (as in Megatron).",
+                stacklevel=3,
+            )
         if g.cuda_graph_impl == "none" and g.cuda_graph_scope:
             scope = " ".join(g.cuda_graph_scope) if isinstance(g.cuda_graph_scope, list) else g.cuda_graph_scope
             warnings.warn(
