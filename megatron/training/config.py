@@ -26,9 +26,10 @@ class TrainingConfig(Freezable):
     """Batch-size ramp-up: START INCREMENT SAMPLES grows the global batch from START by INCREMENT
     over SAMPLES samples, in equal steps, then holds --global-batch-size."""
 
-    step_batch_size_schedule: str | None = None
-    """Step-wise global batch size: "THRESHOLD:BATCH ..." (e.g. "0:384 200B:768"), thresholds in tokens
-    (K/M/B/T suffixes) from which the batch applies; replaces --global-batch-size."""
+    step_batch_size_schedule: list[str] | None = flag_field(None, nargs="+")
+    """Step-wise global batch size: "THRESHOLD:BATCH ..." (e.g. "0:384 200B:768"; quoted as one word or given
+    as several), thresholds in tokens (K/M/B/T suffixes) from which the batch applies; replaces
+    --global-batch-size (an equal --global-batch-size is accepted)."""
 
     train_iters: int | None = None
     """Number of training iterations (or give --train-samples). Defaults to 100 here when neither is set."""

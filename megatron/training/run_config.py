@@ -90,15 +90,16 @@ class RunConfig(Freezable):
         t = cfg.training
         if t.step_batch_size_schedule is not None:
             require(
-                t.global_batch_size is None,
-                "--step-batch-size-schedule and --global-batch-size cannot both be set (as in Megatron); the "
-                "schedule gives every batch size, drop --global-batch-size.",
-            )
-            require(
                 t.rampup_batch_size is None,
                 "--step-batch-size-schedule and --rampup-batch-size cannot both be set; pick one.",
             )
             steps = parse_step_schedule(t.step_batch_size_schedule, cfg.model.seq_length)
+            require(  # Megatron refuses any --global-batch-size here; one that says the same is harmless
+                t.global_batch_size in (None, steps[-1][1]),
+                f"--global-batch-size {t.global_batch_size} differs from the last batch size of "
+                f"--step-batch-size-schedule ({steps[-1][1]}); the schedule gives every batch size, drop "
+                "--global-batch-size.",
+            )
             t.global_batch_size = steps[-1][1]  # the batch the schedule ends with (eval, lr in iterations)
         if t.global_batch_size is None:
             t.global_batch_size = t.micro_batch_size * cfg.parallel.data_parallel_size
