@@ -423,6 +423,10 @@ class CheckpointConfig(Freezable):
     finetune: bool = False
     """Load model weights only and start from iteration 0."""
 
+    pretrained_checkpoint: str | None = None
+    """Checkpoint folder to start from when --load holds none (or is unset): its weights only, from iteration 0,
+    as --finetune; once --save has written a checkpoint into --load, runs resume from that."""
+
     ckpt_format: str = flag_field("torch_dist", choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"))
     """Checkpoint format: torch_dist (torch.distributed.checkpoint, sharded, layout-free keys) or
     torch (one model_optim_rng.pt per model-parallel rank)."""

@@ -66,9 +66,11 @@ class RunConfig(Freezable):
 
         The only place derived values are set (but the padded vocabulary size, which
         needs the tokenizer); with ``--auto-detect-ckpt-format`` the format is the one of
-        the ``--load`` checkpoint. Values the flags leave undefined (a batch size of 0, say)
-        stay as given for ``validate()`` to name; a hybrid pattern that cannot be parsed
-        raises ``ValueError`` here.
+        the ``--load`` checkpoint, and with ``--pretrained-checkpoint`` and no checkpoint in
+        ``--load`` that folder is loaded instead, weights only (both read the filesystem).
+        Values the flags leave undefined (a batch size of 0, say) stay as given for
+        ``validate()`` to name; a hybrid pattern (or window pattern) that cannot be parsed,
+        or a missing pretrained checkpoint, raises ``ValueError`` here.
         """
         cfg = copy.deepcopy(self)
         cfg._warn_ignored_flags()  # on the flags as given, before defaults fill them in
@@ -130,6 +132,16 @@ class RunConfig(Freezable):
             # Megatron's pretrain_gpt.py: vocab and merge files mean GPT-2 BPE.
             d.tokenizer_type = "GPT2BPETokenizer" if d.vocab_file and d.merge_file else "NullTokenizer"
         c = cfg.checkpoint
+        if c.pretrained_checkpoint:
+            from megatron.training.checkpointing import has_checkpoint  # reads the --load folder
+
+            if not (c.load and has_checkpoint(c.load)):  # Megatron's rule: fine-tune from the pretrained one
+                require(
+                    has_checkpoint(c.pretrained_checkpoint),
+                    f"no checkpoint in --load {c.load} nor in --pretrained-checkpoint {c.pretrained_checkpoint}; "
+                    "point --pretrained-checkpoint at a folder written by --save.",
+                )
+                c.load, c.finetune = c.pretrained_checkpoint, True
         if c.auto_detect_ckpt_format and c.load:
             from megatron.training.dist_checkpointing import detect_format  # reads the --load folder
 
