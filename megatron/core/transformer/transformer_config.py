@@ -95,8 +95,8 @@ class TransformerConfig(Freezable):
     (with --quick-geglu; with --swiglu in MoE models only, as in Megatron)."""
 
     activation_flags: list[str] = flag_field(default_factory=list, no_flag=True)
-    """The MLP activation switches given (--swiglu, --quick-geglu, --squared-relu), recorded by ``finalize``
-    before --quick-geglu turns on the gated fc1."""
+    """With --quick-geglu: the MLP activation switches given (--quick-geglu, --swiglu, --squared-relu), recorded
+    by ``finalize`` before it turns on the gated fc1 (for validate() to name a conflict)."""
 
     add_bias_linear: bool = flag_field(True, flag="--disable-bias-linear")
     """Linear layers carry biases; --disable-bias-linear removes them."""
@@ -263,12 +263,15 @@ class TransformerConfig(Freezable):
         self.linear_attention.finalize(self)
         return self
 
+    def _given_activation_flags(self) -> list[str]:
+        """The activation switches given: recorded by ``finalize`` with --quick-geglu, else read off."""
+        if self.activation_flags:
+            return self.activation_flags
+        return [f for f, on in (("--swiglu", self.gated_linear_unit), ("--squared-relu", self.squared_relu)) if on]
+
     def _finalize_activation(self) -> None:
-        if self.activation_flags or not (self.gated_linear_unit or self.quick_geglu or self.squared_relu):
-            return  # recorded already (a second call), or GeLU
-        given = (("--swiglu", self.gated_linear_unit), ("--quick-geglu", self.quick_geglu))
-        self.activation_flags = [f for f, on in (*given, ("--squared-relu", self.squared_relu)) if on]
-        if self.quick_geglu:
+        if self.quick_geglu and not self.activation_flags:  # once: a second call finds them recorded
+            self.activation_flags = ["--quick-geglu", *self._given_activation_flags()]
             self.gated_linear_unit = True  # fc1 holds the gate and the linear half, as with SwiGLU
 
     def _finalize_window(self) -> None:
@@ -371,10 +374,8 @@ class TransformerConfig(Freezable):
             require(0.0 <= p < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {p}.")
         require(0.0 < self.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {self.rotary_percent}.")
         require(self.norm_epsilon > 0, f"--norm-epsilon must be positive, got {self.norm_epsilon}.")
-        require(
-            len(self.activation_flags) <= 1,
-            f"{' and '.join(self.activation_flags)} each set the MLP activation; pick one.",
-        )
+        given = self._given_activation_flags()
+        require(len(given) <= 1, f"{' and '.join(given)} each set the MLP activation; pick one.")
         self._validate_activation()
         self._validate_attention_variant()
         require(

@@ -120,7 +120,7 @@ def _model_cfg(*flags):
 @pytest.mark.parametrize(
     "flags, match",
     [
-        (["--swiglu", "--quick-geglu"], "--swiglu and --quick-geglu each set the MLP activation"),
+        (["--swiglu", "--quick-geglu"], "--quick-geglu and --swiglu each set the MLP activation"),
         (["--squared-relu", "--quick-geglu"], "--quick-geglu and --squared-relu each set"),
         (["--swiglu", "--activation-func-clamp-value", "7"], "with --swiglu is only supported in MoE models"),
         (["--quick-geglu", "--activation-func-clamp-value", "-1"], "must be finite and > 0"),
