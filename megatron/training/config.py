@@ -128,6 +128,10 @@ class PrecisionConfig(Freezable):
     attention_softmax_in_fp32: bool = True
     """Softmax in fp32 (SDPA always accumulates in fp32; kept for Megatron command lines)."""
 
+    disable_bf16_reduced_precision_matmul: bool = False
+    """With --bf16: keep cuBLAS from reduced-precision reductions inside bf16 matmuls
+    (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False)."""
+
     @property
     def params_dtype(self) -> torch.dtype:
         if self.bf16:
