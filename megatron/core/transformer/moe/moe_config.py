@@ -173,6 +173,10 @@ class MoEConfig(Freezable):
     moe_token_drop_policy: str = flag_field("probs", choices=("probs", "position"))
     """Which tokens are dropped over capacity: those with the lowest probabilities, or the last ones."""
 
+    moe_per_layer_logging: bool = False
+    """Also write each MoE layer's losses to TensorBoard / W&B, as moe/<name>_layer_<i> (i: the layer's
+    0-based index), at every log line."""
+
     moe_layer_pattern: list[int] | None = flag_field(None, no_flag=True)
     """Derived from --moe-layer-freq: 1 for an MoE layer, 0 for a dense one."""
 
