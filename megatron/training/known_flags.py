@@ -353,6 +353,11 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
     "--split-sentences": KnownFlag(
         SWITCH, "--split-sentences belongs to tools/preprocess_data.py, not to training; drop the flag."
     ),
+    "--checkpoint-activations": KnownFlag(
+        SWITCH,
+        "--checkpoint-activations is no longer valid (Megatron stops on it too); use --recompute-activations, or "
+        "--recompute-granularity full with --recompute-method.",
+    ),
     "--enable-cuda-graph": KnownFlag(
         SWITCH, "--enable-cuda-graph is deprecated in Megatron; use --cuda-graph-impl local."
     ),
