@@ -285,7 +285,8 @@ class RunConfig(Freezable):
         if d.tokenizer_type == "NullTokenizer":
             require(
                 d.vocab_size is not None and d.vocab_size >= 2,
-                "--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2).",
+                "--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2). Without --tokenizer-type, give "
+                "--vocab-file and --merge-file for GPT-2 BPE (pretrain_gpt.py's default in Megatron) or --vocab-size N.",
             )
         if d.tokenizer_special_tokens:
             require(
