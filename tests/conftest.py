@@ -19,19 +19,22 @@ TINY_GPT_FLAGS = (
 
 @pytest.fixture(autouse=True)
 def _restore_determinism():
-    """Every test starts with the process's determinism settings as the previous one found them:
-    ``--deterministic-mode`` switches them on for the process (as in Megatron), and a later test's
-    kernels, and so its memory, would otherwise depend on which tests ran before it."""
+    """Every test starts with the process's determinism settings (and cuBLAS's bf16 reduction setting) as
+    the previous one found them: ``--deterministic-mode`` (``--disable-bf16-reduced-precision-matmul``)
+    switches them for the process (as in Megatron), and a later test's kernels, and so its memory, would
+    otherwise depend on which tests ran before it."""
     cudnn = torch.backends.cudnn
     saved = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
         cudnn.deterministic,
         cudnn.benchmark,
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
     )
     yield
     torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
     cudnn.deterministic, cudnn.benchmark = saved[2], saved[3]
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = saved[4]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -40,13 +40,15 @@ def parse_count(text: str, flag: str = "--step-batch-size-schedule") -> int:
     return int(value * scale)
 
 
-def parse_step_schedule(text: str, seq_length: int | None) -> list[tuple[int, int]]:
+def parse_step_schedule(text: str | list[str], seq_length: int | None) -> list[tuple[int, int]]:
     """``"0:384 200B:768"`` -> ``[(0, 384), (200e9 // seq_length, 768)]``, sorted by threshold.
 
-    Entries are separated by spaces or commas. With ``seq_length`` the thresholds are
-    tokens, converted to samples; without, samples.
+    Entries are separated by spaces or commas (a list: the flag's words, joined). With
+    ``seq_length`` the thresholds are tokens, converted to samples; without, samples.
     """
     flag = "--step-batch-size-schedule"
+    if not isinstance(text, str):
+        text = " ".join(text)
     entries = text.replace(",", " ").split()
     require(entries, f'{flag} is empty; give "THRESHOLD:BATCH ..." pairs, e.g. "0:384 200B:768".')
     schedule = []

@@ -405,6 +405,13 @@ def read_tracker(checkpoints_dir: str) -> tuple[int, bool]:
     return iteration, False
 
 
+def has_checkpoint(checkpoints_dir: str) -> bool:
+    """Whether ``checkpoints_dir`` holds a checkpoint (a tracker file or an ``iter_*`` folder)."""
+    return os.path.isfile(tracker_path(checkpoints_dir)) or bool(
+        glob.glob(os.path.join(checkpoints_dir, "iter_???????"))
+    )
+
+
 def find_checkpoint(cfg, pg, checkpoints_dir: str) -> tuple[str, int, bool] | None:
     """This rank's checkpoint file under ``checkpoints_dir``.
 
@@ -424,9 +431,7 @@ def find_checkpoint(cfg, pg, checkpoints_dir: str) -> tuple[str, int, bool] | No
         )
     save = cfg.checkpoint.save
     resume_idiom = save is not None and os.path.abspath(save) == os.path.abspath(checkpoints_dir)
-    has_tracker = os.path.isfile(tracker_path(checkpoints_dir))
-    has_iters = bool(glob.glob(os.path.join(checkpoints_dir, "iter_???????")))
-    if not has_tracker and not has_iters:
+    if not has_checkpoint(checkpoints_dir):
         if resume_idiom:
             return None
         what = "does not exist" if not os.path.isdir(checkpoints_dir) else "holds no checkpoint"

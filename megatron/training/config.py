@@ -26,9 +26,10 @@ class TrainingConfig(Freezable):
     """Batch-size ramp-up: START INCREMENT SAMPLES grows the global batch from START by INCREMENT
     over SAMPLES samples, in equal steps, then holds --global-batch-size."""
 
-    step_batch_size_schedule: str | None = None
-    """Step-wise global batch size: "THRESHOLD:BATCH ..." (e.g. "0:384 200B:768"), thresholds in tokens
-    (K/M/B/T suffixes) from which the batch applies; replaces --global-batch-size."""
+    step_batch_size_schedule: list[str] | None = flag_field(None, nargs="+")
+    """Step-wise global batch size: "THRESHOLD:BATCH ..." (e.g. "0:384 200B:768"; quoted as one word or given
+    as several), thresholds in tokens (K/M/B/T suffixes) from which the batch applies; replaces
+    --global-batch-size (an equal --global-batch-size is accepted)."""
 
     train_iters: int | None = None
     """Number of training iterations (or give --train-samples). Defaults to 100 here when neither is set."""
@@ -126,6 +127,10 @@ class PrecisionConfig(Freezable):
 
     attention_softmax_in_fp32: bool = True
     """Softmax in fp32 (SDPA always accumulates in fp32; kept for Megatron command lines)."""
+
+    disable_bf16_reduced_precision_matmul: bool = False
+    """With --bf16: keep cuBLAS from reduced-precision reductions inside bf16 matmuls
+    (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False)."""
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -421,6 +426,10 @@ class CheckpointConfig(Freezable):
 
     finetune: bool = False
     """Load model weights only and start from iteration 0."""
+
+    pretrained_checkpoint: str | None = None
+    """Checkpoint folder to start from when --load holds none (or is unset): its weights only, from iteration 0,
+    as --finetune; once --save has written a checkpoint into --load, runs resume from that."""
 
     ckpt_format: str = flag_field("torch_dist", choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"))
     """Checkpoint format: torch_dist (torch.distributed.checkpoint, sharded, layout-free keys) or

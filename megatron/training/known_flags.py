@@ -85,6 +85,24 @@ _FP8 = {
     "--fp8-recipe": VALUE,
     "--fp8-param-gather": SWITCH,
     "--first-last-layers-bf16": SWITCH,
+    "--fp8-margin": VALUE,
+    "--fp8-interval": VALUE,
+    "--fp8-amax-history-len": VALUE,
+    "--fp8-amax-compute-algo": VALUE,
+    "--no-fp8-wgrad": SWITCH,
+    "--fp8-output-proj": SWITCH,
+    "--fp8-dot-product-attention": SWITCH,
+    "--fp8-multi-head-attention": SWITCH,
+    "--fp8-quantizer-factory": VALUE,
+    "--tp-only-amax-red": SWITCH,
+    "--num-layers-at-start-in-bf16": VALUE,
+    "--num-layers-at-end-in-bf16": VALUE,
+    "--moe-router-padding-for-fp8": SWITCH,
+    "--reuse-grad-buf-for-mxfp8-param-ag": SWITCH,
+    "--fp4-format": VALUE,
+    "--fp4-recipe": VALUE,
+    "--fp4-param-gather": SWITCH,
+    "--fp4-quantizer-factory": VALUE,
 }
 _MLA = {
     "--multi-latent-attention": SWITCH,
@@ -102,11 +120,12 @@ _TP_OVERLAP = {"--tp-comm-overlap": SWITCH, "--tp-comm-overlap-cfg": VALUE}
 _FSDP = {
     "--use-megatron-fsdp": SWITCH,
     "--use-torch-fsdp2": SWITCH,
-    "--data-parallel-sharding-strategy": VALUE,
-    "--outer-dp-sharding-strategy": VALUE,
     "--megatron-fsdp-main-params-dtype": VALUE,
     "--megatron-fsdp-main-grads-dtype": VALUE,
     "--megatron-fsdp-grad-comm-dtype": VALUE,
+    "--init-model-with-meta-device": SWITCH,
+    "--fsdp-double-buffer": SWITCH,
+    "--fsdp-manual-registration": SWITCH,
 }
 _INFERENCE = {
     "--moe-pad-experts-for-cuda-graph-inference": SWITCH,
@@ -241,10 +260,67 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
         SWITCH,
         "delays expert weight gradients to overlap the all-to-all; the same gradients (Megatron's rules checked)",
     ),
+    "--tiktoken-pattern": noop(
+        VALUE, "read only by --tokenizer-type TikTokenizer, which this trainer refuses; other tokenizers ignore it"
+    ),
+    "--use-nccl-ub": noop(SWITCH, "registers the data-parallel buffers with NCCL (user buffers); the same reductions"),
+    "--data-parallel-sharding-strategy": noop(
+        VALUE, "Megatron reads it only with --use-megatron-fsdp (refused here); DDP and the distributed optimizer not"
+    ),
+    "--outer-dp-sharding-strategy": noop(
+        VALUE, "Megatron reads it only with --use-megatron-fsdp (refused here); DDP and the distributed optimizer not"
+    ),
+    "--enable-experimental": noop(SWITCH, "permits Megatron's experimental code paths; nothing here waits for it"),
+    "--dataloader-fast-cache-load": noop(
+        SWITCH, "skips the rank-0 barrier while the index cache is built; the same cached indices are read"
+    ),
+    "--dataloader-defer-npy-index-mmap": noop(SWITCH, "maps the cached .npy indices on first access; the same indices"),
+    "--per-dataset-sequences-path": noop(
+        VALUE, "reads each dataset's sequence and document counts from a JSON file instead of its .idx; the same counts"
+    ),
+    "--high-priority-stream-groups": noop(LIST, "communication stream priorities; the same collectives"),
+    "--enable-gpt-oss": noop(
+        SWITCH,
+        "Megatron reads it only in ModelOpt's model builder (a ModelOpt checkpoint loaded); a pretraining run builds "
+        "the same model without it",
+    ),
+    "--export-force-local-attention": noop(
+        SWITCH,
+        "Megatron reads it only in ModelOpt's model builder (a ModelOpt checkpoint loaded); attention here is "
+        "always this trainer's own",
+    ),
+    "--moe-flex-dispatcher-backend": noop(
+        VALUE,
+        "chooses the kernels of --moe-token-dispatcher-type flex, which is refused here; other dispatchers ignore it",
+    ),
+    "--rope-type": KnownFlag(
+        VALUE,
+        "--rope-type {value} is not supported: Megatron's standard attention takes only --rope-type rope (yarn goes "
+        "with multi-latent attention, which this trainer does not do); drop the flag.",
+        accepted_values=("rope",),
+        note="rope is what --position-embedding-type rope applies",
+    ),
     # ---- not supported yet: features with open issues, or no ask yet.
-    **_family(
-        _ROUTER_REPLAY,
-        lambda f, n: never(f, n, "RL or inference, whose frameworks drive MoE router replay through Megatron's API"),
+    "--grad-reduce-in-bf16": not_yet(
+        "--grad-reduce-in-bf16",
+        SWITCH,
+        "bf16 gradient buffers and reductions",
+        "drop it: gradients accumulate and reduce in fp32, Megatron's default with --bf16",
+    ),
+    "--tensor-parallel-num-weight-shards": not_yet(
+        "--tensor-parallel-num-weight-shards", VALUE, "generalized tensor parallelism: weight shards beyond TP"
+    ),
+    "--expert-tensor-parallel-num-weight-shards": not_yet(
+        "--expert-tensor-parallel-num-weight-shards", VALUE, "generalized tensor parallelism: weight shards beyond TP"
+    ),
+    "--tokenizer-metadata": not_yet(
+        "--tokenizer-metadata",
+        VALUE,
+        "a tokenizer library chosen by a metadata file",
+        "drop it: --tokenizer-type chooses the tokenizer (HuggingFaceTokenizer reads a local tokenizer.json)",
+    ),
+    "--moe-router-force-load-balancing": not_yet(
+        "--moe-router-force-load-balancing", SWITCH, "random router logits for load-balanced benchmarks"
     ),
     "--spec": KnownFlag(
         LIST,
@@ -253,6 +329,10 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
         note="the hybrid stack spec of Megatron's hybrid command lines is the one pretrain_hybrid.py builds",
     ),
     # ---- not supported: outside this project.
+    **_family(
+        _ROUTER_REPLAY,
+        lambda f, n: never(f, n, "RL or inference, whose frameworks drive MoE router replay through Megatron's API"),
+    ),
     **_family(_FP8, lambda f, n: never(f, n, "FP8 training", "use --bf16")),
     **_family(_MLA, lambda f, n: never(f, n, "multi-latent attention")),
     **_family(_DSA, lambda f, n: never(f, n, "DSA sparse attention (it builds on multi-latent attention)")),
@@ -277,6 +357,11 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
     },
     "--split-sentences": KnownFlag(
         SWITCH, "--split-sentences belongs to tools/preprocess_data.py, not to training; drop the flag."
+    ),
+    "--checkpoint-activations": KnownFlag(
+        SWITCH,
+        "--checkpoint-activations is no longer valid (Megatron stops on it too); use --recompute-activations, or "
+        "--recompute-granularity full with --recompute-method.",
     ),
     "--enable-cuda-graph": KnownFlag(
         SWITCH, "--enable-cuda-graph is deprecated in Megatron; use --cuda-graph-impl local."

@@ -66,9 +66,11 @@ class RunConfig(Freezable):
 
         The only place derived values are set (but the padded vocabulary size, which
         needs the tokenizer); with ``--auto-detect-ckpt-format`` the format is the one of
-        the ``--load`` checkpoint. Values the flags leave undefined (a batch size of 0, say)
-        stay as given for ``validate()`` to name; a hybrid pattern that cannot be parsed
-        raises ``ValueError`` here.
+        the ``--load`` checkpoint, and with ``--pretrained-checkpoint`` and no checkpoint in
+        ``--load`` that folder is loaded instead, weights only (both read the filesystem).
+        Values the flags leave undefined (a batch size of 0, say) stay as given for
+        ``validate()`` to name; a hybrid pattern (or window pattern) that cannot be parsed,
+        or a missing pretrained checkpoint, raises ``ValueError`` here.
         """
         cfg = copy.deepcopy(self)
         cfg._warn_ignored_flags()  # on the flags as given, before defaults fill them in
@@ -90,15 +92,16 @@ class RunConfig(Freezable):
         t = cfg.training
         if t.step_batch_size_schedule is not None:
             require(
-                t.global_batch_size is None,
-                "--step-batch-size-schedule and --global-batch-size cannot both be set (as in Megatron); the "
-                "schedule gives every batch size, drop --global-batch-size.",
-            )
-            require(
                 t.rampup_batch_size is None,
                 "--step-batch-size-schedule and --rampup-batch-size cannot both be set; pick one.",
             )
             steps = parse_step_schedule(t.step_batch_size_schedule, cfg.model.seq_length)
+            require(  # Megatron refuses any --global-batch-size here; one that says the same is harmless
+                t.global_batch_size in (None, steps[-1][1]),
+                f"--global-batch-size {t.global_batch_size} differs from the last batch size of "
+                f"--step-batch-size-schedule ({steps[-1][1]}); the schedule gives every batch size, drop "
+                "--global-batch-size.",
+            )
             t.global_batch_size = steps[-1][1]  # the batch the schedule ends with (eval, lr in iterations)
         if t.global_batch_size is None:
             t.global_batch_size = t.micro_batch_size * cfg.parallel.data_parallel_size
@@ -129,6 +132,16 @@ class RunConfig(Freezable):
             # Megatron's pretrain_gpt.py: vocab and merge files mean GPT-2 BPE.
             d.tokenizer_type = "GPT2BPETokenizer" if d.vocab_file and d.merge_file else "NullTokenizer"
         c = cfg.checkpoint
+        if c.pretrained_checkpoint:
+            from megatron.training.checkpointing import has_checkpoint  # reads the --load folder
+
+            if not (c.load and has_checkpoint(c.load)):  # Megatron's rule: fine-tune from the pretrained one
+                require(
+                    has_checkpoint(c.pretrained_checkpoint),
+                    f"no checkpoint in --load {c.load} nor in --pretrained-checkpoint {c.pretrained_checkpoint}; "
+                    "point --pretrained-checkpoint at a folder written by --save.",
+                )
+                c.load, c.finetune = c.pretrained_checkpoint, True
         if c.auto_detect_ckpt_format and c.load:
             from megatron.training.dist_checkpointing import detect_format  # reads the --load folder
 
@@ -277,7 +290,8 @@ class RunConfig(Freezable):
         if d.tokenizer_type == "NullTokenizer":
             require(
                 d.vocab_size is not None and d.vocab_size >= 2,
-                "--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2).",
+                "--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2). Without --tokenizer-type, give "
+                "--vocab-file and --merge-file for GPT-2 BPE (pretrain_gpt.py's default in Megatron) or --vocab-size N.",
             )
         if d.tokenizer_special_tokens:
             require(
@@ -310,6 +324,26 @@ class RunConfig(Freezable):
             warnings.warn(
                 "--recompute-method / --recompute-num-layers have no effect without --recompute-granularity full "
                 "(nothing is recomputed), as in Megatron.",
+                stacklevel=3,
+            )
+        if m.window_attn_skip_freq is not None and m.window_size is None:
+            warnings.warn(
+                "--window-attn-skip-freq has no effect without --window-size (every layer attends fully), as in "
+                "Megatron.",
+                stacklevel=3,
+            )
+        window = [] if m.window_size is None else m.window_size.strip("() ").split(",")
+        if len(window) == 2 and window[1].strip() != "0":
+            warnings.warn(
+                f"--window-size {m.window_size}: the model is causal, so RIGHT is taken as 0 (as Transformer "
+                "Engine does).",
+                stacklevel=3,
+            )
+        gated = m.gated_linear_unit or m.quick_geglu
+        if not gated and (m.glu_linear_offset != 0.0 or m.activation_func_clamp_value is not None):
+            warnings.warn(
+                "--glu-linear-offset / --activation-func-clamp-value apply to gated activations (--swiglu, "
+                "--quick-geglu) only; the MLP here is not gated, so they change nothing (as in Megatron).",
                 stacklevel=3,
             )
         if g.cuda_graph_impl == "none" and g.cuda_graph_scope:

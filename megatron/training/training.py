@@ -57,6 +57,9 @@ from megatron.training.training_log import IterationLogging, LossWindow
 
 
 def _set_determinism(cfg: RunConfig, use_cuda: bool) -> None:
+    """The process-wide numerics switches: --deterministic-mode, --disable-bf16-reduced-precision-matmul."""
+    if cfg.precision.bf16 and cfg.precision.disable_bf16_reduced_precision_matmul:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False  # process-wide, as in Megatron
     if not cfg.training.deterministic_mode:
         return
     # cuBLAS reads this when its handle is created; setting it before the first matmul suffices.

@@ -48,9 +48,19 @@ class IterationLogging:
         its line is printed.
         """
         cfg, t = self.cfg, self.cfg.training
-        moe_losses = {}
+        moe_losses, moe_per_layer = {}, {}
         if self.has_moe:  # Megatron's names (load_balancing_loss, z_loss, ...), mean per micro-batch
             micro_batches = self._window_microbatches
+            if cfg.moe.moe_per_layer_logging:  # before collect_moe_metrics resets the sums
+                per_layer = moe_hooks.per_layer_moe_metrics(
+                    self.model,
+                    cfg.model.num_layers,
+                    micro_batches,
+                    self.pg.dp,
+                    pp_group=self.pg.pp,
+                    names=cfg.moe.metric_names(),
+                )
+                moe_per_layer = {k: v.item() for k, v in per_layer.items()}
             metrics = moe_hooks.collect_moe_metrics(
                 self.model, micro_batches, self.pg.dp, pp_group=self.pg.pp, names=cfg.moe.metric_names()
             )
@@ -117,6 +127,7 @@ class IterationLogging:
         tb_extra = {k: v for k, v in record.items() if k not in per_iteration and k != "iteration-time"}
         if cfg.logging.log_timers_to_tensorboard:
             tb_extra["iteration-time"] = record["iteration-time"]
+        tb_extra.update(moe_per_layer)  # TensorBoard / W&B only, as in Megatron
         self.metrics.write(self.iteration, tb_extra, samples=self.consumed_samples, jsonl=False)
         if nan_now and cfg.ddp.check_for_nan_in_loss_and_grad:
             raise self._nan_error(nan_now, first_nan)

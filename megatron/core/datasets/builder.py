@@ -69,8 +69,12 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float]]:
 
 
 def parse_split(split: str) -> list[float]:
-    """``"969,30,1"`` -> normalised [train, valid, test] weights (missing ones are 0)."""
-    numbers = re.findall(r"[^,/\s]+", split)
+    """``"969,30,1"`` -> normalised [train, valid, test] weights (missing ones are 0).
+
+    Quotes around the numbers are dropped, as Megatron's parser drops everything but them: upstream's
+    example scripts pass ``--split '99,1,0'`` from inside a shell array, quotes and all.
+    """
+    numbers = re.findall(r"[^,/\s]+", split.strip().strip("'\""))
     try:
         values = [float(x) for x in numbers]
     except ValueError:

@@ -1,6 +1,7 @@
 """Learning-rate schedule with Megatron's semantics, counted in iterations (or samples).
 
-Warm-up is linear from 0: ``lr = max_lr * step / warmup_steps`` for ``step <= warmup``.
+Warm-up is linear from ``init_lr`` (``--lr-warmup-init``, default 0):
+``lr = init_lr + (max_lr - init_lr) * step / warmup_steps`` for ``step <= warmup``.
 Then ``constant`` stays at ``max_lr`` forever, while ``linear`` and ``cosine`` decay
 from ``max_lr`` to ``min_lr`` at ``lr_decay_steps`` and stay at ``min_lr`` after it.
 
@@ -32,6 +33,7 @@ class OptimizerParamScheduler:
             from ``--lr-warmup-fraction``).
         lr_decay_steps: Iteration at which decay reaches ``min_lr``.
         lr_decay_style: ``constant``, ``linear`` or ``cosine``.
+        init_lr: Learning rate at step 0 of the warm-up (``--lr-warmup-init``).
     """
 
     def __init__(
@@ -43,10 +45,12 @@ class OptimizerParamScheduler:
         lr_warmup_steps: float,
         lr_decay_steps: float,
         lr_decay_style: str,
+        init_lr: float = 0.0,
     ):
         require(lr_decay_style in _STYLES, f"--lr-decay-style must be one of {_STYLES}, got {lr_decay_style!r}.")
         require(0.0 <= min_lr <= max_lr, f"need 0 <= --min-lr ({min_lr}) <= --lr ({max_lr}).")
         require(lr_warmup_steps >= 0, f"--lr-warmup-iters must be >= 0, got {lr_warmup_steps}.")
+        require(0.0 <= init_lr <= max_lr, f"need 0 <= --lr-warmup-init ({init_lr}) <= --lr ({max_lr}).")
         if lr_decay_style != "constant":
             require(lr_decay_steps > 0, f"--lr-decay-iters must be > 0, got {lr_decay_steps}.")
             require(
@@ -61,6 +65,7 @@ class OptimizerParamScheduler:
         self.lr_warmup_steps = lr_warmup_steps
         self.lr_decay_steps = lr_decay_steps
         self.lr_decay_style = lr_decay_style
+        self.init_lr = float(init_lr)
         self.num_steps = 0
         self.step(0)
 
@@ -71,7 +76,7 @@ class OptimizerParamScheduler:
         min_lr = self.min_lr if min_lr is None else min_lr
         warmup = self.lr_warmup_steps
         if warmup > 0 and step <= warmup:
-            return max_lr * float(step) / float(warmup)
+            return self.init_lr + (max_lr - self.init_lr) * float(step) / float(warmup)
         if self.lr_decay_style == "constant":
             return max_lr
         if step > self.lr_decay_steps:
@@ -162,4 +167,5 @@ def build_scheduler(
         lr_warmup_steps=warmup,
         lr_decay_steps=decay,
         lr_decay_style=o.lr_decay_style,
+        init_lr=o.lr_warmup_init,
     )

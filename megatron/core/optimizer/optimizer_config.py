@@ -43,6 +43,9 @@ class OptimizerConfig(Freezable):
     lr_warmup_fraction: float | None = None
     """Warm-up as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)."""
 
+    lr_warmup_init: float = 0.0
+    """Learning rate the linear warm-up starts from (it rises to --lr, or --decoupled-lr, over the warm-up)."""
+
     lr_decay_iters: int | None = None
     """Iterations over which to decay. Defaults to --train-iters."""
 
@@ -134,6 +137,10 @@ class OptimizerConfig(Freezable):
         """The optimizer flags' own checks (``precision``: the run's ``PrecisionConfig``); raises ``ValueError``."""
         require(self.lr >= 0 and self.min_lr >= 0, "--lr and --min-lr must be non-negative.")
         require(self.min_lr <= self.lr, f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr}).")
+        require(
+            0.0 <= self.lr_warmup_init <= self.lr,
+            f"--lr-warmup-init ({self.lr_warmup_init}) must be between 0 and --lr ({self.lr}): warm-up rises from it.",
+        )
         require(
             not (self.lr_warmup_fraction is not None and self.lr_warmup_iters),
             "--lr-warmup-fraction and --lr-warmup-iters cannot both be set; pick one.",

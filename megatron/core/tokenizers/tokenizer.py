@@ -196,6 +196,12 @@ class HuggingFaceTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+def _looks_like_hub_name(path: str) -> bool:
+    """``org/name`` (Megatron passes such names to transformers, which downloads them)."""
+    parts = path.split("/")
+    return len(parts) == 2 and all(parts) and not path.startswith((".", "~")) and not path.endswith(".json")
+
+
 def _require_file(path: str | None, flag: str, tokenizer_type: str) -> str:
     if not path:
         raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag} PATH.")
@@ -231,6 +237,13 @@ def build_tokenizer(data_config):
         path = data_config.tokenizer_model
         if path and os.path.isdir(path):
             path = os.path.join(path, "tokenizer.json")
+        elif path and not os.path.exists(path) and _looks_like_hub_name(path):
+            raise ValueError(
+                f"--tokenizer-model {path} is no local file or folder, and this trainer does not download from the "
+                f"Hugging Face Hub: fetch it first (e.g. huggingface-cli download {path} tokenizer.json "
+                "tokenizer_config.json --local-dir DIR) and pass DIR; or, for mock or pretokenized data, use "
+                "--tokenizer-type NullTokenizer --vocab-size N."
+            )
         return HuggingFaceTokenizer(_require_file(path, "--tokenizer-model", kind))
     if kind in SENTENCEPIECE_TYPES:
         return SentencePieceTokenizer(

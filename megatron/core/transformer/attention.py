@@ -20,7 +20,8 @@ dropout on this rank's heads draws from the per-TP-rank RNG state at TP > 1.
 -> cuDNN or memory-efficient attention, unfused / local -> the math kernel, auto -> SDPA
 picks. On the CPU, where SDPA has no cuDNN or memory-efficient kernel, fused allows
 the flash (CPU) and math kernels. ``--qk-layernorm`` normalizes each query and key head
-(before RoPE, as Megatron); it takes the general split path.
+(before RoPE, as Megatron); it takes the general split path. Sliding windows
+(``--window-size``) and softmax sinks (``--softmax-type``) are in ``attention_variants``.
 """
 
 import contextlib
@@ -35,10 +36,12 @@ from megatron.core.models.common.rotary import apply_rotary_pos_emb, apply_rotar
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    get_tensor_model_parallel_rank,
     get_tensor_model_parallel_size,
     init_method_normal,
 )
 from megatron.core.tensor_parallel.random import fork_if
+from megatron.core.transformer.attention_variants import SoftmaxOffset, sink_attention, window_mask
 from megatron.core.transformer.norm import build_norm
 from megatron.core.transformer.offload import offloader_for
 from megatron.core.transformer.recompute import recomputes
@@ -93,6 +96,22 @@ class SelfAttention(torch.nn.Module):
         self.offload = offloader_for(config)  # --offload-modules qkv_linear core_attn attn_proj
         self.rope = apply_rotary_pos_emb_interleaved if getattr(config, "rotary_interleaved", False) else None
         self.output_gate = getattr(config, "attention_output_gate", False)
+        window = getattr(config, "window", None)
+        # Keys i - left .. i on the layers --window-attn-skip-freq picks; -1 is no limit (plain causal).
+        self.window_left = window[0] if window is not None and config.uses_window(layer_number) else None
+        if self.window_left == -1:
+            self.window_left = None
+        self._masks: dict = {}  # (seq, device) -> window mask
+        self.softmax_type = getattr(config, "softmax_type", "vanilla")
+        if self.softmax_type == "learnable":  # Megatron's parameter name: core_attention.softmax_offset
+            self.core_attention = SoftmaxOffset(
+                heads,
+                std=config.hidden_init_std(),
+                tp_size=tp_size,
+                tp_rank=get_tensor_model_parallel_rank(pg),
+                device=device,
+                dtype=config.params_dtype,
+            )
         self.q_layernorm = self.k_layernorm = None
         if getattr(config, "qk_layernorm", False):
             self.q_layernorm = build_norm(config, kv, device=device)
@@ -170,13 +189,35 @@ class SelfAttention(torch.nn.Module):
         """
         backends = None if self.attention_backend == "auto" else sdpa_backends(self.attention_backend, q.device.type)
         dropout_p = self.attention_dropout if self.training else 0.0
+        if self.softmax_type != "vanilla":
+            with fork_if(dropout_p > 0.0 and self.tp_size > 1):
+                return sink_attention(
+                    q, k, v, self._sink(q), scale=self.softmax_scale, window_left=self.window_left, dropout_p=dropout_p
+                )
+        mask = None
+        if self.window_left is not None:
+            mask = self._window_mask(q.shape[2], q.device)
+            if backends is not None:  # flash kernels take no mask: the backend's others, else the math kernel
+                backends = tuple(b for b in backends if b != SDPBackend.FLASH_ATTENTION) or (SDPBackend.MATH,)
         with (
             contextlib.nullcontext() if backends is None else sdpa_kernel(list(backends)),
             fork_if(dropout_p > 0.0 and self.tp_size > 1),
         ):
             return F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout_p, is_causal=True, scale=self.softmax_scale
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None, scale=self.softmax_scale
             )
+
+    def _sink(self, q: torch.Tensor) -> torch.Tensor:
+        """The sink logit of each local head: learned, or 0 for off-by-one."""
+        if self.softmax_type == "learnable":
+            return self.core_attention.softmax_offset
+        return q.new_zeros(self.num_heads)
+
+    def _window_mask(self, seq: int, device: torch.device) -> torch.Tensor:
+        key = (seq, device)
+        if key not in self._masks:
+            self._masks[key] = window_mask(seq, self.window_left, device)
+        return self._masks[key]
 
     def _split_qkv(self, qkv: torch.Tensor, rotary_pos_emb: torch.Tensor | None):
         """``[s, b, g, parts, d]`` -> ``q, k, v, gate`` as ``[s, b, n, d]`` views (RoPE applied; gate None

@@ -1,25 +1,25 @@
-"""The dense MLP of a transformer layer: fc1 -> GeLU or SwiGLU -> fc2.
+"""The dense MLP of a transformer layer: fc1 -> activation -> fc2.
 
-The activation is GeLU, squared ReLU (``--squared-relu``: ``relu(x) ** 2``) or SwiGLU.
-With ``--swiglu`` fc1 produces ``2 * ffn_hidden_size`` features, gate half first:
-``silu(a) * b`` with ``a, b = chunk(fc1(x), 2)``, Megatron's order, so checkpoints
-match. Both biases are added inside their GEMMs (the cuBLAS epilogue): with no fused
+The activation (``mlp_activation``) is GeLU, squared ReLU (``--squared-relu``: ``relu(x) ** 2``),
+SwiGLU or quick-GEGLU. Gated ones (``--swiglu``, ``--quick-geglu``) make fc1 produce
+``2 * ffn_hidden_size`` features, gate half first: ``act(a) * b`` with ``a, b = chunk(fc1(x), 2)``,
+Megatron's order, so checkpoints match. Both biases are added inside their GEMMs (the cuBLAS epilogue): with no fused
 bias-GeLU or bias-dropout-add kernel, that is one kernel and one autograd node fewer
 each than a separate add. So fc2 returns no bias for the layer's dropout-add.
 
-Tensor parallelism splits the FFN features: with SwiGLU each rank's fc1 shard is
+Tensor parallelism splits the FFN features: gated, each rank's fc1 shard is
 ``[gate_r; up_r]`` (``stride=2``), so the local ``chunk(2)`` pairs them up as the full
 model does.
 """
 
 import torch
-import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     init_method_normal,
 )
+from megatron.core.transformer.mlp_activation import MLPActivation
 
 
 class MLP(torch.nn.Module):
@@ -35,8 +35,8 @@ class MLP(torch.nn.Module):
     def __init__(self, config, pg=None, *, device=None):
         super().__init__()
         self.config = config
-        self.gated = config.gated_linear_unit
-        self.squared_relu = getattr(config, "squared_relu", False)
+        self.activation = MLPActivation.from_config(config)
+        self.gated = self.activation.gated
         ffn = config.ffn_hidden_size
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size,
@@ -64,11 +64,4 @@ class MLP(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s, b, h] -> (output [s, b, h], None)``: the fc2 bias is already added."""
         intermediate, _ = self.linear_fc1(hidden_states)  # [s, b, ffn] or [s, b, 2 * ffn]
-        if self.gated:
-            gate, up = torch.chunk(intermediate, 2, dim=-1)
-            intermediate = F.silu(gate) * up
-        elif self.squared_relu:
-            intermediate = F.relu(intermediate).square()
-        else:
-            intermediate = F.gelu(intermediate)
-        return self.linear_fc2(intermediate)
+        return self.linear_fc2(self.activation(intermediate))

@@ -13,7 +13,7 @@ import torch
 
 from megatron.core.config_utils import Freezable, flag_field, require
 from megatron.core.ssm.gated_delta_net.config import LinearAttentionConfig
-from megatron.core.transformer.moe.moe_config import MoEConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig, eval_list_expression
 from megatron.core.transformer.offload import OFFLOAD_MODULES
 from megatron.core.transformer.recompute import SELECTIVE_MODULES
 
@@ -84,6 +84,20 @@ class TransformerConfig(Freezable):
     gated_linear_unit: bool = flag_field(False, flag="--swiglu")
     """Use SwiGLU in the MLP (gated linear unit with SiLU)."""
 
+    quick_geglu: bool = False
+    """Use quick-GEGLU in the MLP: a gated linear unit with quick GeLU, x * sigmoid(1.702 x), on the gate half."""
+
+    glu_linear_offset: float = 0.0
+    """Offset added to the linear half of a gated activation: act(gate) * (up + offset)."""
+
+    activation_func_clamp_value: float | None = None
+    """Clamp of a gated activation's inputs: the gate half from above at C, the linear half to [-C, C]
+    (with --quick-geglu; with --swiglu in MoE models only, as in Megatron)."""
+
+    activation_flags: list[str] = flag_field(default_factory=list, no_flag=True)
+    """With --quick-geglu: the MLP activation switches given (--quick-geglu, --swiglu, --squared-relu), recorded
+    by ``finalize`` before it turns on the gated fc1 (for validate() to name a conflict)."""
+
     add_bias_linear: bool = flag_field(True, flag="--disable-bias-linear")
     """Linear layers carry biases; --disable-bias-linear removes them."""
 
@@ -98,6 +112,29 @@ class TransformerConfig(Freezable):
 
     attention_dropout: float = 0.1
     """Dropout probability on attention weights."""
+
+    softmax_type: str = flag_field("vanilla", choices=("vanilla", "off-by-one", "learnable"))
+    """Attention softmax: vanilla, off-by-one (a sink logit of 0 in every softmax denominator) or learnable
+    (a learned sink logit per head, ``self_attention.core_attention.softmax_offset``)."""
+
+    window_size: str | None = None
+    """Sliding-window attention "LEFT,RIGHT": each token attends to itself and the LEFT tokens before it
+    (-1: all of them); the model is causal, so RIGHT is taken as 0. Unset: full causal attention."""
+
+    window_attn_skip_freq: str | None = None
+    """Which layers use --window-size: N makes every N-th layer (N, 2N, ...) attend fully and the others
+    through the window; a list expression gives 1 (window) or 0 (full) per layer, e.g. "([1]*3+[0])*2".
+    Unset: every layer uses the window."""
+
+    window: list[int] | None = flag_field(None, no_flag=True)
+    """--window-size as ``[left, right]`` (derived)."""
+
+    window_layer_pattern: list[int] | None = flag_field(None, no_flag=True)
+    """One 1 (sliding window) or 0 (full attention) per layer (derived from --window-attn-skip-freq)."""
+
+    add_position_embedding: bool = flag_field(True, flag="--no-position-embedding")
+    """Megatron's deprecated switch for no position embedding: accepted with --position-embedding-type rope
+    (where it changes nothing), refused otherwise."""
 
     cross_entropy_loss_fusion: bool = flag_field(True, flag="--no-cross-entropy-loss-fusion")
     """Cross entropy as one fused Triton kernel each way on CUDA (fp32 math, no fp32 copy of
@@ -128,6 +165,9 @@ class TransformerConfig(Freezable):
     recompute_granularity: str | None = flag_field(None, choices=("full", "selective"))
     """Activation recompute: full recomputes whole layers in backward, selective the parts --recompute-modules
     names."""
+
+    recompute_activations: bool = False
+    """Megatron's older switch for --recompute-granularity selective (it sets that, whatever else is given)."""
 
     recompute_method: str | None = flag_field(None, choices=("uniform", "block"))
     """With --recompute-granularity full: uniform recomputes chunks of --recompute-num-layers layers
@@ -213,11 +253,60 @@ class TransformerConfig(Freezable):
             self.num_query_groups = 1  # Megatron's default: --group-query-attention alone is multi-query
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+        if self.recompute_activations and self.recompute_granularity != "selective":
+            self.recompute_granularity = "selective"  # Megatron's rule: the old switch wins
+        self._finalize_activation()
+        self._finalize_window()
         if self.use_mup:
             self._finalize_mup()
         self.moe.finalize(self)
         self.linear_attention.finalize(self)
         return self
+
+    def _given_activation_flags(self) -> list[str]:
+        """The activation switches given: recorded by ``finalize`` with --quick-geglu, else read off."""
+        if self.activation_flags:
+            return self.activation_flags
+        return [f for f, on in (("--swiglu", self.gated_linear_unit), ("--squared-relu", self.squared_relu)) if on]
+
+    def _finalize_activation(self) -> None:
+        if self.quick_geglu and not self.activation_flags:  # once: a second call finds them recorded
+            self.activation_flags = ["--quick-geglu", *self._given_activation_flags()]
+            self.gated_linear_unit = True  # fc1 holds the gate and the linear half, as with SwiGLU
+
+    def _finalize_window(self) -> None:
+        """--window-size and --window-attn-skip-freq -> ``window`` and ``window_layer_pattern``
+        (ValueError naming the flag for text that does not parse)."""
+        if self.window_size is None or self.window is not None:
+            return
+        text = self.window_size.strip().strip("()")
+        try:
+            window = [int(v) for v in text.split(",")]
+        except ValueError:
+            window = []
+        require(
+            len(window) == 2,
+            f"--window-size {self.window_size!r}: expected two integers LEFT,RIGHT (e.g. 127,0; -1 for no limit).",
+        )
+        freq = self.window_attn_skip_freq
+        if freq is None:
+            pattern = [1] * self.num_layers
+        elif "[" in freq:
+            pattern = eval_list_expression(freq, "--window-attn-skip-freq")
+        else:
+            try:
+                n = int(freq)
+            except ValueError:
+                raise ValueError(
+                    f"--window-attn-skip-freq {freq!r}: expected an int N or a list expression such as ([1]*3+[0])."
+                ) from None
+            require(n >= 1, f"--window-attn-skip-freq must be >= 1, got {n}.")
+            pattern = [0 if layer % n == 0 else 1 for layer in range(1, self.num_layers + 1)]
+        self.window, self.window_layer_pattern = window, pattern
+
+    def uses_window(self, layer_number: int) -> bool:
+        """Whether the attention of 1-based layer ``layer_number`` is a sliding window (after ``finalize``)."""
+        return self.window is not None and bool(self.window_layer_pattern[layer_number - 1])
 
     def _finalize_mup(self) -> None:
         # Megatron's order: width multiplier, attention scale, then the output multiplier's default.
@@ -285,10 +374,10 @@ class TransformerConfig(Freezable):
             require(0.0 <= p < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {p}.")
         require(0.0 < self.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {self.rotary_percent}.")
         require(self.norm_epsilon > 0, f"--norm-epsilon must be positive, got {self.norm_epsilon}.")
-        require(
-            not (self.squared_relu and self.gated_linear_unit),
-            "--squared-relu and --swiglu both set the MLP activation; pick one.",
-        )
+        given = self._given_activation_flags()
+        require(len(given) <= 1, f"{' and '.join(given)} each set the MLP activation; pick one.")
+        self._validate_activation()
+        self._validate_attention_variant()
         require(
             self.transformer_impl != "inference_optimized",
             "--transformer-impl inference_optimized is not supported: this trainer does not do inference; "
@@ -301,6 +390,51 @@ class TransformerConfig(Freezable):
             )
         self._validate_recompute()
         self._validate_offloading()
+
+    def _validate_activation(self) -> None:
+        clamp = self.activation_func_clamp_value
+        if clamp is None:
+            return
+        require(
+            math.isfinite(clamp) and clamp > 0,
+            f"--activation-func-clamp-value must be finite and > 0, got {clamp}.",
+        )
+        if self.gated_linear_unit and not self.quick_geglu:  # SwiGLU: Megatron's rules
+            require(
+                self.moe.enabled,
+                "--activation-func-clamp-value with --swiglu is only supported in MoE models (as in Megatron); "
+                "add --num-experts or drop the clamp.",
+            )
+            require(
+                self.glu_linear_offset == 0.0,
+                "--glu-linear-offset must be 0 when --activation-func-clamp-value is set with --swiglu (as in "
+                "Megatron).",
+            )
+
+    def _validate_attention_variant(self) -> None:
+        if not self.add_position_embedding:
+            require(
+                self.position_embedding_type == "rope",
+                "--no-position-embedding is deprecated (Megatron refuses it without rope); use "
+                "--position-embedding-type none for no position embedding, or rope.",
+            )
+        if self.window is None:
+            return
+        left, right = self.window
+        require(
+            left >= -1 and right >= -1,
+            f"--window-size {self.window_size}: LEFT and RIGHT must be >= -1 (-1: no limit).",
+        )
+        pattern = self.window_layer_pattern
+        require(
+            all(isinstance(v, int) and not isinstance(v, bool) and v in (0, 1) for v in pattern),
+            f"--window-attn-skip-freq pattern {pattern} may only hold 1 (sliding window) and 0 (full attention).",
+        )
+        require(
+            len(pattern) == self.num_layers,
+            f"--window-attn-skip-freq pattern has {len(pattern)} entries but --num-layers is {self.num_layers}; "
+            "give one 1/0 per layer.",
+        )
 
     def _validate_recompute(self) -> None:
         g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers

@@ -41,6 +41,7 @@ def test_parse_split():
     assert parse_split("969,30,1") == pytest.approx([0.969, 0.030, 0.001])
     assert parse_split("98,2") == pytest.approx([0.98, 0.02, 0.0])
     assert parse_split("1") == [1.0, 0.0, 0.0]
+    assert parse_split("'99,1,0'") == pytest.approx([0.99, 0.01, 0.0])  # quotes of upstream's example scripts
     for bad in ("1,2,3,4", "a,b", "-1,2,0", "0,0,0"):
         with pytest.raises(ValueError, match="--split"):
             parse_split(bad)

@@ -84,9 +84,24 @@ def test_build_scheduler_defaults_and_fraction():
     assert (s.lr_warmup_steps, s.lr_decay_steps) == (5.0, 50)
 
 
+def test_warmup_rises_from_lr_warmup_init():
+    # Megatron: lr = init + (max - init) * step / warmup; a --decoupled-lr group rises from the same init.
+    opt = _opt()
+    opt.param_groups[1]["max_lr"], opt.param_groups[1]["min_lr"] = 2.0, 0.2
+    c = OptimizerConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=10, lr_warmup_init=0.2, lr_decay_style="cosine")
+    s = build_scheduler(opt, c, train_iters=110)
+    assert s.get_lr(0) == 0.2 and s.get_lr(5) == pytest.approx(0.6) and s.get_lr(10) == 1.0
+    assert opt.param_groups[0]["lr"] == 0.2 and opt.param_groups[1]["lr"] == 0.2
+    s.step(5)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.6) and opt.param_groups[1]["lr"] == pytest.approx(1.1)
+    assert s.get_lr(60) == _sched("cosine", min_lr=0.1).get_lr(60)  # decay unchanged
+
+
 def test_bad_schedules_name_the_flags():
     with pytest.raises(ValueError, match="--lr-decay-iters"):
         _sched("linear", warmup=100, decay=100)
+    with pytest.raises(ValueError, match="--lr-warmup-init"):
+        OptimizerConfig(lr=1.0, lr_warmup_init=2.0).validate(None)
     with pytest.raises(ValueError, match="--lr-decay-style"):
         _sched("exponential")
     with pytest.raises(ValueError, match="--lr-warmup-fraction"):

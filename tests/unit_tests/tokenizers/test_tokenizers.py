@@ -133,6 +133,11 @@ def test_hugging_face_without_package(monkeypatch):
             "--tokenizer-model /no/tok.json does not exist",
         ),
         (dict(tokenizer_type="HuggingFaceTokenizer"), "needs --tokenizer-model"),
+        (  # a Hub name, as upstream's docs and scripts pass: say there is no download and what to do
+            dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="meta-llama/Meta-Llama-3-8B"),
+            "no local file or folder, and this trainer does not download from the Hugging Face Hub: fetch it first "
+            r"\(e.g. huggingface-cli download meta-llama/Meta-Llama-3-8B .*--tokenizer-type NullTokenizer",
+        ),
         (dict(tokenizer_type="SentencePieceTokenizer"), "needs --tokenizer-model"),
         (dict(tokenizer_type="BertWordPieceCase"), "not supported"),
     ],

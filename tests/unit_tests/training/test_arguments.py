@@ -230,6 +230,21 @@ def test_speed_only_pipeline_and_optimizer_knobs_are_accepted_no_ops():
     assert cfg == parse_args(BASE)
 
 
+def test_example_script_knobs_are_no_ops_and_removed_flags_say_so():
+    # Knobs of upstream's example scripts and docs whose Megatron meaning changes no value here.
+    knobs = ["--tiktoken-pattern", "v2", "--use-nccl-ub", "--enable-experimental", "--data-parallel-sharding-strategy",
+             "no_shard", "--dataloader-fast-cache-load", "--per-dataset-sequences-path", "s.json", "--enable-gpt-oss",
+             "--rope-type", "rope"]  # fmt: skip
+    cfg = parse_args(BASE + knobs)
+    assert sorted(cfg.ignored_flags) == sorted(k for k in knobs if k.startswith("--"))  # in table order
+    cfg.ignored_flags = []
+    assert cfg == parse_args(BASE)
+    with pytest.raises(ValueError, match="--rope-type yarn is not supported: Megatron's standard attention"):
+        parse_args(BASE + ["--rope-type", "yarn"])
+    with pytest.raises(ValueError, match="--checkpoint-activations is no longer valid .* --recompute-activations"):
+        parse_args(BASE + ["--checkpoint-activations"])
+
+
 def test_fusion_flags_turn_fusions_off():
     cfg = parse_args(BASE)
     assert cfg.model.gradient_accumulation_fusion and cfg.model.cross_entropy_loss_fusion

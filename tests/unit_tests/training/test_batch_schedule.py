@@ -137,10 +137,21 @@ def test_flags_resolve_iterations_and_global_batch():
     assert cfg.batch_schedule.varies and not resolved("--global-batch-size", 4).batch_schedule.varies
 
 
+def test_schedule_as_separate_words_and_an_equal_global_batch_are_accepted():
+    # Upstream's examples/gpt3/train_gpt3_175b_distributed.sh: the schedule array element is word-split by
+    # the shell, and --global-batch-size repeats the schedule's last batch.
+    cfg = resolved(
+        "--global-batch-size", 8, "--step-batch-size-schedule", "0:2", "128:4", "320:8", "--train-samples", 40
+    )
+    assert cfg.training.global_batch_size == 8
+    assert cfg.batch_schedule.steps == resolved(*STEPS, "--train-samples", 40).batch_schedule.steps
+    assert cfg.training.train_iters == 8
+
+
 @pytest.mark.parametrize(
     "extra, match",
     [
-        (["--global-batch-size", 8, *STEPS], "--step-batch-size-schedule and --global-batch-size cannot both"),
+        (["--global-batch-size", 4, *STEPS], r"--global-batch-size 4 differs from the last batch size .* \(8\)"),
         ([*STEPS, "--rampup-batch-size", 2, 2, 8], "--step-batch-size-schedule and --rampup-batch-size"),
         (["--global-batch-size", 8, "--rampup-batch-size", 10, 2, 8], "must be >= START"),
         (["--global-batch-size", 8, "--rampup-batch-size", 2, 4, 8], r"- START \(6\) must be divisible by INCREMENT"),

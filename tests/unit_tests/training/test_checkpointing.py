@@ -208,6 +208,26 @@ def test_load_options(tmp_path):
     assert [r["iteration"] for r in trained.history] == [1, 2, 3]
 
 
+def test_pretrained_checkpoint_when_load_holds_none(tmp_path):
+    # Megatron's --pretrained-checkpoint: with no checkpoint in --load, its weights only, from iteration 0;
+    # once --save has written into --load, the run resumes from that instead.
+    pre, run_dir = tmp_path / "pre", tmp_path / "run"
+    run("--train-iters", 4, "--save", pre)
+    saved = load_file(pre, 4)
+    first = build("--train-iters", 10, "--pretrained-checkpoint", pre, "--load", run_dir, "--save", run_dir)
+    assert_state_equal(first.model.state_dict(), saved["model"])
+    assert (first.iteration, first.consumed_samples) == (0, 0) and adam_steps(first) == {0}
+    assert first.cfg.checkpoint.finetune and first.cfg.checkpoint.load == str(pre)
+    run("--train-iters", 10, "--exit-interval", 2, "--pretrained-checkpoint", pre, "--load", run_dir, "--save", run_dir)
+    resumed = build("--train-iters", 10, "--pretrained-checkpoint", pre, "--load", run_dir, "--save", run_dir)
+    assert resumed.iteration == 2 and not resumed.cfg.checkpoint.finetune
+    assert_state_equal(resumed.model.state_dict(), load_file(run_dir, 2)["model"])
+    no_load = build("--train-iters", 10, "--pretrained-checkpoint", pre)  # --load unset: the pretrained one
+    assert_state_equal(no_load.model.state_dict(), saved["model"])
+    with pytest.raises(ValueError, match=r"no checkpoint in --load .* nor in --pretrained-checkpoint"):
+        build("--pretrained-checkpoint", tmp_path / "empty", "--load", run_dir / "none")
+
+
 # A child that trains with saves every 2 iterations and is SIGKILLed during the second save.
 _CHILD = r"""
 import io, os, signal, sys

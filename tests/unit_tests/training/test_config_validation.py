@@ -83,3 +83,17 @@ def test_distributed_optimizer_instances_need_the_distributed_optimizer():
     with pytest.raises(ValueError, match=r"--num-distributed-optimizer-instances 2 needs --use-distributed-optimizer"):
         parse_args(argv).resolve(world_size=2).validate()
     parse_args(argv + ["--use-distributed-optimizer"]).resolve(world_size=2).validate()
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_disable_bf16_reduced_precision_matmul_sets_cublas_flag_with_bf16(bf16):
+    # Megatron: with --bf16, torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    # (process-wide; the test fixture restores it).
+    import torch
+
+    from megatron.training.training import _set_determinism
+
+    cfg = validate("--disable-bf16-reduced-precision-matmul", *(["--bf16"] if bf16 else []))
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+    _set_determinism(cfg, use_cuda=False)
+    assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is not bf16

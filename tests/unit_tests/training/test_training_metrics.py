@@ -98,3 +98,23 @@ def test_tensorboard_lm_loss_every_iteration_whatever_the_log_interval(tmp_path)
     assert [s.step for s in scalars] == [1, 2, 3, 4]  # as Megatron: each iteration's loss, not window means
     assert [s.value for s in scalars] == pytest.approx(per_iter, rel=1e-6)
     assert [s.step for s in events.Scalars("num-zeros")] == [1, 4]
+
+
+def test_moe_per_layer_losses_in_tensorboard(tmp_path):
+    # --moe-per-layer-logging: Megatron's moe/<name>_layer_<i> scalars beside the layer-mean on the log line.
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb, path = tmp_path / "tb", tmp_path / "m.jsonl"
+    moe = ["--num-layers", "2", "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
+           "--moe-z-loss-coeff", "1e-3", "--moe-per-layer-logging"]  # fmt: skip
+    pretrain(FLAGS[2:] + moe + ["--train-iters", "2", "--log-interval", "1", "--tensorboard-dir", str(tb),
+                                "--metrics-file", str(path)])  # fmt: skip
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    records = read_jsonl(path)
+    for name in ("load_balancing_loss", "z_loss"):
+        layers = [[s.value for s in events.Scalars(f"moe/{name}_layer_{i}")] for i in (0, 1)]
+        assert all(len(v) == 2 for v in layers)
+        means = [(a + b) / 2 for a, b in zip(*layers)]
+        assert means == pytest.approx([r[name] for r in records], rel=1e-5)  # fp32 metric sums

@@ -9,7 +9,8 @@ expert, so it needs the counts on the host: either static (drop-and-pad) or read
 the eager dispatch. When its weights fuse their gradients into ``main_grad`` (under
 DDP) and have no biases, the loop is one autograd node (``_ExpertLoop``): GEMMs per
 expert, elementwise ops once, the same values as the per-module path with a fraction
-of its host work. With data-dependent counts on CUDA each expert's rows are padded
+of its host work. It computes GeLU and SwiGLU itself; the other activations
+(``mlp_activation``: squared ReLU, quick-GEGLU, a GLU offset or clamp) take the per-module path. With data-dependent counts on CUDA each expert's rows are padded
 with zero rows to a multiple of 128 (``_RowPadding``), so the GEMMs run at shapes that
 recur from step to step; the real rows' outputs and the weight gradients are the same
 values (not bit for bit: other shapes may run other kernels).
@@ -46,6 +47,7 @@ from megatron.core.tensor_parallel.layers import (
     uses_sequence_parallel,
 )
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.mlp_activation import MLPActivation
 from megatron.core.transformer.offload import offloader_for
 from megatron.core.transformer.recompute import OutputDiscarder, recomputes
 
@@ -55,13 +57,6 @@ def mark_expert_params(module: torch.nn.Module) -> None:
     for p in module.parameters():
         p.is_expert = True
         p.allreduce = False
-
-
-def _activate(intermediate: torch.Tensor, gated: bool) -> torch.Tensor:
-    if gated:
-        gate, up = torch.chunk(intermediate, 2, dim=-1)
-        return F.silu(gate) * up
-    return F.gelu(intermediate)
 
 
 class _ExpertLoop(torch.autograd.Function):
@@ -306,7 +301,8 @@ class SequentialMLP(torch.nn.Module):
     ):
         super().__init__()
         self.num_local_experts = num_local_experts
-        self.gated = config.gated_linear_unit
+        self.activation = MLPActivation.from_config(config)
+        self.gated = self.activation.gated
         cfg = expert_config(config, config.moe.moe_ffn_hidden_size)
         local = _local_range(num_local_experts, local_experts)
         shard = _ExpertShard(etp_size, etp_rank) if etp_size > 1 else None
@@ -325,13 +321,13 @@ class SequentialMLP(torch.nn.Module):
     def _expert(self, i: int, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         mlp = self.local_experts[i]
         intermediate, _ = mlp.linear_fc1(x)
-        act = _activate(intermediate, self.gated) * probs.unsqueeze(-1).to(intermediate.dtype)
+        act = self.activation(intermediate) * probs.unsqueeze(-1).to(intermediate.dtype)
         out, _ = mlp.linear_fc2(act)
         return out
 
     def _fused_weights(self) -> list[torch.Tensor] | None:
         """fc1 then fc2 weights of every local expert, when ``_ExpertLoop`` applies (else None)."""
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not self.activation.is_plain:
             return None
         linears = self.__dict__.get("_linears")
         if linears is None:  # the linear modules, fc1s then fc2s (a plain list: no second registration)
@@ -458,7 +454,8 @@ class GroupedMLP(torch.nn.Module):
         self.num_local_experts = num_local_experts
         self.recompute_activation = recomputes(config, "moe_act")
         self.offload = offloader_for(config)  # --offload-modules expert_fc1 moe_act
-        self.gated = config.gated_linear_unit
+        self.activation = MLPActivation.from_config(config)
+        self.gated = self.activation.gated
         ffn = config.moe.moe_ffn_hidden_size
         std = config.hidden_init_std()
         out_std = std / (2.0 * config.num_layers) ** 0.5
@@ -549,7 +546,7 @@ class GroupedMLP(torch.nn.Module):
         """``act(fc1 output) * probs`` (Megatron's order: the probability scales the activation)."""
 
         def scaled(x, p):
-            return _activate(x, self.gated) * p.unsqueeze(-1).to(x.dtype)
+            return self.activation(x) * p.unsqueeze(-1).to(x.dtype)
 
         with self.offload.scope("moe_act", self.training):
             return scaled(intermediate, probs) if discarder is None else discarder.run(scaled, intermediate, probs)

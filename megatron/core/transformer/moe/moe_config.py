@@ -159,8 +159,9 @@ class MoEConfig(Freezable):
     moe_grouped_gemm: bool = False
     """Run the local experts as grouped GEMMs (torch grouped_mm on CUDA; a loop elsewhere)."""
 
-    moe_token_dispatcher_type: str = flag_field("allgather", choices=("allgather", "alltoall"))
-    """Token dispatcher across expert-parallel ranks."""
+    moe_token_dispatcher_type: str = flag_field("allgather", choices=("allgather", "alltoall", "flex"))
+    """Token dispatcher across expert-parallel ranks (flex, Megatron's DeepEP/HybridEP dispatcher, is not
+    supported yet)."""
 
     moe_expert_capacity_factor: float | None = None
     """Capacity of each expert as a multiple of its even share of tokens; tokens beyond it are
@@ -171,6 +172,10 @@ class MoEConfig(Freezable):
 
     moe_token_drop_policy: str = flag_field("probs", choices=("probs", "position"))
     """Which tokens are dropped over capacity: those with the lowest probabilities, or the last ones."""
+
+    moe_per_layer_logging: bool = False
+    """Also write each MoE layer's losses to TensorBoard / W&B, as moe/<name>_layer_<i> (i: the layer's
+    0-based index), at every log line."""
 
     moe_layer_pattern: list[int] | None = flag_field(None, no_flag=True)
     """Derived from --moe-layer-freq: 1 for an MoE layer, 0 for a dense one."""
@@ -231,6 +236,11 @@ class MoEConfig(Freezable):
             )
             return
         e, k = self.num_moe_experts, self.moe_router_topk
+        require(
+            self.moe_token_dispatcher_type != "flex",
+            "--moe-token-dispatcher-type flex (DeepEP / HybridEP kernels) is not supported yet; use alltoall: the same "
+            "routing over NCCL all-to-all.",
+        )
         require(e >= 1, f"--num-experts must be >= 1, got {e}.")
         require(1 <= k <= e, f"--moe-router-topk ({k}) must be between 1 and --num-experts ({e}).")
         require(

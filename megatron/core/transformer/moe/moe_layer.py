@@ -216,6 +216,45 @@ def collect_moe_metrics(
     return {name: stacked[i] for i, name in enumerate(names)}
 
 
+def per_layer_moe_metrics(
+    model: torch.nn.Module,
+    num_layers: int,
+    num_microbatches: int = 1,
+    dp_group=None,
+    *,
+    pp_group=None,
+    names: list[str],
+) -> dict[str, torch.Tensor]:
+    """Each MoE layer's losses of the step (``--moe-per-layer-logging``), without resetting them.
+
+    Call before ``collect_moe_metrics`` (which resets). Every pipeline stage must call (the
+    stages' layers are summed over ``pp_group``), and every data-parallel rank (averaged).
+
+    Returns:
+        ``moe/<name>_layer_<i>`` -> the loss per micro-batch of the layer with 0-based index ``i``
+        (Megatron's TensorBoard names), for the MoE layers of the whole model.
+    """
+    if not names:
+        return {}
+    # One row per layer: its losses, then 1 where the layer is an MoE layer of some stage.
+    table = torch.zeros(num_layers, len(names) + 1, device=_device_of(model))
+    for module in model.modules():
+        layer = getattr(module, "mlp", None)
+        if isinstance(layer, MoELayer) and hasattr(module, "layer_number"):
+            table[module.layer_number - 1, :-1] = layer.metrics / num_microbatches
+            table[module.layer_number - 1, -1] = 1.0
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(table, group=pp_group)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(table, group=dp_group)
+        table = table / dist.get_world_size(dp_group)
+    out = {}
+    for i in table[:, -1].nonzero().flatten().tolist():
+        for j, name in enumerate(names):
+            out[f"moe/{name}_layer_{i}"] = table[i, j]
+    return out
+
+
 def _device_of(model: torch.nn.Module) -> torch.device:
     param = next(model.parameters(), None)
     return param.device if param is not None else torch.device("cpu")

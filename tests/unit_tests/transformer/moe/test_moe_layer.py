@@ -13,6 +13,7 @@ from megatron.core.transformer.moe.moe_layer import (
     MoETransformerLayer,
     collect_moe_metrics,
     moe_after_optimizer_step,
+    per_layer_moe_metrics,
     set_aux_loss_scale,
 )
 from megatron.core.transformer.spec_utils import build_module
@@ -208,6 +209,28 @@ def test_metrics_and_aux_loss_scale_reach_the_model_level():
     assert collect_moe_metrics(model, num_microbatches=2)["z_loss"] == 0  # reset after reading
     set_aux_loss_scale(model, 0.25)
     assert layer.mlp.router.aux_loss_scale.item() == 0.25
+
+
+def test_per_layer_metrics_name_each_moe_layer_and_average_to_the_logged_value():
+    # --moe-per-layer-logging: Megatron's moe/<name>_layer_<i> scalars (i 0-based), read before the reset.
+    torch.manual_seed(2)
+    cfg = make_config(num_layers=3, moe_aux_loss_coeff=[0.01], moe_z_loss_coeff=1e-3)
+    spec = get_gpt_moe_layer_local_spec()
+    model = torch.nn.ModuleList([build_module(spec, config=cfg, layer_number=n) for n in (1, 3)])  # layer 2 dense
+    model.train()
+    for _ in range(2):
+        for layer in model:
+            layer(torch.randn(6, 2, 8, dtype=torch.float64))
+    names = ["load_balancing_loss", "z_loss"]
+    per_layer = per_layer_moe_metrics(model, 3, num_microbatches=2, names=names)
+    assert sorted(per_layer) == sorted(f"moe/{n}_layer_{i}" for n in names for i in (0, 2))
+    for i, layer in zip((0, 2), model):
+        for j, n in enumerate(names):
+            assert per_layer[f"moe/{n}_layer_{i}"] == layer.mlp.metrics[j] / 2
+    logged = collect_moe_metrics(model, num_microbatches=2)  # the mean over MoE layers
+    for n in names:
+        mean = (per_layer[f"moe/{n}_layer_0"] + per_layer[f"moe/{n}_layer_2"]) / 2
+        torch.testing.assert_close(logged[n], mean, rtol=1e-6, atol=0)
 
 
 def test_expert_bias_update_after_step():
