@@ -47,9 +47,6 @@ class TrainingConfig(Freezable):
     manual_gc_interval: int = 0
     """Iterations between manual collections with --manual-gc (0: only at the start)."""
 
-    exit_duration_in_mins: int | None = None
-    """Exit (saving a checkpoint when --save is set) once training has run this many minutes."""
-
     eval_global_batch_size: int | None = None
     """Global batch size of evaluation. Defaults to --global-batch-size."""
 
