@@ -561,7 +561,7 @@ def build_trainer(
 ) -> Trainer:
     """Parses flags and builds a ``Trainer`` without training (tests, tools).
 
-    The caller owns the process groups: ``parallel_state.destroy(trainer.pg)`` at the end.
+    The caller ends it: ``trainer.graphs.close()``, then ``parallel_state.destroy(trainer.pg)``.
     """
     cfg = parse_args(argv).resolve(parallel_state.world_size_from_env())
     cfg.validate()
@@ -594,7 +594,9 @@ def pretrain(
         trainer.history = trainer.train()
     except BaseException:
         trainer.close()
+        trainer.graphs.close()
         parallel_state.destroy(trainer.pg, failed=True)
         raise
+    trainer.graphs.close()  # first: a collective captured in a graph must not outlive its communicator
     parallel_state.destroy(trainer.pg)
     return trainer

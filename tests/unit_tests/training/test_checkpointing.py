@@ -409,7 +409,7 @@ def test_resume_then_capture_cuda_graphs_gpu(tmp_path):
     full = run(*flags)
     run(*flags, "--exit-interval", 4, "--save", tmp_path / "c")
     resumed = run(*flags, "--load", tmp_path / "c")
-    assert resumed.graphs.captured
+    assert resumed.graphs.capture_seconds > 0  # captured (pretrain closed the session at the end)
     assert losses(resumed) == losses(full)[4:]
     assert_state_equal(resumed.model.state_dict(), full.model.state_dict())
 
