@@ -17,6 +17,15 @@ TINY_GPT_FLAGS = (
 """A GPT small enough to train in well under a second per iteration on one CPU core."""
 
 
+def run_config(extra: str, world_size: int = 1):
+    """The resolved (not validated) ``RunConfig`` of a 4-layer toy GPT's flags plus ``extra``."""
+    from megatron.training.arguments import parse_args
+
+    flags = "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+    flags += "--micro-batch-size 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 255 "
+    return parse_args((flags + extra).split()).resolve(world_size=world_size)
+
+
 @pytest.fixture(autouse=True)
 def _restore_determinism():
     """Every test starts with the process's determinism settings (and cuBLAS's bf16 reduction setting) as

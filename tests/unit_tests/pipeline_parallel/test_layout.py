@@ -4,7 +4,7 @@ import pytest
 
 from megatron.core.parallel_config import ParallelConfig
 from megatron.core.pipeline_parallel import layout
-from megatron.training.arguments import parse_args
+from tests.conftest import run_config
 
 
 def _parallel(world=2, **kw):
@@ -159,9 +159,7 @@ def test_bad_pipeline_layouts_name_the_flags(world, sizes, needle):
 
 
 def _run_config(extra: str):
-    flags = "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
-    flags += "--micro-batch-size 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 255 "
-    return parse_args((flags + extra).split()).resolve(world_size=2)
+    return run_config(extra, world_size=2)
 
 
 @pytest.mark.parametrize(

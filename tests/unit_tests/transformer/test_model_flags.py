@@ -14,6 +14,7 @@ from megatron.core.transformer.norm import build_norm
 from megatron.core.transformer.recompute import recomputed_chunks
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.conftest import run_config
 
 
 def config(**kw):
@@ -214,14 +215,6 @@ MOE = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32"
 DROP_PAD = "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity"
 
 
-def _recompute_run_config(extra: str):
-    from megatron.training.arguments import parse_args
-
-    flags = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
-    flags += "--micro-batch-size 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 255 "
-    return parse_args((flags + extra).split()).resolve(world_size=1)
-
-
 @pytest.mark.parametrize(
     "extra",
     [
@@ -239,7 +232,7 @@ def _recompute_run_config(extra: str):
     ],
 )
 def test_selective_recompute_is_accepted_with_graphs_where_each_module_is_in_or_out_of_a_region(extra):
-    cfg = _recompute_run_config(extra)
+    cfg = run_config(extra)
     cfg.validate()
     assert cfg.cuda_graph.enabled and cfg.model.recompute_granularity == "selective"
 
@@ -264,7 +257,7 @@ def test_selective_recompute_is_accepted_with_graphs_where_each_module_is_in_or_
     ],
 )
 def test_recompute_that_would_cross_a_graph_is_refused_with_the_flags_and_the_fix(extra, needle):
-    cfg = _recompute_run_config(extra)
+    cfg = run_config(extra)
     with pytest.raises(ValueError, match=needle) as err:
         cfg.validate()
     assert "--recompute-" in str(err.value) and ("Drop" in str(err.value) or "drop" in str(err.value))
