@@ -64,3 +64,8 @@ class Lion(torch.optim.Optimizer):
             torch._foreach_lerp_(moments, grads, 1.0 - beta2)
             torch._foreach_add_(params, updates, alpha=-lr)
         return None
+
+
+def lion_from_config(groups, config) -> Lion:
+    """Lion over ``groups`` with the run's ``--lr``, ``--lion-beta1/2`` and ``--weight-decay``."""
+    return Lion(groups, lr=config.lr, betas=(config.lion_beta1, config.lion_beta2), weight_decay=config.weight_decay)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from megatron.core.config_utils import require
-from megatron.core.optimizer.lion import Lion, check_betas
+from megatron.core.optimizer.lion import check_betas, lion_from_config
 from megatron.core.optimizer.newton_schulz import check_coefficients, newton_schulz_tp, scale_factor
 
 
@@ -191,21 +191,22 @@ def check_saved_scalar(groups: list[dict], config) -> None:
             )
 
 
-def _build_scalar(groups: list[dict], config) -> torch.optim.Optimizer:
-    """The ``--muon-scalar-optimizer`` over ``groups``: AdamW or Lion."""
-    if config.muon_scalar_optimizer == "lion":
-        return Lion(
-            groups, lr=config.lr, betas=(config.lion_beta1, config.lion_beta2), weight_decay=config.weight_decay
-        )
-    # foreach, not fused: the step reads the skip flag on the host (see MixedPrecisionOptimizer.step).
-    return torch.optim.AdamW(
-        groups,
+def adamw_kwargs(config) -> dict:
+    """``torch.optim.AdamW``'s keyword arguments from the run's flags (lr, betas, eps, weight decay)."""
+    return dict(
         lr=config.lr,
         betas=(config.adam_beta1, config.adam_beta2),
         eps=config.adam_eps,
         weight_decay=config.weight_decay,
-        foreach=True,
     )
+
+
+def _build_scalar(groups: list[dict], config) -> torch.optim.Optimizer:
+    """The ``--muon-scalar-optimizer`` over ``groups``: AdamW or Lion."""
+    if config.muon_scalar_optimizer == "lion":
+        return lion_from_config(groups, config)
+    # foreach, not fused: the step reads the skip flag on the host (see MixedPrecisionOptimizer.step).
+    return torch.optim.AdamW(groups, foreach=True, **adamw_kwargs(config))
 
 
 class Muon(torch.optim.Optimizer):

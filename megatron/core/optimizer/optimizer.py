@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from megatron.core.optimizer.lion import Lion
-from megatron.core.optimizer.muon import MatrixInfo, Muon, scalar_state_names
+from megatron.core.optimizer.lion import lion_from_config
+from megatron.core.optimizer.muon import MatrixInfo, Muon, adamw_kwargs, scalar_state_names
 from megatron.core.optimizer.param_groups import (  # noqa: F401  (re-exported: the optimizer's group rule)
     GROUP_ORDER,
     GroupKey,
@@ -57,18 +57,14 @@ def _build_inner(groups: list[dict[str, Any]], config, device: torch.device, **m
     if config.optimizer == "muon":
         return Muon(groups, config=config, **muon)
     if config.optimizer == "lion":
-        return Lion(
-            groups, lr=config.lr, betas=(config.lion_beta1, config.lion_beta2), weight_decay=config.weight_decay
-        )
+        return lion_from_config(groups, config)
     if config.optimizer == "adam":
-        cls = torch.optim.AdamW
-        kwargs = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+        cls, kwargs = torch.optim.AdamW, adamw_kwargs(config)
     elif config.optimizer == "sgd":
         cls = torch.optim.SGD
-        kwargs = dict(lr=config.lr, momentum=config.sgd_momentum)
+        kwargs = dict(lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay)
     else:
         raise ValueError(f"--optimizer {config.optimizer!r} is not supported; use adam, sgd, lion or muon.")
-    kwargs["weight_decay"] = config.weight_decay
     if device.type == "cuda":
         try:
             return cls(groups, fused=True, **kwargs)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+from megatron.core.optimizer.muon import adamw_kwargs
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.parallel_state import ProcessGroups
@@ -346,14 +347,7 @@ def test_direct_fused_adamw_equals_torch_fused_step(monkeypatch, preallocate):
         pytest.skip("this torch has no fused AdamW")
 
     def fused_inner(groups, config, device):
-        return torch.optim.AdamW(
-            groups,
-            lr=config.lr,
-            betas=(config.adam_beta1, config.adam_beta2),
-            eps=config.adam_eps,
-            weight_decay=config.weight_decay,
-            fused=True,
-        )
+        return torch.optim.AdamW(groups, fused=True, **adamw_kwargs(config))
 
     monkeypatch.setattr(optim_module, "_build_inner", fused_inner)
     torch.manual_seed(0)
