@@ -262,8 +262,8 @@ def _router(sh: Shapes, k: Kernels) -> int:
     t = sh.tokens
     total = _norm(sh, k)
     total += t * sh.topk * (_F32 + _I64)  # top-k scores and indices
-    if sh.capacity_factor is not None:  # token dropping: the routing map, the per-expert top-capacity indices
-        total += t * sh.experts + capacity(sh) * sh.experts * _I64
+    if sh.capacity_factor is not None:  # token dropping: the routing map (the top-capacity pick is detached)
+        total += t * sh.experts
     if sh.shared_ffn:
         total += _mlp_activation(t, sh.shared_ffn, sh)
     return total

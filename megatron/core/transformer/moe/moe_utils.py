@@ -238,7 +238,7 @@ def apply_token_dropping(
         keep = torch.ones_like(routing_map)
     else:
         if drop_policy == "probs":
-            key = probs
+            key = probs.detach()  # only the indices are used: no backward node keeps them
         else:  # routed tokens first, earlier ones first: a key without ties
             position = torch.arange(num_tokens, 0, -1, device=probs.device).unsqueeze(1)
             key = routing_map.long() * (2 * num_tokens) + position

@@ -7,6 +7,8 @@ within a stated tolerance for Mamba's scan (its formula counts the fp32 intermed
 by kind, not one by one).
 """
 
+import weakref
+
 import pytest
 import torch
 
@@ -52,20 +54,23 @@ def _held_by_functions(outputs) -> list[torch.Tensor]:
 
 
 def saved_bytes(model, fn, *args) -> int:
+    """Bytes of the distinct storages the graph of ``fn`` still holds once it returns.
+
+    A tensor saved by a node that is dropped before ``fn`` returns (a discarded branch)
+    is freed, and its address may be reused by a later one; only the saved tensors still
+    alive at the end are counted, so the sum does not depend on the allocator."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
+    saved = []
 
     def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
+        saved.append(weakref.ref(t))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         outputs = fn(*args)
-    for t in _held_by_functions(outputs):
-        pack(t)
-    return sum(seen.values())
+    live = [ref() for ref in saved] + _held_by_functions(outputs)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in live if t is not None}
+    return sum(n for ptr, n in storages.items() if ptr not in params)
 
 
 def build(flags, hybrid=False):
