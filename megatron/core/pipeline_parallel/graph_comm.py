@@ -1,14 +1,14 @@
 """What the pipelined schedule tells the CUDA-graph session about its exchanges (pure Python).
 
-A pipeline rank's slots are a pure function of its order (one :class:`SlotAllocator`
-per model chunk), and the lock-step timetable fixes the tick of every step and every
+A pipeline rank's slots are a pure function of its order (``slots.assign_slots``; a
+slot serves one micro-batch at a time, of any chunk), and the lock-step timetable fixes the tick of every step and every
 exchange; so before an iteration starts we know, for every receive and send, which
 micro-batch slot it serves and what that slot's graphs do around it:
 
 - **Receive into the static input.** After capture, the input a chunk receives can land
   straight in the static input of the chunk's first graph (``session.receive_buffer``)
   when the slot the micro-batch will run in has finished its previous micro-batch's
-  backward by the tick whose exchange posts the receive (steps run before the exchange
+  backward (of whichever chunk) by the tick whose exchange posts the receive (steps run before the exchange
   of their tick). Otherwise the static input still belongs to that previous
   micro-batch: the receive lands in a fresh tensor and the forward replay copies it in.
   Which case happens when is a property of the timetable: on the last stage of 1F1B
@@ -33,10 +33,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from megatron.core.pipeline_parallel.schedules import ChunkStep, SlotAllocator
+from megatron.core.pipeline_parallel.schedules import ChunkStep
+from megatron.core.pipeline_parallel.slots import Key, assign_slots
 from megatron.core.pipeline_parallel.timetable import Tick
-
-Key = tuple[int, int]  # (model chunk, micro-batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +44,8 @@ class GraphCommPlan:
 
     Attributes:
         slot_of: The slot every ``(chunk, micro-batch)`` forward runs in.
-        previous: The micro-batch that held the same slot before, per ``(chunk,
-            micro-batch)`` (absent for a slot's first micro-batch of the iteration).
+        previous: The ``(chunk, micro-batch)`` that held the same slot before, per
+            ``(chunk, micro-batch)`` (absent for a slot's first micro-batch of the iteration).
         receive_in_place: Per received ``(chunk, micro-batch)``: whether the receive may
             land in the static input of the slot's first graph.
         grad_sent_in_place: Per slot: whether the dgrad of its received input may be sent
@@ -54,13 +53,17 @@ class GraphCommPlan:
     """
 
     slot_of: dict[Key, int]
-    previous: dict[Key, int]
+    previous: dict[Key, Key]
     receive_in_place: dict[Key, bool]
     grad_sent_in_place: dict[int, bool]
 
 
-def plan_graph_comm(order: Sequence[ChunkStep], ticks: Sequence[Tick], num_chunks: int) -> GraphCommPlan:
+def plan_graph_comm(
+    order: Sequence[ChunkStep], ticks: Sequence[Tick], weights: Sequence[float] | None = None
+) -> GraphCommPlan:
     """The decisions for a rank with steps ``order`` and timetable row ``ticks`` (module docstring).
+
+    ``weights``: per model chunk, what a micro-batch keeps in its slot (``assign_slots``).
 
     Raises:
         ValueError: ``ticks`` do not run ``order``.
@@ -71,32 +74,27 @@ def plan_graph_comm(order: Sequence[ChunkStep], ticks: Sequence[Tick], num_chunk
             tick_of[step] = t
     if [s for tick in ticks for s in tick.steps] != list(order):
         raise ValueError("the timetable does not run this rank's order")
-    allocators = [SlotAllocator(c, num_chunks) for c in range(num_chunks)]
-    slot_of: dict[Key, int] = {}
-    previous: dict[Key, int] = {}
-    last_in_slot: dict[int, int] = {}  # slot -> its latest micro-batch
+    slot_of = assign_slots(order, weights)
+    previous: dict[Key, Key] = {}
+    last_in_slot: dict[int, Key] = {}  # slot -> its latest (chunk, micro-batch)
     for phase, chunk, mb in order:
         if phase == "F":
-            slot = allocators[chunk].acquire(mb)
-            slot_of[(chunk, mb)] = slot
+            slot = slot_of[(chunk, mb)]
             if slot in last_in_slot:
                 previous[(chunk, mb)] = last_in_slot[slot]
-            last_in_slot[slot] = mb
-        else:
-            allocators[chunk].release(mb)
+            last_in_slot[slot] = (chunk, mb)
 
     def freed_by(key: Key, tick: int) -> bool:
         """The slot of ``key`` has run its previous micro-batch's backward by the end of
         ``tick``'s steps (a slot's first micro-batch: the previous iteration ran it)."""
-        chunk, mb = key
         prev = previous.get(key)
-        return prev is None or tick_of[("B", chunk, prev)] <= tick
+        return prev is None or tick_of[("B", *prev)] <= tick
 
     receive_in_place = {
         tick.recv_prev: freed_by(tick.recv_prev, t) for t, tick in enumerate(ticks) if tick.recv_prev is not None
     }
     grad_sent_in_place = {slot: True for slot in set(slot_of.values())}
-    for (chunk, mb), prev in previous.items():
-        if tick_of[("F", chunk, mb)] <= tick_of[("B", chunk, prev)]:
-            grad_sent_in_place[slot_of[(chunk, mb)]] = False
+    for key, prev in previous.items():
+        if tick_of[("F", *key)] <= tick_of[("B", *prev)]:
+            grad_sent_in_place[slot_of[key]] = False
     return GraphCommPlan(slot_of, previous, receive_in_place, grad_sent_in_place)

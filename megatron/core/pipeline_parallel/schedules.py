@@ -6,9 +6,9 @@ contract: the loss is the micro-batch's mean loss, ``metrics`` extra values to l
 as aux losses), scales and back-propagates the loss, and tells the CUDA-graph session
 which micro-batch slot each forward runs in. It returns the mean loss and metrics.
 
-Slots. A micro-batch takes the lowest slot free when its forward starts and frees it
-when its backward has run (:class:`SlotAllocator`), so graphs exist per micro-batch in
-flight, not per micro-batch. Without pipelining that is slot 0 for every micro-batch.
+Slots. A micro-batch takes a slot when its forward starts and frees it when its
+backward has run (``slots.py``), so graphs exist per micro-batch in flight, not per
+micro-batch. Without pipelining that is slot 0 for every micro-batch.
 
 Orders. :func:`one_f_one_b_order` and :func:`interleaved_order` give the sequence of
 forward and backward steps of one pipeline rank, as plain data (tested on the CPU,
@@ -27,39 +27,13 @@ from typing import Any
 
 import torch
 
+from megatron.core.pipeline_parallel.slots import SlotAllocator
+
 ForwardStep = Callable[[dict, torch.nn.Module], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 NUM_TOKENS = "num_tokens"
 """The metric a ``forward_step`` reports its loss tokens under (``--calculate-per-token-loss``)."""
 Step = tuple[str, int]  # ("F" | "B", micro-batch)
 ChunkStep = tuple[str, int, int]  # ("F" | "B", model chunk, micro-batch)
-
-
-class SlotAllocator:
-    """Lowest free slot per micro-batch in flight; a slot is free once its backward ran.
-
-    One allocator per model chunk: chunk ``c`` of ``num_chunks`` hands out the slot ids
-    ``c, c + num_chunks, ...``, so a slot never holds two chunks' regions (its events
-    must be one cycle repeated).
-    """
-
-    def __init__(self, chunk: int = 0, num_chunks: int = 1) -> None:
-        self._busy: dict[Any, int] = {}
-        self._chunk, self._num_chunks = chunk, num_chunks
-
-    def acquire(self, key: Any) -> int:
-        if key in self._busy:
-            raise ValueError(f"micro-batch {key} is already in flight")
-        used = set(self._busy.values())
-        index = next(i for i in range(len(used) + 1) if i not in used)
-        self._busy[key] = index
-        return index * self._num_chunks + self._chunk
-
-    def release(self, key: Any) -> int:
-        return self._busy.pop(key) * self._num_chunks + self._chunk
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._busy)
 
 
 def one_f_one_b_order(num_microbatches: int, num_warmup: int) -> list[Step]:
@@ -196,11 +170,11 @@ def _mean(total: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _in_slot(graphs, slot: int) -> Iterator[None]:
+def _in_slot(graphs, slot: int, chunk: int = 0) -> Iterator[None]:
     if graphs is None:
         yield
     else:
-        with graphs.micro_batch(slot):
+        with graphs.micro_batch(slot, chunk):
             yield
 
 
@@ -390,6 +364,7 @@ def forward_backward_pipelining(
     from megatron.core.pipeline_parallel.graph_comm import plan_graph_comm
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
     from megatron.core.pipeline_parallel.timetable import build_timetable
+    from megatron.core.transformer.cuda_graphs.regions import graphable_layers
     from megatron.core.transformer.cuda_graphs.session import NEXT_EVENT
 
     chunks = model_chunks(model)
@@ -415,8 +390,8 @@ def forward_backward_pipelining(
     if graphs is not None and not forward_only:
         key = pipeline_schedule_key(pp, rank, num_chunks, microbatch_group_size)
         graphs.expect_microbatches(num_microbatches, schedule=key)
-        graph_comm = plan_graph_comm(orders[rank], ticks, num_chunks)
-    slots = [SlotAllocator(c, num_chunks) for c in range(num_chunks)]
+        weights = [len(graphable_layers(_unwrap(chunk))) for chunk in chunks]
+        graph_comm = plan_graph_comm(orders[rank], ticks, weights)
     last_backward = max((i for i, s in enumerate(orders[rank]) if s[0] == "B"), default=-1)
     batches: dict[int, dict] = {}
     inputs: dict[tuple[int, int], torch.Tensor] = {}  # received activations, by (chunk, mb)
@@ -433,15 +408,13 @@ def forward_backward_pipelining(
         batch = batches[mb] if chunk < num_chunks - 1 else batches.pop(mb)
         module = chunks[chunk]
         _unwrap(module).set_input_tensor(inputs.get((chunk, mb)) if stage > 0 else None)
-        slot = slots[chunk].acquire((chunk, mb))
-        assert graph_comm is None or graph_comm.slot_of[(chunk, mb)] == slot
-        with _in_slot(graphs, slot):
+        slot = graph_comm.slot_of[(chunk, mb)] if graph_comm is not None else 0
+        with _in_slot(graphs, slot, chunk):
             if stage == last_stage:
                 loss, metrics = forward_step(batch, module)
             else:
                 output = stage_forward(batch, module)
         if forward_only:
-            slots[chunk].release((chunk, mb))
             inputs.pop((chunk, mb), None)
         if stage != last_stage:
             if not forward_only:
@@ -462,7 +435,6 @@ def forward_backward_pipelining(
         stage = chunk * pp + rank
         output, grad = outputs.pop((chunk, mb)), grads.pop((chunk, mb), None)
         received = inputs.pop((chunk, mb), None)
-        slots[chunk].release((chunk, mb))
         if output is received:  # a chunk of no layers passed its input on: its gradient goes back as is
             return grad
         sync = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
@@ -524,7 +496,7 @@ def _receive_target(graphs, graph_comm, key: tuple[int, int] | None) -> torch.Te
     slot = graph_comm.slot_of[key]
     if not graphs.captured or slot not in graphs.cycles:  # no graph of this chunk's slot was recorded
         return None
-    return graphs.receive_buffer(slot)
+    return graphs.receive_buffer(slot, key[0])
 
 
 def _broadcast_results(losses, metric_sum, n: int, per_token_loss: bool, pg):

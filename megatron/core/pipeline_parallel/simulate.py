@@ -5,8 +5,8 @@ What a pipeline rank executes, without communication:
 - :func:`rank_order`: the steps ``(phase, chunk, micro-batch)`` that pipeline rank
   ``pp_rank`` runs under 1F1B or interleaved 1F1B (the order helpers of
   ``schedules.py``, with Megatron's warm-up);
-- :func:`assign_slots`: the CUDA-graph micro-batch slot of every step (the lowest slot
-  of its chunk free when the forward starts, free again after its backward);
+- :func:`slot_steps`: the CUDA-graph micro-batch slot of every step
+  (``slots.assign_slots``, as the pipelined schedule hands them out);
 - :func:`forward_backward_chunks`: runs a whole GPT model as ``num_chunks``
   consecutive model chunks in one process, in the interleaved order of one pipeline
   rank. Chunk c's output is "sent" to chunk c+1 (a detached tensor received as a new
@@ -34,7 +34,6 @@ from torch.autograd.variable import Variable
 from megatron.core.pipeline_parallel.schedules import (
     ChunkStep,
     ForwardStep,
-    SlotAllocator,
     _in_slot,
     _mean,
     _results,
@@ -43,6 +42,7 @@ from megatron.core.pipeline_parallel.schedules import (
     interleaved_order,
     one_f_one_b_order,
 )
+from megatron.core.pipeline_parallel.slots import assign_slots
 from megatron.core.transformer.recompute import run_layers
 
 SCHEDULES = ("1f1b", "interleaved")
@@ -74,31 +74,24 @@ class SlotStep:
     slot: int
 
 
-def assign_slots(order: Sequence[ChunkStep], num_chunks: int) -> list[SlotStep]:
-    """The slot of every step: one :class:`SlotAllocator` per chunk, as the schedules do."""
-    allocators = [SlotAllocator(c, num_chunks) for c in range(num_chunks)]
-    slot_of: dict[tuple[int, int], int] = {}
-    steps = []
-    for phase, chunk, mb in order:
-        if phase == "F":
-            slot_of[(chunk, mb)] = slot = allocators[chunk].acquire(mb)
-        else:
-            slot = slot_of.pop((chunk, mb))
-            allocators[chunk].release(mb)
-        steps.append(SlotStep(phase, chunk, mb, slot))
-    return steps
+def slot_steps(order: Sequence[ChunkStep], weights: Sequence[float] | None = None) -> list[SlotStep]:
+    """The slot of every step, as the pipelined schedule assigns them (``slots.assign_slots``;
+    ``weights``: per chunk, e.g. its layers)."""
+    slot_of = assign_slots(order, weights)
+    return [SlotStep(phase, chunk, mb, slot_of[(chunk, mb)]) for phase, chunk, mb in order]
 
 
-def max_in_flight(order: Sequence[ChunkStep], chunk: int) -> int:
-    """Most micro-batches of ``chunk`` forwarded and not yet backwarded at once."""
-    live: set[int] = set()
+def max_in_flight(order: Sequence[ChunkStep], chunk: int | None = None) -> int:
+    """Most micro-batches of ``chunk`` (None: of every chunk) forwarded and not yet
+    backwarded at once."""
+    live: set[tuple[int, int]] = set()
     most = 0
     for phase, c, mb in order:
-        if c == chunk:
+        if chunk is None or c == chunk:
             if phase == "F":
-                live.add(mb)
+                live.add((c, mb))
             else:
-                live.discard(mb)
+                live.discard((c, mb))
             most = max(most, len(live))
     return most
 
@@ -225,9 +218,9 @@ def _send(graphs, out: torch.Tensor) -> None:
         graphs.note_send(out)
 
 
-def _receive(graphs, slot: int, sent: torch.Tensor) -> torch.Tensor:
-    """What a pipeline receive of ``sent`` gives chunk c+1 (a new leaf that needs a grad)."""
-    buffer = graphs.receive_buffer(slot) if graphs is not None else None
+def _receive(graphs, slot: int, chunk: int, sent: torch.Tensor) -> torch.Tensor:
+    """What a pipeline receive of ``sent`` gives ``chunk`` (a new leaf that needs a grad)."""
+    buffer = graphs.receive_buffer(slot, chunk) if graphs is not None else None
     if buffer is not None:
         buffer.copy_(sent)  # the receive, straight into the first graph's static input
         return buffer.detach().requires_grad_(True)
@@ -278,7 +271,7 @@ def forward_backward_chunks(
         schedule = "1f1b" if num_chunks == 1 else "interleaved"
         order = rank_order(schedule, num_microbatches, pp_size, pp_rank, num_chunks)
         check_single_process(order, num_chunks)
-        steps = assign_slots(order, num_chunks)
+        steps = slot_steps(order, [hi - lo for lo, hi in zip(chunks.bounds, chunks.bounds[1:])])
         if graphs is not None:
             graphs.expect_microbatches(num_microbatches, schedule=schedule_key(schedule, pp_size, pp_rank, num_chunks))
     batches: dict[int, dict] = {}
@@ -296,10 +289,10 @@ def forward_backward_chunks(
             hidden = None
             if c > 0:
                 sent = outputs.pop((c - 1, mb)) if forward_only else outputs[(c - 1, mb)]
-                hidden = received[(c, mb)] = _receive(graphs, step.slot, sent)
+                hidden = received[(c, mb)] = _receive(graphs, step.slot, c, sent)
                 if deallocate_pipeline_outputs and not forward_only:
                     deallocate_output(sent)
-            with _in_slot(graphs, step.slot):
+            with _in_slot(graphs, step.slot, c):
                 if c < last_chunk:
                     outputs[(c, mb)] = out = chunks.forward(c, batches[mb], hidden)
                     _send(graphs, out)

@@ -4,7 +4,8 @@ For every 1F1B layout of 2-4 stages and every interleaved layout of 2 and 4 stag
 (2 chunks), 1, 2, 4 and 8 micro-batches, every rank:
 
 - ``plan_graph_comm`` agrees with an independent walk over the rank's ticks: a receive
-  lands in place exactly when its slot holds no micro-batch at that exchange; a slot
+  lands in place exactly when its slot holds no micro-batch (of any chunk: a slot serves
+  both chunks) at that exchange; a slot
   sends its dgrad uncopied exactly when no tick runs its backward and then its next
   forward before the exchange that sends that dgrad.
 - The whole iteration, tick by tick, against the hostile LIFO pool of
@@ -17,6 +18,7 @@ For every 1F1B layout of 2-4 stages and every interleaved layout of 2 and 4 stag
 import pytest
 
 from megatron.core.pipeline_parallel import graph_comm, schedules, simulate
+from megatron.core.pipeline_parallel.slots import assign_slots
 from megatron.core.pipeline_parallel.timetable import build_timetable
 from megatron.core.transformer.cuda_graphs.plan import (
     BWD,
@@ -25,10 +27,10 @@ from megatron.core.transformer.cuda_graphs.plan import (
     CommRecv,
     backward_runs_alone,
     build_plan,
-    slot_cycles,
+    slot_runs,
 )
 from tests.unit_tests.transformer.cuda_graphs.test_plan_simulation import Pool, simulate_capture
-from tests.unit_tests.transformer.cuda_graphs.test_slots import REGIONS_PER_CHUNK, chunk_regions, record
+from tests.unit_tests.transformer.cuda_graphs.test_slots import CHUNK_OF, REGIONS_PER_CHUNK, chunk_regions, record
 
 
 def layouts():
@@ -61,10 +63,11 @@ def rank_ticks(layout):
 def test_decisions_follow_the_slots_tick_by_tick(layout):
     m, pp, rank, chunks = layout
     order, ticks = rank_ticks(layout)
-    decided = graph_comm.plan_graph_comm(order, ticks, chunks)
-    slot_of = {(s.chunk, s.microbatch): s.slot for s in simulate.assign_slots(order, chunks)}
-    assert decided.slot_of == slot_of
-    holder: dict[int, int] = {}  # slot -> micro-batch in it
+    decided = graph_comm.plan_graph_comm(order, ticks)
+    slot_of = {(s.chunk, s.microbatch): s.slot for s in simulate.slot_steps(order)}
+    assert decided.slot_of == slot_of == assign_slots(order)
+    assert len(set(slot_of.values())) == simulate.max_in_flight(order)  # equal chunks share slots
+    holder: dict[int, tuple[int, int]] = {}  # slot -> (chunk, micro-batch) in it
     unsafe_slots = set()
     receives = 0
     for tick in ticks:
@@ -75,7 +78,7 @@ def test_decisions_follow_the_slots_tick_by_tick(layout):
                 assert s not in holder
                 if s in freed_here:  # its backward ran earlier in this tick: the dgrad is not sent yet
                     unsafe_slots.add(s)
-                holder[s] = mb
+                holder[s] = (c, mb)
             else:
                 del holder[s]
                 freed_here.add(s)
@@ -91,12 +94,12 @@ def test_which_receives_land_in_place():
     interleaving on 2 and 4 stages receive everything in place; 1F1B middle stages copy some."""
     for layout in LAYOUTS:
         m, pp, rank, chunks = layout
-        decided = graph_comm.plan_graph_comm(*rank_ticks(layout), chunks)
+        decided = graph_comm.plan_graph_comm(*rank_ticks(layout))
         if (chunks == 1 and rank == pp - 1) or chunks == 2:
             assert all(decided.receive_in_place.values()), layout
         if chunks == 1 and rank == pp - 1:
             assert all(decided.grad_sent_in_place.values()), layout
-    decided = graph_comm.plan_graph_comm(*rank_ticks((8, 4, 1, 1)), 1)
+    decided = graph_comm.plan_graph_comm(*rank_ticks((8, 4, 1, 1)))
     assert sum(decided.receive_in_place.values()) == 5 and len(decided.receive_in_place) == 8
     assert not all(decided.grad_sent_in_place.values())
 
@@ -104,7 +107,7 @@ def test_which_receives_land_in_place():
 def test_a_timetable_of_another_order_is_refused():
     order, ticks = rank_ticks((4, 2, 0, 1))
     with pytest.raises(ValueError, match="does not run this rank's order"):
-        graph_comm.plan_graph_comm(order[:-1], ticks, 1)
+        graph_comm.plan_graph_comm(order[:-1], ticks)
 
 
 # ---------------------------------------------------------------------- hostile pool, tick by tick
@@ -116,22 +119,23 @@ def captured_slots(layout, decided):
     order, _ = rank_ticks(layout)
     events = record(order, chunks)
     regions = chunk_regions(chunks)
-    cycles = slot_cycles(events)
-    backward_pool = Pool(first_block=10**6) if backward_runs_alone(events, cycles) else None
+    runs = slot_runs(events, CHUNK_OF)
+    backward_pool = Pool(first_block=10**6) if backward_runs_alone(events, runs) else None
     last_stage = pp * chunks - 1
     slots = {}
-    for s, cycle in cycles.items():
-        c = cycle[0].region // REGIONS_PER_CHUNK
-        first, last = c * REGIONS_PER_CHUNK, (c + 1) * REGIONS_PER_CHUNK - 1
-        stage = c * pp + rank
+    for s, slot_runs_ in runs.items():
+        cycle = [e for _, run in slot_runs_ for e in run]
         comm = []
-        if stage > 0:
-            comm.append(CommRecv(("input", first, 0)))
-            if decided.grad_sent_in_place[s]:
-                comm.append(CommRead(("grad_input", first, 0)))
-        if stage < last_stage:  # waited in the forward's tick: before the slot's next event
-            comm.append(CommRead(("output", last, 0), until=(BWD, last)))
-        plan = build_plan(cycle, regions, comm)
+        for c, _ in slot_runs_:  # each chunk the slot serves has its edges
+            first, last = c * REGIONS_PER_CHUNK, (c + 1) * REGIONS_PER_CHUNK - 1
+            stage = c * pp + rank
+            if stage > 0:
+                comm.append(CommRecv(("input", first, 0)))
+                if decided.grad_sent_in_place[s]:
+                    comm.append(CommRead(("grad_input", first, 0)))
+            if stage < last_stage:  # waited in the forward's tick: before the slot's next event
+                comm.append(CommRead(("output", last, 0), until=(BWD, last)))
+        plan = build_plan(cycle, regions, comm, CHUNK_OF)
         block, temps = simulate_capture(
             cycle, regions, plan, saves_inputs=True, pool=Pool(first_block=1000 * s), backward_pool=backward_pool
         )
@@ -179,7 +183,7 @@ def replay_ticks(layout, decided, iterations=2):
                 for r in chunk_regions_ if phase == "F" else reversed(chunk_regions_):
                     io = regions[r]
                     pos = plan.position(FWD if phase == "F" else BWD, r)
-                    if pos == 0:
+                    if phase == "F" and r == first:  # the slot's next micro-batch starts
                         gen[s] += 1
                     when = f"tick {t}: {phase}{r} of micro-batch {mb} in slot {s}"
                     if phase == "F":
@@ -223,7 +227,7 @@ def replay_ticks(layout, decided, iterations=2):
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
 def test_exchanges_never_meet_a_reused_block(layout):
-    decided = graph_comm.plan_graph_comm(*rank_ticks(layout), layout[3])
+    decided = graph_comm.plan_graph_comm(*rank_ticks(layout))
     assert replay_ticks(layout, decided) == []
 
 
@@ -239,7 +243,7 @@ def override(decided, receive=None, grad=None):
 def test_every_dgrad_sent_uncopied_is_caught():
     caught = 0
     for layout in LAYOUTS:
-        decided = graph_comm.plan_graph_comm(*rank_ticks(layout), layout[3])
+        decided = graph_comm.plan_graph_comm(*rank_ticks(layout))
         if all(decided.grad_sent_in_place.values()) or layout[2] == 0 and layout[3] == 1:
             continue  # nothing to get wrong (the first stage sends no dgrad)
         assert replay_ticks(layout, override(decided, grad=True)) != [], layout
@@ -250,7 +254,7 @@ def test_every_dgrad_sent_uncopied_is_caught():
 def test_every_receive_in_place_is_caught():
     caught = 0
     for layout in LAYOUTS:
-        decided = graph_comm.plan_graph_comm(*rank_ticks(layout), layout[3])
+        decided = graph_comm.plan_graph_comm(*rank_ticks(layout))
         if all(decided.receive_in_place.values()):
             continue
         assert replay_ticks(layout, override(decided, receive=True)) != [], layout

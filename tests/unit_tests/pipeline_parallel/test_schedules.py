@@ -37,17 +37,6 @@ def test_interleaved_order_visits_chunks_in_groups_of_pp_size():
         schedules.interleaved_order(3, 2, 0, 2)
 
 
-def test_slot_allocator_reuses_the_lowest_free_slot():
-    slots = schedules.SlotAllocator()
-    assert [slots.acquire(m) for m in range(3)] == [0, 1, 2]
-    slots.release(1)
-    assert slots.acquire(3) == 1 and slots.in_flight == 3
-    with pytest.raises(ValueError, match="already in flight"):
-        slots.acquire(3)
-    chunk1 = schedules.SlotAllocator(chunk=1, num_chunks=2)  # ids never collide with chunk 0's
-    assert [chunk1.acquire(m) for m in range(2)] == [1, 3] and chunk1.release(0) == 1
-
-
 TINY = TINY_GPT_FLAGS + " --global-batch-size 8"  # 4 micro-batches
 
 

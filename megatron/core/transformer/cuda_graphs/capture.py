@@ -53,7 +53,7 @@ def sample_tensor(meta: TensorMeta) -> torch.Tensor:
 def warmup_order(cycles: dict[int, list[Event]]) -> list[int]:
     """Every region of every slot once, by first forward: the regions warmed up (and whose
     parameters are found) before capture. With model chunks (VPP) a slot's cycle holds
-    only its own chunk's regions, so no single cycle names them all."""
+    only the chunks it served, so no single cycle need name them all."""
     return list({e.region: None for cycle in cycles.values() for e in cycle if e.phase == FWD})
 
 

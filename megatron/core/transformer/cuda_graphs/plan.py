@@ -9,10 +9,15 @@ each micro-batch the lowest slot free when its forward starts, and the slot is f
 again once its backward has run, so a region needs one graph pair per slot, never one
 per micro-batch. The recorded *iteration* is every event of one global batch in
 execution order (1F1B and interleaved schedules mix slots). Restricted to one slot it
-is a *cycle* repeated, one per micro-batch of that slot, e.g. ``F0 F1 .. Fn Bn .. B0``
-for a stack of regions. Each slot's graphs are captured in cycle order into one pool of
-that slot; with one slot in flight (no pipelining) that is the one shared pool of the
-run. Slots need pools of their own: a forward of slot 0 replays while slot 1's
+is a sequence of *runs*, one per micro-batch the slot served, e.g. ``F0 F1 .. Fn Bn ..
+B0`` for a stack of regions; every run of a model chunk is the same. A slot's *cycle*
+is one run of each chunk it served, one after the other, and its graphs are captured in
+cycle order into one pool of that slot; with one slot in flight (no pipelining) that is
+the one shared pool of the run. A slot may serve the chunks' runs in any order, as the
+schedule hands it out (``pipeline_parallel/slots.py``): at the end of a run everything
+it allocated is dead except the buffers kept for good below, which nothing reads once
+the slot's next run starts; so whichever run comes next may reuse its memory, and the
+slot's pool reserves the largest run, not the sum. Slots need pools of their own: a forward of slot 0 replays while slot 1's
 activations are live, yet slot 0 was captured before they existed, so in one pool its
 temporaries may sit where they now live (the hostile pool test shows it). Backward
 graphs are the exception (:func:`backward_runs_alone`): when every slot's backward
@@ -54,10 +59,10 @@ keeps a strong reference for readers autograd cannot see:
   sent needs no copy. ``until=None`` keeps the buffer for good, yet the op must still be
   waited on before the slot's next micro-batch starts: a buffer kept for good may sit
   in a block that a buffer released earlier in the cycle used, and the next
-  micro-batch writes that one first (the hostile pool test shows it);
+  micro-batch (of any chunk) writes that one first (the hostile pool test shows it);
 * the static input a pipeline receive writes into (``CommRecv``: the input of a chunk's
   first graph, received into without a copy) is kept for good. The receive is posted
-  when the slot's previous micro-batch has finished its cycle and lands before the
+  when the slot's previous micro-batch has finished its run and lands before the
   forward; a block released inside the cycle may by then hold a buffer that lives past
   the cycle (a frozen output, an output whose send is waited on late), which the
   receive would overwrite. Autograd holds that input until the first graph's backward
@@ -65,7 +70,7 @@ keeps a strong reference for readers autograd cannot see:
 """
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 FWD = "fwd"
 BWD = "bwd"
@@ -186,29 +191,78 @@ class Plan:
         ]
 
 
-def slot_cycles(order: Sequence[Event]) -> dict[int, list[Event]]:
-    """Each slot's cycle in a recorded iteration (``split_cycle`` of its events)."""
+Run = tuple[int, list[Event]]  # (model chunk, the events of one micro-batch)
+
+
+def slot_runs(order: Sequence[Event], chunk_of: Mapping[int, int] | None = None) -> dict[int, list[Run]]:
+    """Each slot's runs in a recorded iteration: per model chunk the slot served, the
+    events of one of its micro-batches (a *run*), chunks in the order the slot first served them.
+
+    A slot serves one micro-batch at a time, so its events split into runs: a new run
+    starts with a forward of another chunk (``chunk_of``: region -> chunk, default 0) or
+    of a region the current run already ran. Every run of a chunk must be the same.
+
+    Raises:
+        ValueError: no events; runs of one chunk differ; a backward of another chunk
+            inside a run.
+    """
     if not order:
         raise ValueError("no graphed region ran during the recording iteration")
-    by_slot: dict[int, list[Event]] = {}
+    chunk_of = chunk_of or {}
+    runs: dict[int, list[tuple[int, list[Event]]]] = {}
+    seen: dict[int, set[int]] = {}  # slot -> forwards of its current run
     for e in order:
-        by_slot.setdefault(e.slot, []).append(e)
-    return {slot: split_cycle(events) for slot, events in sorted(by_slot.items())}
+        chunk = chunk_of.get(e.region, 0)
+        current = runs[e.slot][-1] if e.slot in runs else None
+        if current is None or (e.phase == FWD and (chunk != current[0] or e.region in seen[e.slot])):
+            current = (chunk, [])
+            runs.setdefault(e.slot, []).append(current)
+            seen[e.slot] = set()
+        elif chunk != current[0]:
+            raise ValueError(
+                f"slot {e.slot} ran {e} of model chunk {chunk} inside a micro-batch of chunk {current[0]}; a slot "
+                "serves one micro-batch at a time"
+            )
+        if e.phase == FWD:
+            seen[e.slot].add(e.region)
+        current[1].append(e)
+    result: dict[int, list[Run]] = {}
+    for slot, slot_runs_ in sorted(runs.items()):
+        first: dict[int, list[Event]] = {}
+        for chunk, events in slot_runs_:
+            want = first.setdefault(chunk, events)
+            if events != want:
+                raise ValueError(
+                    "graphed regions ran in a different order in different micro-batches of the recording "
+                    f"iteration (slot {slot}, first micro-batch: {' '.join(map(str, want))}; later: "
+                    f"{' '.join(map(str, events))}); partial graphs need the same order every micro-batch"
+                )
+        result[slot] = list(first.items())
+    return result
 
 
-def backward_runs_alone(order: Sequence[Event], cycles: dict[int, list[Event]]) -> bool:
+def slot_cycles(order: Sequence[Event], chunk_of: Mapping[int, int] | None = None) -> dict[int, list[Event]]:
+    """Each slot's cycle: its runs (:func:`slot_runs`) one after the other."""
+    return {slot: [e for _, events in runs for e in events] for slot, runs in slot_runs(order, chunk_of).items()}
+
+
+def backward_runs_alone(order: Sequence[Event], runs: dict[int, list[Run]]) -> bool:
     """Whether the slots' backward graphs may share one pool (module docstring).
 
-    True when there are several slots, every cycle is all its forwards then all its
-    backwards, and in ``order`` no other slot's event falls between the first and the
-    last backward of any micro-batch of a slot.
+    True when there are several slots, every run (:func:`slot_runs`) is all its
+    forwards then all its backwards, and in ``order`` no other slot's event falls
+    between the first and the last backward of a run.
     """
-    if len(cycles) < 2:
+    if len(runs) < 2:
         return False
-    for cycle in cycles.values():
-        phases = [e.phase for e in cycle]
-        if BWD not in phases or FWD in phases[phases.index(BWD) :]:
-            return False
+    backwards: dict[int, int] = {}  # region -> backward events of its run
+    for slot_runs_ in runs.values():
+        for _, events in slot_runs_:
+            phases = [e.phase for e in events]
+            if BWD not in phases or FWD in phases[phases.index(BWD) :]:
+                return False
+            for e in events:
+                backwards[e.region] = phases.count(BWD)
     open_run: int | None = None  # the slot whose backward run has started and not ended
     remaining = 0
     for e in order:
@@ -216,47 +270,30 @@ def backward_runs_alone(order: Sequence[Event], cycles: dict[int, list[Event]]) 
             return False
         if e.phase == BWD:
             if open_run is None:
-                open_run, remaining = e.slot, sum(1 for c in cycles[e.slot] if c.phase == BWD)
+                open_run, remaining = e.slot, backwards[e.region]
             remaining -= 1
             if remaining == 0:
                 open_run = None
     return open_run is None
 
 
-def split_cycle(order: Sequence[Event]) -> list[Event]:
-    """Finds the repeating cycle of one micro-batch in a recorded iteration.
-
-    Every region runs forward once and backward at most once per micro-batch; the
-    recorded iteration must be that cycle repeated. Raises ``ValueError`` otherwise.
-    """
-    if not order:
-        raise ValueError("no graphed region ran during the recording iteration")
-    seen_fwd = set()
-    length = len(order)
-    for i, e in enumerate(order):
-        if e.phase == FWD and e.region in seen_fwd:
-            length = i
-            break
-        if e.phase == FWD:
-            seen_fwd.add(e.region)
-    cycle = list(order[:length])
-    if len(order) % length or any(order[i] != cycle[i % length] for i in range(len(order))):
-        raise ValueError(
-            "graphed regions ran in a different order in different micro-batches of the "
-            f"recording iteration (first micro-batch: {' '.join(map(str, cycle))}; whole "
-            f"iteration: {' '.join(map(str, order))}); partial graphs need the same order every micro-batch"
-        )
-    return cycle
-
-
-def build_plan(cycle: Sequence[Event], regions: Sequence[RegionIO], comm: Sequence[CommRead | CommRecv] = ()) -> Plan:
+def build_plan(
+    cycle: Sequence[Event],
+    regions: Sequence[RegionIO],
+    comm: Sequence[CommRead | CommRecv] = (),
+    chunk_of: Mapping[int, int] | None = None,
+) -> Plan:
     """Computes aliasing and release points for every static buffer of one slot's cycle.
 
     Args:
-        cycle: The events of one micro-batch of one slot, in execution order.
+        cycle: One slot's cycle (one run per model chunk it serves), in execution order.
         regions: What recording learned of each region (index = ``Event.region``).
         comm: Buffers that communication reads, and until when; inputs that receives write.
+        chunk_of: Region -> model chunk (default 0). A tensor that regions of several
+            chunks read (a cached RoPE table) gets one shared buffer per chunk: the slot
+            may run any chunk's micro-batch next, and each run fills its own.
     """
+    chunk_of = chunk_of or {}
     cycle = list(cycle)
     if len({e.slot for e in cycle}) > 1:
         raise ValueError(f"a cycle holds the events of one slot, got {' '.join(map(str, cycle))}")
@@ -265,7 +302,7 @@ def build_plan(cycle: Sequence[Event], regions: Sequence[RegionIO], comm: Sequen
         if (e.phase, e.region) in pos:
             raise ValueError(f"event {e} appears twice in one cycle")
         pos[(e.phase, e.region)] = i
-    # The regions of this slot (a model chunk's own; other chunks have other slots).
+    # The regions of this slot's runs (one run per model chunk it serves).
     present = sorted({e.region for e in cycle})
     for r in present:
         if (FWD, r) not in pos:
@@ -282,6 +319,11 @@ def build_plan(cycle: Sequence[Event], regions: Sequence[RegionIO], comm: Sequen
     # Forward readers of every output and shared group.
     output_readers: dict[tuple[int, int], list[int]] = {}
     shared_readers: dict[int, list[int]] = {}
+    group_of: dict[tuple[int, int], int] = {}  # (chunk, recorded shared group) -> group of this plan
+
+    def group(r: int, src: Source) -> int:
+        return group_of.setdefault((chunk_of.get(r, 0), src.index), len(group_of))
+
     for r, io in planned:
         for i, src in enumerate(io.inputs):
             if src.kind == "handoff":
@@ -289,7 +331,7 @@ def build_plan(cycle: Sequence[Event], regions: Sequence[RegionIO], comm: Sequen
                     raise ValueError(f"region {io.name} input {i} is handed off from a region that runs later")
                 output_readers.setdefault((src.region, src.index), []).append(fpos(r))
             elif src.kind == "shared":
-                shared_readers.setdefault(src.index, []).append(fpos(r))
+                shared_readers.setdefault(group(r, src), []).append(fpos(r))
 
     for r, io in planned:
         b = bpos(r)
@@ -304,11 +346,11 @@ def build_plan(cycle: Sequence[Event], regions: Sequence[RegionIO], comm: Sequen
             if src.kind == "handoff":
                 buffers[key] = BufferSpec(key, alias_of=("output", src.region, src.index), readers=[fpos(r)])
             elif src.kind == "shared":
-                group = ("shared", -1, src.index)
-                if group not in buffers:
-                    readers = sorted(shared_readers[src.index])
-                    buffers[group] = BufferSpec(group, release_after=readers[-1], readers=readers)
-                buffers[key] = BufferSpec(key, alias_of=group, readers=[fpos(r)])
+                shared = ("shared", -1, group(r, src))
+                if shared not in buffers:
+                    readers = sorted(shared_readers[group(r, src)])
+                    buffers[shared] = BufferSpec(shared, release_after=readers[-1], readers=readers)
+                buffers[key] = BufferSpec(key, alias_of=shared, readers=[fpos(r)])
             else:
                 buffers[key] = BufferSpec(key, release_after=fpos(r), readers=[fpos(r)])
         if b is None:

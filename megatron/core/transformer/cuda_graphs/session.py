@@ -7,7 +7,8 @@ again after :meth:`GraphSession.close`). Model classes carry no capture code.
 
 - Recording (iteration 1): regions run eagerly; the recorder keeps the order of events
   ``(phase, region, slot)`` and where every argument came from.
-- ``end_of_iteration()`` after iteration 1 builds one plan per slot and captures
+- ``end_of_iteration()`` after iteration 1 builds one plan per slot (its runs: one
+  micro-batch of each model chunk it served, ``plan.slot_runs``) and captures
   (``capture.py``). Later iterations replay; each replay must be the event the recorded
   iteration has next (cheap check: an index and a tuple compare), and an iteration must
   replay all of it, no more. The schedule says its micro-batch count (and which
@@ -16,8 +17,8 @@ again after :meth:`GraphSession.close`). Model classes carry no capture code.
   several slots in flight; a new schedule raises. Anything else raises instead of
   silently reading freed memory.
 - Pipeline receives: the schedule notes a received tensor while recording
-  (``note_receive``); after capture ``receive_buffer(slot)`` is the static input of the
-  slot's graph that reads it, to receive into without a copy. Sends: ``note_send`` for
+  (``note_receive``); after capture ``receive_buffer(slot, chunk)`` is the static input
+  of the slot's graph of that chunk that reads it, to receive into without a copy. Sends: ``note_send`` for
   a graphed output; ``note_receive(..., grad_sent=True)`` for the gradient of a
   received input that the schedule sends back from the graph's own buffer.
 - Pools: one per slot; when the slots' backward runs never interleave (the
@@ -55,9 +56,10 @@ from megatron.core.transformer.cuda_graphs.plan import (
     Event,
     Plan,
     RegionIO,
+    Run,
     backward_runs_alone,
     build_plan,
-    slot_cycles,
+    slot_runs,
 )
 from megatron.core.transformer.cuda_graphs.pool import format_pool_summary
 from megatron.core.transformer.cuda_graphs.recorder import Recorder
@@ -133,7 +135,8 @@ class GraphSession:
                 )
         self.recorder = Recorder()
         self.order: list[Event] = []  # the recorded iteration, replayed in this order
-        self.cycles: dict[int, list[Event]] = {}
+        self.cycles: dict[int, list[Event]] = {}  # slot -> its runs one after the other
+        self.runs: dict[int, list[Run]] = {}  # slot -> (chunk, events of one micro-batch) per chunk served
         self.plans: dict[int, Plan] = {}
         self.comm_reads: list[tuple[int, CommRead]] = []  # (slot, read)
         self.pools: dict = {}  # slot -> GraphPool
@@ -141,6 +144,8 @@ class GraphSession:
         self.buffers: dict[int, dict] = {}
         self.cursor = 0
         self.slot = 0
+        self.chunk = 0
+        self._chunk_of: dict[int, int] = {}  # region -> the model chunk it ran in (recording)
         self.capture_seconds = 0.0
         self.recorded_microbatches: int | None = None
         self.recorded_schedule: Hashable | None = None
@@ -149,6 +154,7 @@ class GraphSession:
         self.sent_grads: set[tuple[int, int, int]] = set()  # (slot, region, arg): a received input's dgrad sent
         self._receives: dict[int, tuple[weakref.ref, bool]] = {}  # recording: id -> (received tensor, grad sent)
         self._slot_at: dict[int, int] = {}  # slot -> cycle position of its last replayed event
+        self._run_ends: dict[int, set[int]] = {}  # slot -> cycle positions that end a run
         self._anchor: torch.Tensor | None = None
         self._positions: list[tuple[int, int]] = []  # per order index: (slot, cycle position)
         self._poison: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -206,13 +212,15 @@ class GraphSession:
 
     # ------------------------------------------------------------------ schedule hooks
     @contextlib.contextmanager
-    def micro_batch(self, slot: int) -> Iterator[None]:
-        """Forwards inside run in micro-batch ``slot`` (the schedule says which)."""
-        previous, self.slot = self.slot, slot
+    def micro_batch(self, slot: int, chunk: int = 0) -> Iterator[None]:
+        """Forwards inside run in micro-batch ``slot``, in model chunk ``chunk`` (the
+        schedule says which; a slot serves one micro-batch at a time, of any chunk)."""
+        previous = self.slot, self.chunk
+        self.slot, self.chunk = slot, chunk
         try:
             yield
         finally:
-            self.slot = previous
+            self.slot, self.chunk = previous
 
     def expect_microbatches(self, n: int, schedule: Hashable | None = None) -> None:
         """Called by the schedule before each training iteration with its micro-batch count.
@@ -291,16 +299,17 @@ class GraphSession:
         if key is not None:
             self.sent_outputs[key] = until
 
-    def receive_buffer(self, slot: int) -> torch.Tensor | None:
-        """After capture: the static input to receive ``slot``'s next input into, no copy.
+    def receive_buffer(self, slot: int, chunk: int = 0) -> torch.Tensor | None:
+        """After capture: the static input to receive ``slot``'s next input (a micro-batch
+        of model chunk ``chunk``) into, no copy.
 
-        None before capture, and when no graph of the slot reads a received tensor
-        directly (the receiver allocates then, and the replay copies). Ask only when the
-        slot's previous micro-batch has run its whole cycle (the receive lands in memory
-        the slot's graphs use until then).
+        None before capture, and when no graph of the chunk in the slot reads a received
+        tensor directly (the receiver allocates then, and the replay copies). Ask only
+        when the slot's previous micro-batch has run its whole run (the receive lands in
+        memory the slot's graphs use until then).
 
         Raises:
-            RuntimeError: the slot is in the middle of its cycle.
+            RuntimeError: the slot is in the middle of a micro-batch.
         """
         if self.state is not GraphState.CAPTURED:
             return None
@@ -308,14 +317,14 @@ class GraphSession:
         if cycle is None:
             raise RuntimeError(f"CUDA graphs: no micro-batch slot {slot} was recorded (slots: {sorted(self.cycles)}).")
         at = self._slot_at.get(slot)
-        if at is not None and at != len(cycle) - 1:
+        if at is not None and at not in self._run_ends[slot]:
             event = cycle[at]
             raise RuntimeError(
                 f"CUDA graphs: a pipeline receive for slot {slot} while its previous micro-batch is in the middle "
-                f"of its cycle (last replayed: the {event.phase} graph of {self.regions[event.region].name}); "
+                f"of its run (last replayed: the {event.phase} graph of {self.regions[event.region].name}); "
                 "receive the next micro-batch's input only after the slot's backward has run."
             )
-        regions = {e.region for e in cycle}
+        regions = {e.region for c, events in self.runs[slot] if c == chunk for e in events}
         for r, i in sorted(self.received_inputs):
             if r in regions:
                 plan = self.plans[slot]
@@ -359,6 +368,12 @@ class GraphSession:
             hit = self._receives.get(id(a)) if (region.index, i) in self.received_inputs else None
             if hit is not None and hit[0]() is a and hit[1] and region.input_requires_grad[i]:
                 self.sent_grads.add((slot, region.index, i))
+        chunk = self._chunk_of.setdefault(region.index, self.chunk)
+        if chunk != self.chunk:
+            raise ValueError(
+                f"{region.name} ran in model chunk {self.chunk} after running in chunk {chunk}; a region belongs to "
+                "one model chunk"
+            )
         outs = region.note_call(args, region.fn(*args))
         self.recorder.event(Event(FWD, region.index, slot))
         if region.has_backward:
@@ -435,7 +450,15 @@ class GraphSession:
     def make_plans(self) -> dict[int, Plan]:
         """Each slot's cycle and hand-off plan, from what the recording iteration saw."""
         self.order = list(self.recorder.order)
-        self.cycles = slot_cycles(self.order)
+        self.runs = slot_runs(self.order, self._chunk_of)
+        self.cycles = {slot: [e for _, events in runs for e in events] for slot, runs in self.runs.items()}
+        self._run_ends = {}
+        for slot, runs in self.runs.items():
+            ends, end = set(), -1
+            for _, events in runs:
+                end += len(events)
+                ends.add(end)
+            self._run_ends[slot] = ends
         ios = [RegionIO(r.name, list(r.sources), r.input_requires_grad, r.output_requires_grad) for r in self.regions]
         self.plans = {}
         for slot, cycle in self.cycles.items():
@@ -448,7 +471,7 @@ class GraphSession:
                 if r in regions
             ]
             comm += [CommRead(("grad_input", r, i)) for s, r, i in sorted(self.sent_grads) if s == slot]
-            self.plans[slot] = build_plan(cycle, ios, comm)
+            self.plans[slot] = build_plan(cycle, ios, comm, self._chunk_of)
         positions = {slot: {(e.phase, e.region): i for i, e in enumerate(c)} for slot, c in self.cycles.items()}
         self._positions = [(e.slot, positions[e.slot][(e.phase, e.region)]) for e in self.order]
         return self.plans
@@ -457,7 +480,7 @@ class GraphSession:
         start = time.perf_counter()
         plans = self.make_plans()
         self.recorder.clear_identities()
-        share = backward_runs_alone(self.order, self.cycles) and not any(
+        share = backward_runs_alone(self.order, self.runs) and not any(
             read.until is not None and read.until[0] == FWD and read.key[0] == "grad_input"
             for _, read in self.comm_reads
         )

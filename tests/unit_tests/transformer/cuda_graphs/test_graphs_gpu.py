@@ -230,13 +230,17 @@ def chunk_schedule(pp_rank: int):
 def check_chunk_session(session, pp_rank: int, num_microbatches: int = 4):
     """Slots, graph count and chunk edges of a session captured under ``chunk_schedule``."""
     order = simulate.rank_order("interleaved", num_microbatches, 2, pp_rank, 2)
-    in_flight = [simulate.max_in_flight(order, c) for c in range(2)]
-    assert session.captured and len(session.pools) == sum(in_flight) == len(session.cycles)
-    regions = [sorted({e.region for s, cyc in session.cycles.items() if s % 2 == c for e in cyc}) for c in range(2)]
-    assert all(len({e.region for e in cyc}) == len(regions[s % 2]) for s, cyc in session.cycles.items())
-    # One forward and one backward graph per region and slot, slots = micro-batches in flight.
-    assert session.num_graphs() == sum(2 * len(regions[c]) * in_flight[c] for c in range(2))
-    assert session.num_graphs() < 2 * len(session.regions) * num_microbatches
+    in_flight = simulate.max_in_flight(order)  # of both chunks at once: a slot serves either
+    assert session.captured and len(session.pools) == in_flight == len(session.cycles)
+    assert in_flight < sum(simulate.max_in_flight(order, c) for c in range(2))
+    regions = [
+        sorted({e.region for runs in session.runs.values() for ch, run in runs if ch == c for e in run})
+        for c in range(2)
+    ]
+    # One forward and one backward graph per region of every chunk a slot served.
+    pairs = {(c, s) for s, runs in session.runs.items() for c, _ in runs}
+    assert session.num_graphs() == sum(2 * len(regions[c]) for c, _ in pairs)
+    assert session.num_graphs() <= 2 * len(session.regions) * in_flight
     return regions
 
 
@@ -246,7 +250,8 @@ def test_interleaved_chunks_equal_sequential(scope, pp_rank):
     """Two model chunks in one process in a pipeline rank's interleaved order (VPP 2):
     the chunk boundary goes through a "send" of chunk 0's last output and a receive
     straight into chunk 1's first graph's static input, and the dgrad back; one graph
-    pair per region per micro-batch in flight of its chunk; bitwise equal to sequential."""
+    pair per region per slot, slots as many as micro-batches of both chunks in flight at
+    once (a slot serves either chunk); bitwise equal to sequential."""
     flags = f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 {VPP_FLAGS}"
     sequential = train(flags, 6)
     graphed = train(f"{flags} {graph_flags(scope)}", 6, schedule=chunk_schedule(pp_rank))
@@ -257,9 +262,9 @@ def test_interleaved_chunks_equal_sequential(scope, pp_rank):
     else:
         first = regions[1][0]
         assert session.received_inputs == {(first, 0)}
-        for slot in session.cycles:
-            if slot % 2 == 1:
-                buffer = session.receive_buffer(slot)
+        for slot, runs in session.runs.items():
+            if any(c == 1 for c, _ in runs):
+                buffer = session.receive_buffer(slot, 1)
                 region = session.regions[first].slots[slot]
                 assert buffer is not None and buffer.data_ptr() == region.replay_inputs[0][1].data_ptr()
     assert_same(sequential, graphed, f"interleaved rank {pp_rank}, scope {scope}")

@@ -21,7 +21,13 @@ from tests.unit_tests.transformer.cuda_graphs.test_plan_simulation import (
     simulate_capture,
     stack,
 )
-from tests.unit_tests.transformer.cuda_graphs.test_slots import ORDERS, REGIONS_PER_CHUNK, chunk_regions, record
+from tests.unit_tests.transformer.cuda_graphs.test_slots import (
+    CHUNK_OF,
+    ORDERS,
+    REGIONS_PER_CHUNK,
+    chunk_regions,
+    record,
+)
 
 
 def boundary_comm(num_chunks, receives_first=True, sends_last=True):
@@ -40,10 +46,10 @@ def boundary_comm(num_chunks, receives_first=True, sends_last=True):
 
 def captured(events, regions, comm_for, saves_inputs, runner_holds=True, edit=None):
     slots = {}
-    for s, cycle in slot_cycles(events).items():
+    for s, cycle in slot_cycles(events, CHUNK_OF).items():
         present = {e.region for e in cycle}
         comm = [c for c in comm_for if c.key[1] in present]
-        plan = build_plan(cycle, regions, comm)
+        plan = build_plan(cycle, regions, comm, CHUNK_OF)
         if edit is not None:
             edit(plan, cycle)
         block, temps = simulate_capture(cycle, regions, plan, saves_inputs, runner_holds, pool=Pool(1000 * s))

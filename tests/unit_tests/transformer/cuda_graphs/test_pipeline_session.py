@@ -3,10 +3,11 @@
 A tiny GPT runs as one model chunk (1F1B) or two (interleaved) in one process
 (``pipeline_parallel/simulate.py``) while the session records. Checked for every
 layout of 1, 2, 4, 8 micro-batches on 2-4 stages and every rank: the recorded order
-is the schedule's execution order with the slots the schedule assigned; each chunk
-has as many slots as it has micro-batches in flight, so the graph count is bounded by
-regions x micro-batches in flight, never regions x micro-batches; a chunk's first
-graph reads the received tensor and keeps that static input for good.
+is the schedule's execution order with the slots the schedule assigned; there are as
+many slots as micro-batches of all chunks in flight at once (a slot serves any chunk),
+so the graph count is bounded by regions x micro-batches in flight, never regions x
+micro-batches; a chunk's first graph reads the received tensor and keeps that static
+input for good.
 
 The replay-order check runs on the recorded plans with the state set to captured (the
 check is pure Python; no graph replays on the CPU): a changed micro-batch count or
@@ -100,7 +101,7 @@ def chunk_regions(session, chunks):
 def expected_order(layout, regions):
     schedule, m, stages, rank, chunks = layout
     events = []
-    for step in simulate.assign_slots(simulate.rank_order(schedule, m, stages, rank, chunks), chunks):
+    for step in simulate.slot_steps(simulate.rank_order(schedule, m, stages, rank, chunks)):
         mine = regions[step.chunk]
         if step.phase == "F":
             events += [Event(FWD, r, step.slot) for r in mine]
@@ -120,23 +121,19 @@ def test_slots_follow_the_schedule_and_bound_the_graph_count(layout):
     assert session.recorded_schedule == simulate.schedule_key(schedule, stages, rank, chunks)
     order = simulate.rank_order(schedule, m, stages, rank, chunks)
     graphs = 0
-    for c in range(chunks):
-        slots = [s for s, cycle in session.cycles.items() if {e.region for e in cycle} <= set(regions[c])]
-        assert len(slots) == simulate.max_in_flight(order, c)
-        for s in slots:  # one forward and one backward graph per region and slot
-            assert sorted((e.region, e.phase) for e in session.cycles[s]) == sorted(
-                (r, p) for r in regions[c] for p in (FWD, BWD)
-            )
-            graphs += len(session.cycles[s])
-    assert len(session.cycles) == sum(simulate.max_in_flight(order, c) for c in range(chunks))
+    for s, runs in session.runs.items():
+        for c, events in runs:  # one forward and one backward graph per region of the chunk
+            assert sorted((e.region, e.phase) for e in events) == sorted((r, p) for r in regions[c] for p in (FWD, BWD))
+            graphs += len(events)
+        assert session.cycles[s] == [e for _, events in runs for e in events]
+    in_flight = simulate.max_in_flight(order)  # of all chunks at once
+    assert len(session.cycles) == in_flight <= sum(simulate.max_in_flight(order, c) for c in range(chunks))
     n_regions = len(session.regions)
-    bound = sum(2 * len(regions[c]) * simulate.max_in_flight(order, c) for c in range(chunks))
-    assert graphs <= bound
-    in_flight = max(simulate.max_in_flight(order, c) for c in range(chunks))
+    assert graphs <= 2 * n_regions * in_flight
     if in_flight < m:
         assert graphs < 2 * n_regions * m  # never one graph pair per micro-batch
     # Each backward step runs alone, so with several slots their backward graphs share a pool.
-    assert backward_runs_alone(session.order, session.cycles) == (len(session.cycles) > 1)
+    assert backward_runs_alone(session.order, session.runs) == (len(session.cycles) > 1)
     # Chunk edges: a later chunk's first graph reads the received tensor, kept for good.
     for c in range(1, chunks):
         first = regions[c][0]
@@ -193,7 +190,7 @@ def test_changed_micro_batch_count_or_schedule_raises_before_the_iteration():
     session.expect_microbatches(4, schedule=key)
     with pytest.raises(
         ValueError,
-        match="captured for 4 micro-batches per iteration in 6 slot.s. under the schedule .*this iteration has 8",
+        match="captured for 4 micro-batches per iteration in 5 slot.s. under the schedule .*this iteration has 8",
     ):
         session.expect_microbatches(8, schedule=key)
     with pytest.raises(
@@ -228,6 +225,7 @@ def order_session(layout):
     ]
     regions = [[2 * c, 2 * c + 1] for c in range(chunks)]
     session.recorder.order = expected_order(layout, regions)
+    session._chunk_of = {r: r // 2 for r in range(2 * chunks)}  # what recording learns from the schedule
     session.make_plans()
     return as_captured(session), regions
 
@@ -266,25 +264,28 @@ def test_replaying_more_micro_batches_than_recorded_raises():
         replay(session, session.order + session.order[: len(session.cycles[0])])
 
 
-def test_receive_buffer_is_the_first_graphs_input_and_refused_mid_cycle():
+def test_receive_buffer_is_the_first_graphs_input_and_refused_mid_run():
     session = as_captured(record(("interleaved", 4, 2, 0, 2)))
     regions = chunk_regions(session, 2)
     first = regions[1][0]
-    slot = next(s for s, c in session.cycles.items() if c[0].region == first)
+    # A slot that serves both chunks: chunk 1's micro-batches receive into its first graph.
+    slot = next(s for s, runs in session.runs.items() if len(runs) == 2)
     plan = session.plans[slot]
-    assert session.receive_buffer(slot) is session.buffers[slot][plan.owner(("input", first, 0))]
-    chunk0 = next(s for s, c in session.cycles.items() if c[0].region == regions[0][0])
-    assert session.receive_buffer(chunk0) is None  # chunk 0 embeds, receives nothing
+    assert session.receive_buffer(slot, 1) is session.buffers[slot][plan.owner(("input", first, 0))]
+    assert session.receive_buffer(slot, 0) is None  # chunk 0 embeds, receives nothing
     # Replay up to the slot's first event: its micro-batch is now in flight.
     upto = next(i for i, e in enumerate(session.order) if e.slot == slot)
     replay(session, session.order[: upto + 1])
-    with pytest.raises(RuntimeError, match="in the middle of its cycle"):
-        session.receive_buffer(slot)
-    # After the slot's whole cycle it may receive again.
-    slot_events = [i for i, e in enumerate(session.order) if e.slot == slot]
-    end = slot_events[len(session.cycles[slot]) - 1]
-    replay(session, session.order[upto + 1 : end + 1])
-    assert session.receive_buffer(slot) is not None
+    with pytest.raises(RuntimeError, match="in the middle of its run"):
+        session.receive_buffer(slot, 1)
+    # After the slot's first micro-batch (a run of one chunk) it may receive again.
+    first_run = next(events for c, events in session.runs[slot] if session.order[upto] in events)
+    end = [i for i, e in enumerate(session.order) if e.slot == slot][len(first_run) - 1]
+    replay(session, session.order[upto + 1 : end])
+    with pytest.raises(RuntimeError, match="in the middle of its run"):
+        session.receive_buffer(slot, 1)
+    replay(session, session.order[end : end + 1])
+    assert session.receive_buffer(slot, 1) is not None
     with pytest.raises(RuntimeError, match="no micro-batch slot 99"):
         session.receive_buffer(99)
 

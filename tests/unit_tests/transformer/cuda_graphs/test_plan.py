@@ -10,7 +10,8 @@ from megatron.core.transformer.cuda_graphs.plan import (
     RegionIO,
     Source,
     build_plan,
-    split_cycle,
+    slot_cycles,
+    slot_runs,
 )
 
 
@@ -141,19 +142,35 @@ def test_releases_never_precede_any_reader():
                     assert all(r <= spec.release_after for r in s2.readers), (key, k2)
 
 
-def test_split_cycle_over_micro_batches():
+def test_slot_runs_over_micro_batches():
     one = stack_cycle(3)
-    assert split_cycle(one * 4) == one
-    assert split_cycle(one) == one
+    assert slot_runs(one * 4) == {0: [(0, one)]}
+    assert slot_cycles(one) == {0: one}
 
 
-def test_split_cycle_rejects_changing_order():
+def test_slot_runs_of_a_slot_serving_two_chunks_in_any_order():
+    chunk0, chunk1 = stack_cycle(2), [Event(FWD, 2), Event(FWD, 3), Event(BWD, 3), Event(BWD, 2)]
+    chunk_of = {0: 0, 1: 0, 2: 1, 3: 1}
+    order = chunk1 + chunk0 + chunk0 + chunk1 + chunk0
+    assert slot_runs(order, chunk_of) == {0: [(1, chunk1), (0, chunk0)]}
+    assert slot_cycles(order, chunk_of) == {0: chunk1 + chunk0}
+    # Without the chunks a forward after a run's backward is not a new run: the orders differ.
+    with pytest.raises(ValueError, match="different order"):
+        slot_runs(order)
+
+
+def test_slot_runs_reject_changing_order_and_overlapping_micro_batches():
     one = stack_cycle(3)
     other = [Event(FWD, 0), Event(FWD, 2), Event(FWD, 1), Event(BWD, 1), Event(BWD, 2), Event(BWD, 0)]
     with pytest.raises(ValueError, match="different order"):
-        split_cycle(one + other)
+        slot_runs(one + other)
+    with pytest.raises(ValueError, match="different order"):  # the last micro-batch never ran backward
+        slot_runs(one + one[:3])
     with pytest.raises(ValueError, match="no graphed region"):
-        split_cycle([])
+        slot_runs([])
+    inside = [Event(FWD, 0), Event(FWD, 2), Event(BWD, 0)]  # chunk 1 starts while chunk 0's backward is due
+    with pytest.raises(ValueError, match="B0 of model chunk 0 inside a micro-batch of chunk 1"):
+        slot_runs(inside, {0: 0, 2: 1})
 
 
 def test_handoff_from_later_region_rejected():

@@ -124,21 +124,35 @@ def replay_iteration(
 ):
     """``replay`` over a recorded iteration that mixes micro-batch slots.
 
-    ``slots[s] = (cycle, plan, block, temps)`` of slot s. After every event, eager code
-    reads every live output of every slot (a micro-batch in flight keeps its outputs).
-    Block contents are labelled with the micro-batch (the slot's cycle count), so a
-    write meant for the next micro-batch is caught as well.
+    ``slots[s] = (cycle, plan, block, temps)`` of slot s; a cycle may hold runs of several
+    model chunks (:func:`run_bounds`), which the order serves in any sequence. After every
+    event, eager code reads every live output of every slot (a micro-batch in flight
+    keeps its outputs). Block contents are labelled with the micro-batch (the slot's run
+    count), so a write meant for the next micro-batch is caught as well.
 
     ``comm``: a send reads its buffer right before the event ``until`` names; with
     ``until`` None at the latest moment allowed, right before the slot's next
     micro-batch starts (and at the end); with ``late_wait`` later than allowed, right
     before the producer writes the buffer again.
     ``recv``: input keys a pipeline receive writes instead of the copy at the forward;
-    posted right after the slot's previous micro-batch finished its cycle, or with
-    ``recv_early`` right before that cycle's last event (a schedule that receives early).
+    posted (for the slot's next run) right after the slot's previous micro-batch finished
+    its run, or with ``recv_early`` right before that run's last event (a schedule that
+    receives early).
     """
     sent_late = {c.key for c in comm if c.until is None}
     sent = {c.key for c in comm}
+    bounds = {s: run_bounds(cycle) for s, (cycle, *_) in slots.items()}
+    # Per event that ends a run: the regions of the slot's next run (the order repeats).
+    next_run: dict[int, set[int]] = {}
+    for i, e in enumerate(order):
+        pos = slots[e.slot][1].position(e.phase, e.region)
+        if pos in bounds[e.slot][1]:
+            nxt = next(
+                order[(i + k) % len(order)]
+                for k in range(1, len(order) + 1)
+                if order[(i + k) % len(order)].slot == e.slot
+            )
+            next_run[i] = run_regions(slots[e.slot][0], slots[e.slot][1].position(nxt.phase, nxt.region))
     content, bad = {}, []
     at = {s: None for s in slots}  # slot -> cycle position of its last replayed event
     gen = {s: 0 for s in slots}  # slot -> micro-batches it has started
@@ -154,10 +168,10 @@ def replay_iteration(
         if content.get(block[owner]) != want:
             bad.append((when, s, key, content.get(block[owner])))
 
-    def post_receives(s, g):
+    def post_receives(s, g, regions_next=None):
         plan = slots[s][1]
         for key in recv:
-            if key in plan.buffers:
+            if key in plan.buffers and (regions_next is None or key[1] in regions_next):
                 write(s, plan.owner(key), g)
 
     def producer(key):
@@ -166,22 +180,23 @@ def replay_iteration(
     for s in slots:
         post_receives(s, 1)  # each slot's first micro-batch
     for _ in range(iterations):
-        for e in order:
+        for index, e in enumerate(order):
             s = e.slot
             cycle, plan, block, temps = slots[s]
+            starts, ends = bounds[s]
             pos = plan.position(e.phase, e.region)
             io = regions[e.region]
             for c in comm:
                 if c.until == (e.phase, e.region):
                     read(s, c.key, f"send waited on before {e}")
                 elif c.until is None and (s, c.key) in sent_gen:
-                    due = producer(c.key) == (e.phase, e.region) if late_wait else pos == 0
+                    due = producer(c.key) == (e.phase, e.region) if late_wait else pos in starts
                     if due:
                         g = sent_gen.pop((s, c.key))
                         read(s, c.key, f"send of micro-batch {g} waited on before {e}", g)
-            if recv_early and pos == len(cycle) - 1:
-                post_receives(s, gen[s] + 1)
-            if pos == 0:
+            if recv_early and pos in ends:
+                post_receives(s, gen[s] + 1, next_run[index])
+            if pos in starts:
                 gen[s] += 1
             if e.phase == FWD:
                 for i, src in enumerate(io.inputs):
@@ -225,8 +240,9 @@ def replay_iteration(
                 if p is None:
                     continue
                 t_plan = slots[t][1]
+                current = run_regions(slots[t][0], p)
                 for r, rio in enumerate(regions):
-                    if not any(ev.region == r for ev in slots[t][0]):
+                    if r not in current:
                         continue
                     f = t_plan.position(FWD, r)
                     has_b = any(ev.region == r and ev.phase == BWD for ev in slots[t][0])
@@ -234,18 +250,38 @@ def replay_iteration(
                     if f <= p < end - 1 or (f <= p and not has_b):
                         for j in range(len(rio.output_requires_grad)):
                             read(t, ("output", r, j), f"eager after {e}")
-            if pos == len(cycle) - 1:
-                # Eager readers of escaping dgrads (embedding backward) run after the cycle;
+            if pos in ends:
+                # Eager readers of escaping dgrads (embedding backward) run after the run;
                 # they read the copy, unless the plan handed out the buffer itself.
                 handed_off = {spec.alias_of for spec in plan.buffers.values()}
+                mine = run_regions(cycle, pos)
                 for (kind, r, i), spec in plan.buffers.items():
-                    if kind == "grad_input" and (kind, r, i) not in handed_off | sent and not spec.copy_out:
-                        read(s, (kind, r, i), "eager after the cycle")
+                    if (
+                        kind == "grad_input"
+                        and r in mine
+                        and (kind, r, i) not in handed_off | sent
+                        and not spec.copy_out
+                    ):
+                        read(s, (kind, r, i), "eager after the run")
                 if not recv_early:
-                    post_receives(s, gen[s] + 1)
+                    post_receives(s, gen[s] + 1, next_run[index])
     for (s, key), g in sent_gen.items():
         read(s, key, "send waited on at the end", g)
     return bad
+
+
+def run_bounds(cycle) -> tuple[set[int], set[int]]:
+    """(first, last) positions of the runs in a slot's cycle: a run is a micro-batch of one
+    model chunk, its forwards then its backwards, so a forward after a backward starts one."""
+    starts = {0} | {i for i in range(1, len(cycle)) if cycle[i].phase == FWD and cycle[i - 1].phase == BWD}
+    return starts, {i - 1 for i in starts if i} | {len(cycle) - 1}
+
+
+def run_regions(cycle, pos) -> set[int]:
+    """The regions of the run that holds position ``pos`` of ``cycle``."""
+    starts, ends = run_bounds(cycle)
+    first, last = max(i for i in starts if i <= pos), min(i for i in ends if i >= pos)
+    return {e.region for e in cycle[first : last + 1]}
 
 
 def stack(n, shared=True, handoff=True):

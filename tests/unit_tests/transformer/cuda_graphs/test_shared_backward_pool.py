@@ -13,21 +13,23 @@ interleave, are caught.
 
 import pytest
 
-from megatron.core.transformer.cuda_graphs.plan import BWD, FWD, Event, backward_runs_alone, build_plan, slot_cycles
+from megatron.core.transformer.cuda_graphs.plan import BWD, FWD, Event, backward_runs_alone, build_plan, slot_runs
 from tests.unit_tests.transformer.cuda_graphs.test_pipeline_comm import boundary_comm, plan_comm
 from tests.unit_tests.transformer.cuda_graphs.test_plan_simulation import Pool, replay_iteration, simulate_capture
-from tests.unit_tests.transformer.cuda_graphs.test_slots import ORDERS, chunk_regions, record
+from tests.unit_tests.transformer.cuda_graphs.test_slots import CHUNK_OF, ORDERS, chunk_regions, cycles_of, record
 
-MULTI_SLOT = sorted(name for name, (order, chunks) in ORDERS.items() if len(slot_cycles(record(order, chunks))) > 1)
+MULTI_SLOT = sorted(
+    name for name, (order, chunks) in ORDERS.items() if len(cycles_of(record(order, chunks), chunks)) > 1
+)
 
 
 def capture(events, regions, comm, shared: bool, edit=None):
     """Every slot captured in turn; backward graphs into one pool when ``shared``."""
     backward = Pool(first_block=100_000) if shared else None
     slots = {}
-    for s, cycle in slot_cycles(events).items():
+    for s, cycle in cycles_of(events, 8).items():
         present = {e.region for e in cycle}
-        plan = build_plan(cycle, regions, [c for c in comm if c.key[1] in present])
+        plan = build_plan(cycle, regions, [c for c in comm if c.key[1] in present], CHUNK_OF)
         if edit is not None:
             edit(plan)
         block, temps = simulate_capture(
@@ -46,19 +48,19 @@ def test_the_schedules_run_each_backward_alone():
     for name in MULTI_SLOT:
         order, chunks = ORDERS[name]
         events = record(order, chunks)
-        assert backward_runs_alone(events, slot_cycles(events)), name
+        assert backward_runs_alone(events, slot_runs(events, CHUNK_OF)), name
 
 
 def test_one_slot_or_interleaved_backwards_do_not_share():
     order, chunks = ORDERS["1f1b m4 pp2 rank0"]
     events = record(order, chunks)
-    assert not backward_runs_alone(events, slot_cycles([e for e in events if e.slot == 0]))
+    assert not backward_runs_alone(events, slot_runs([e for e in events if e.slot == 0]))
     interleaved = [Event(FWD, 0, 0), Event(FWD, 1, 0), Event(FWD, 0, 1), Event(FWD, 1, 1)]
     interleaved += [Event(BWD, 1, 0), Event(BWD, 1, 1), Event(BWD, 0, 0), Event(BWD, 0, 1)]
-    assert not backward_runs_alone(interleaved, slot_cycles(interleaved))
+    assert not backward_runs_alone(interleaved, slot_runs(interleaved))
     forward_after_backward = [Event(FWD, 0, 0), Event(BWD, 0, 0), Event(FWD, 1, 0)]
     forward_after_backward += [Event(FWD, 0, 1), Event(BWD, 0, 1), Event(FWD, 1, 1)]
-    assert not backward_runs_alone(forward_after_backward, slot_cycles(forward_after_backward))
+    assert not backward_runs_alone(forward_after_backward, slot_runs(forward_after_backward))
 
 
 @pytest.mark.parametrize("edges", [False, True], ids=["no communication", "chunk edges sent and received"])
