@@ -72,7 +72,6 @@ _NOT_YET_FLAGS = (
     "--tensor-parallel-num-weight-shards",
     "--expert-tensor-parallel-num-weight-shards",
     "--tokenizer-metadata",
-    "--moe-router-force-load-balancing",
 )
 # --spec values that name the layers our scripts build (megatron/training/known_flags.py says
 # the same; tests/unit_tests/training/census checks every entry against the parser).

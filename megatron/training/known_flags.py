@@ -319,9 +319,6 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
         "a tokenizer library chosen by a metadata file",
         "drop it: --tokenizer-type chooses the tokenizer (HuggingFaceTokenizer reads a local tokenizer.json)",
     ),
-    "--moe-router-force-load-balancing": not_yet(
-        "--moe-router-force-load-balancing", SWITCH, "random router logits for load-balanced benchmarks"
-    ),
     "--spec": KnownFlag(
         LIST,
         "--spec (custom layer specs) is not supported yet; drop it: layers are chosen from the model flags.",

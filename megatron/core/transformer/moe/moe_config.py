@@ -133,6 +133,11 @@ class MoEConfig(Freezable):
     moe_router_group_topk: int | None = None
     """Group-limited routing: number of groups each token may pick experts from."""
 
+    moe_router_force_load_balancing: bool = False
+    """Benchmarks only: route by random logits (a standard normal per token and expert)
+    instead of the router's, so every expert gets about as many tokens; gradients flow to
+    the router as if its own logits had been used (straight-through)."""
+
     moe_router_enable_expert_bias: bool = False
     """Aux-loss-free load balancing: a per-expert bias, updated from the token counts after each
     step, shifts the top-k selection (sigmoid or sqrtsoftplus scores)."""

@@ -215,6 +215,27 @@ def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1).square().mean() * coeff
 
 
+class _RandomLogits(torch.autograd.Function):
+    """Standard normal values in place of the logits; the gradient passes straight through."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        return torch.randn_like(logits)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> torch.Tensor:
+        return grad_output
+
+
+def random_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Random logits for ``--moe-router-force-load-balancing`` (straight-through).
+
+    Drawn from the default generator, so a recompute replays the same draw and a CUDA
+    graph draws anew at every replay.
+    """
+    return _RandomLogits.apply(logits)
+
+
 def expert_capacity(num_tokens: int, num_experts: int, topk: int, capacity_factor: float) -> int:
     """Slots per expert: ``ceil(T * k / E * capacity_factor)``."""
     return math.ceil(num_tokens * topk / num_experts * capacity_factor)

@@ -107,6 +107,8 @@ class TopKRouter(torch.nn.Module):
         seq_len = hidden_states.shape[0]
         logits = self.gating(hidden_states)
         moe = self.moe
+        if moe.moe_router_force_load_balancing:
+            logits = moe_utils.random_logits(logits)
         losses = []
         training = self.training and torch.is_grad_enabled()
         if moe.moe_z_loss_coeff is not None:

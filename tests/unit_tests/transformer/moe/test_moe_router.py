@@ -245,3 +245,25 @@ def test_aux_loss_scaler_is_identity_forward():
     assert torch.equal(out, a)
     out.sum().backward()
     torch.testing.assert_close(a.grad, torch.ones(3) + 0.25 * 2)
+
+
+def test_force_load_balancing_routes_by_random_logits_straight_through():
+    """--moe-router-force-load-balancing: the route of standard normal logits drawn from the
+    default generator; the router's weight gets the gradient those logits would pass on."""
+    router, _ = _router(num_moe_experts=8, moe_router_topk=2, moe_router_force_load_balancing=True)
+    x = torch.randn(512, 2, 8, dtype=torch.float64)
+    torch.manual_seed(7)
+    probs, routing_map, stats = router(x)
+    torch.manual_seed(7)
+    noise = torch.randn(1024, 8, dtype=torch.float64)
+    torch.testing.assert_close(probs, _reference_route(noise, 2, "softmax"), rtol=1e-12, atol=1e-12)
+    counts = routing_map.sum(0)
+    assert torch.equal(stats, counts.float())
+    assert (counts - 256).abs().max() < 0.15 * 256  # about T * k / E each
+    target = torch.randn_like(probs)
+    (probs * target).sum().backward()
+    logits = x.reshape(-1, 8) @ router.weight.t()
+    chosen = routing_map.nonzero()[:, 1].view(-1, 2)  # each token's two experts
+    straight = (logits + (noise - logits).detach()).gather(1, chosen)
+    loss = (torch.softmax(straight, -1) * target.gather(1, chosen)).sum()
+    torch.testing.assert_close(router.weight.grad, torch.autograd.grad(loss, router.weight)[0], rtol=1e-12, atol=1e-12)
