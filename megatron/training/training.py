@@ -120,6 +120,8 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
             grad_sinks=[self.model],
             scope_group=pg.pp if pg.pp_size > 1 else None,
         )
+        if pg.pp_size > 1 and self.graphs.active:  # graph slots sized by what each chunk keeps
+            self.schedule = functools.partial(self.schedule, slot_weights=self._slot_weights(model))
         self.optimizer = build_optimizer(
             self.model,
             pg=pg,
@@ -175,6 +177,15 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
         self._consecutive_skips = 0  # fp16 overflows in a row
         self._save_attempted = self.last_checkpointed_iteration  # last iteration a save was tried at
         self._init_step_batch()
+
+    def _slot_weights(self, model: torch.nn.Module) -> list[int]:
+        """Per model chunk of this pipeline rank: the analytic activation bytes of its graphed
+        regions, by which the pipelined schedule sizes its CUDA-graph slots (``slots.py``)."""
+        from megatron.core.transformer.cuda_graphs.activations import Kernels
+        from megatron.core.transformer.cuda_graphs.report import chunk_activation_bytes
+
+        kernels = Kernels.probe(self.device, cross_entropy_fusion=self.cfg.model.cross_entropy_loss_fusion)
+        return chunk_activation_bytes(self.graphs, schedules.model_chunks(model), self.cfg, kernels)
 
     @staticmethod
     def _schedule(cfg: RunConfig, pg: parallel_state.ProcessGroups) -> Callable:

@@ -22,7 +22,7 @@ micro-batches in flight (the shape a pipeline stage sees).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -335,6 +335,7 @@ def forward_backward_pipelining(
     microbatch_group_size: int | None = None,
     stage_forward: Callable[[dict, torch.nn.Module], torch.Tensor] = default_stage_forward,
     deallocate_pipeline_outputs: bool = True,
+    slot_weights: Sequence[float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """1F1B (one chunk per rank) or interleaved 1F1B (several) over the pipeline group.
 
@@ -359,6 +360,8 @@ def forward_backward_pipelining(
         microbatch_group_size: ``--microbatch-group-size-per-virtual-pipeline-stage``.
         stage_forward: ``(batch, model) -> hidden states`` on stages before the last.
         deallocate_pipeline_outputs: Free a stage output's storage once it is sent.
+        slot_weights: Per model chunk, what a micro-batch keeps in its CUDA-graph slot
+            (``slots.assign_slots``; default: the chunk's layers).
         Others: as :func:`forward_backward_no_pipelining`.
     """
     from megatron.core.pipeline_parallel.graph_comm import plan_graph_comm
@@ -390,8 +393,9 @@ def forward_backward_pipelining(
     if graphs is not None and not forward_only:
         key = pipeline_schedule_key(pp, rank, num_chunks, microbatch_group_size)
         graphs.expect_microbatches(num_microbatches, schedule=key)
-        weights = [len(graphable_layers(_unwrap(chunk))) for chunk in chunks]
-        graph_comm = plan_graph_comm(orders[rank], ticks, weights)
+        if slot_weights is None:
+            slot_weights = [len(graphable_layers(_unwrap(chunk))) for chunk in chunks]
+        graph_comm = plan_graph_comm(orders[rank], ticks, slot_weights)
     last_backward = max((i for i, s in enumerate(orders[rank]) if s[0] == "B"), default=-1)
     batches: dict[int, dict] = {}
     inputs: dict[tuple[int, int], torch.Tensor] = {}  # received activations, by (chunk, mb)

@@ -218,6 +218,7 @@ def _graphed(argv, m):
             "ios": [(r.name, list(r.sources), r.input_requires_grad, r.output_requires_grad) for r in session.regions],
             "chunk_regions": _chunk_regions(session, trainer.model.module),
             "chunk_layers": [len(graphable_layers(c)) for c in model_chunks(trainer.model.module)],
+            "slot_weights": trainer._slot_weights(trainer.model.module),  # what the trainer passes on CUDA
             "received_inputs": sorted(session.received_inputs),
             "num_graphs_bound_slots": len(session.cycles),
             "recorded": (session.recorded_microbatches, session.recorded_schedule),
@@ -346,6 +347,22 @@ def test_recorded_order_slots_cycles_and_plans_are_the_predicted_ones(results, n
         assert graphs <= bound, f"rank {rank}: {graphs} graphs, over 2 x regions x micro-batches in flight ({bound})"
         if got["summary"]:
             assert got["summary"].startswith(f"graph pool | pipeline rank: {rank} of ")
+
+
+@pytest.mark.parametrize("name", ["pp2_m4", "vpp2_m4", "layout_empty_stages_m6"])
+def test_slot_weights_are_what_each_chunk_keeps(results, name):
+    """The trainer sizes graph slots by each chunk's analytic activation bytes: equal for
+    chunks of equal layers, more for the chunk holding the graphed loss head, none for a
+    chunk without graphed regions."""
+    for rank, r in enumerate(results[name]):
+        got = r["graphed"]
+        weights, layers, regions = got["slot_weights"], got["chunk_layers"], got["chunk_regions"]
+        assert len(weights) == len(layers) and all((w == 0) == (not rs) for w, rs in zip(weights, regions))
+        plain = {w / n for w, n, rs in zip(weights, layers, regions) if n and len(rs) == n}  # per layer
+        assert len(plain) <= 1, f"rank {rank}: {weights}"
+        for w, n, rs in zip(weights, layers, regions):
+            if len(rs) > n and plain:  # the chunk with the loss head
+                assert w > n * min(plain), f"rank {rank}: {weights}"
 
 
 @pytest.mark.parametrize("name", list(_all_cases()))

@@ -167,6 +167,26 @@ def _activation(kinds: Sequence[str], sh: Shapes, k: Kernels) -> int:
     return sum(region_activation_bytes(kind, sh, k) for kind in kinds)
 
 
+def region_kinds(region) -> tuple[str, ...]:
+    """The activation kinds a session's region covers: the loss head, a whole layer's parts, or its scope."""
+    scope = region.name.rsplit(".", 1)[-1]
+    if scope == "postprocess":
+        return ("postprocess",)
+    if region.method_name == "forward":
+        return layer_part_kinds(type(region.module))
+    return (scope,)
+
+
+def chunk_activation_bytes(session, chunks: Sequence[Any], cfg, kernels: Kernels) -> list[int]:
+    """Per model chunk: the analytic bytes one micro-batch's graphed regions of the chunk keep
+    for backward (what the chunk's micro-batch takes in its graph slot's pool)."""
+    sh = Shapes.from_config(cfg)
+    per_module: dict[int, int] = {}  # a layer may hold several regions (attn, mlp)
+    for r in session.regions:
+        per_module[id(r.module)] = per_module.get(id(r.module), 0) + _activation(region_kinds(r), sh, kernels)
+    return [sum(per_module.get(id(m), 0) for m in chunk.modules()) for chunk in chunks]
+
+
 def _eager_parts(layer_class: type, graphed: Sequence[str]) -> tuple[str, ...]:
     """Kinds of ``layer_class`` that run eagerly when ``graphed`` scopes are captured."""
     parts = layer_part_kinds(layer_class)
@@ -334,15 +354,11 @@ def graphed_report(
             (weak if is_weak_ref(t) else strong).setdefault(owner, {})[t.data_ptr()] = _nbytes(t)
     rows = []
     for region in session.regions:
-        module = region.module
         scope = region.name.rsplit(".", 1)[-1]
         layer = region.name.rsplit(".", 1)[0] if "." in region.name else region.name
-        if scope == "postprocess":
-            kinds = ("postprocess",)
-        elif region.method_name == "forward":
-            scope, kinds = regions_lib.WHOLE_LAYER, layer_part_kinds(type(module))
-        else:
-            kinds = (scope,)
+        kinds = region_kinds(region)
+        if region.method_name == "forward" and scope != "postprocess":
+            scope = regions_lib.WHOLE_LAYER
         inp = _meta_bytes(region.arg_meta or ())
         out = _meta_bytes(region.output_meta)
         for slot, graphs in sorted(region.slots.items()):

@@ -217,3 +217,24 @@ def test_deterministic_mode_splits_the_flash_dq_accumulator(tool):
     assert det["attn_bwd_dq_accumulator_bytes"] == 80 * MIB and det["attn_bwd_dq_accumulator_splits"] == 5
     hybrid = f"{TINY} --hybrid-layer-pattern M- --mamba-head-dim 16 --mamba-num-groups 2 --mamba-state-dim 16"
     assert "attn_bwd_dq_accumulator_bytes" not in report_lib.eager_report(config(tool, hybrid), Kernels()).totals
+
+
+@pytest.mark.parametrize("scopes", [[], ["attn"], ["attn", "mlp"]])
+def test_chunk_activation_bytes_weigh_graph_slots(tool, scopes):
+    """The weights the pipelined schedule sizes graph slots by: per model chunk, the analytic
+    bytes its graphed regions keep; the loss head makes the last chunk heavier when graphed."""
+    session, _, _, ddp = recorded(scopes)
+    cfg = config(tool, f"{TINY} --cuda-graph-impl local --cuda-graph-scope {' '.join(scopes)}".rstrip())
+    cfg.model.vocab_size = 64  # recorded() builds its GPT with 64 rows
+    model, kernels, sh = ddp.module, Kernels.probe("cpu"), Shapes.from_config(cfg)
+    layers = model.decoder.layers
+
+    class Chunk:  # what a model chunk offers: its modules (the head region's is the model)
+        def __init__(self, *modules):
+            self.modules = lambda: iter(modules)
+
+    chunks = [Chunk(layers[0]), Chunk(*layers[1:], model)]
+    weights = report_lib.chunk_activation_bytes(session, chunks, cfg, kernels)
+    per_layer = sum(region_activation_bytes(k, sh, kernels) for k in (scopes or ["attn", "mlp"]))
+    head = region_activation_bytes("postprocess", sh, kernels) if not scopes or "mlp" in scopes else 0
+    assert weights == [per_layer, 2 * per_layer + head]
