@@ -150,3 +150,15 @@ def test_issue_config_50_iterations_bitwise_and_peak_memory_within_2_percent():
     """The issue's check: every scope's losses and main_grads torch.equal to eager over 50
     iterations, peak allocated <= eager + 2%."""
     run_scopes(ISSUE, 8, 50, memory_margin=0.02)
+
+
+@pytest.mark.parametrize("scope", ["moe_router moe_preprocess", "moe"])
+def test_force_load_balancing_graphed_equals_eager(scope):
+    """--moe-router-force-load-balancing draws the router's logits inside the captured router:
+    each replay draws anew from the default generator, as the eager step does."""
+    pad, _, _ = SCOPES[scope]
+    flags = f"{SMALL} {COMMON} --moe-router-force-load-balancing" + (f" {DROP_AND_PAD}" if pad else "")
+    eager = train(flags, 6)
+    graphed = train(f"{flags} --cuda-graph-impl local --cuda-graph-scope {scope}", 6)
+    assert graphed["captured"]
+    assert_same(eager, graphed, f"force load balancing, scope {scope!r}")
