@@ -11,9 +11,15 @@ longer allocate then, so the device's peak is the pools' reserved bytes plus the
 everything else; it prints that peak and what was live at it, grouped the same way. Run
 it for an eager mode too (``--mode eager``) to see what the graphs added and removed.
 
+``--vpp-rank R`` runs the model as two chunks in the interleaved order of rank R of a
+two-stage pipeline, in one process (``simulate.forward_backward_chunks``, as the one-GPU
+VPP memory test does); the capture analysis then follows slot 0's pool.
+
 Usage (on a GPU):
     python tools/pool_peak.py --config dense8 --mode local:attn [--extra "--deterministic-mode"]
     python tools/pool_peak.py --config dense8 --mode eager --steady
+    python tools/pool_peak.py --config dense8 --mode local:layer --steady --vpp-rank 1 \
+        --extra "--global-batch-size 8 --untie-embeddings-and-output-weights --deterministic-mode"
 """
 
 import argparse
@@ -118,6 +124,7 @@ def main():
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--extra", default="", help="more training flags, e.g. --deterministic-mode")
     parser.add_argument("--steady", action="store_true", help="the device peak of iteration 3 (see the docstring)")
+    parser.add_argument("--vpp-rank", type=int, choices=(0, 1), help="two chunks in rank R's interleaved order")
     args = parser.parse_args()
 
     argv = f"{CONFIGS[args.config]} {COMMON} --train-iters 10 {mode_flags(args.mode)} {args.extra}".split()
@@ -130,8 +137,8 @@ def main():
         from megatron.core.transformer.cuda_graphs.pool import use_expandable_segments
 
         use_expandable_segments()  # eager on the allocator settings graphs use, for a fair comparison
-        return steady(build_trainer(argv, *providers), args)
-    trainer = build_trainer(argv, *providers)
+        return steady(with_schedule(build_trainer(argv, *providers), args.vpp_rank), args)
+    trainer = with_schedule(build_trainer(argv, *providers), args.vpp_rank)
     device = torch.cuda.current_device()
     captures = []  # (trace length when the capture began, region, phase)
 
@@ -165,6 +172,19 @@ def main():
     for total, live, stream in segments_at_peak(snapshot, trainer.graphs.pools[0].handle, device, blocks):
         print(f"  {total / 2**20:9.1f} MiB reserved {live / 2**20:9.1f} MiB live  stream {stream:#x}")
     parallel_state.destroy(trainer.pg)
+
+
+def with_schedule(trainer, vpp_rank: int | None):
+    """``trainer``, running two chunks in rank ``vpp_rank``'s interleaved order when given."""
+    if vpp_rank is not None:
+        import functools
+
+        from megatron.core.pipeline_parallel import simulate
+
+        trainer.schedule = functools.partial(
+            simulate.forward_backward_chunks, num_chunks=2, pp_size=2, pp_rank=vpp_rank
+        )
+    return trainer
 
 
 def segments_at_peak(snapshot: dict, pool_id, device: int, blocks: Sequence[dict]) -> list[tuple[int, int, int]]:

@@ -74,3 +74,15 @@ def test_outside_peak_skips_every_listed_pool():
     assert peak == 350
     assert sorted(b["addr"] for b in blocks) == [5100, 5300]
     assert pool_peak.outside_peak(snapshot, [], 0)[0] == 1550  # no pools: everything counts
+
+
+def test_vpp_rank_runs_the_interleaved_order_of_two_chunks():
+    import types
+
+    from megatron.core.pipeline_parallel import simulate
+
+    trainer = types.SimpleNamespace(schedule="default")
+    assert pool_peak.with_schedule(trainer, None).schedule == "default"
+    schedule = pool_peak.with_schedule(trainer, 1).schedule
+    assert schedule.func is simulate.forward_backward_chunks
+    assert schedule.keywords == {"num_chunks": 2, "pp_size": 2, "pp_rank": 1}
