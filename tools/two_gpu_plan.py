@@ -80,7 +80,7 @@ GPU = Sizes(
     startup_s=25.0,
     dense_iter_s=0.12,
     moe_iter_s=0.2,
-    hang_grace_s=30.0,
+    hang_grace_s=20.0,
 )
 
 SMOKE = Sizes(
