@@ -12,8 +12,9 @@ that rank prints no memory line) and its change against eager, ms/iteration (med
 after the warm-up) and its ratio to eager, and each rank's graph count against its
 bound (``two_gpu_plan.graph_bound``). Runs have a hard timeout and a hang check
 (``two_gpu_proc.py``); a run that does not exit after its last iteration is reported as
-hung. The time budget covers the whole call: a run whose estimate no longer fits is
-skipped and reported. Results are written to ``<out>/two_gpu.json`` after every run.
+hung. The time budget covers the whole call: a run whose estimate (scaled by how the
+finished runs compared with theirs) no longer fits is skipped and reported. Results are
+written to ``<out>/two_gpu.json`` after every run.
 
 ``--cpu-smoke`` runs the same table with tiny fp32 models on two gloo CPU processes
 (graph flags accepted, runs eager); memory and graph columns are then empty.
@@ -32,6 +33,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -238,6 +240,12 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def pace(rows: dict[str, dict], estimates: dict[str, float]) -> float:
+    """Median of actual / estimated wall time over the runs that finished (1 before any), in [0.5, 3]."""
+    ratios = [r["wall_s"] / estimates[n] for n, r in rows.items() if r.get("status") == "ok"]
+    return min(3.0, max(0.5, statistics.median(ratios))) if ratios else 1.0
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -290,10 +298,10 @@ def main(argv=None) -> int:
             left = args.budget_s - (time.monotonic() - start)
             if spec.kind == "load" and rows.get(plan.SAVE_RUN, {}).get("status") != "ok":
                 row = _skipped(spec, f"needs a saved checkpoint ({plan.SAVE_RUN} did not run or failed)")
-            elif left < estimates[spec.name]:
-                row = _skipped(spec, f"time budget ({left:.0f} s left, ~{estimates[spec.name]:.0f} s needed)")
+            elif left < (need := estimates[spec.name] * pace(rows, estimates)):
+                row = _skipped(spec, f"time budget ({left:.0f} s left, ~{need:.0f} s needed)")
             else:
-                timeout = min(args.timeout_s or max(60.0, 3 * estimates[spec.name]), left)
+                timeout = min(args.timeout_s or max(60.0, 3 * need), left)
                 print(f"== {spec.name}: {spec.describe()} (timeout {timeout:.0f} s)", flush=True)
                 try:
                     row = execute(spec, sizes, iters, args.out, ckpt_dir, timeout_s=timeout, cpu=args.cpu_smoke)

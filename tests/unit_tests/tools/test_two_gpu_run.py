@@ -158,6 +158,31 @@ def test_graph_bounds():
     assert two_gpu_plan.graph_bound(runs["tp2sp_eager"], gpu, 0) is None
 
 
+@pytest.mark.parametrize("sizes", [two_gpu_plan.GPU, two_gpu_plan.SMOKE], ids=["h200_sizes", "smoke_sizes"])
+def test_every_run_is_a_valid_command_line_and_the_plan_matches_the_trainers_config(sizes):
+    """The flags of every run pass the trainer's validation at its world size, and what the
+    graph bound assumes (micro-batches per rank, DP, regions per layer, head) is what the
+    trainer's own config and scope resolver say."""
+    from megatron.core.transformer.cuda_graphs import regions
+    from megatron.core.transformer.moe.moe_layer import MoETransformerLayer
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from megatron.training.arguments import parse_args
+
+    for spec in two_gpu_plan.all_runs():
+        argv = two_gpu_plan.argv(spec, sizes, 30, metrics_file="m.jsonl", ckpt_dir="ckpt")
+        cfg = parse_args(argv).resolve(world_size=spec.nproc)
+        cfg.validate()
+        par = cfg.parallel
+        assert (par.tensor_model_parallel_size, par.pipeline_model_parallel_size) == (spec.tp, spec.pp), spec.name
+        assert par.data_parallel_size == spec.dp, spec.name
+        assert cfg.num_microbatches == sizes.microbatches_per_rank(spec.model, spec.dp), spec.name
+        if spec.graphed:
+            layer = TransformerLayer if spec.model == "dense" else MoETransformerLayer
+            chosen = regions.resolve(cfg.cuda_graph.cuda_graph_scope, [layer], cfg.model)[layer]
+            head = regions.head_follows(chosen, layer)
+            assert two_gpu_plan.SCOPE_REGIONS[(spec.model, spec.scope)] == (len(chosen), head), spec.name
+
+
 def test_only_names_and_order():
     runs = two_gpu_plan.all_runs()
     assert [r.name for r in runs[:3]] == ["tp2sp_eager", "tp2sp_layer", "tp2sp_attn_mlp"]
@@ -303,3 +328,11 @@ def test_runs_that_do_not_fit_the_budget_are_skipped_and_reported(tmp_path, caps
     assert runs[1]["verdict"].startswith("needs a saved checkpoint (ckpt_save_tp2")
     assert not (out / "tp2sp_eager.log").exists()
     assert "| tp2sp_eager | TP=2 SP eager | skipped |" in capsys.readouterr().out
+
+
+def test_pace_scales_the_estimates_by_the_finished_runs():
+    estimates = {"a": 10.0, "b": 20.0, "c": 30.0, "d": 5.0}
+    assert two_gpu_run.pace({}, estimates) == 1.0
+    rows = {"a": {"status": "ok", "wall_s": 15.0}, "b": {"status": "ok", "wall_s": 30.0}, "d": {"status": "hung"}}
+    assert two_gpu_run.pace(rows, estimates) == 1.5
+    assert two_gpu_run.pace({"a": {"status": "ok", "wall_s": 100.0}}, estimates) == 3.0
