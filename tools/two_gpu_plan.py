@@ -39,7 +39,9 @@ class Sizes:
             model (another layout reduces in another order).
         startup_s: Rough seconds a run takes besides its iterations (launch, build, exit).
         dense_iter_s, moe_iter_s: Rough seconds per iteration.
-        hang_grace_s: Seconds a run may take to exit after its last iteration's line.
+        hang_grace_s: Seconds a run may take to exit after its last iteration's line (a
+            save run: 30 s more, for the save).
+        stall_s: Seconds a run may go without a new iteration line before its last one.
     """
 
     name: str
@@ -51,6 +53,7 @@ class Sizes:
     dense_iter_s: float
     moe_iter_s: float
     hang_grace_s: float
+    stall_s: float
 
     def layers(self, model: str) -> int:
         flags = (self.dense if model == "dense" else self.moe).split()
@@ -81,6 +84,7 @@ GPU = Sizes(
     dense_iter_s=0.12,
     moe_iter_s=0.2,
     hang_grace_s=20.0,
+    stall_s=60.0,
 )
 
 SMOKE = Sizes(
@@ -95,6 +99,7 @@ SMOKE = Sizes(
     dense_iter_s=0.5,
     moe_iter_s=0.5,
     hang_grace_s=30.0,
+    stall_s=60.0,
 )
 
 # (model, --cuda-graph-scope) -> (graphed regions per layer, whether the loss head is graphed).

@@ -3,7 +3,8 @@
 ``run_command`` starts a command in a session of its own, writes its stdout and stderr
 to a log file, and watches the log: a run that prints its last iteration's line
 (``iteration N/ N``) and has not exited ``hang_grace_s`` later is reported as hung; one
-still running at ``timeout_s`` as timed out. Either way everything it started is killed.
+that printed an iteration line and no further one for ``stall_s`` as stalled; one still
+running at ``timeout_s`` as timed out. Each way everything it started is killed.
 
 Unusual: torchrun starts each worker in a session of its own, so killing torchrun's
 process group leaves the workers running (and holding their GPUs). The kill therefore
@@ -30,7 +31,8 @@ class Outcome:
 
     Attributes:
         status: ``"ok"``, ``"failed"`` (non-zero exit), ``"timeout"`` (killed at the hard
-            timeout), or ``"hung"`` (printed its last iteration, then did not exit).
+            timeout), ``"hung"`` (printed its last iteration, then did not exit) or
+            ``"stalled"`` (no new iteration line for ``stall_s`` before the last one).
         rc: Exit code (negative: killed by that signal); None if it had to be killed.
         wall_s: Seconds from start to exit (or to the kill).
         last_iteration: Highest iteration line seen in the log (0: none).
@@ -145,6 +147,7 @@ def run_command(
     *,
     timeout_s: float,
     hang_grace_s: float,
+    stall_s: float | None = None,
     env: dict[str, str] | None = None,
     cwd: str | None = None,
     poll_s: float = 0.25,
@@ -154,20 +157,27 @@ def run_command(
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
     offset, last, final, final_at = 0, 0, False, None
+    progress_at = None  # when the highest iteration line so far appeared
     status = None
     seen: dict[int, int] = {}  # every descendant met: pid -> start time
     try:
         while True:
             _remember(proc.pid, seen)
             rc = proc.poll()
+            before = last
             offset, last, final = _scan(log_path, offset, last, final)
             now = time.monotonic()
+            if last > before:
+                progress_at = now
             if final and final_at is None:
                 final_at = now
             if rc is not None:
                 break
             if final_at is not None and now - final_at > hang_grace_s:
                 status = "hung"
+                break
+            if final_at is None and progress_at is not None and stall_s is not None and now - progress_at > stall_s:
+                status = "stalled"
                 break
             if now - start > timeout_s:
                 status = "timeout"

@@ -79,7 +79,10 @@ def execute(spec, sizes, iters, out, ckpt_dir, *, timeout_s: float, cpu: bool) -
         env["CUDA_VISIBLE_DEVICES"] = "0"
     with open(log_path, "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
-    outcome = proc.run_command(cmd, log_path, timeout_s=timeout_s, hang_grace_s=sizes.hang_grace_s, env=env, cwd=_ROOT)
+    grace = sizes.hang_grace_s + (30.0 if spec.kind == "save" else 0.0)  # the save follows the last line
+    outcome = proc.run_command(
+        cmd, log_path, timeout_s=timeout_s, hang_grace_s=grace, stall_s=sizes.stall_s, env=env, cwd=_ROOT
+    )
     return dict(analyse_log(spec, log_path), **_outcome_fields(outcome), command=" ".join(cmd))
 
 
@@ -198,9 +201,9 @@ def table(rows: list[dict]) -> str:
     """The results as a Markdown table, one row per run, then what the columns mean."""
     head = (
         "| run | what | status | its | loss vs eager | loss vs 1 GPU | ms/it | x eager | peak GiB r0/r1 "
-        "| mem vs eager r0/r1 | graphs r0/r1 (bound) | wall s | verdict |"
+        "| mem vs eager r0/r1 | graphs r0/r1 (bound) | pool MiB r0/r1 | wall s | verdict |"
     )
-    lines = [head, "|" + " --- |" * 13]
+    lines = [head, "|" + " --- |" * 14]
     for row in rows:
         c = row.get("checks", {})
         ms = row.get("ms_per_iter")
@@ -226,6 +229,7 @@ def table(rows: list[dict]) -> str:
             _per_rank(row, "max_reserved_mb", lambda v: f"{v / 1024:.2f}"),
             mem_cell if overhead else "-",
             graph_cell,
+            _per_rank(row, "pool_reserved_mb", lambda v: f"{v:.0f}") if graphs else "-",
             "-" if row.get("wall_s") is None else f"{row['wall_s']:.0f}",
             row.get("verdict", "-"),
         ]
@@ -234,8 +238,8 @@ def table(rows: list[dict]) -> str:
         "loss vs eager: against the eager run of the same layout (graphed runs: bitwise expected in "
         "--deterministic-mode; checkpoint runs: against tp2sp_eager's iterations); loss vs 1 GPU: max relative "
         f"difference to gpu1_eager; ms/it: median after the first {WARMUP} iterations (a third of shorter "
-        "runs); peak: max reserved per rank; graphs: per rank, bound = 2 (fwd, bwd) x graphed "
-        "regions x micro-batches in flight."
+        "runs); peak: the allocator's max reserved per rank (graph pools included); graphs: per rank, bound = "
+        "2 (fwd, bwd) x graphed regions x micro-batches in flight; pool: the graph pools' reserved memory."
     )
     return "\n".join(lines)
 

@@ -210,7 +210,10 @@ def _row(name, losses, ranks, status="ok", ms=50.0):
 def test_checks_flag_non_bitwise_losses_graph_counts_and_memory():
     runs = {r.name: r for r in two_gpu_plan.all_runs()}
     gpu = two_gpu_plan.GPU
-    mem = lambda peak, graphs=None: {"max_reserved_mb": peak, **({"graphs": graphs} if graphs is not None else {})}
+    mem = lambda peak, graphs=None: {
+        "max_reserved_mb": peak,
+        **({"graphs": graphs, "pool_reserved_mb": 300.0} if graphs is not None else {}),
+    }
     rows = {
         "tp2sp_eager": _row("tp2sp_eager", {1: 10.0, 2: 9.0}, {"0": mem(1000.0), "1": mem(2000.0)}),
         "gpu1_eager": _row("gpu1_eager", {1: 10.0, 2: 9.05}, {"0": mem(1500.0)}),
@@ -237,7 +240,7 @@ def test_checks_flag_non_bitwise_losses_graph_counts_and_memory():
     assert load["verdict"] == "ok" and load["checks"]["vs_eager"]["iterations"] == 1
     table = two_gpu_run.table([rows["tp2sp_eager"], good, bad, hung, load])
     assert "| tp2sp_layer | tp2sp_layer | ok | 2 | bitwise | rel 5.5e-03 | 40.0 | 0.800 | 0.99/1.94 |" in table
-    assert "| +1.0%/-0.5% | 18/18 (18/18) |" in table
+    assert "| +1.0%/-0.5% | 18/18 (18/18) | 300/300 | 20 | ok |" in table
     assert "| 19/0 (18/18) |" in table
 
 
@@ -284,10 +287,14 @@ def test_a_run_that_does_not_exit_after_its_last_iteration_is_reported_hung_and_
     assert _gone(int(pid_file.read_text())), "the worker in its own session survived"
 
 
-def test_timeout_before_the_last_iteration_and_a_failed_run(tmp_path):
+def test_timeout_stall_before_the_last_iteration_and_a_failed_run(tmp_path):
     cmd, pid_file = _fake(tmp_path, _line(1, 3), "sleep")
     outcome = two_gpu_proc.run_command(cmd, str(tmp_path / "slow.log"), timeout_s=3, hang_grace_s=1.0)
     assert (outcome.status, outcome.last_iteration, outcome.final_after_s) == ("timeout", 1, None)
+    assert _gone(int(pid_file.read_text()))
+    cmd, pid_file = _fake(tmp_path, _line(1, 3), "sleep")
+    outcome = two_gpu_proc.run_command(cmd, str(tmp_path / "stall.log"), timeout_s=60, hang_grace_s=1.0, stall_s=1.0)
+    assert (outcome.status, outcome.last_iteration) == ("stalled", 1) and outcome.wall_s < 30
     assert _gone(int(pid_file.read_text()))
     cmd, pid_file = _fake(tmp_path, _line(3, 3), "exit")
     outcome = two_gpu_proc.run_command(cmd, str(tmp_path / "failed.log"), timeout_s=60, hang_grace_s=30)
