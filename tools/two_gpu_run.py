@@ -130,14 +130,19 @@ def compare(spec: plan.RunSpec, row: dict, rows: dict[str, dict], sizes: plan.Si
     """Adds the checks of ``row`` against its references (in place): losses, memory, speed, graphs."""
     checks, problems = {}, []
     got = _loss_dict(row)
-    if row["status"] != "ok":
-        problems.append(row["status"])
-    elif not got:
-        problems.append("no losses")
+    save_at = plan.save_iteration(iters)
+    expected = {"save": save_at, "load": iters - save_at}.get(spec.kind, iters)
+    if row["status"] == "failed":
+        problems.append(f"failed (rc {row['rc']}): {(row.get('error') or 'see the log')[:120]}")
+    elif row["status"] != "ok":
+        problems.append(f"{row['status']} at iteration {row.get('last_iteration', 0)}")
+    elif len(got) != expected:
+        problems.append(f"logged {len(got)} of {expected} iterations")
     ref = rows.get(spec.eager_ref) if spec.eager_ref else None
-    if ref is not None and got:
+    if ref is not None and got and not _loss_dict(ref):
+        problems.append(f"no losses of {spec.eager_ref} to compare with")
+    elif ref is not None and got:
         want = _loss_dict(ref)
-        save_at = plan.save_iteration(iters)
         if spec.kind == "save":
             c = logs.compare_losses(got, want, range(1, save_at + 1))
             checks["vs_eager"] = c
@@ -180,6 +185,8 @@ def compare(spec: plan.RunSpec, row: dict, rows: dict[str, dict], sizes: plan.Si
                 problems.append(f"rank {rank}: {count} graphs > bound {bound}")
             if count is not None and count == 0:
                 problems.append(f"rank {rank}: no graphs captured")
+            if count is None and sizes.name == "gpu" and row["status"] == "ok":
+                problems.append(f"rank {rank}: no graph count reported")
         checks["graphs"] = graphs
     row["checks"] = checks
     row["problems"] = problems

@@ -207,39 +207,53 @@ def _row(name, losses, ranks, status="ok", ms=50.0):
     }
 
 
-def test_checks_flag_non_bitwise_losses_graph_counts_and_memory():
+def test_checks_flag_non_bitwise_losses_graph_counts_memory_and_failures():
     runs = {r.name: r for r in two_gpu_plan.all_runs()}
     gpu = two_gpu_plan.GPU
     mem = lambda peak, graphs=None: {
         "max_reserved_mb": peak,
         **({"graphs": graphs, "pool_reserved_mb": 300.0} if graphs is not None else {}),
     }
+    iters = 3  # the checkpoint runs: saved after 1, loaded for 2 and 3
     rows = {
-        "tp2sp_eager": _row("tp2sp_eager", {1: 10.0, 2: 9.0}, {"0": mem(1000.0), "1": mem(2000.0)}),
-        "gpu1_eager": _row("gpu1_eager", {1: 10.0, 2: 9.05}, {"0": mem(1500.0)}),
+        "tp2sp_eager": _row("tp2sp_eager", {1: 10.0, 2: 9.0, 3: 8.0}, {"0": mem(1000.0), "1": mem(2000.0)}),
+        "gpu1_eager": _row("gpu1_eager", {1: 10.0, 2: 9.05, 3: 8.0}, {"0": mem(1500.0)}),
     }
-    good = _row("tp2sp_layer", {1: 10.0, 2: 9.0}, {"0": mem(1010.0, 18), "1": mem(1990.0, 18)}, ms=40.0)
-    two_gpu_run.compare(runs["tp2sp_layer"], good, rows, gpu, 30)
+    good = _row("tp2sp_layer", {1: 10.0, 2: 9.0, 3: 8.0}, {"0": mem(1010.0, 18), "1": mem(1990.0, 18)}, ms=40.0)
+    two_gpu_run.compare(runs["tp2sp_layer"], good, rows, gpu, iters)
     assert good["verdict"] == "ok"
     assert good["checks"]["ms_vs_eager"] == pytest.approx(0.8)
     assert good["checks"]["memory_vs_eager"] == {"0": pytest.approx(0.01), "1": pytest.approx(-0.005)}
     assert good["checks"]["vs_one_gpu"]["max_rel"] == pytest.approx(0.05 / 9.05)
-    bad = _row("tp2sp_layer", {1: 10.0, 2: 9.2}, {"0": mem(1000.0, 19), "1": mem(1000.0, 0)})
-    two_gpu_run.compare(runs["tp2sp_layer"], bad, rows, gpu, 30)
+    bad = _row("tp2sp_layer", {1: 10.0, 2: 9.2, 3: 8.0}, {"0": mem(1000.0, 19), "1": mem(1000.0, 0)})
+    two_gpu_run.compare(runs["tp2sp_layer"], bad, rows, gpu, iters)
     assert bad["problems"] == [
         "not bitwise as tp2sp_eager",
         "loss off 1 GPU beyond 0.01",
         "rank 0: 19 graphs > bound 18",
         "rank 1: no graphs captured",
     ]
-    hung = _row("tp2sp_attn_mlp", {1: 10.0, 2: 9.0}, {}, status="hung")
-    two_gpu_run.compare(runs["tp2sp_attn_mlp"], hung, rows, gpu, 30)
-    assert hung["problems"][0] == "hung"
-    load = _row("ckpt_load_pp2", {2: 9.0}, {})
-    two_gpu_run.compare(runs["ckpt_load_pp2"], load, rows, gpu, 3)
-    assert load["verdict"] == "ok" and load["checks"]["vs_eager"]["iterations"] == 1
+    short = _row("tp2sp_layer", {1: 10.0, 2: 9.0}, {"0": mem(1000.0)})
+    two_gpu_run.compare(runs["tp2sp_layer"], short, rows, gpu, iters)
+    assert short["problems"] == [
+        "logged 2 of 3 iterations",
+        "rank 0: no graph count reported",
+        "rank 1: no graph count reported",
+    ]
+    hung = _row("tp2sp_attn_mlp", {1: 10.0, 2: 9.0, 3: 8.0}, {}, status="hung")
+    two_gpu_run.compare(runs["tp2sp_attn_mlp"], hung, rows, gpu, iters)
+    assert hung["problems"] == ["hung at iteration 3"]
+    failed = dict(_row("pp2_eager", {}, {}, status="failed"), rc=1, error="ValueError: --foo: bad")
+    two_gpu_run.compare(runs["pp2_eager"], failed, rows, gpu, iters)
+    assert failed["verdict"] == "failed (rc 1): ValueError: --foo: bad"
+    load = _row("ckpt_load_pp2", {2: 9.0, 3: 8.0}, {})
+    two_gpu_run.compare(runs["ckpt_load_pp2"], load, rows, gpu, iters)
+    assert load["verdict"] == "ok" and load["checks"]["vs_eager"]["iterations"] == 2
+    late = _row("ckpt_load_tp1", {1: 10.0, 2: 9.0, 3: 8.0}, {})
+    two_gpu_run.compare(runs["ckpt_load_tp1"], late, rows, gpu, iters)
+    assert late["problems"] == ["logged 3 of 2 iterations", "did not resume at iteration 2 (first 1)"]
     table = two_gpu_run.table([rows["tp2sp_eager"], good, bad, hung, load])
-    assert "| tp2sp_layer | tp2sp_layer | ok | 2 | bitwise | rel 5.5e-03 | 40.0 | 0.800 | 0.99/1.94 |" in table
+    assert "| tp2sp_layer | tp2sp_layer | ok | 3 | bitwise | rel 5.5e-03 | 40.0 | 0.800 | 0.99/1.94 |" in table
     assert "| +1.0%/-0.5% | 18/18 (18/18) | 300/300 | 20 | ok |" in table
     assert "| 19/0 (18/18) |" in table
 
