@@ -357,3 +357,26 @@ def test_pace_scales_the_estimates_by_the_finished_runs():
     rows = {"a": {"status": "ok", "wall_s": 15.0}, "b": {"status": "ok", "wall_s": 30.0}, "d": {"status": "hung"}}
     assert two_gpu_run.pace(rows, estimates) == 1.5
     assert two_gpu_run.pace({"a": {"status": "ok", "wall_s": 100.0}}, estimates) == 3.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_gpu_subset_reports_every_rank_gpu(tmp_path, capsys):
+    """On two GPUs: TP=2+SP and MoE EP=2 (drop-and-pad), eager and graphed, 6 iterations.
+    Graphed losses equal eager's bit for bit, and every rank has a peak and a graph count
+    within its bound; at EP=2 rank 1 prints no memory line, so its numbers come from the
+    metrics file."""
+    out = tmp_path / "out"
+    names = ["tp2sp_eager", "tp2sp_layer", "ep2_dp_eager", "ep2_dp_moe"]
+    rc = two_gpu_run.main(["--out", str(out), "--iters", "6", "--only", *names])
+    printed = capsys.readouterr().out
+    runs = {r["name"]: r for r in json.loads((out / "two_gpu.json").read_text())["runs"]}
+    assert rc == 0, printed
+    for name in names:
+        assert set(runs[name]["ranks"]) == {"0", "1"}, (name, printed)
+        assert all(m["max_reserved_mb"] > 0 for m in runs[name]["ranks"].values()), name
+    for name in ("tp2sp_layer", "ep2_dp_moe"):
+        assert runs[name]["checks"]["vs_eager"]["bitwise"], name
+        assert all(0 < g["graphs"] <= g["bound"] for g in runs[name]["checks"]["graphs"].values()), name
+    assert runs["ep2_dp_moe"]["ranks"]["1"]["source"] == "metrics file"
+    assert runs["tp2sp_layer"]["ranks"]["1"]["source"] == "memory line"
