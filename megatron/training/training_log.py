@@ -139,6 +139,7 @@ class IterationLogging:
             s = self.graphs.stats()
             record["graph-pool-reserved-bytes"] = s["pool_reserved_bytes"]
             record["graph-pool-live-bytes"] = s["pool_live_bytes"]
+            record["graph-count"] = s["graphs"]  # the memory line's count, for ranks that print none
         return record
 
     def _log_memory(self) -> None:

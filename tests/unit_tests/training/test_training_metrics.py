@@ -81,6 +81,7 @@ def test_graph_pool_bytes_are_recorded_gpu(tmp_path):
     # Between steps nothing may be live: every static buffer is released to later graphs.
     assert all(r["graph-pool-reserved-bytes"] > 0 for r in records[1:])
     assert all(r["graph-pool-reserved-bytes"] >= r["graph-pool-live-bytes"] >= 0 for r in records[1:])
+    assert all(r["graph-count"] == 2 * (1 + 1) for r in records[1:])  # the layer and the head, fwd and bwd
 
 
 def test_tensorboard_lm_loss_every_iteration_whatever_the_log_interval(tmp_path):
