@@ -245,10 +245,10 @@ def estimate_s(spec: RunSpec, sizes: Sizes, iters: int) -> float:
 def graph_bound(spec: RunSpec, sizes: Sizes, rank: int) -> int | None:
     """Most graphs ``rank`` may hold: 2 (forward, backward) x graphed regions x micro-batches in flight.
 
-    Summed over the rank's model chunks: a chunk's regions are its layers' graphed
-    regions plus the loss head on the last chunk of the last stage (when the head is
-    graphed); its micro-batches in flight are 1 without pipelining, else the most
-    forwarded and not yet backwarded at once in the rank's schedule order.
+    The rank's regions are its chunks' layers' graphed regions plus the loss head on the
+    last chunk of the last stage (when the head is graphed); its micro-batches in flight
+    are 1 without pipelining, else the most of all chunks forwarded and not yet
+    backwarded at once in the rank's schedule order (a graph slot serves any chunk).
     """
     if not spec.graphed:
         return None
@@ -260,14 +260,8 @@ def graph_bound(spec: RunSpec, sizes: Sizes, rank: int) -> int | None:
     microbatches = sizes.microbatches_per_rank(spec.model, spec.dp)
     pp_rank = rank // (spec.nproc // spec.pp)  # Megatron's rank order: pipeline outermost
     order = schedules.rank_order(microbatches, spec.pp, pp_rank, chunks) if spec.pp > 1 else None
-    bound = 0
-    for chunk in range(chunks):
-        regions = layers_per_chunk * per_layer
-        if head and pp_rank == spec.pp - 1 and chunk == chunks - 1:
-            regions += 1
-        in_flight = simulate.max_in_flight(order, chunk) if order is not None else 1
-        bound += 2 * regions * in_flight
-    return bound
+    regions = chunks * layers_per_chunk * per_layer + (1 if head and pp_rank == spec.pp - 1 else 0)
+    return 2 * regions * (simulate.max_in_flight(order) if order is not None else 1)
 
 
 def select(runs: list[RunSpec], only: list[str] | None) -> list[RunSpec]:

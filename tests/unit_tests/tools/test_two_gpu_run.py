@@ -150,8 +150,9 @@ def test_graph_bounds():
     assert [two_gpu_plan.graph_bound(runs["tp2sp_layer"], gpu, r) for r in (0, 1)] == [18, 18]
     # 1F1B over 8 micro-batches: stage 0 has 2 in flight, the last stage 1 (and the head).
     assert [two_gpu_plan.graph_bound(runs["pp2_attn_mlp"], gpu, r) for r in (0, 1)] == [16, 10]
-    vpp = [two_gpu_plan.graph_bound(runs["pp2vpp2_layer"], gpu, r) for r in (0, 1)]
-    assert all(v > 0 for v in vpp)
+    # 2 chunks of 2 layers; a slot serves either chunk: 5 micro-batches in flight on stage 0, 3 on
+    # the last (whose last chunk adds the head).
+    assert [two_gpu_plan.graph_bound(runs["pp2vpp2_layer"], gpu, r) for r in (0, 1)] == [2 * 4 * 5, 2 * 5 * 3]
     # MoE: attention, router, permutation and postprocess per layer, head eager; ``moe``: block + head.
     assert two_gpu_plan.graph_bound(runs["ep2_attn_router_pre"], gpu, 1) == 2 * 4 * 4
     assert two_gpu_plan.graph_bound(runs["ep2_dp_moe"], gpu, 0) == 2 * (4 + 1)
