@@ -82,6 +82,9 @@ class RegionMemory:
     weak_bytes: int | None = None
     must_keep_bytes: int = 0
     """What the region legitimately keeps after capture (shared wgrads, outputs without backward)."""
+    chunk: int = 0
+    """The model chunk the region belongs to: a slot serving several chunks runs one
+    micro-batch of one chunk at a time (a *run*), so its pool needs the largest run."""
 
 
 @dataclasses.dataclass
@@ -385,6 +388,7 @@ def graphed_report(
                     sum(held.values()),
                     sum(weak.get(key, {}).values()),
                     keep,
+                    session.chunk_of(region.index),
                 )
             )
     for slot in session.buffers:
@@ -448,25 +452,38 @@ def check_budgets(report: MemoryReport, *, tolerance: float = 0.10, slack_bytes:
     if report.mode != "graphed":
         raise ValueError("check_budgets needs a graphed report (a captured session), not an eager-only one")
     problems = []
-    by_slot: dict[int, list[RegionMemory]] = {}
+    by_run: dict[int, dict[int, list[RegionMemory]]] = {}  # slot -> chunk -> rows
     for row in report.regions:
         if row.pool_reserved_growth_bytes is not None:
-            by_slot.setdefault(row.slot, []).append(row)
-    for slot, rows in sorted(by_slot.items()):
-        temporaries = TEMPORARIES_FACTOR * max(r.activation_bytes for r in rows)
-        budget = grown = 0
-        for row in rows:  # forward order; each row's growth covers its forward and backward captures
-            budget += row.activation_bytes + row.static_input_bytes + row.static_output_bytes
-            grown += row.pool_reserved_growth_bytes
-            limit = (1 + tolerance) * budget + temporaries + slack_bytes
+            by_run.setdefault(row.slot, {}).setdefault(row.chunk, []).append(row)
+    for slot, runs in sorted(by_run.items()):
+        temporaries = TEMPORARIES_FACTOR * max(r.activation_bytes for rows in runs.values() for r in rows)
+        budgets = {}
+        for chunk, rows in sorted(runs.items()):
+            budget = grown = 0
+            for row in rows:  # forward order; each row's growth covers its forward and backward captures
+                budget += row.activation_bytes + row.static_input_bytes + row.static_output_bytes
+                grown += row.pool_reserved_growth_bytes
+                limit = (1 + tolerance) * budget + temporaries + slack_bytes
+                if grown > limit:
+                    problems.append(
+                        f"{row.name} (slot {slot}): the pool grew to {grown / _MIB:.1f} MiB by its captures, over the "
+                        f"analytic budget of the regions so far ({limit / _MIB:.1f} MiB = {1 + tolerance:.2f} x "
+                        f"{budget / _MIB:.1f} MiB activations and static buffers + {temporaries / _MIB:.1f} MiB "
+                        f"backward temporaries + {slack_bytes / _MIB:.1f} MiB segments) by "
+                        f"{(grown - limit) / _MIB:.1f} MiB"
+                    )
+                    break  # later regions inherit the excess; name the first
+            budgets[chunk] = budget
+        if len(runs) > 1:  # the chunks' runs take turns in the slot: its pool holds the largest
+            grown = sum(r.pool_reserved_growth_bytes for rows in runs.values() for r in rows)
+            limit = (1 + tolerance) * max(budgets.values()) + temporaries + slack_bytes
             if grown > limit:
                 problems.append(
-                    f"{row.name} (slot {slot}): the pool grew to {grown / _MIB:.1f} MiB by its captures, over the "
-                    f"analytic budget of the regions so far ({limit / _MIB:.1f} MiB = {1 + tolerance:.2f} x "
-                    f"{budget / _MIB:.1f} MiB activations and static buffers + {temporaries / _MIB:.1f} MiB "
-                    f"backward temporaries + {slack_bytes / _MIB:.1f} MiB segments) by {(grown - limit) / _MIB:.1f} MiB"
+                    f"slot {slot} (model chunks {', '.join(map(str, sorted(runs)))}): the pool grew to "
+                    f"{grown / _MIB:.1f} MiB over its runs, over the largest run's budget ({limit / _MIB:.1f} MiB) "
+                    f"by {(grown - limit) / _MIB:.1f} MiB: a later run did not reuse an earlier one's memory"
                 )
-                break  # later regions inherit the excess; name the first
     for row in report.regions:
         if row.strong_bytes is None:
             continue

@@ -171,6 +171,10 @@ class GraphSession:
     def captured(self) -> bool:
         return self.state is GraphState.CAPTURED
 
+    def chunk_of(self, region: int) -> int:
+        """The model chunk region ``region`` ran in while recording (0 without chunks)."""
+        return self._chunk_of.get(region, 0)
+
     def start_recording(self) -> None:
         """Records even without CUDA, to inspect the order and plan (CPU tests)."""
         self.state = GraphState.RECORD

@@ -56,8 +56,8 @@ CASES = {
 }
 
 
-def graphed_report(model_flags: str, scope: str, iters: int = 2):
-    flags = f"{model_flags} {COMMON} --cuda-graph-impl local --cuda-graph-scope {scope}".rstrip()
+def graphed_report(model_flags: str, scope: str, iters: int = 2, schedule=None, extra: str = ""):
+    flags = f"{model_flags} {COMMON} {extra} --cuda-graph-impl local --cuda-graph-scope {scope}".rstrip()
     kwargs = {}
     if "--hybrid-layer-pattern" in flags:
         import pretrain_hybrid
@@ -65,6 +65,8 @@ def graphed_report(model_flags: str, scope: str, iters: int = 2):
         kwargs = dict(model_provider=pretrain_hybrid.model_provider, forward_step=pretrain_hybrid.forward_step)
     torch.cuda.empty_cache()
     trainer = build_trainer(f"{flags} --train-iters {iters}".split(), **kwargs)
+    if schedule is not None:
+        trainer.schedule = schedule
     try:
         it = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0)[0]
         trainer.model.train()
@@ -98,6 +100,27 @@ def test_graph_memory_within_analytic_budget(case):
     # Between steps the pool holds only what regions must keep (tied wgrad buffers).
     keep = sum(r.must_keep_bytes for r in report.regions)
     assert report.totals["pool_live_bytes"] <= keep + report_lib.SEGMENT_SLACK, report.totals
+
+
+@pytest.mark.parametrize("pp_rank", [0, 1])
+def test_interleaved_slots_within_analytic_budget(pp_rank):
+    """Two chunks of two layers in rank ``pp_rank``'s interleaved order (2 stages, 4
+    micro-batches): slots serve both chunks, and a slot's pool must hold its largest run,
+    not the runs side by side (``check_budgets``' per-slot check)."""
+    import functools
+
+    from megatron.core.pipeline_parallel import simulate
+
+    schedule = functools.partial(simulate.forward_backward_chunks, num_chunks=2, pp_size=2, pp_rank=pp_rank)
+    extra = "--global-batch-size 8 --untie-embeddings-and-output-weights"  # after COMMON's batch size
+    report = graphed_report(DENSE, "", schedule=schedule, extra=extra)
+    print(report_lib.format_table(report))
+    chunks_per_slot = {}
+    for r in report.regions:
+        if r.scope != "shared":
+            chunks_per_slot.setdefault(r.slot, set()).add(r.chunk)
+    assert any(len(c) == 2 for c in chunks_per_slot.values()), chunks_per_slot
+    report_lib.check_budgets(report)
 
 
 @pytest.mark.parametrize("case", ["dense-layer", "dense-attn", "moe-router-preprocess", "hybrid-mamba"])

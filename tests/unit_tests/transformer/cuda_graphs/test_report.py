@@ -238,3 +238,41 @@ def test_chunk_activation_bytes_weigh_graph_slots(tool, scopes):
     per_layer = sum(region_activation_bytes(k, sh, kernels) for k in (scopes or ["attn", "mlp"]))
     head = region_activation_bytes("postprocess", sh, kernels) if not scopes or "mlp" in scopes else 0
     assert weights == [per_layer, 2 * per_layer + head]
+
+
+def test_check_budgets_wants_a_slot_serving_two_chunks_to_hold_its_largest_run():
+    """A slot whose runs alternate between two chunks of four layers: each run is checked
+    against its own regions, and the slot's whole growth against the largest run's budget
+    (the later run reuses the earlier one's memory); a pool that holds both runs side by
+    side is caught."""
+
+    def report(per_layer_c0, per_layer_c1):
+        rows = [
+            report_lib.RegionMemory(
+                f"c{c}.layer{i}",
+                f"c{c}.layer{i}",
+                "layer",
+                ("attn", "mlp"),
+                100 * MIB,
+                0,
+                0,
+                0,
+                growth,
+                None,
+                0,
+                0,
+                0,
+                c,
+            )
+            for c, growth in ((0, per_layer_c0), (1, per_layer_c1))
+            for i in range(4)
+        ]
+        return report_lib.MemoryReport([], "graphed", "", rows, [], {})
+
+    report_lib.check_budgets(report(100 * MIB, 0))  # the second run reused the first run's blocks
+    report_lib.check_budgets(report(100 * MIB, 10 * MIB))
+    with pytest.raises(report_lib.BudgetExceeded, match=r"slot 0 \(model chunks 0, 1\).*did not reuse") as err:
+        report_lib.check_budgets(report(100 * MIB, 100 * MIB))  # both runs side by side
+    assert "layer" not in str(err.value)  # each run alone is within its budget
+    with pytest.raises(report_lib.BudgetExceeded, match=r"c1.layer0 \(slot 0\): the pool grew"):
+        report_lib.check_budgets(report(0, 800 * MIB))  # one run alone over its budget
