@@ -15,8 +15,9 @@ Graphs cannot be captured on the CPU, so each run goes as far as the CPU allows:
    ``receive_buffer``'s own check that the slot is not in the middle of a micro-batch.
 
 Checked on every rank, for PP=2 and PP=4 1F1B (1, 2, 4, 8 micro-batches), PP=2 with
-two virtual stages per rank, in both spellings (2, 4, 8 micro-batches; interleaving
-needs at least as many micro-batches as stages), and PP=2 with a
+two virtual stages per rank, in both spellings (2, 4, 8 micro-batches, and 4 with the
+attn and mlp scopes; interleaving needs at least as many micro-batches as stages), and
+PP=2 with a
 ``--pipeline-model-parallel-layout`` of three virtual stages per rank, some of them
 without layers (6 micro-batches): the recorded order, slots, cycles and plans are those
 ``simulate.py`` and ``graph_comm.py`` predict for that rank (a slot serves micro-batches
@@ -58,6 +59,9 @@ def cases(world_size):
     out["pp2_m4_mlp"] = (PP2, 4, "mlp")  # the other way round
     for name, flags in VPP.items():
         out.update({f"{name}_m{m}": (flags, m, "") for m in (2, 4, 8)})
+    # Slots serve both chunks; partial scopes put eager code at the chunk edges.
+    out["vpp2_m4_attn"] = (VPP["vpp2"], 4, "attn")
+    out["vpp2_m4_mlp"] = (VPP["vpp2"], 4, "mlp")
     # A layout string with chunks of no graphed region: rank 0 holds the embedding alone, an
     # empty chunk and layer 4; rank 1 layers 1-2, layer 3 and the loss alone.
     for scope in ("", "attn"):
@@ -408,7 +412,7 @@ def test_changed_interleaving_group_after_capture_is_a_clear_error(results):
             for r in results[name]:
                 assert "CUDA graphs were captured under the schedule ('interleaved', 2," in r["graphed"]["regrouped"]
                 checked += 1
-    assert checked == 8  # 2 spellings x (4, 8) micro-batches x 2 ranks
+    assert checked == 12  # (2 spellings x (4, 8) micro-batches + the attn and mlp scopes at 4) x 2 ranks
 
 
 def test_some_receives_copy_and_some_land_in_place(results):
