@@ -1,9 +1,12 @@
-"""What the two-GPU validation run runs: models, layouts, graph scopes, order, time, bounds.
+"""What the two- and four-GPU validation runs run: models, layouts, graph scopes, order, time, bounds.
 
 ``two_gpu_run.py`` launches the runs and prints the table; this file says what they are.
-Runs are listed most important first (TP=2 with sequence parallelism, PP=2, PP=2 x VPP=2,
-the one-GPU reference of the dense model, EP=2, checkpoints), so a time budget that runs
-out drops the least important ones. Each run names the eager run of its own layout (its
+Two tables (``all_runs(gpus)``): the two-GPU one (TP=2 with sequence parallelism, PP=2,
+PP=2 x VPP=2, the one-GPU reference of the dense model, EP=2, checkpoints) and the
+four-GPU one (TP=2 x PP=2 x VPP=2 with the distributed optimizer, EP=4, and the
+TP=2 x PP=2 x VPP=2 job launched as two torchrun "nodes" of two GPUs on the one host).
+Runs are listed most important first, so a time budget that runs out drops the least
+important ones. Each run names the eager run of its own layout (its
 losses must equal it bit for bit in ``--deterministic-mode``) and, for the dense model, the
 one-GPU eager run of the same global batch (equal within a stated tolerance: another
 layout sums in another order).
@@ -132,6 +135,10 @@ class RunSpec:
             ``"load"`` (loads the save run's checkpoint and trains on to the end).
         tp, pp, vpp, dp: The layout's sizes.
         label: The layout in words, for the table.
+        microbatches: Micro-batches per rank (the global batch becomes micro batch x DP x
+            this), or None for the size set's global batch.
+        nodes: torchrun launchers of ``nproc // nodes`` processes each, joined by a c10d
+            rendezvous on this host (1: one ``--standalone`` launcher).
     """
 
     name: str
@@ -148,6 +155,8 @@ class RunSpec:
     vpp: int = 1
     dp: int = 1
     label: str = "1 GPU"
+    microbatches: int | None = None
+    nodes: int = 1
 
     @property
     def graphed(self) -> bool:
@@ -161,7 +170,8 @@ class RunSpec:
         else:
             mode = f"`{self.scope}`"
         kind = {"save": " save", "load": " load"}.get(self.kind, "")
-        return f"{self.label}{kind} {'drop-and-pad ' if self.extra else ''}{mode}"
+        nodes = f" ({self.nodes} nodes x {self.nproc // self.nodes})" if self.nodes > 1 else ""
+        return f"{self.label}{nodes}{kind} {'drop-and-pad ' if self.extra else ''}{mode}"
 
 
 TP2_SP = "--tensor-model-parallel-size 2 --sequence-parallel"
@@ -180,8 +190,12 @@ def _dense_group(prefix: str, layout: str, **sizes) -> list[RunSpec]:
     ]
 
 
-def all_runs() -> list[RunSpec]:
-    """Every run, most important first."""
+def all_runs(gpus: int = 2) -> list[RunSpec]:
+    """Every run of the ``gpus``-GPU table (2 or 4), most important first."""
+    if gpus == 4:
+        return four_gpu_runs()
+    if gpus != 2:
+        raise ValueError(f"--gpus: {gpus} has no table; choose 2 or 4")
     runs = _dense_group("tp2sp", TP2_SP, tp=2, label="TP=2 SP")
     runs += _dense_group("pp2", PP2, pp=2, label="PP=2")
     runs += _dense_group("pp2vpp2", PP2_VPP2, pp=2, vpp=2, label="PP=2 VPP=2")
@@ -204,6 +218,62 @@ def all_runs() -> list[RunSpec]:
     return runs
 
 
+TP2_PP2_VPP2 = (
+    "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+    "--use-distributed-optimizer"
+)
+EP4 = "--expert-model-parallel-size 4"
+
+
+def four_gpu_runs() -> list[RunSpec]:
+    """The four-GPU table, most important first.
+
+    The dense GPT at TP=2 x PP=2 x VPP=2 (DP=1, 8 micro-batches) with the distributed
+    optimizer, eager, whole layer and ``attn mlp``; the MoE GPT at EP=4 (DP=4, two
+    micro-batches per rank as at EP=2), eager and ``attn moe_router moe_preprocess``; then
+    the dense eager and ``attn mlp`` jobs as two torchrun "nodes" of two GPUs, whose
+    losses must equal the one-launcher eager run's bit for bit (same layout and kernels).
+    """
+    dense = dict(tp=2, pp=2, vpp=2, label="TP=2 PP=2 VPP=2 DistOpt")
+    eager = RunSpec("tp2pp2vpp2_eager", "dense", 4, TP2_PP2_VPP2, **dense)
+    runs = [
+        eager,
+        dataclasses.replace(eager, name="tp2pp2vpp2_layer", scope="", eager_ref=eager.name),
+        dataclasses.replace(eager, name="tp2pp2vpp2_attn_mlp", scope="attn mlp", eager_ref=eager.name),
+    ]
+    ep = dict(model="moe", nproc=4, layout=EP4, dp=4, microbatches=2, label="MoE EP=4")
+    runs += [
+        RunSpec("ep4_eager", **ep),
+        RunSpec("ep4_attn_router_pre", scope="attn moe_router moe_preprocess", eager_ref="ep4_eager", **ep),
+    ]
+    two_nodes = dataclasses.replace(eager, name="tp2pp2vpp2_2node_eager", nodes=2, eager_ref=eager.name)
+    runs += [two_nodes, dataclasses.replace(two_nodes, name="tp2pp2vpp2_2node_attn_mlp", scope="attn mlp")]
+    return runs
+
+
+RESULTS_FILE = {2: "two_gpu.json", 4: "four_gpu.json"}
+"""Where each table's results go, in the output folder."""
+
+TABLE_ENV = {2: {}, 4: {"NCCL_ALGO": "Ring"}}
+"""Environment defaults of each table's runs (a value already set is kept). NCCL_ALGO=Ring:
+Megatron's --deterministic-mode default (megatron/training/determinism.py), so that the
+one-launcher and two-"node" runs reduce in the same order."""
+
+
+def microbatches(spec: RunSpec, sizes: Sizes) -> int:
+    """Micro-batches per rank of ``spec`` at ``sizes``."""
+    return spec.microbatches or sizes.microbatches_per_rank(spec.model, spec.dp)
+
+
+def reporting_ranks(spec: RunSpec) -> set[int]:
+    """Ranks whose memory and graph count the trainer reports: data-parallel rank 0 (the
+    memory line, as Megatron's report_memory) and the last rank (its metrics file).
+
+    Megatron's rank order puts tensor parallelism innermost: dp rank = (rank // TP) % DP.
+    """
+    return {r for r in range(spec.nproc) if (r // spec.tp) % spec.dp == 0} | {spec.nproc - 1}
+
+
 def save_iteration(iters: int) -> int:
     """The iteration the save run saves at (a third of the run)."""
     return max(1, iters // 3)
@@ -213,6 +283,11 @@ def argv(spec: RunSpec, sizes: Sizes, iters: int, *, metrics_file: str, ckpt_dir
     """``pretrain_gpt.py``'s arguments for ``spec``."""
     model = sizes.dense if spec.model == "dense" else sizes.moe
     train_iters = save_iteration(iters) if spec.kind == "save" else iters
+    if spec.microbatches is not None:
+        words = model.split()
+        at = words.index("--global-batch-size") + 1
+        words[at] = str(int(words[words.index("--micro-batch-size") + 1]) * spec.dp * spec.microbatches)
+        model = " ".join(words)
     flags = f"{model} {sizes.precision} {COMMON} {spec.layout} {spec.extra} --train-iters {train_iters}"
     flags += f" --lr-decay-iters {iters}"  # the save run's checkpoint then has the loads' schedule
     # The memory line at the end holds the peaks of the whole run; the metrics file (the
@@ -239,6 +314,7 @@ def estimate_s(spec: RunSpec, sizes: Sizes, iters: int) -> float:
         seconds += 3.0
     if spec.kind in ("save", "load"):
         seconds += 8.0
+    seconds += 10.0 * (spec.nodes - 1)  # one more launcher's start and rendezvous
     return seconds
 
 
@@ -257,9 +333,9 @@ def graph_bound(spec: RunSpec, sizes: Sizes, rank: int) -> int | None:
     per_layer, head = SCOPE_REGIONS[(spec.model, spec.scope)]
     chunks = spec.vpp
     layers_per_chunk = sizes.layers(spec.model) // (spec.pp * chunks)
-    microbatches = sizes.microbatches_per_rank(spec.model, spec.dp)
+    micro = microbatches(spec, sizes)
     pp_rank = rank // (spec.nproc // spec.pp)  # Megatron's rank order: pipeline outermost
-    order = schedules.rank_order(microbatches, spec.pp, pp_rank, chunks) if spec.pp > 1 else None
+    order = schedules.rank_order(micro, spec.pp, pp_rank, chunks) if spec.pp > 1 else None
     regions = chunks * layers_per_chunk * per_layer + (1 if head and pp_rank == spec.pp - 1 else 0)
     return 2 * regions * (simulate.max_in_flight(order) if order is not None else 1)
 
