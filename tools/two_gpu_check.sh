@@ -3,7 +3,8 @@
 # TP=2+SP, PP=2, PP=2 x VPP=2 eager and graphed, the one-GPU reference, MoE EP=2, and a
 # TP=2 torch_dist checkpoint loaded at TP=1 and PP=2. Logs, metrics and two_gpu.json go
 # to $OUT (the device tool's output folder) or ./two_gpu_out; the table is printed last.
-# Arguments go to two_gpu_run.py (--only NAMES, --iters N, --budget-s S, --dry-run).
+# Arguments go to two_gpu_run.py (--only NAMES, --iters N, --budget-s S, --dry-run; --gpus 4:
+# the four-GPU table, as tools/four_gpu_check.sh runs it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-two_gpu_out}
