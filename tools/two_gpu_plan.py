@@ -7,14 +7,15 @@ four-GPU one (TP=2 x PP=2 x VPP=2 with the distributed optimizer, EP=4, and the
 TP=2 x PP=2 x VPP=2 job launched as two torchrun "nodes" of two GPUs on the one host).
 Runs are listed most important first, so a time budget that runs out drops the least
 important ones. Each run names the eager run of its own layout (its
-losses must equal it bit for bit in ``--deterministic-mode``) and, for the dense model, the
-one-GPU eager run of the same global batch (equal within a stated tolerance: another
-layout sums in another order).
+losses must equal it bit for bit in ``--deterministic-mode``; a two-"node" run names the
+one-launcher eager run) and, for the dense model of the two-GPU table, the one-GPU eager
+run of the same global batch (equal within a stated tolerance: another layout sums in
+another order).
 
 Two size sets: ``GPU`` (the issue's 8-layer GPT, hidden 1024, seq 2048, bf16, and a
 4-layer MoE GPT scaled from the MoE benchmark config so the whole table fits ten minutes)
-and ``SMOKE`` (tiny fp32 models for two gloo CPU processes, where the graph flags are
-accepted and the runs are eager).
+and ``SMOKE`` (tiny fp32 models for two or four gloo CPU processes, where the graph flags
+are accepted and the runs are eager).
 """
 
 from __future__ import annotations

@@ -239,7 +239,7 @@ def compare(spec: plan.RunSpec, row: dict, rows: dict[str, dict], sizes: plan.Si
         for rank in range(spec.nproc):
             count = row["ranks"].get(str(rank), {}).get("graphs")
             bound = plan.graph_bound(spec, sizes, rank)
-            graphs[str(rank)] = {"graphs": count, "bound": bound}
+            graphs[str(rank)] = {"graphs": count, "bound": bound, "reported": rank in reporting}
             if count is not None and count > bound:
                 problems.append(f"rank {rank}: {count} graphs > bound {bound}")
             if count is not None and count == 0:
@@ -322,6 +322,15 @@ def table(rows: list[dict]) -> str:
         "runs); peak: the allocator's max reserved per rank (graph pools included); graphs: per rank, bound = "
         "2 (fwd, bwd) x graphed regions x micro-batches in flight; pool: the graph pools' reserved memory."
     )
+    notes = []
+    if any(row.get("nodes", 1) > 1 for row in rows):
+        notes.append(
+            'two-"node" runs: loss vs eager against the one-launcher eager run of the layout (bitwise expected)'
+        )
+    if any(not g["reported"] for row in rows for g in (row.get("checks", {}).get("graphs") or {}).values()):
+        notes.append("graphs -: the trainer reports no count for data-parallel ranks > 0 other than the last")
+    if notes:
+        lines.append("; ".join(notes) + ".")
     if any("*" in _peaks(row) or row.get("checks", {}).get("memory_vs_eager_from_nvml") for row in rows):
         lines.append(
             "*: the driver's peak of the rank's GPU (NVML, polled every 50 ms; context and NCCL buffers "
@@ -341,7 +350,14 @@ def _interrupt(signum, frame):
 
 
 def _skipped(spec: plan.RunSpec, reason: str, status: str = "skipped") -> dict:
-    return {"name": spec.name, "what": spec.describe(), "status": status, "verdict": reason, "nproc": spec.nproc}
+    return {
+        "name": spec.name,
+        "what": spec.describe(),
+        "status": status,
+        "verdict": reason,
+        "nproc": spec.nproc,
+        "nodes": spec.nodes,
+    }
 
 
 def main(argv=None) -> int:
@@ -403,7 +419,7 @@ def main(argv=None) -> int:
                     interrupted = True
                     row = _skipped(spec, "interrupted while running (its processes killed)", status="interrupted")
                 else:
-                    row["nproc"] = spec.nproc
+                    row["nproc"], row["nodes"] = spec.nproc, spec.nodes
                     compare(spec, row, rows, sizes, iters)
                     print(f"   {row['status']} after {row['wall_s']:.0f} s: {row['verdict']}", flush=True)
             rows[spec.name] = row

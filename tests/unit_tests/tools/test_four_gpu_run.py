@@ -247,6 +247,10 @@ def test_ep4_checks_use_the_ranks_the_trainer_reports_and_the_drivers_peaks_for_
     assert "| peak GiB r0/r1/r2/r3 | mem vs eager r0/r1/r2/r3 | graphs r0/r1/r2/r3 (bound) |" in table
     assert "| 2.10/3.32*/3.42*/4.00 | +5.0%/+9.7%*/+9.4%*/+0.0% | 32/-/-/32 (32/32/32/32) |" in table
     assert table.splitlines()[-1].startswith("*: the driver's peak of the rank's GPU")
+    assert (
+        table.splitlines()[-2]
+        == "graphs -: the trainer reports no count for data-parallel ranks > 0 other than the last."
+    )
     # The two-GPU table's header is as it was.
     assert "| peak GiB r0/r1 | mem vs eager r0/r1 |" in two_gpu_run.table([dict(eager, nproc=2, nvml_peak_mb={})])
 
@@ -281,6 +285,7 @@ def test_four_gpu_cpu_smoke_subset(tmp_path, capsys):
     log = (out / "tp2pp2vpp2_2node_eager.log").read_text()
     assert log.count("--rdzv-backend c10d") == 2 and "--node-rank 1" in log
     assert "| tp2pp2vpp2_2node_eager | TP=2 PP=2 VPP=2 DistOpt (2 nodes x 2) eager | ok | 3 | bitwise |" in printed
+    assert printed.splitlines()[-2].startswith('two-"node" runs: loss vs eager against the one-launcher eager run')
 
 
 @pytest.mark.gpu
