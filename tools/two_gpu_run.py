@@ -1,25 +1,26 @@
 """The two- and four-GPU validation runs: every layout of the issue's table in one call, table last.
 
 ``--gpus 2`` (the default) runs the two-GPU table, ``--gpus 4`` the four-GPU one
-(``two_gpu_plan.all_runs``); both go through the code below. Each run is ``torchrun --standalone --nproc-per-node 2 pretrain_gpt.py ...`` (the one-GPU
-reference: ``--nproc-per-node 1``), launched as ``python -m torch.distributed.run`` so it
-uses this interpreter; a two-"node" run is two launchers (``--nnodes 2 --node-rank i
---rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT``), each given its own GPUs with
-CUDA_VISIBLE_DEVICES, and tracked and killed together. Its stdout and stderr go to ``<out>/<name>.log``, its metrics
-file to ``<out>/<name>.jsonl``. From them (``two_gpu_logs.py``) each row gets: the lm
-loss of every iteration (exact, from the metrics file), its agreement with the eager run
-of the same layout (bit for bit expected in ``--deterministic-mode``) and, for the dense
-model, with the one-GPU eager run (within the stated tolerance), the peak device memory
-of each rank (the last memory line's max reserved; the last rank's metrics file when
-that rank prints no memory line; else the driver's peak of the rank's GPU, polled
-through NVML) and its change against eager, ms/iteration (median
-after the warm-up) and its ratio to eager, and each rank's graph count against its
-bound (``two_gpu_plan.graph_bound``; ranks the trainer reports no count for, data-parallel
-ranks > 0 other than the last, show none). Runs have a hard timeout and a hang check
-(``two_gpu_proc.py``); a run that does not exit after its last iteration is reported as
-hung. The time budget covers the whole call: a run whose estimate (scaled by how the
-finished runs compared with theirs) no longer fits is skipped and reported. Results are
-written to ``<out>/two_gpu.json`` (``four_gpu.json``) after every run.
+(``two_gpu_plan.all_runs``); both go through the code below. Each run is ``torchrun
+--standalone --nproc-per-node N pretrain_gpt.py ...``, launched as ``python -m
+torch.distributed.run`` so it uses this interpreter; a two-"node" run is two launchers
+(``--nnodes 2 --node-rank i --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT``), each
+given its own GPUs with CUDA_VISIBLE_DEVICES, watched and killed together. Its stdout
+and stderr go to ``<out>/<name>.log``, its metrics file to ``<out>/<name>.jsonl``. From
+them (``two_gpu_logs.py``) each row gets: the lm loss of every iteration (exact, from
+the metrics file), its agreement with the eager run of the same layout (bit for bit
+expected in ``--deterministic-mode``) and, for the two-GPU table's dense model, with the
+one-GPU eager run (within the stated tolerance), the peak device memory of each rank
+(the last memory line's max reserved; the last rank's metrics file when that rank
+prints no memory line; else the driver's peak of the rank's GPU, polled through NVML)
+and its change against eager, ms/iteration (median after the warm-up) and its ratio to
+eager, and each rank's graph count against its bound (``two_gpu_plan.graph_bound``;
+ranks the trainer reports no count for, data-parallel ranks > 0 other than the last,
+show none). Runs have a hard timeout and a hang check (``two_gpu_proc.py``); a run that
+does not exit after its last iteration is reported as hung. The time budget covers the
+whole call: a run whose estimate (scaled by how the finished runs compared with theirs)
+no longer fits is skipped and reported. Results are written to ``<out>/two_gpu.json``
+(``four_gpu.json``) after every run.
 
 ``--cpu-smoke`` runs the same table with tiny fp32 models on two (four) gloo CPU
 processes (graph flags accepted, runs eager); memory and graph columns are then empty.
