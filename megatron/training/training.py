@@ -42,7 +42,7 @@ from megatron.core.tensor_parallel.random import model_parallel_manual_seed
 from megatron.core.transformer import cuda_graphs
 from megatron.core.transformer.cuda_graphs.streams import side_stream
 from megatron.core.transformer.moe import moe_layer as moe_hooks
-from megatron.training import checkpoint_config, checkpointing, dist_checkpointing, save_lock
+from megatron.training import checkpoint_config, checkpointing, determinism, dist_checkpointing, save_lock
 from megatron.training import logging_utils as logs
 from megatron.training.arguments import parse_args
 from megatron.training.batch_steps import StepBatches
@@ -54,20 +54,6 @@ from megatron.training.save_retention import SaveRetention
 from megatron.training.step_checks import StepChecks
 from megatron.training.train_state import TrainState
 from megatron.training.training_log import IterationLogging, LossWindow
-
-
-def _set_determinism(cfg: RunConfig, use_cuda: bool) -> None:
-    """The process-wide numerics switches: --deterministic-mode, --disable-bf16-reduced-precision-matmul."""
-    if cfg.precision.bf16 and cfg.precision.disable_bf16_reduced_precision_matmul:
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False  # process-wide, as in Megatron
-    if not cfg.training.deterministic_mode:
-        return
-    # cuBLAS reads this when its handle is created; setting it before the first matmul suffices.
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    if use_cuda:
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
 
 
 class Trainer(IterationLogging, StepBatches, StepChecks):
@@ -577,13 +563,15 @@ def build_trainer(
     cfg = parse_args(argv).resolve(parallel_state.world_size_from_env())
     cfg.validate()
     use_cuda = torch.cuda.is_available() and not cfg.training.use_cpu
+    if cfg.training.deterministic_mode:
+        determinism.apply_determinism_env(os.environ)  # before any NCCL communicator or cuBLAS handle exists
     if use_cuda:
         _configure_nccl_for_graphs(cfg)  # before any NCCL communicator exists
     pg = parallel_state.initialize(cfg.parallel, use_cuda=use_cuda)
     try:
         for line in logs.startup_lines(cfg):
             logs.print_rank_0(line)
-        _set_determinism(cfg, use_cuda)
+        determinism.set_determinism(cfg, use_cuda)
         if use_cuda and cfg.cuda_graph.enabled and cfg.cuda_graph.cuda_graph_expandable_segments:
             from megatron.core.transformer.cuda_graphs.pool import use_expandable_segments
 

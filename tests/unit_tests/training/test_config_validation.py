@@ -91,9 +91,9 @@ def test_disable_bf16_reduced_precision_matmul_sets_cublas_flag_with_bf16(bf16):
     # (process-wide; the test fixture restores it).
     import torch
 
-    from megatron.training.training import _set_determinism
+    from megatron.training.determinism import set_determinism
 
     cfg = validate("--disable-bf16-reduced-precision-matmul", *(["--bf16"] if bf16 else []))
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
-    _set_determinism(cfg, use_cuda=False)
+    set_determinism(cfg, use_cuda=False)
     assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is not bf16
