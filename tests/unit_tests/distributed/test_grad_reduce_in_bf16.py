@@ -186,6 +186,38 @@ def dp2_runs():
     return ranks, single, norms
 
 
+MODEL_PARALLEL = {
+    # TP ranks but the first leave replicated gradients out of the norm (grad_norm_tensors).
+    "tp2": "--tensor-model-parallel-size 2",
+    # Expert gradients normed over groups of their own (grad_norm_parts), plain and sharded.
+    "ep2": f"{MOE} --expert-model-parallel-size 2",
+    "ep2_distopt": f"{MOE} --expert-model-parallel-size 2 --use-distributed-optimizer",
+}
+
+
+@pytest.fixture(scope="module")
+def model_parallel_runs():
+    base = "--global-batch-size 8 --train-iters 20 --lr 3e-3"
+    runs = {}
+    for name, extra in MODEL_PARALLEL.items():
+        runs[name] = f"{base} {extra} --grad-reduce-in-bf16"
+        runs[f"{name}_fp32"] = f"{base} {extra}"
+    return run_distributed(_dp_rank, 2, runs, timeout=600)
+
+
+@pytest.mark.parametrize("name", list(MODEL_PARALLEL))
+def test_model_parallel_norms_track_the_fp32_buffer_run(model_parallel_runs, name):
+    r0, r1 = model_parallel_runs[0][name], model_parallel_runs[1][name]
+    ref = model_parallel_runs[0][f"{name}_fp32"]
+    assert r0["dtypes"] == r1["dtypes"] == ["torch.bfloat16"] and ref["dtypes"] == ["torch.float32"]
+    assert r0["losses"] == r1["losses"] and r0["norms"] == r1["norms"]  # one global norm on every rank
+    assert r0["losses"][-1] < r0["losses"][0] - 0.3, "the loss should clearly decrease"
+    for i, (a, b) in enumerate(zip(ref["losses"], r0["losses"])):
+        assert b == pytest.approx(a, rel=LOSS_RTOL), f"iteration {i + 1}"
+    for i, (a, b) in enumerate(zip(ref["norms"], r0["norms"])):
+        assert b == pytest.approx(a, rel=NORM_RTOL), f"iteration {i + 1}"
+
+
 @pytest.mark.parametrize("name", ["dp2", "dp2_distopt"])
 def test_dp2_ranks_agree_and_follow_one_process(dp2_runs, name):
     ranks, single, single_norms = dp2_runs
@@ -204,7 +236,8 @@ def test_dp2_ranks_agree_and_follow_one_process(dp2_runs, name):
 
 
 def test_fp16_buffer_norm_and_unscale_run_in_fp32():
-    """fp16 main_grads of 300 (scaled by 4): squares overflow fp16, not the fp32 copies."""
+    """fp16 main_grads of 1200 at loss scale 4: unscaled, normed and clipped as fp32 copies,
+    the fp16 buffer left as it is."""
     params = [torch.nn.Parameter(torch.ones(8, 8, dtype=torch.float16))]
     params[0].main_grad = torch.full((8, 8), 1200.0, dtype=torch.float16)
     config = OptimizerConfig(optimizer="sgd", lr=1e-3, sgd_momentum=0.0, weight_decay=0.0, clip_grad=100.0)
@@ -217,6 +250,49 @@ def test_fp16_buffer_norm_and_unscale_run_in_fp32():
     # Clipped to norm 100: each element 300 * 100 / 2400 = 12.5, times lr.
     expected = torch.tensor(1.0 - 1e-3 * 12.5, dtype=torch.float64)
     assert torch.allclose(opt.main_params[0].double(), expected.expand(8, 8), rtol=1e-6)
+
+
+def _bf16_ddp():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 32)).to(torch.bfloat16)
+    ddp = DistributedDataParallel(
+        net, config=DDPConfig(ddp_bucket_size=1000), pg=ProcessGroups.single(), grad_reduce_in_fp32=False
+    )
+    for p in net.parameters():
+        p.main_grad.copy_(torch.randn(p.shape) * 3)
+    return ddp, list(net.parameters())
+
+
+@pytest.mark.parametrize("norm_over", ["buffers", "tensors", "parts"])
+def test_every_norm_path_reads_fp32_copies(norm_over):
+    """Each way the optimizer is told what to norm (flat buffers; model-parallel tensors;
+    per-group parts) gives the float64 norm of the bf16 values to 1e-6 relative; a norm
+    taken in bf16 would be off by ~1e-3."""
+    ddp, params = _bf16_ddp()
+    config = OptimizerConfig(optimizer="sgd", lr=0.0, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0)
+    counted = params
+    kwargs = {"grad_buffers": [ddp.grad_buffer.data]}
+    if norm_over == "tensors":
+        counted = params[:2]  # as a TP rank that leaves replicated gradients to another
+        kwargs["grad_norm_tensors"] = [p.main_grad for p in counted]
+    elif norm_over == "parts":
+        kwargs["grad_norm_parts"] = [([params[0].main_grad], [None]), ([ddp.grad_buffer.data], [None])]
+        counted = params + [params[0]]
+    opt = MixedPrecisionOptimizer(params, config=config, precision=PrecisionConfig(bf16=True), **kwargs)
+    before = [p.main_grad.clone() for p in params]
+    _, norm, _ = opt.step()
+    ref = torch.cat([p.main_grad.double().flatten() for p in counted]).norm().item()
+    assert norm.dtype == torch.float32 and norm.item() == pytest.approx(ref, rel=1e-6)
+    assert all(torch.equal(p.main_grad, b) for p, b in zip(params, before))
+    assert all(m.grad is None for m in opt.main_params)
+
+
+def test_norm_tensors_outside_the_gradients_are_refused():
+    ddp, params = _bf16_ddp()
+    config = OptimizerConfig(optimizer="sgd", lr=0.0, sgd_momentum=0.0, weight_decay=0.0)
+    stray = params[0].main_grad.clone()
+    with pytest.raises(ValueError, match="main_grad views or the grad buffers"):
+        MixedPrecisionOptimizer(params, config=config, precision=PrecisionConfig(bf16=True), grad_norm_tensors=[stray])
 
 
 @pytest.mark.parametrize("save_flag,load_flag", [("--grad-reduce-in-bf16", ""), ("", "--grad-reduce-in-bf16")])
