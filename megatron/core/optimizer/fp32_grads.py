@@ -51,7 +51,9 @@ class Fp32GradCopies:
                     found = (i, (lo - b_lo) // g.element_size())
                     break
             self._where.append(found)
-        self._used = sorted({w[0] for w in self._where if w is not None and w[0] >= 0})
+        # Every low-precision buffer is copied, also one no gradient lies in (a distributed
+        # optimizer shard of padding only): the norm reads it too.
+        self._used = [i for i, b in enumerate(self.buffers) if b.dtype != torch.float32]
         self._table: dict[int, torch.Tensor] = {}
 
     def make(self) -> list[torch.Tensor]:
