@@ -126,6 +126,35 @@ def test_every_main_grad_is_bf16_with_the_flag_and_fp32_without(extra):
         trainer.close()
 
 
+HYBRID = (
+    "--hybrid-layer-pattern MG*E --mamba-num-heads 8 --mamba-head-dim 8 --mamba-num-groups 1 "
+    f"--position-embedding-type none {MOE} --global-batch-size 8 --train-iters 6 --lr 3e-3"
+)
+
+
+@pytest.mark.slow
+def test_hybrid_mamba_gdn_moe_main_grads_are_bf16_and_train_close():
+    """Mamba, gated delta net, attention and MoE layers: every main_grad bf16 with the flag,
+    and the curve within the tolerances of the fp32-buffer run's."""
+    import pretrain_hybrid
+    from megatron.core import parallel_state
+    from megatron.training.training import build_trainer
+
+    runs = {}
+    for flag, dtype in (("--grad-reduce-in-bf16", torch.bfloat16), ("", torch.float32)):
+        argv = f"{FLAGS} {HYBRID} {flag}".split()
+        trainer = build_trainer(argv, pretrain_hybrid.model_provider, pretrain_hybrid.forward_step)
+        parallel_state.destroy(trainer.pg)
+        assert {p.main_grad.dtype for p in trainer.model.module.parameters()} == {dtype}
+        history = trainer.train()
+        trainer.close()
+        runs[flag] = ([r["lm loss"] for r in history], [r["grad-norm"] for r in history])
+    (loss16, norm16), (loss32, norm32) = runs["--grad-reduce-in-bf16"], runs[""]
+    assert loss16 != loss32
+    assert loss16 == pytest.approx(loss32, rel=LOSS_RTOL)
+    assert norm16 == pytest.approx(norm32, rel=NORM_RTOL)
+
+
 @pytest.mark.parametrize(
     "extra", ["", "--untie-embeddings-and-output-weights", "--no-gradient-accumulation-fusion", MOE]
 )
