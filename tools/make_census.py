@@ -68,7 +68,6 @@ _OUT_OF_SCOPE_PREFIXES = (
 )
 # Flags of features with open issues here (expect: not_yet).
 _NOT_YET_FLAGS = (
-    "--grad-reduce-in-bf16",
     "--tensor-parallel-num-weight-shards",
     "--expert-tensor-parallel-num-weight-shards",
     "--tokenizer-metadata",

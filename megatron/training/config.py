@@ -119,8 +119,13 @@ class PrecisionConfig(Freezable):
     hysteresis: int = 2
     """Overflows tolerated before the dynamic loss scale shrinks."""
 
-    accumulate_allreduce_grads_in_fp32: bool = True
-    """Keep main_grad buffers in fp32 (reduced-precision grad buffers are not supported yet)."""
+    accumulate_allreduce_grads_in_fp32: bool = False
+    """Accumulate and reduce gradients (the DDP main_grad buffers) in fp32. Always so with --bf16 unless
+    --grad-reduce-in-bf16; without it --fp16 accumulates and reduces in fp16, as Megatron."""
+
+    grad_reduce_in_bf16: bool = False
+    """With --bf16: accumulate and reduce gradients in bf16 main_grad buffers (half the memory and
+    communication); the optimizer still steps fp32 main params on fp32 copies of the gradients."""
 
     attention_softmax_in_fp32: bool = True
     """Softmax in fp32 (SDPA always accumulates in fp32; kept for Megatron command lines)."""
@@ -136,6 +141,18 @@ class PrecisionConfig(Freezable):
         if self.fp16:
             return torch.float16
         return torch.float32
+
+    @property
+    def grad_reduce_in_fp32(self) -> bool:
+        """Whether the main_grad buffers are fp32 (Megatron's resolved accumulate_allreduce_grads_in_fp32)."""
+        if self.bf16:
+            return not self.grad_reduce_in_bf16
+        return self.accumulate_allreduce_grads_in_fp32
+
+    @property
+    def main_grad_dtype(self) -> torch.dtype:
+        """Dtype of the DDP main_grad buffers: fp32, or the parameters' dtype."""
+        return torch.float32 if self.grad_reduce_in_fp32 else self.params_dtype
 
 
 @dataclasses.dataclass

@@ -301,12 +301,6 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
         note="rope is what --position-embedding-type rope applies",
     ),
     # ---- not supported yet: features with open issues, or no ask yet.
-    "--grad-reduce-in-bf16": not_yet(
-        "--grad-reduce-in-bf16",
-        SWITCH,
-        "bf16 gradient buffers and reductions",
-        "drop it: gradients accumulate and reduce in fp32, Megatron's default with --bf16",
-    ),
     "--tensor-parallel-num-weight-shards": not_yet(
         "--tensor-parallel-num-weight-shards", VALUE, "generalized tensor parallelism: weight shards beyond TP"
     ),

@@ -257,10 +257,6 @@ class RunConfig(Freezable):
             f"--num-distributed-optimizer-instances {instances} needs --use-distributed-optimizer (it shards the "
             "distributed optimizer within each instance); add it or drop --num-distributed-optimizer-instances.",
         )
-        require(
-            p.accumulate_allreduce_grads_in_fp32,
-            "reduced-precision gradient buffers are not supported yet; main_grad is always fp32.",
-        )
         o.validate(p)
         d = self.data
         require(
@@ -344,6 +340,22 @@ class RunConfig(Freezable):
             warnings.warn(
                 "--glu-linear-offset / --activation-func-clamp-value apply to gated activations (--swiglu, "
                 "--quick-geglu) only; the MLP here is not gated, so they change nothing (as in Megatron).",
+                stacklevel=3,
+            )
+        if self.precision.grad_reduce_in_bf16 and not self.precision.bf16:
+            warnings.warn(
+                "--grad-reduce-in-bf16 has no effect without --bf16 (gradients accumulate and reduce in the "
+                "parameters' dtype, or fp32 with --accumulate-allreduce-grads-in-fp32), as in Megatron.",
+                stacklevel=3,
+            )
+        if (
+            self.precision.grad_reduce_in_bf16
+            and self.precision.bf16
+            and self.precision.accumulate_allreduce_grads_in_fp32
+        ):
+            warnings.warn(
+                "--accumulate-allreduce-grads-in-fp32 is overridden by --grad-reduce-in-bf16: gradients accumulate "
+                "and reduce in bf16, as in Megatron; drop one of them.",
                 stacklevel=3,
             )
         if g.cuda_graph_impl == "none" and g.cuda_graph_scope:

@@ -94,7 +94,9 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
         self.tokenizer = setup_tokenizer(cfg, pg)  # the padded vocabulary size: the last derived value
         cfg.freeze()  # from here on the config is read-only
         model = model_provider(cfg, cfg.model.vocab_size, pg, self.device)
-        self.model = DistributedDataParallel(model, config=cfg.ddp, pg=pg)
+        self.model = DistributedDataParallel(
+            model, config=cfg.ddp, pg=pg, grad_reduce_in_fp32=cfg.precision.grad_reduce_in_fp32
+        )
         self.tied_embedding = pipeline_grads.TiedEmbeddingGrads(model, pg)
         # Every stage when the model has experts: the MoE log values are reduced over the stages.
         self.has_moe = cfg.moe.enabled or bool(moe_hooks.moe_layers(model))

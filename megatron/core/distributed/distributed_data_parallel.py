@@ -1,8 +1,12 @@
 """Data-parallel wrapper: main_grad in one contiguous buffer, bucketed all-reduce.
 
 ``DistributedDataParallel`` wraps a model, gives each trainable parameter a
-``main_grad`` view into one fp32 ``GradBuffer`` and, after each backward, averages the
-buffer over the data-parallel group bucket by bucket.
+``main_grad`` view into one ``GradBuffer`` and, after each backward, averages the
+buffer over the data-parallel group bucket by bucket. The buffer is fp32 by default
+(``grad_reduce_in_fp32``); without it, it has the parameters' dtype (Megatron's
+``--grad-reduce-in-bf16``, or ``--fp16`` without ``--accumulate-allreduce-grads-in-fp32``):
+gradients then accumulate across micro-batches and are reduced in that dtype, and the
+optimizer turns them into fp32 gradients of its fp32 main params.
 
 How gradients arrive. Eager parameters: with ``overlap_grad_reduce``, a
 post-accumulate-grad hook adds ``param.grad`` into ``main_grad``, drops ``param.grad``
@@ -87,6 +91,8 @@ class DistributedDataParallel(torch.nn.Module):
         pg: Process groups; ``pg.dp`` is the data-parallel group (``None`` for DP = 1),
             ``pg.expt_dp`` the expert-data-parallel one, ``pg.tp`` the tensor-parallel
             group (sequence-parallel gradients).
+        grad_reduce_in_fp32: fp32 gradient buffers (default); False gives buffers of the
+            parameters' dtype, which must then be one dtype per buffer.
 
     Attributes:
         module: The wrapped model.
@@ -95,7 +101,7 @@ class DistributedDataParallel(torch.nn.Module):
             without experts), reduced over ``pg.expt_dp``.
     """
 
-    def __init__(self, module: torch.nn.Module, *, config, pg):
+    def __init__(self, module: torch.nn.Module, *, config, pg, grad_reduce_in_fp32: bool = True):
         super().__init__()
         self.module = module
         self.config = config
@@ -121,6 +127,7 @@ class DistributedDataParallel(torch.nn.Module):
         )
         dense = [p for p in params if not is_expert_param(p)]
         expert = [p for p in params if is_expert_param(p)]
+        self.grad_reduce_in_fp32 = grad_reduce_in_fp32
         self.expt_dp_size = pg.expt_dp_size
         self.num_instances = pg.inter_dp_size
         require(
@@ -137,6 +144,7 @@ class DistributedDataParallel(torch.nn.Module):
             list(reversed(dense)),
             bucket_size=bucket_size,
             device=device,
+            dtype=_grad_dtype(dense, grad_reduce_in_fp32),
             shard_count=pg.intra_dp_size if self.use_distributed_optimizer else 1,
             param_buffer=self.use_distributed_optimizer,
         )
@@ -146,6 +154,7 @@ class DistributedDataParallel(torch.nn.Module):
                 list(reversed(expert)),
                 bucket_size=bucket_size,
                 device=device,
+                dtype=_grad_dtype(expert, grad_reduce_in_fp32),
                 shard_count=pg.intra_expt_dp_size if self.use_distributed_optimizer else 1,
                 param_buffer=self.use_distributed_optimizer,
             )
@@ -492,6 +501,21 @@ class DistributedDataParallel(torch.nn.Module):
             group = self.pg.expt_dp if is_expert_param(param) else self.dp_group
             if group is not None:
                 dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
+
+
+def _grad_dtype(params: list[torch.nn.Parameter], grad_reduce_in_fp32: bool) -> torch.dtype:
+    """The gradient buffer's dtype: fp32, or the one dtype of ``params`` (Megatron's rule,
+    which gives each parameter dtype a buffer of its own; one buffer here)."""
+    if grad_reduce_in_fp32 or not params:
+        return torch.float32
+    dtypes = {p.dtype for p in params}
+    require(
+        len(dtypes) == 1,
+        f"gradients in the parameters' dtype (--grad-reduce-in-bf16, or --fp16 without "
+        f"--accumulate-allreduce-grads-in-fp32) need every trainable parameter in one dtype, found "
+        f"{sorted(map(str, dtypes))}; add --accumulate-allreduce-grads-in-fp32.",
+    )
+    return dtypes.pop()
 
 
 def _place(pg, group_name: str) -> tuple[int, int]:

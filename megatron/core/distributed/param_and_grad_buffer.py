@@ -1,4 +1,4 @@
-"""One contiguous fp32 gradient buffer, split into buckets that are reduced as units.
+"""One contiguous gradient buffer, split into buckets that are reduced as units.
 
 Every trainable parameter gets ``param.main_grad``: a view into a single flat buffer
 allocated once. Its address never changes for the whole run, which is what lets a
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-# Parameter starts are rounded up to this many elements (256 bytes in fp32), so every
+# Parameter starts are rounded up to this many elements (256 bytes in fp32, 128 in bf16), so every
 # main_grad view is aligned for vectorised kernels. The gaps stay zero.
 _ALIGN_ELEMENTS = 64
 
@@ -95,7 +95,7 @@ class Bucket:
 
 
 class GradBuffer:
-    """The flat fp32 gradient buffer of a set of parameters, and its buckets.
+    """The flat gradient buffer of a set of parameters, and its buckets.
 
     Args:
         params: Parameters in buffer order (backward order). Each gets ``main_grad``.
@@ -103,7 +103,8 @@ class GradBuffer:
             makes it reach this size, so a bucket can exceed it by less than one
             parameter, and a parameter never spans two buckets.
         device: Where the buffer lives (the parameters' device).
-        dtype: Buffer dtype; fp32 (reduced-precision buffers are not supported).
+        dtype: Buffer dtype: fp32, or the parameters' bf16/fp16 (gradients then
+            accumulate and are reduced in it).
         shard_count: Pad every bucket to a multiple of this many elements (the DP size
             of the distributed optimizer; 1 leaves the layout unpadded).
         param_buffer: Also move the parameters into one flat buffer of their dtype, laid

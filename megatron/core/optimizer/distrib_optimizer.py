@@ -2,7 +2,8 @@
 
 ``DistributedOptimizer`` is ``MixedPrecisionOptimizer`` over *shards*: DDP (built with
 ``use_distributed_optimizer``) lays every bucket out in equal contiguous shards, one
-per DP rank, for both the fp32 gradients and the parameters. This rank optimizes only
+per DP rank, for both the gradients (fp32, or bf16/fp16 with ``--grad-reduce-in-bf16``) and
+the parameters. This rank optimizes only
 the pieces of parameters that fall in its shards: each piece is a flat
 ``torch.nn.Parameter`` aliasing the parameter buffer, whose ``main_grad`` is the same
 slice of the (reduce-scattered) gradient buffer. So fp32 main params (for bf16/fp16

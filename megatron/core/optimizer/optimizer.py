@@ -5,7 +5,10 @@ over fp32 tensors:
 - bf16/fp16 model params get an fp32 *main* copy; the copy's ``.grad`` is the model
   param's ``main_grad`` (a view into the DDP buffer; no copy is made), and after the
   inner step the main params are copied back into the model params in place;
-- fp32 model params are optimized directly, with ``.grad = main_grad`` during the step.
+- fp32 model params are optimized directly, with ``.grad = main_grad`` during the step;
+- bf16/fp16 ``main_grad`` buffers (``--grad-reduce-in-bf16``; ``--fp16`` without fp32
+  accumulation): each step the main params' ``.grad`` are fp32 copies of them
+  (``fp32_grads.py``), and unscaling, the norm and clipping run on the copies.
 
 Unusual choices:
 - No host synchronisation for bf16/fp32: the gradient norm stays a device tensor
@@ -36,6 +39,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.optimizer.fp32_grads import Fp32GradCopies
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.optimizer.lion import lion_from_config
 from megatron.core.optimizer.muon import MatrixInfo, Muon, adamw_kwargs, scalar_state_names
@@ -193,6 +197,10 @@ class MixedPrecisionOptimizer:
             else:
                 raise ValueError(f"cannot optimize a parameter of dtype {param.dtype}; use fp32, bf16 or fp16.")
             self.main_params.append(main)
+        self.grad_buffers = self._check_grad_buffers(grad_buffers)
+        self._grad_copies = None  # fp32 copies of bf16/fp16 main_grads, made each step
+        if any(p.main_grad.dtype != torch.float32 for p in self.model_params):
+            self._grad_copies = Fp32GradCopies([p.main_grad for p in self.model_params], self.grad_buffers)
         self._attach_grads()
         self._release_fp32_grads()
 
@@ -214,7 +222,6 @@ class MixedPrecisionOptimizer:
         self._fused = bool(self.optimizer.param_groups[0].get("fused"))  # takes found_inf on the device
         self._fused_adam = config.optimizer == "adam" and self._fused
         self._fused_lists: tuple | None = None  # see _build_fused_lists
-        self.grad_buffers = self._check_grad_buffers(grad_buffers)
         self._norm_tensors = None if grad_norm_tensors is None else list(grad_norm_tensors)
         self._norm_groups = [g for g in grad_norm_groups if g is not None]
         self._norm_parts = None
@@ -222,6 +229,9 @@ class MixedPrecisionOptimizer:
             self._norm_parts = [(list(t), [g for g in groups if g is not None]) for t, groups in grad_norm_parts]
             for _tensors, groups in self._norm_parts:  # fp16's overflow flag reaches every rank of each part
                 self._norm_groups += [g for g in groups if all(g is not h for h in self._norm_groups)]
+        if self._grad_copies is not None:
+            norm_tensors = list(self._norm_tensors or []) + [t for ts, _ in self._norm_parts or [] for t in ts]
+            self._grad_copies.check_known(norm_tensors)
         if preallocate_state and config.optimizer == "adam":
             self._allocate_adam_state()
 
@@ -325,7 +335,13 @@ class MixedPrecisionOptimizer:
 
         Re-done each step because the attribute is cheap to set and someone may have
         cleared ``.grad`` in between. Returns the grads in ``main_params`` order.
+        bf16/fp16 ``main_grad`` tensors are given as fp32 copies made now.
         """
+        if self._grad_copies is not None:
+            grads = self._grad_copies.make()
+            for main, grad in zip(self.main_params, grads):
+                main.grad = grad
+            return grads
         grads = []
         for param, main in zip(self.model_params, self.main_params):
             main.grad = param.main_grad
@@ -338,6 +354,14 @@ class MixedPrecisionOptimizer:
         # would add that same tensor again.
         for param in self._fp32_model:
             param.grad = None
+        if self._grad_copies is not None:  # the fp32 copies live for one step
+            for main in self._lowp_main:
+                main.grad = None
+            self._grad_copies.clear()
+
+    def _fp32(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` (gradients or grad buffers), as the fp32 tensors this step reads."""
+        return list(tensors) if self._grad_copies is None else self._grad_copies.of(tensors)
 
     @torch.no_grad()
     def clip_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -356,7 +380,7 @@ class MixedPrecisionOptimizer:
         elif self._norm_tensors is not None or self._norm_groups:
             total = self._model_parallel_norm(grads)
         else:
-            norms = torch._foreach_norm(self.grad_buffers or grads, 2)
+            norms = torch._foreach_norm(self._fp32(self.grad_buffers) or grads, 2)
             total = torch.linalg.vector_norm(torch.stack(list(norms)), 2)
         if self.config.clip_grad > 0:
             if self._fused_adam:
@@ -372,6 +396,7 @@ class MixedPrecisionOptimizer:
         """sqrt of the sum over ``grad_norm_parts`` of each part's squares, summed over its groups."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for tensors, groups in self._norm_parts:
+            tensors = self._fp32(tensors)
             if tensors:
                 squares = torch.stack(list(torch._foreach_norm(tensors, 2))).square().sum()
             else:
@@ -383,7 +408,10 @@ class MixedPrecisionOptimizer:
 
     def _model_parallel_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """sqrt of the squared norms of this rank's part, summed over ``grad_norm_groups``."""
-        tensors = self._norm_tensors if self._norm_tensors is not None else (self.grad_buffers or grads)
+        if self._norm_tensors is not None:
+            tensors = self._fp32(self._norm_tensors)
+        else:
+            tensors = self._fp32(self.grad_buffers) or grads
         if tensors:
             squares = torch.stack(list(torch._foreach_norm(tensors, 2))).square().sum()
         else:
@@ -462,6 +490,8 @@ class MixedPrecisionOptimizer:
             self.optimizer.step()
             return
         groups, all_steps = self._fused_lists
+        if self._grad_copies is not None:  # this step's fp32 copies
+            groups = [(g, ps, [p.grad for p in ps], *rest) for g, ps, _grads, *rest in groups]
         grad_scale = getattr(self.optimizer, "grad_scale", None)  # clipping, as torch's step reads it
         torch._foreach_add_(all_steps, 1)
         for group, params, grads, exp_avgs, exp_avg_sqs, steps in groups:

@@ -143,9 +143,10 @@ class TransformerConfig(Freezable):
     (Megatron's --cross-entropy-loss-fusion opts in; accepted)."""
 
     gradient_accumulation_fusion: bool = flag_field(True, flag="--no-gradient-accumulation-fusion")
-    """Linear layers add their weight gradient into the fp32 main_grad inside the wgrad GEMM
-    (bf16 inputs, fp32 accumulation) instead of producing a bf16 gradient that DDP adds
-    later, as Megatron's default does with apex; here through torch.addmm(out_dtype=...).
+    """Linear layers add their weight gradient into main_grad inside the wgrad GEMM (bf16
+    inputs, fp32 accumulation, rounded once to main_grad's dtype: fp32, or bf16 with
+    --grad-reduce-in-bf16) instead of producing a bf16 gradient that DDP adds later, as
+    Megatron's default does with apex; here through torch.addmm(out_dtype=...).
     The word embedding adds its token gradients into main_grad the same way."""
 
     apply_query_key_layer_scaling: bool = False
