@@ -17,6 +17,8 @@ import two_gpu_plan  # noqa: E402
 import two_gpu_proc  # noqa: E402
 import two_gpu_run  # noqa: E402
 
+from tests.unit_tests.tools.test_two_gpu_run import _gone  # noqa: E402
+
 RUNS4 = {r.name: r for r in two_gpu_plan.all_runs(4)}
 GPU = two_gpu_plan.GPU
 
@@ -172,15 +174,6 @@ LAUNCHER = textwrap.dedent(
     """
 )
 LAST_LINE = " [2026-12-04 12:25:37.092884] iteration        3/       3 | consumed samples: 8 | lm loss: 5.5E+00 |"
-
-
-def _gone(pid: int) -> bool:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if two_gpu_proc._start_time(pid) is None:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def _launchers(tmp_path, tag, *how):
