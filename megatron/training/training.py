@@ -166,14 +166,19 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
         self._save_attempted = self.last_checkpointed_iteration  # last iteration a save was tried at
         self._init_step_batch()
 
-    def _slot_weights(self, model: torch.nn.Module) -> list[int]:
+    def _slot_weights(self, model: torch.nn.Module) -> list[int] | None:
         """Per model chunk of this pipeline rank: the analytic activation bytes of its graphed
-        regions, by which the pipelined schedule sizes its CUDA-graph slots (``slots.py``)."""
+        regions, by which the pipelined schedule sizes its CUDA-graph slots (``slots.py``).
+        None for layers without an activation model (a model family's own): the schedule
+        then weighs chunks by their layers."""
         from megatron.core.transformer.cuda_graphs.activations import Kernels
         from megatron.core.transformer.cuda_graphs.report import chunk_activation_bytes
 
         kernels = Kernels.probe(self.device, cross_entropy_fusion=self.cfg.model.cross_entropy_loss_fusion)
-        return chunk_activation_bytes(self.graphs, schedules.model_chunks(model), self.cfg, kernels)
+        try:
+            return chunk_activation_bytes(self.graphs, schedules.model_chunks(model), self.cfg, kernels)
+        except ValueError:  # "no activation model for layer class ..."
+            return None
 
     @staticmethod
     def _schedule(cfg: RunConfig, pg: parallel_state.ProcessGroups) -> Callable:

@@ -276,3 +276,17 @@ def test_check_budgets_wants_a_slot_serving_two_chunks_to_hold_its_largest_run()
     assert "layer" not in str(err.value)  # each run alone is within its budget
     with pytest.raises(report_lib.BudgetExceeded, match=r"c1.layer0 \(slot 0\): the pool grew"):
         report_lib.check_budgets(report(0, 800 * MIB))  # one run alone over its budget
+
+
+def test_slot_weights_fall_back_to_layers_for_an_unknown_layer_class(tool):
+    """A model family's own layer class has no activation model: the trainer passes no
+    weights, and the pipelined schedule weighs chunks by their layers."""
+    import types
+
+    from megatron.training.training import Trainer
+
+    cfg = config(tool, f"{TINY} --cuda-graph-impl local")
+    layer = torch.nn.Linear(2, 2)
+    region = types.SimpleNamespace(name="decoder.layers.0.layer", method_name="forward", module=layer)
+    trainer = types.SimpleNamespace(device=torch.device("cpu"), cfg=cfg, graphs=types.SimpleNamespace(regions=[region]))
+    assert Trainer._slot_weights(trainer, torch.nn.Sequential(layer)) is None
