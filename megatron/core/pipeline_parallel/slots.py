@@ -20,8 +20,8 @@ reserve, ``sum over slots of the largest chunk weight a slot served``:
 Ties go to fewer ``(chunk, slot)`` pairs (fewer graphs to capture), then to ``per
 chunk``. The trainer weighs a chunk by the analytic activation bytes of its graphed
 regions (``report.chunk_activation_bytes``: the chunk with the loss head is heavier);
-without weights every chunk weighs the same. Equal chunks on 2 stages with 2 chunks: 5 slots instead of 6 on rank 0, 3
-instead of 4 on rank 1.
+without weights every chunk weighs the same. Equal chunks on 2 stages with 2 chunks: 5
+slots instead of 6 on rank 0, 3 instead of 4 on rank 1.
 """
 
 from __future__ import annotations
