@@ -15,7 +15,10 @@ reserve, ``sum over slots of the largest chunk weight a slot served``:
 - ``per chunk``: each chunk its own slots (as many as its micro-batches in flight);
 - ``lowest free``: the lowest free slot of all: as many slots as micro-batches of all
   chunks in flight at once, which is what eager execution holds at its peak, but a
-  slot that served a heavy chunk once reserves it for good.
+  slot that served a heavy chunk once reserves it for good;
+- ``cheapest`` (chunks of unequal weight only): a depth-first search over the free slot
+  each forward takes, pruned by the best reservation found so far and cut off after
+  :data:`SEARCH_NODES` steps (with equal weights ``lowest free`` is already the least).
 
 Ties go to fewer ``(chunk, slot)`` pairs (fewer graphs to capture), then to ``per
 chunk``. The trainer weighs a chunk by the analytic activation bytes of its graphed
@@ -26,10 +29,15 @@ slots instead of 6 on rank 0, 3 instead of 4 on rank 1.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable, Sequence
 
 Key = tuple[int, int]  # (model chunk, micro-batch)
 Step = tuple[str, int, int]  # ("F" | "B", model chunk, micro-batch)
+SEARCH_NODES = 20_000
+"""Search steps of the ``cheapest`` assignment (tens of milliseconds, once per order)."""
+SEARCH_MAX_STEPS = 600
+"""Longer orders skip the search (its depth is the order's length)."""
 
 
 class SlotAllocator:
@@ -70,11 +78,21 @@ def assign_slots(order: Sequence[Step], weights: Sequence[float] | None = None) 
         ValueError: a micro-batch starts twice, or runs backward before forward.
     """
     chunks = 1 + max((c for _, c, _ in order), default=0)
-    w = list(weights) if weights is not None else [1.0] * chunks
+    w = tuple(weights) if weights is not None else (1.0,) * chunks
     if len(w) < chunks:
         raise ValueError(f"slot weights for {len(w)} model chunks, the order runs {chunks}")
-    candidates = [_per_chunk(order, chunks), _lowest_free(order)]
-    return min(candidates, key=lambda slot_of: (reserved(slot_of, w), len(_pairs(slot_of))))
+    return dict(_assign(tuple(order), w[:chunks]))
+
+
+@functools.lru_cache(maxsize=64)  # the schedule asks every iteration, for the same order
+def _assign(order: tuple[Step, ...], w: tuple[float, ...]) -> tuple[tuple[Key, int], ...]:
+    candidates = [_per_chunk(order, len(w)), _lowest_free(order)]
+    best = min(candidates, key=lambda slot_of: (reserved(slot_of, w), len(_pairs(slot_of))))
+    if len(set(w)) > 1 and len(order) <= SEARCH_MAX_STEPS:
+        found = _cheapest(order, w, reserved(best, w))
+        if found is not None and reserved(found, w) < reserved(best, w):
+            best = found
+    return tuple(best.items())
 
 
 def reserved(slot_of: dict[Key, int], weights: Sequence[float]) -> float:
@@ -104,6 +122,62 @@ def _lowest_free(order: Sequence[Step]) -> dict[Key, int]:
         else:
             slots.release(key)
     return slot_of
+
+
+def _cheapest(order: Sequence[Step], w: Sequence[float], bound: float) -> dict[Key, int] | None:
+    """The assignment reserving least below ``bound`` that the search finds, or None.
+
+    Each forward tries one free slot per distinct reservation among the free ones (slots
+    of equal reservation are interchangeable from here on), the heaviest that already
+    fits first, then a new slot.
+    """
+    steps = list(order)
+    caps: list[float] = []  # slot -> heaviest chunk weight it served so far
+    busy: dict[Key, int] = {}
+    slot_of: dict[Key, int] = {}
+    best: list = [bound, None]
+    nodes = [0]
+
+    def walk(i: int, cost: float) -> None:
+        nodes[0] += 1
+        if cost >= best[0] or nodes[0] > SEARCH_NODES:
+            return
+        if i == len(steps):
+            best[0], best[1] = cost, dict(slot_of)
+            return
+        phase, chunk, mb = steps[i]
+        key = (chunk, mb)
+        if phase == "B":
+            slot = busy.pop(key)
+            walk(i + 1, cost)
+            busy[key] = slot
+            return
+        used = set(busy.values())
+        options, seen = [], set()
+        for slot in sorted(
+            (s for s in range(len(caps)) if s not in used), key=lambda s: (caps[s] < w[chunk], -caps[s], s)
+        ):
+            if caps[slot] not in seen:
+                seen.add(caps[slot])
+                options.append(slot)
+        options.append(len(caps))
+        for slot in options:
+            new = slot == len(caps)
+            before = 0.0 if new else caps[slot]
+            if new:
+                caps.append(w[chunk])
+            else:
+                caps[slot] = max(before, w[chunk])
+            busy[key] = slot_of[key] = slot
+            walk(i + 1, cost + caps[slot] - before)
+            del busy[key], slot_of[key]
+            if new:
+                caps.pop()
+            else:
+                caps[slot] = before
+
+    walk(0, 0.0)
+    return best[1]
 
 
 def _per_chunk(order: Sequence[Step], chunks: int) -> dict[Key, int]:

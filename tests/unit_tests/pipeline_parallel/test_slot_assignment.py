@@ -63,3 +63,30 @@ def test_bad_orders_are_refused():
         assign_slots([("B", 0, 0)])
     with pytest.raises(ValueError, match="slot weights for 1 model chunks, the order runs 2"):
         assign_slots([("F", 0, 0), ("F", 1, 0)], [1])
+
+
+def test_unequal_chunks_search_for_a_cheaper_assignment():
+    """Four chunks, the last with the loss head (weights 5, 5, 5, 7): neither per-chunk slots
+    (64) nor the lowest free slot (63) is the least; the search finds one reserving 58,
+    deterministically, with one micro-batch per slot at a time."""
+    from megatron.core.pipeline_parallel import slots as slots_lib
+
+    order = interleaved_order(16, 2, 0, 4)
+    weights = [5, 5, 5, 7]
+    slot_of = assign_slots(order, weights)
+    assert reserved(slots_lib._per_chunk(order, 4), weights) == 64
+    assert reserved(slots_lib._lowest_free(order), weights) == 63
+    assert reserved(slot_of, weights) == 58 and assign_slots(list(order), weights) == slot_of
+    live: dict[int, tuple[int, int]] = {}
+    for phase, c, mb in order:
+        if phase == "F":
+            assert slot_of[(c, mb)] not in live
+            live[slot_of[(c, mb)]] = (c, mb)
+        else:
+            assert live.pop(slot_of[(c, mb)]) == (c, mb)
+    # A long order skips the search (its depth is the order's length): the best of the other two.
+    long = interleaved_order(160, 2, 0, 4)
+    assert len(long) > slots_lib.SEARCH_MAX_STEPS
+    assert reserved(assign_slots(long, weights), weights) == min(
+        reserved(slots_lib._per_chunk(long, 4), weights), reserved(slots_lib._lowest_free(long), weights)
+    )

@@ -120,6 +120,21 @@ def test_per_slot_pools_never_corrupt(name):
     assert replay_iteration(events, regions, slots, saves_inputs=True) == []
 
 
+def test_searched_slots_of_unequal_chunks_never_corrupt():
+    """Four chunks of unequal weight: the searched assignment mixes chunks in slots in its
+    own way; each slot's pool still never corrupts."""
+    order = interleaved_order(16, 2, 0, 4)
+    events = record(order, 4, weights=[5, 5, 5, 7])
+    regions = chunk_regions(4)
+    slots = {}
+    for s, cycle in cycles_of(events, 4).items():
+        plan = build_plan(cycle, regions, chunk_of=chunk_of(4))
+        block, temps = simulate_capture(cycle, regions, plan, saves_inputs=True, pool=Pool(first_block=1000 * s))
+        slots[s] = (cycle, plan, block, temps)
+    assert any(len({e.region // REGIONS_PER_CHUNK for e in cycle}) > 1 for cycle, *_ in slots.values())
+    assert replay_iteration(events, regions, slots, saves_inputs=True) == []
+
+
 def test_one_pool_shared_by_slots_is_caught():
     order = [(p, 0, mb) for p, mb in one_f_one_b_order(4, 1)]  # two micro-batches in flight
     events = record(order, 1)
