@@ -9,7 +9,6 @@ Megatron.
 
 from __future__ import annotations
 
-import os
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -59,12 +58,14 @@ def apply_determinism_env(env: MutableMapping[str, str]) -> None:
 
 
 def set_determinism(cfg: Any, use_cuda: bool) -> None:
-    """The process-wide numerics switches: --deterministic-mode, --disable-bf16-reduced-precision-matmul."""
+    """The process-wide numerics switches: --deterministic-mode, --disable-bf16-reduced-precision-matmul.
+
+    The environment is :func:`apply_determinism_env`'s, run earlier (before the process
+    groups exist: ``build_trainer`` does)."""
     if cfg.precision.bf16 and cfg.precision.disable_bf16_reduced_precision_matmul:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False  # process-wide, as in Megatron
     if not cfg.training.deterministic_mode:
         return
-    apply_determinism_env(os.environ)  # idempotent; build_trainer ran it before the process groups
     torch.use_deterministic_algorithms(True)
     if use_cuda:
         torch.backends.cudnn.deterministic = True

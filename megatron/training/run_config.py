@@ -328,13 +328,6 @@ class RunConfig(Freezable):
                 "Megatron.",
                 stacklevel=3,
             )
-        window = [] if m.window_size is None else m.window_size.strip("() ").split(",")
-        if len(window) == 2 and window[1].strip() != "0":
-            warnings.warn(
-                f"--window-size {m.window_size}: the model is causal, so RIGHT is taken as 0 (as Transformer "
-                "Engine does).",
-                stacklevel=3,
-            )
         gated = m.gated_linear_unit or m.quick_geglu
         if not gated and (m.glu_linear_offset != 0.0 or m.activation_func_clamp_value is not None):
             warnings.warn(

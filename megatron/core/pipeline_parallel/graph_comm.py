@@ -1,22 +1,23 @@
 """What the pipelined schedule tells the CUDA-graph session about its exchanges (pure Python).
 
 A pipeline rank's slots are a pure function of its order (``slots.assign_slots``; a
-slot serves one micro-batch at a time, of any chunk), and the lock-step timetable fixes the tick of every step and every
-exchange; so before an iteration starts we know, for every receive and send, which
-micro-batch slot it serves and what that slot's graphs do around it:
+slot serves one micro-batch at a time, of any chunk), and the lock-step timetable fixes
+the tick of every step and every exchange; so before an iteration starts we know, for
+every receive and send, which micro-batch slot it serves and what that slot's graphs do
+around it:
 
 - **Receive into the static input.** After capture, the input a chunk receives can land
   straight in the static input of the chunk's first graph (``session.receive_buffer``)
   when the slot the micro-batch will run in has finished its previous micro-batch's
-  backward (of whichever chunk) by the tick whose exchange posts the receive (steps run before the exchange
-  of their tick). Otherwise the static input still belongs to that previous
-  micro-batch: the receive lands in a fresh tensor and the forward replay copies it in.
-  Which case happens when is a property of the timetable: on the last stage of 1F1B
-  every receive is in place (one slot, freed in the tick of the forward before), and
-  so is every receive of the interleaved schedule on 2 and 4 stages with 2 chunks
-  (up to 8 micro-batches, ``test_pipeline_graphs.py``); on a middle stage of 1F1B over
-  3 or more stages, a receive that arrives while the slot's previous micro-batch still
-  waits for its gradient copies (e.g. 3 of 8 on rank 1 of 4 with 8 micro-batches).
+  backward (of whichever chunk) by the tick whose exchange posts the receive (steps run
+  before the exchange of their tick). Otherwise the static input still belongs to that
+  previous micro-batch: the receive lands in a fresh tensor and the forward replay
+  copies it in. Which case happens when is a property of the timetable: on the last
+  stage of 1F1B every receive is in place (one slot, freed in the tick of the forward
+  before), and so is every receive of the interleaved schedule on 2 and 4 stages with 2
+  chunks (up to 8 micro-batches, ``test_pipeline_graphs.py``); on a middle stage of 1F1B
+  over 3 or more stages, a receive that arrives while the slot's previous micro-batch
+  still waits for its gradient copies (e.g. 3 of 8 on rank 1 of 4 with 8 micro-batches).
 - **Dgrad sent from the graph's buffer.** The gradient of a received input is sent in
   the exchange of the backward's tick, waited there. The first graph's dgrad buffer may
   share memory with the temporaries of the slot's forward graphs (captured earlier in

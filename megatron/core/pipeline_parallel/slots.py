@@ -89,9 +89,7 @@ def _assign(order: tuple[Step, ...], w: tuple[float, ...]) -> tuple[tuple[Key, i
     candidates = [_per_chunk(order, len(w)), _lowest_free(order)]
     best = min(candidates, key=lambda slot_of: (reserved(slot_of, w), len(_pairs(slot_of))))
     if len(set(w)) > 1 and len(order) <= SEARCH_MAX_STEPS:
-        found = _cheapest(order, w, reserved(best, w))
-        if found is not None and reserved(found, w) < reserved(best, w):
-            best = found
+        best = _cheapest(order, w, reserved(best, w)) or best  # None: nothing below the bound
     return tuple(best.items())
 
 

@@ -1,11 +1,12 @@
 """The dense MLP of a transformer layer: fc1 -> activation -> fc2.
 
-The activation (``mlp_activation``) is GeLU, squared ReLU (``--squared-relu``: ``relu(x) ** 2``),
-SwiGLU or quick-GEGLU. Gated ones (``--swiglu``, ``--quick-geglu``) make fc1 produce
-``2 * ffn_hidden_size`` features, gate half first: ``act(a) * b`` with ``a, b = chunk(fc1(x), 2)``,
-Megatron's order, so checkpoints match. Both biases are added inside their GEMMs (the cuBLAS epilogue): with no fused
-bias-GeLU or bias-dropout-add kernel, that is one kernel and one autograd node fewer
-each than a separate add. So fc2 returns no bias for the layer's dropout-add.
+The activation (``mlp_activation``) is GeLU, squared ReLU (``--squared-relu``:
+``relu(x) ** 2``), SwiGLU or quick-GEGLU. Gated ones (``--swiglu``, ``--quick-geglu``)
+make fc1 produce ``2 * ffn_hidden_size`` features, gate half first: ``act(a) * b`` with
+``a, b = chunk(fc1(x), 2)``, Megatron's order, so checkpoints match. Both biases are
+added inside their GEMMs (the cuBLAS epilogue): with no fused bias-GeLU or
+bias-dropout-add kernel, that is one kernel and one autograd node fewer each than a
+separate add. So fc2 returns no bias for the layer's dropout-add.
 
 Tensor parallelism splits the FFN features: gated, each rank's fc1 shard is
 ``[gate_r; up_r]`` (``stride=2``), so the local ``chunk(2)`` pairs them up as the full

@@ -8,6 +8,7 @@ filled by ``finalize()``; ``validate()`` raises ``ValueError`` naming the flag.
 
 import dataclasses
 import math
+import warnings
 
 import torch
 
@@ -289,6 +290,12 @@ class TransformerConfig(Freezable):
             len(window) == 2,
             f"--window-size {self.window_size!r}: expected two integers LEFT,RIGHT (e.g. 127,0; -1 for no limit).",
         )
+        if window[1] != 0:
+            warnings.warn(
+                f"--window-size {self.window_size}: the model is causal, so RIGHT is taken as 0 (as Transformer "
+                "Engine does).",
+                stacklevel=4,
+            )
         freq = self.window_attn_skip_freq
         if freq is None:
             pattern = [1] * self.num_layers

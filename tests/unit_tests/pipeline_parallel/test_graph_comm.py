@@ -27,6 +27,7 @@ from megatron.core.transformer.cuda_graphs.plan import (
     CommRecv,
     backward_runs_alone,
     build_plan,
+    run_cycle,
     slot_runs,
 )
 from tests.unit_tests.transformer.cuda_graphs.test_plan_simulation import Pool, simulate_capture
@@ -124,7 +125,7 @@ def captured_slots(layout, decided):
     last_stage = pp * chunks - 1
     slots = {}
     for s, slot_runs_ in runs.items():
-        cycle = [e for _, run in slot_runs_ for e in run]
+        cycle = run_cycle(slot_runs_)
         comm = []
         for c, _ in slot_runs_:  # each chunk the slot serves has its edges
             first, last = c * REGIONS_PER_CHUNK, (c + 1) * REGIONS_PER_CHUNK - 1

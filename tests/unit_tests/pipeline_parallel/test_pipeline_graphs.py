@@ -297,6 +297,7 @@ def _expected(name, rank, got):
         Event,
         RegionIO,
         build_plan,
+        run_cycle,
         slot_runs,
     )
 
@@ -318,7 +319,7 @@ def _expected(name, rank, got):
     ios = [RegionIO(*io) for io in got["ios"]]
     cycles, plans = {}, {}
     for slot, slot_runs_ in runs.items():
-        cycles[slot] = [e for _, run in slot_runs_ for e in run]
+        cycles[slot] = run_cycle(slot_runs_)
         comm = []
         for c, _ in slot_runs_:  # the edges of every chunk the slot serves
             first, last, stage = regions[c][0], regions[c][-1], c * pp + rank

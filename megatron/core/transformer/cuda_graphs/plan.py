@@ -5,30 +5,31 @@ unit-tested on the CPU.
 
 Vocabulary. An *event* is one graph execution: forward or backward of region r in
 micro-batch *slot* s (``F3@1``). A slot is a micro-batch in flight: the schedule gives
-each micro-batch the lowest slot free when its forward starts, and the slot is free
-again once its backward has run, so a region needs one graph pair per slot, never one
-per micro-batch. The recorded *iteration* is every event of one global batch in
-execution order (1F1B and interleaved schedules mix slots). Restricted to one slot it
-is a sequence of *runs*, one per micro-batch the slot served, e.g. ``F0 F1 .. Fn Bn ..
-B0`` for a stack of regions; every run of a model chunk is the same. A slot's *cycle*
-is one run of each chunk it served, one after the other, and its graphs are captured in
-cycle order into one pool of that slot; with one slot in flight (no pipelining) that is
-the one shared pool of the run. A slot may serve the chunks' runs in any order, as the
-schedule hands it out (``pipeline_parallel/slots.py``): at the end of a run everything
-it allocated is dead except the buffers kept for good below, which nothing reads once
-the slot's next run starts; so whichever run comes next may reuse its memory, and the
-slot's pool reserves the largest run, not the sum. Slots need pools of their own: a forward of slot 0 replays while slot 1's
-activations are live, yet slot 0 was captured before they existed, so in one pool its
-temporaries may sit where they now live (the hostile pool test shows it). Backward
-graphs are the exception (:func:`backward_runs_alone`): when every slot's backward
-events of a micro-batch run back to back, with no other slot's graph in between (what
-the schedules do: one backward step runs a chunk's whole backward), the backward
-graphs of all slots share one pool. What they allocate is dead by the end of that run
-(temporaries, gradients handed along the run, dgrads copied out to eager code) except
-what a send reads later (:meth:`Plan.persistent`), which the backward graph copies into
-a buffer of its slot's own pool. So slots pay for one set of backward temporaries, as
-eager does, not one each. Replay must walk the recorded iteration in order, every
-iteration. Each region owns four kinds of static buffers per slot:
+each micro-batch a free slot when its forward starts (``pipeline_parallel/slots.py``),
+and the slot is free again once its backward has run, so a region needs one graph pair
+per slot, never one per micro-batch. The recorded *iteration* is every event of one
+global batch in execution order (1F1B and interleaved schedules mix slots). Restricted
+to one slot it is a sequence of *runs*, one per micro-batch the slot served, e.g. ``F0
+F1 .. Fn Bn .. B0`` for a stack of regions; every run of a model chunk is the same. A
+slot's *cycle* is one run of each chunk it served, one after the other, and its graphs
+are captured in cycle order into one pool of that slot; with one slot in flight (no
+pipelining) that is the one shared pool of the run. A slot may serve the chunks' runs in
+any order, as the schedule hands it out (``pipeline_parallel/slots.py``): at the end of
+a run everything it allocated is dead except the buffers kept for good below, which
+nothing reads once the slot's next run starts; so whichever run comes next may reuse its
+memory, and the slot's pool reserves the largest run, not the sum. Slots need pools of
+their own: a forward of slot 0 replays while slot 1's activations are live, yet slot 0
+was captured before they existed, so in one pool its temporaries may sit where they now
+live (the hostile pool test shows it). Backward graphs are the exception
+(:func:`backward_runs_alone`): when every slot's backward events of a micro-batch run
+back to back, with no other slot's graph in between (what the schedules do: one backward
+step runs a chunk's whole backward), the backward graphs of all slots share one pool.
+What they allocate is dead by the end of that run (temporaries, gradients handed along
+the run, dgrads copied out to eager code) except what a send reads later
+(:meth:`Plan.persistent`), which the backward graph copies into a buffer of its slot's
+own pool. So slots pay for one set of backward temporaries, as eager does, not one each.
+Replay must walk the recorded iteration in order, every iteration. Each region owns four
+kinds of static buffers per slot:
 
 * ``input``       forward input i of region r (filled by a copy at replay), unless it is
                   handed off from a producer's output (same memory, no copy) or shared
@@ -241,9 +242,14 @@ def slot_runs(order: Sequence[Event], chunk_of: Mapping[int, int] | None = None)
     return result
 
 
+def run_cycle(runs: Sequence[Run]) -> list[Event]:
+    """A slot's cycle: its runs (:func:`slot_runs`) one after the other."""
+    return [e for _, events in runs for e in events]
+
+
 def slot_cycles(order: Sequence[Event], chunk_of: Mapping[int, int] | None = None) -> dict[int, list[Event]]:
-    """Each slot's cycle: its runs (:func:`slot_runs`) one after the other."""
-    return {slot: [e for _, events in runs for e in events] for slot, runs in slot_runs(order, chunk_of).items()}
+    """Each slot's cycle (:func:`run_cycle` of its runs)."""
+    return {slot: run_cycle(runs) for slot, runs in slot_runs(order, chunk_of).items()}
 
 
 def backward_runs_alone(order: Sequence[Event], runs: dict[int, list[Run]]) -> bool:

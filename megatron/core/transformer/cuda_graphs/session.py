@@ -18,9 +18,10 @@ again after :meth:`GraphSession.close`). Model classes carry no capture code.
   silently reading freed memory.
 - Pipeline receives: the schedule notes a received tensor while recording
   (``note_receive``); after capture ``receive_buffer(slot, chunk)`` is the static input
-  of the slot's graph of that chunk that reads it, to receive into without a copy. Sends: ``note_send`` for
-  a graphed output; ``note_receive(..., grad_sent=True)`` for the gradient of a
-  received input that the schedule sends back from the graph's own buffer.
+  of the slot's graph of that chunk that reads it, to receive into without a copy.
+  Sends: ``note_send`` for a graphed output; ``note_receive(..., grad_sent=True)`` for
+  the gradient of a received input that the schedule sends back from the graph's own
+  buffer.
 - Pools: one per slot; when the slots' backward runs never interleave (the
   schedules' backward steps), one more that every slot's backward graphs share
   (``plan.backward_runs_alone``).
@@ -59,6 +60,7 @@ from megatron.core.transformer.cuda_graphs.plan import (
     Run,
     backward_runs_alone,
     build_plan,
+    run_cycle,
     slot_runs,
 )
 from megatron.core.transformer.cuda_graphs.pool import format_pool_summary
@@ -455,7 +457,7 @@ class GraphSession:
         """Each slot's cycle and hand-off plan, from what the recording iteration saw."""
         self.order = list(self.recorder.order)
         self.runs = slot_runs(self.order, self._chunk_of)
-        self.cycles = {slot: [e for _, events in runs for e in events] for slot, runs in self.runs.items()}
+        self.cycles = {slot: run_cycle(runs) for slot, runs in self.runs.items()}
         self._run_ends = {}
         for slot, runs in self.runs.items():
             ends, end = set(), -1

@@ -5,15 +5,16 @@ with ``tokens_per_expert`` rows each, plus one routing probability per row. As i
 Megatron the probability scales the activation (``act(fc1(x)) * p``) before fc2.
 
 ``SequentialMLP`` (``experts.local_experts.N.linear_fc1...``) slices the rows per
-expert, so it needs the counts on the host: either static (drop-and-pad) or read by
-the eager dispatch. When its weights fuse their gradients into ``main_grad`` (under
-DDP) and have no biases, the loop is one autograd node (``_ExpertLoop``): GEMMs per
-expert, elementwise ops once, the same values as the per-module path with a fraction
-of its host work. It computes GeLU and SwiGLU itself; the other activations
-(``mlp_activation``: squared ReLU, quick-GEGLU, a GLU offset or clamp) take the per-module path. With data-dependent counts on CUDA each expert's rows are padded
-with zero rows to a multiple of 128 (``_RowPadding``), so the GEMMs run at shapes that
-recur from step to step; the real rows' outputs and the weight gradients are the same
-values (not bit for bit: other shapes may run other kernels).
+expert, so it needs the counts on the host: either static (drop-and-pad) or read by the
+eager dispatch. When its weights fuse their gradients into ``main_grad`` (under DDP) and
+have no biases, the loop is one autograd node (``_ExpertLoop``): GEMMs per expert,
+elementwise ops once, the same values as the per-module path with a fraction of its host
+work. It computes GeLU and SwiGLU itself; the other activations (``mlp_activation``:
+squared ReLU, quick-GEGLU, a GLU offset or clamp) take the per-module path. With
+data-dependent counts on CUDA each expert's rows are padded with zero rows to a multiple
+of 128 (``_RowPadding``), so the GEMMs run at shapes that recur from step to step; the
+real rows' outputs and the weight gradients are the same values (not bit for bit: other
+shapes may run other kernels).
 
 ``GroupedMLP`` (``--moe-grouped-gemm``; ``experts.linear_fc1.weight`` of shape
 ``[experts, out, in]``) runs one ``torch.nn.functional.grouped_mm`` per linear on CUDA

@@ -207,9 +207,7 @@ def collect_moe_metrics(
         stacked = both[:-1] / (both[-1].clamp(min=1) * num_microbatches)
     else:
         stacked = sums / (len(layers) * num_microbatches)
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(stacked, group=dp_group)
-        stacked = stacked / dist.get_world_size(dp_group)
+    stacked = _dp_mean(stacked, dp_group)
     if reset:
         for layer in layers:
             layer.metrics.zero_()
@@ -245,14 +243,20 @@ def per_layer_moe_metrics(
             table[module.layer_number - 1, -1] = 1.0
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(table, group=pp_group)
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(table, group=dp_group)
-        table = table / dist.get_world_size(dp_group)
+    table = _dp_mean(table, dp_group)
     out = {}
     for i in table[:, -1].nonzero().flatten().tolist():
         for j, name in enumerate(names):
             out[f"moe/{name}_layer_{i}"] = table[i, j]
     return out
+
+
+def _dp_mean(t: torch.Tensor, dp_group) -> torch.Tensor:
+    """``t`` averaged over the data-parallel group (``t`` itself without one)."""
+    if dp_group is None or dist.get_world_size(dp_group) == 1:
+        return t
+    dist.all_reduce(t, group=dp_group)
+    return t / dist.get_world_size(dp_group)
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
