@@ -187,6 +187,50 @@ def with_schedule(trainer, vpp_rank: int | None):
     return trainer
 
 
+class StepTrace:
+    """The simulated schedule's steps (``--vpp-rank``), each with the bytes allocated
+    outside our pools when it starts and at its peak, while ``on``."""
+
+    def __init__(self):
+        from megatron.core.pipeline_parallel import simulate
+
+        self.rows: list[tuple[object, int, int]] = []  # (SlotStep, start, peak)
+        self.on = False
+        self.pool_live = 0  # our pools' live blocks count as allocated; replays allocate none
+        real = simulate.slot_steps
+
+        def traced(order, weights=None):
+            steps = real(order, weights)
+            return self._wrap(steps) if self.on else steps
+
+        simulate.slot_steps = traced
+
+    def _wrap(self, steps):
+        import torch
+
+        trace = self
+
+        class Steps(list):
+            def __iter__(self):
+                for step in list.__iter__(self):
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    start = torch.cuda.memory_allocated()
+                    yield step
+                    torch.cuda.synchronize()
+                    peak = torch.cuda.max_memory_allocated()
+                    trace.rows.append((step, start - trace.pool_live, peak - trace.pool_live))
+
+        return Steps(steps)
+
+    def print(self) -> None:
+        for step, start, peak in self.rows:
+            print(
+                f"  {step.phase} chunk {step.chunk} micro-batch {step.microbatch} slot {step.slot}: "
+                f"starts at {start / 2**20:8.1f} MiB, peaks at {peak / 2**20:8.1f} MiB"
+            )
+
+
 def segments_at_peak(snapshot: dict, pool_id, device: int, blocks: Sequence[dict]) -> list[tuple[int, int, int]]:
     """``(reserved bytes, bytes of ``blocks`` inside it, stream)`` per segment of one pool."""
     want = _pool_id(pool_id)
@@ -201,7 +245,8 @@ def segments_at_peak(snapshot: dict, pool_id, device: int, blocks: Sequence[dict
 
 
 def steady(trainer, args) -> None:
-    """Prints iteration 3's device peak: pools reserved + the peak of everything else."""
+    """Prints iteration 3's device peak: pools reserved + the peak of everything else
+    (with ``--vpp-rank``, iteration 4's, after a traced iteration 3: see :class:`StepTrace`)."""
     import torch
 
     from megatron.core import parallel_state
@@ -216,6 +261,12 @@ def steady(trainer, args) -> None:
     session = trainer.graphs
     pools = [p.handle for p in session.all_pools()] if session is not None and session.captured else []
     reserved = session.pool_stats()[0] if pools else 0
+    trace = StepTrace() if args.vpp_rank is not None else None
+    if trace is not None:  # a step of its own, before the one measured: the trace syncs
+        trace.pool_live = session.pool_stats()[1] if pools else 0
+        trace.on = True
+        trainer.train_step(it)
+        trace.on = False
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
@@ -237,6 +288,9 @@ def steady(trainer, args) -> None:
     )
     for site, nbytes, n in by_site(blocks)[: args.top]:
         print(f"  {nbytes / 2**20:9.1f} MiB  x{n:<4d} {site}")
+    if trace is not None:
+        print("per step of the order (the step before the measured one; outside our pools):")
+        trace.print()
     parallel_state.destroy(trainer.pg)
 
 

@@ -81,7 +81,9 @@ class RegionMemory:
     strong_bytes: int | None = None
     weak_bytes: int | None = None
     must_keep_bytes: int = 0
-    """What the region legitimately keeps after capture (shared wgrads, outputs without backward)."""
+    """What the region legitimately keeps after capture: shared wgrads, outputs without a
+    backward, and buffers communication keeps for good (a pipeline receive's input, a
+    send's output or dgrad waited on only after the cycle)."""
     chunk: int = 0
     """The model chunk the region belongs to: a slot serving several chunks runs one
     micro-batch of one chunk at a time (a *run*), so its pool needs the largest run."""
@@ -373,6 +375,10 @@ def graphed_report(
             keep = sum(_nbytes(p) for p in region.shared_params)
             if not region.has_backward:
                 keep += out
+            for k in session.comm_held.get(slot, ()):  # received into, or read by a send waited on after the cycle
+                t = session.buffers.get(slot, {}).get(k)
+                if k[1] == region.index and t is not None:
+                    keep += _nbytes(t)
             rows.append(
                 RegionMemory(
                     region.name,
@@ -491,7 +497,7 @@ def check_budgets(report: MemoryReport, *, tolerance: float = 0.10, slack_bytes:
             problems.append(
                 f"{row.name} (slot {row.slot}): {row.strong_bytes / _MIB:.2f} MiB of static buffers held strongly "
                 f"after capture, {row.must_keep_bytes / _MIB:.2f} MiB allowed (shared wgrads, outputs without a "
-                f"backward): {(row.strong_bytes - row.must_keep_bytes) / _MIB:.2f} MiB too much"
+                f"backward, buffers communication keeps): {(row.strong_bytes - row.must_keep_bytes) / _MIB:.2f} MiB too much"
             )
     if problems:
         raise BudgetExceeded("graph memory over budget:\n  " + "\n  ".join(problems))

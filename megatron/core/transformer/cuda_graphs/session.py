@@ -141,6 +141,7 @@ class GraphSession:
         self.runs: dict[int, list[Run]] = {}  # slot -> (chunk, events of one micro-batch) per chunk served
         self.plans: dict[int, Plan] = {}
         self.comm_reads: list[tuple[int, CommRead]] = []  # (slot, read)
+        self.comm_held: dict[int, set[tuple[str, int, int]]] = {}  # slot -> buffers communication keeps for good
         self.pools: dict = {}  # slot -> GraphPool
         self.backward_pool = None  # the GraphPool every slot's backward graphs share, if they do
         self.buffers: dict[int, dict] = {}
@@ -478,6 +479,7 @@ class GraphSession:
             ]
             comm += [CommRead(("grad_input", r, i)) for s, r, i in sorted(self.sent_grads) if s == slot]
             self.plans[slot] = build_plan(cycle, ios, comm, self._chunk_of)
+            self.comm_held[slot] = {c.key for c in comm if isinstance(c, CommRecv) or c.until is None}
         positions = {slot: {(e.phase, e.region): i for i, e in enumerate(c)} for slot, c in self.cycles.items()}
         self._positions = [(e.slot, positions[e.slot][(e.phase, e.region)]) for e in self.order]
         return self.plans

@@ -57,8 +57,8 @@ def run(naive: bool, monkeypatch):
     if naive:
         real = plan_lib.build_plan
 
-        def naive_plan(cycle, regions, comm=()):
-            plan = real(cycle, regions, comm)
+        def naive_plan(cycle, regions, comm=(), chunk_of=None):
+            plan = real(cycle, regions, comm, chunk_of)
             plan.buffers[("output", 0, 0)].release_after = plan.position(plan_lib.FWD, 0)
             return plan
 
