@@ -13,7 +13,8 @@ it for an eager mode too (``--mode eager``) to see what the graphs added and rem
 
 ``--vpp-rank R`` runs the model as two chunks in the interleaved order of rank R of a
 two-stage pipeline, in one process (``simulate.forward_backward_chunks``, as the one-GPU
-VPP memory test does); the capture analysis then follows slot 0's pool.
+VPP memory test does); the capture analysis follows slot 0's pool, or with
+``--all-pools`` every slot's pool and the shared backward pool.
 
 Usage (on a GPU):
     python tools/pool_peak.py --config dense8 --mode local:attn [--extra "--deterministic-mode"]
@@ -125,6 +126,7 @@ def main():
     parser.add_argument("--extra", default="", help="more training flags, e.g. --deterministic-mode")
     parser.add_argument("--steady", action="store_true", help="the device peak of iteration 3 (see the docstring)")
     parser.add_argument("--vpp-rank", type=int, choices=(0, 1), help="two chunks in rank R's interleaved order")
+    parser.add_argument("--all-pools", action="store_true", help="every slot's pool and the shared backward pool")
     args = parser.parse_args()
 
     argv = f"{CONFIGS[args.config]} {COMMON} --train-iters 10 {mode_flags(args.mode)} {args.extra}".split()
@@ -159,18 +161,24 @@ def main():
     torch.cuda.memory._record_memory_history(enabled=None)
     if not trainer.graphs.captured:
         raise SystemExit(f"--mode {args.mode} captured no graphs")
-    peak, at, blocks = pool_peak(snapshot, trainer.graphs.pools[0].handle, device)
-    during = [c for c in captures if c[0] <= at][-1:]
-    reserved = trainer.graphs.stats()["pool_reserved_bytes"]
-    print(
-        f"{args.config} {args.mode}: pool reserved {reserved / 2**20:.1f} MiB; live peak "
-        f"{peak / 2**20:.1f} MiB during the {during[0][2] + ' capture of ' + during[0][1] if during else 'set-up'}"
-    )
-    for site, nbytes, n in by_site(blocks)[: args.top]:
-        print(f"  {nbytes / 2**20:9.1f} MiB  x{n:<4d} {site}")
-    print("pool segments (reserved, live at the peak, stream):")
-    for total, live, stream in segments_at_peak(snapshot, trainer.graphs.pools[0].handle, device, blocks):
-        print(f"  {total / 2**20:9.1f} MiB reserved {live / 2**20:9.1f} MiB live  stream {stream:#x}")
+    session = trainer.graphs
+    pools = {f"slot {s}": p for s, p in session.pools.items()}
+    if session.backward_pool is not None:
+        pools["shared backward"] = session.backward_pool
+    for name in pools if args.all_pools else list(pools)[:1]:
+        handle = pools[name].handle
+        peak, at, blocks = pool_peak(snapshot, handle, device)
+        during = [c for c in captures if c[0] <= at][-1:]
+        print(
+            f"{args.config} {args.mode}: {name} pool reserved {pools[name].stats().reserved_bytes / 2**20:.1f} MiB; "
+            f"live peak {peak / 2**20:.1f} MiB during the "
+            f"{during[0][2] + ' capture of ' + during[0][1] if during else 'set-up'}"
+        )
+        for site, nbytes, n in by_site(blocks)[: args.top]:
+            print(f"  {nbytes / 2**20:9.1f} MiB  x{n:<4d} {site}")
+        print("pool segments (reserved, live at the peak, stream):")
+        for total, live, stream in segments_at_peak(snapshot, handle, device, blocks):
+            print(f"  {total / 2**20:9.1f} MiB reserved {live / 2**20:9.1f} MiB live  stream {stream:#x}")
     parallel_state.destroy(trainer.pg)
 
 
@@ -255,9 +263,11 @@ def steady(trainer, args) -> None:
     device = torch.cuda.current_device()
     it, _ = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0)
     trainer.model.train()
-    for _ in range(2):
+    for i in (1, 2):
+        torch.cuda.reset_peak_memory_stats()
         trainer.train_step(it)
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        print(f"iteration {i}: max reserved {torch.cuda.max_memory_reserved() / 2**20:.1f} MiB")
     session = trainer.graphs
     pools = [p.handle for p in session.all_pools()] if session is not None and session.captured else []
     reserved = session.pool_stats()[0] if pools else 0

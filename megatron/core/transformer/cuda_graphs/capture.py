@@ -17,7 +17,9 @@ With one slot this is exactly one shared pool captured in execution order. With
 ``share_backward`` (``plan.backward_runs_alone``) every slot's backward graphs and their
 static gradient buffers go into one backward pool instead, and each dgrad the plan
 keeps past the backward run (``Plan.persistent``: a send reads it later) is copied, by
-the backward graph itself, into a buffer of the slot's own pool.
+the backward graph itself, into a buffer of the slot's own pool. Forwards of
+``forwards_in_backward_pool`` (``plan.forwards_next_to_backward``) are captured into the
+backward pool too; their static inputs stay in the slot's pool.
 """
 
 from __future__ import annotations
@@ -63,9 +65,11 @@ def capture_all(
     plans: dict[int, Plan],
     warmup_steps: int,
     share_backward: bool = False,
+    forwards_in_backward_pool: frozenset[int] = frozenset(),
 ) -> tuple[dict[int, GraphPool], GraphPool | None, dict[int, Buffers]]:
     """Captures every slot's cycle; returns each slot's pool, the shared backward pool
-    (None unless ``share_backward``) and each slot's static buffers."""
+    (None unless ``share_backward``) and each slot's static buffers. Regions in
+    ``forwards_in_backward_pool`` capture their forward into the shared backward pool."""
     fwd_order = [regions[r] for r in warmup_order(cycles)]
     pools: dict[int, GraphPool] = {}
     all_buffers: dict[int, Buffers] = {}
@@ -106,7 +110,14 @@ def capture_all(
         for slot, cycle in cycles.items():
             pools[slot] = GraphPool()
             all_buffers[slot] = _capture_slot(
-                regions, slot, cycle, plans[slot], pools[slot], stream, backward_pool or pools[slot]
+                regions,
+                slot,
+                cycle,
+                plans[slot],
+                pools[slot],
+                stream,
+                backward_pool or pools[slot],
+                forwards_in_backward_pool if backward_pool is not None else frozenset(),
             )
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
@@ -130,9 +141,11 @@ def _capture_slot(
     pool: GraphPool,
     stream,
     backward_pool: GraphPool,
+    forwards_in_backward_pool: frozenset[int] = frozenset(),
 ) -> Buffers:
     """Captures one slot's cycle: forwards into ``pool``, backwards into ``backward_pool``
-    (the same pool unless the slots share one for their backward graphs)."""
+    (the same pool unless the slots share one for their backward graphs), and so are the
+    forwards of ``forwards_in_backward_pool``."""
     buffers: Buffers = {}
     shared = backward_pool is not pool
     persistent = set(plan.persistent()) if shared else set()
@@ -158,7 +171,8 @@ def _capture_slot(
                 buf = static(("input", region.index, i), meta, fill_sample, pool)
                 args.append(buf.detach().requires_grad_(True) if meta.requires_grad else buf)
                 del buf
-            outs = region.capture_forward(slot, args, pool, stream)
+            into = backward_pool if region.index in forwards_in_backward_pool else pool
+            outs = region.capture_forward(slot, args, into, stream)
             buffers.update({("output", region.index, j): o for j, o in enumerate(outs)})
             # No stray local may keep a buffer alive past its planned release.
             del args, outs
@@ -182,7 +196,8 @@ def _capture_slot(
             if t is not None:
                 buffers[key] = make_weak_ref(t)
             del t
-        stats = (pool if event.phase == FWD else backward_pool).stats()
+        in_backward_pool = event.phase != FWD or region.index in forwards_in_backward_pool
+        stats = (backward_pool if in_backward_pool else pool).stats()
         graphs = region.slots[slot]
         graphs.pool_reserved_after[event.phase] = stats.reserved_bytes
         graphs.pool_live_after[event.phase] = stats.live_bytes

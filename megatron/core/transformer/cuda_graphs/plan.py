@@ -28,6 +28,11 @@ What they allocate is dead by the end of that run (temporaries, gradients handed
 the run, dgrads copied out to eager code) except what a send reads later
 (:meth:`Plan.persistent`), which the backward graph copies into a buffer of its slot's
 own pool. So slots pay for one set of backward temporaries, as eager does, not one each.
+A forward that the order always follows at once by its own backward (the loss head of a
+pipeline's last stage: :func:`forwards_next_to_backward`) joins that pool as well: what
+it allocates is dead once its backward has run, and no other graph replays in between,
+so its activations (the logits' gradient, the largest of a run) are reserved once, not
+in every slot that serves its chunk.
 Replay must walk the recorded iteration in order, every iteration. Each region owns four
 kinds of static buffers per slot:
 
@@ -71,7 +76,7 @@ keeps a strong reference for readers autograd cannot see:
 """
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 FWD = "fwd"
 BWD = "bwd"
@@ -281,6 +286,17 @@ def backward_runs_alone(order: Sequence[Event], runs: dict[int, list[Run]]) -> b
             if remaining == 0:
                 open_run = None
     return open_run is None
+
+
+def forwards_next_to_backward(order: Sequence[Event], excluded: Iterable[int] = ()) -> set[int]:
+    """Regions whose every forward in ``order`` is followed at once by their own backward
+    in the same slot; with a shared backward pool their forward graphs join it (module
+    docstring). ``excluded``: regions a communication op reads or writes a buffer of."""
+    found = {e.region for e in order if e.phase == FWD} - set(excluded)
+    for i, e in enumerate(order):
+        if e.phase == FWD and (i + 1 == len(order) or order[i + 1] != Event(BWD, e.region, e.slot)):
+            found.discard(e.region)
+    return found
 
 
 def build_plan(

@@ -337,7 +337,7 @@ def graphed_report(
         reserved = live = 0
         for event in cycle:
             graphs = session.regions[event.region].slots[slot]
-            in_shared = shared and event.phase == "bwd"
+            in_shared = shared and (event.phase == "bwd" or event.region in session.forwards_in_backward_pool)
             before, before_live = (bwd_reserved, bwd_live) if in_shared else (reserved, live)
             r = graphs.pool_reserved_after.get(event.phase, before)
             li = graphs.pool_live_after.get(event.phase, before_live)

@@ -59,6 +59,7 @@ from megatron.core.transformer.cuda_graphs.plan import (
     RegionIO,
     Run,
     backward_runs_alone,
+    forwards_next_to_backward,
     build_plan,
     run_cycle,
     slot_runs,
@@ -144,6 +145,7 @@ class GraphSession:
         self.comm_held: dict[int, set[tuple[str, int, int]]] = {}  # slot -> buffers communication keeps for good
         self.pools: dict = {}  # slot -> GraphPool
         self.backward_pool = None  # the GraphPool every slot's backward graphs share, if they do
+        self.forwards_in_backward_pool: frozenset[int] = frozenset()  # regions whose forwards join it
         self.buffers: dict[int, dict] = {}
         self.cursor = 0
         self.slot = 0
@@ -492,8 +494,18 @@ class GraphSession:
             read.until is not None and read.until[0] == FWD and read.key[0] == "grad_input"
             for _, read in self.comm_reads
         )
+        communicating = {read.key[1] for _, read in self.comm_reads} | {r for _, r, _ in self.sent_grads}
+        communicating |= {r for r, _ in self.sent_outputs} | {r for r, _ in self.received_inputs}
+        self.forwards_in_backward_pool = (
+            frozenset(forwards_next_to_backward(self.order, communicating)) if share else frozenset()
+        )
         self.pools, self.backward_pool, self.buffers = capture_lib.capture_all(
-            self.regions, self.cycles, plans, self.config.cuda_graph_warmup_steps, share_backward=share
+            self.regions,
+            self.cycles,
+            plans,
+            self.config.cuda_graph_warmup_steps,
+            share_backward=share,
+            forwards_in_backward_pool=self.forwards_in_backward_pool,
         )
         if self.config.cuda_graph_debug:
             for slot, plan in plans.items():

@@ -33,14 +33,17 @@ class Pool:
         self.free.append(block)
 
 
-def simulate_capture(cycle, regions, plan, saves_inputs, runner_holds=True, pool=None, backward_pool=None):
+def simulate_capture(
+    cycle, regions, plan, saves_inputs, runner_holds=True, pool=None, backward_pool=None, forwards_there=()
+):
     """Block of every buffer (and of every temporary) after capture in cycle order.
 
     ``runner_holds=False`` models a capture that keeps no references of its own (only
     the plan's and autograd's), as upstream's weak-reference step did. ``pool``: capture
     into this pool (shared with other cycles) instead of a new one. ``backward_pool``:
     backward events allocate there (a pool the slots share), except the dgrads the plan
-    keeps for good (``Plan.persistent``), which the graph copies into ``pool``.
+    keeps for good (``Plan.persistent``), which the graph copies into ``pool``; so do the
+    forwards of the regions in ``forwards_there`` (their inputs stay in ``pool``).
     """
     pool = Pool() if pool is None else pool
     bpool = pool if backward_pool is None else backward_pool
@@ -82,9 +85,10 @@ def simulate_capture(cycle, regions, plan, saves_inputs, runner_holds=True, pool
                         hold(key, ("runner", e.region))  # capture args kept for the backward capture
                     if saves_inputs:
                         hold(key, ("autograd", e.region))
-            temps[pos] = scratch(pool)
+            into = bpool if e.region in forwards_there else pool
+            temps[pos] = scratch(into)
             for j in range(len(io.output_requires_grad)):
-                alloc(("output", e.region, j))
+                alloc(("output", e.region, j), into)
                 if io.has_backward and runner_holds:
                     hold(("output", e.region, j), ("runner", e.region))
         else:
@@ -247,7 +251,7 @@ def replay_iteration(
                     f = t_plan.position(FWD, r)
                     has_b = any(ev.region == r and ev.phase == BWD for ev in slots[t][0])
                     end = t_plan.position(BWD, r) if has_b else len(slots[t][0])
-                    if f <= p < end - 1 or (f <= p and not has_b):
+                    if f <= p < end or (f <= p and not has_b):
                         for j in range(len(rio.output_requires_grad)):
                             read(t, ("output", r, j), f"eager after {e}")
             if pos in ends:

@@ -8,23 +8,41 @@ against the LIFO pool of ``test_plan_simulation``, over every 1F1B and interleav
 of the slot tests, with and without the chunk-edge communication: no read ever sees
 another buffer's data, fewer blocks are used than with a backward pool per slot, and
 each of the rules is needed: a sent dgrad left in the shared pool, or backward runs that
-interleave, are caught.
+interleave, are caught. A forward the order always follows at once by its own backward
+(the loss head of the last stage) joins the shared pool as well; any other forward there
+is caught.
 """
 
 import pytest
 
-from megatron.core.transformer.cuda_graphs.plan import BWD, FWD, Event, backward_runs_alone, build_plan, slot_runs
+from megatron.core.transformer.cuda_graphs.plan import (
+    BWD,
+    FWD,
+    Event,
+    backward_runs_alone,
+    build_plan,
+    forwards_next_to_backward,
+    slot_runs,
+)
 from tests.unit_tests.transformer.cuda_graphs.test_pipeline_comm import boundary_comm, plan_comm
 from tests.unit_tests.transformer.cuda_graphs.test_plan_simulation import Pool, replay_iteration, simulate_capture
-from tests.unit_tests.transformer.cuda_graphs.test_slots import CHUNK_OF, ORDERS, chunk_regions, cycles_of, record
+from tests.unit_tests.transformer.cuda_graphs.test_slots import (
+    CHUNK_OF,
+    ORDERS,
+    REGIONS_PER_CHUNK,
+    chunk_regions,
+    cycles_of,
+    record,
+)
 
 MULTI_SLOT = sorted(
     name for name, (order, chunks) in ORDERS.items() if len(cycles_of(record(order, chunks), chunks)) > 1
 )
 
 
-def capture(events, regions, comm, shared: bool, edit=None):
-    """Every slot captured in turn; backward graphs into one pool when ``shared``."""
+def capture(events, regions, comm, shared: bool, edit=None, forwards_there=()):
+    """Every slot captured in turn; backward graphs into one pool when ``shared``, and so
+    are the forwards of ``forwards_there``."""
     backward = Pool(first_block=100_000) if shared else None
     slots = {}
     for s, cycle in cycles_of(events, 8).items():
@@ -33,7 +51,13 @@ def capture(events, regions, comm, shared: bool, edit=None):
         if edit is not None:
             edit(plan)
         block, temps = simulate_capture(
-            cycle, regions, plan, saves_inputs=True, pool=Pool(first_block=1000 * s), backward_pool=backward
+            cycle,
+            regions,
+            plan,
+            saves_inputs=True,
+            pool=Pool(first_block=1000 * s),
+            backward_pool=backward,
+            forwards_there=forwards_there,
         )
         slots[s] = (cycle, plan, block, temps)
     return slots
@@ -108,3 +132,61 @@ def test_interleaved_backward_runs_in_a_shared_pool_are_caught():
     slots = capture(order, regions, [], shared=True)
     assert replay_iteration(order, regions, slots, True) != []
     assert replay_iteration(order, regions, capture(order, regions, [], shared=False), True) == []
+
+
+def head_orders():
+    """(name, head region) of every multi-slot order whose last chunk's forward of each
+    micro-batch is followed at once by its backward: the last region of that chunk."""
+    for name in MULTI_SLOT:
+        order, chunks = ORDERS[name]
+        last = chunks - 1
+        if all(
+            i + 1 < len(order) and order[i + 1] == ("B", last, mb)
+            for i, (phase, c, mb) in enumerate(order)
+            if phase == "F" and c == last
+        ):
+            yield name, (last + 1) * REGIONS_PER_CHUNK - 1
+
+
+HEADS = dict(head_orders())
+
+
+def test_forwards_next_to_backward_are_the_last_stages_loss_head():
+    # The last rank of an interleaved schedule (1F1B's last rank runs one slot: no sharing).
+    last_ranks = {
+        n for n in MULTI_SLOT if n.startswith("interleaved") and n.endswith(f"rank{int(n.split()[2][2:]) - 1}")
+    }
+    assert set(HEADS) == last_ranks, HEADS
+    for name in MULTI_SLOT:
+        order, chunks = ORDERS[name]
+        events = record(order, chunks)
+        expected = {HEADS[name]} if name in HEADS else set()
+        assert forwards_next_to_backward(events) == expected, name
+        assert forwards_next_to_backward(events, excluded=expected) == set(), name
+
+
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_loss_head_forward_in_the_shared_pool_never_corrupts_and_saves_blocks(name):
+    order, chunks = ORDERS[name]
+    events = record(order, chunks)
+    regions = chunk_regions(chunks)
+    sends, recvs = boundary_comm(chunks, sends_last=False)  # the last stage sends no output
+    comm = plan_comm(sends, recvs)
+    head = forwards_next_to_backward(events, excluded={c.key[1] for c in comm})
+    assert head == {HEADS[name]}
+    joined = capture(events, regions, comm, shared=True, forwards_there=head)
+    assert replay_iteration(events, regions, joined, True, comm=sends, recv=recvs) == []
+
+
+def test_other_forwards_in_the_shared_pool_are_caught():
+    """Why only such forwards: the first chunk's last forward is followed by other
+    steps; in the shared pool, other slots' backward graphs overwrite what it keeps."""
+    caught = set()
+    for name in MULTI_SLOT:
+        order, chunks = ORDERS[name]
+        events = record(order, chunks)
+        regions = chunk_regions(chunks)
+        slots = capture(events, regions, [], shared=True, forwards_there={REGIONS_PER_CHUNK - 1})
+        if replay_iteration(events, regions, slots, True):
+            caught.add(name)
+    assert caught == set(MULTI_SLOT), set(MULTI_SLOT) - caught
