@@ -263,12 +263,29 @@ def steady(trainer, args) -> None:
     device = torch.cuda.current_device()
     it, _ = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0)
     trainer.model.train()
+    session = trainer.graphs
+    phases = []  # (what ran, max reserved bytes)
+    if session is not None:
+        capture = session.capture
+
+        def timed_capture():  # iteration 1: the recording's peak, then the capture's
+            torch.cuda.synchronize()
+            phases.append(("recording", torch.cuda.max_memory_reserved()))
+            torch.cuda.reset_peak_memory_stats()
+            capture()
+            torch.cuda.synchronize()
+            phases.append(("capture", torch.cuda.max_memory_reserved()))
+
+        session.capture = timed_capture
     for i in (1, 2):
         torch.cuda.reset_peak_memory_stats()
         trainer.train_step(it)
         torch.cuda.synchronize()
-        print(f"iteration {i}: max reserved {torch.cuda.max_memory_reserved() / 2**20:.1f} MiB")
-    session = trainer.graphs
+        parts = "".join(f", {what} {nbytes / 2**20:.1f}" for what, nbytes in phases)
+        print(f"iteration {i}: max reserved {torch.cuda.max_memory_reserved() / 2**20:.1f} MiB{parts}")
+        phases.clear()
+    if session is not None:
+        del session.capture
     pools = [p.handle for p in session.all_pools()] if session is not None and session.captured else []
     reserved = session.pool_stats()[0] if pools else 0
     trace = StepTrace() if args.vpp_rank is not None else None
