@@ -300,7 +300,29 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
         accepted_values=("rope",),
         note="rope is what --position-embedding-type rope applies",
     ),
+    "--ddp-reduce-scatter-with-fp32-accumulation": noop(
+        SWITCH,
+        "with fp32 gradient buffers (bf16 runs' default) the reduction already sums in fp32, and Megatron then "
+        "turns the flag off; with bf16 or fp16 buffers it is refused (RunConfig.validate)",
+    ),
     # ---- not supported yet: features with open issues, or no ask yet.
+    "--use-precision-aware-optimizer": not_yet(
+        "--use-precision-aware-optimizer",
+        SWITCH,
+        "Adam with low-precision main params, gradients or moments",
+        "drop it: main params, main gradients and Adam's moments stay fp32 (--grad-reduce-in-bf16 gives bf16 "
+        "gradient buffers)",
+    ),
+    **{
+        flag: KnownFlag(
+            VALUE,
+            f"{flag} {{value}} needs --use-precision-aware-optimizer, which is not supported yet; drop the flag "
+            "(fp32, as without it).",
+            accepted_values=("fp32",),
+            note="fp32, what the optimizer here keeps",
+        )
+        for flag in ("--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype")
+    },
     "--tensor-parallel-num-weight-shards": not_yet(
         "--tensor-parallel-num-weight-shards", VALUE, "generalized tensor parallelism: weight shards beyond TP"
     ),

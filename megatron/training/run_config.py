@@ -300,6 +300,19 @@ class RunConfig(Freezable):
                 "--tokenizer-special-tokens needs --tokenizer-sentencepiece-legacy (Megatron's rule); "
                 "add the switch or drop the tokens.",
             )
+        if "--ddp-reduce-scatter-with-fp32-accumulation" in self.ignored_flags and (
+            self.precision.main_grad_dtype.itemsize < 4  # bf16 or fp16 buffers
+        ):
+            kind, fp32 = (
+                ("bf16", "drop --grad-reduce-in-bf16")
+                if self.precision.bf16
+                else ("fp16", "add --accumulate-allreduce-grads-in-fp32")
+            )
+            raise ValueError(
+                f"--ddp-reduce-scatter-with-fp32-accumulation is not supported yet with {kind} gradient buffers "
+                f"(the reduction here sums in {kind}); drop the flag, or {fp32} for fp32 gradients, which make it "
+                "unnecessary."
+            )
         self.logging.validate(self.checkpoint.save)
         self.checkpoint.validate()
         self.profiling.validate()

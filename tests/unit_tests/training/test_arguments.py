@@ -245,6 +245,43 @@ def test_example_script_knobs_are_no_ops_and_removed_flags_say_so():
         parse_args(BASE + ["--checkpoint-activations"])
 
 
+def test_precision_aware_optimizer_dtypes_are_accepted_as_fp32_only():
+    dtypes = ["--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype"]
+    cfg = parse_args(BASE + [a for flag in dtypes for a in (flag, "fp32")])
+    assert sorted(cfg.ignored_flags) == sorted(dtypes)
+    cfg.ignored_flags = []
+    assert cfg == parse_args(BASE)
+    with pytest.raises(ValueError, match="--main-grads-dtype bf16 needs --use-precision-aware-optimizer"):
+        parse_args(BASE + ["--main-grads-dtype", "bf16"])
+    with pytest.raises(
+        ValueError, match=r"--use-precision-aware-optimizer \(Adam with low-precision .* not supported yet"
+    ):
+        parse_args(BASE + ["--use-precision-aware-optimizer"])
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--bf16"], None),
+        (["--fp16", "--accumulate-allreduce-grads-in-fp32"], None),
+        ([], None),
+        (["--bf16", "--grad-reduce-in-bf16"], "with bf16 gradient buffers .* drop --grad-reduce-in-bf16"),
+        (["--fp16"], "with fp16 gradient buffers .* add --accumulate-allreduce-grads-in-fp32"),
+    ],
+)
+def test_fp32_accumulating_reduce_scatter_needs_nothing_with_fp32_gradients(argv, needle):
+    """Megatron turns --ddp-reduce-scatter-with-fp32-accumulation off when gradients are
+    fp32 (the reduction sums in fp32 anyway); with bf16 or fp16 buffers it would change
+    the sums, which is not supported yet."""
+    cfg = parse_args(BASE + argv + ["--ddp-reduce-scatter-with-fp32-accumulation"]).resolve()
+    if needle is None:
+        cfg.validate()
+        assert cfg.ignored_flags == ["--ddp-reduce-scatter-with-fp32-accumulation"]
+    else:
+        with pytest.raises(ValueError, match=needle):
+            cfg.validate()
+
+
 def test_fusion_flags_turn_fusions_off():
     cfg = parse_args(BASE)
     assert cfg.model.gradient_accumulation_fusion and cfg.model.cross_entropy_loss_fusion
