@@ -59,8 +59,8 @@ from megatron.core.transformer.cuda_graphs.plan import (
     RegionIO,
     Run,
     backward_runs_alone,
-    forwards_next_to_backward,
     build_plan,
+    forwards_next_to_backward,
     run_cycle,
     slot_runs,
 )
