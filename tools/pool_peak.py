@@ -264,25 +264,27 @@ def steady(trainer, args) -> None:
     it, _ = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0)
     trainer.model.train()
     session = trainer.graphs
-    phases = []  # (what ran, max reserved bytes)
+    phases = []  # (what ran, max reserved bytes, max allocated bytes)
     if session is not None:
         capture = session.capture
 
         def timed_capture():  # iteration 1: the recording's peak, then the capture's
             torch.cuda.synchronize()
-            phases.append(("recording", torch.cuda.max_memory_reserved()))
+            phases.append(("recording", torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()))
             torch.cuda.reset_peak_memory_stats()
             capture()
             torch.cuda.synchronize()
-            phases.append(("capture", torch.cuda.max_memory_reserved()))
+            phases.append(("capture", torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()))
 
         session.capture = timed_capture
     for i in (1, 2):
         torch.cuda.reset_peak_memory_stats()
         trainer.train_step(it)
         torch.cuda.synchronize()
-        parts = "".join(f", {what} {nbytes / 2**20:.1f}" for what, nbytes in phases)
-        print(f"iteration {i}: max reserved {torch.cuda.max_memory_reserved() / 2**20:.1f} MiB{parts}")
+        if not phases:
+            phases.append(("iteration", torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()))
+        parts = ", ".join(f"{what} {r / 2**20:.1f} / {a / 2**20:.1f}" for what, r, a in phases)
+        print(f"iteration {i}: max reserved / allocated MiB: {parts}")
         phases.clear()
     if session is not None:
         del session.capture
