@@ -69,7 +69,8 @@ def capture_all(
 ) -> tuple[dict[int, GraphPool], GraphPool | None, dict[int, Buffers]]:
     """Captures every slot's cycle; returns each slot's pool, the shared backward pool
     (None unless ``share_backward``) and each slot's static buffers. Regions in
-    ``forwards_in_backward_pool`` capture their forward into the shared backward pool."""
+    ``forwards_in_backward_pool`` capture their forward where backwards go: the shared
+    backward pool, or without one the slot's own pool like any forward."""
     fwd_order = [regions[r] for r in warmup_order(cycles)]
     pools: dict[int, GraphPool] = {}
     all_buffers: dict[int, Buffers] = {}
@@ -117,7 +118,7 @@ def capture_all(
                 pools[slot],
                 stream,
                 backward_pool or pools[slot],
-                forwards_in_backward_pool if backward_pool is not None else frozenset(),
+                forwards_in_backward_pool,
             )
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()

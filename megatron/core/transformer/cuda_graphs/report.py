@@ -40,6 +40,7 @@ from megatron.core.transformer.cuda_graphs.activations import (
     num_slots,
     region_activation_bytes,
 )
+from megatron.core.transformer.cuda_graphs.plan import CommRecv
 
 __all__ = [
     "RegionMemory",
@@ -375,9 +376,10 @@ def graphed_report(
             keep = sum(_nbytes(p) for p in region.shared_params)
             if not region.has_backward:
                 keep += out
-            for k in session.comm_held.get(slot, ()):  # received into, or read by a send waited on after the cycle
-                t = session.buffers.get(slot, {}).get(k)
-                if k[1] == region.index and t is not None:
+            for c in session.comms.get(slot, ()):  # received into, or read by a send waited on after the cycle
+                t = session.buffers.get(slot, {}).get(c.key)
+                held_for_good = isinstance(c, CommRecv) or c.until is None
+                if held_for_good and c.key[1] == region.index and t is not None:
                     keep += _nbytes(t)
             rows.append(
                 RegionMemory(

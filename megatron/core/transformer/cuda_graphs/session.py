@@ -142,7 +142,7 @@ class GraphSession:
         self.runs: dict[int, list[Run]] = {}  # slot -> (chunk, events of one micro-batch) per chunk served
         self.plans: dict[int, Plan] = {}
         self.comm_reads: list[tuple[int, CommRead]] = []  # (slot, read)
-        self.comm_held: dict[int, set[tuple[str, int, int]]] = {}  # slot -> buffers communication keeps for good
+        self.comms: dict[int, list[CommRead | CommRecv]] = {}  # slot -> what communication reads and writes
         self.pools: dict = {}  # slot -> GraphPool
         self.backward_pool = None  # the GraphPool every slot's backward graphs share, if they do
         self.forwards_in_backward_pool: frozenset[int] = frozenset()  # regions whose forwards join it
@@ -481,7 +481,7 @@ class GraphSession:
             ]
             comm += [CommRead(("grad_input", r, i)) for s, r, i in sorted(self.sent_grads) if s == slot]
             self.plans[slot] = build_plan(cycle, ios, comm, self._chunk_of)
-            self.comm_held[slot] = {c.key for c in comm if isinstance(c, CommRecv) or c.until is None}
+            self.comms[slot] = comm
         positions = {slot: {(e.phase, e.region): i for i, e in enumerate(c)} for slot, c in self.cycles.items()}
         self._positions = [(e.slot, positions[e.slot][(e.phase, e.region)]) for e in self.order]
         return self.plans
@@ -494,8 +494,7 @@ class GraphSession:
             read.until is not None and read.until[0] == FWD and read.key[0] == "grad_input"
             for _, read in self.comm_reads
         )
-        communicating = {read.key[1] for _, read in self.comm_reads} | {r for _, r, _ in self.sent_grads}
-        communicating |= {r for r, _ in self.sent_outputs} | {r for r, _ in self.received_inputs}
+        communicating = {c.key[1] for comm in self.comms.values() for c in comm}
         self.forwards_in_backward_pool = (
             frozenset(forwards_next_to_backward(self.order, communicating)) if share else frozenset()
         )
