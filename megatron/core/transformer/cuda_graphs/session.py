@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import time
 import types
 import warnings
@@ -387,14 +388,25 @@ class GraphSession:
         self.recorder.event(Event(FWD, region.index, slot))
         if region.has_backward:
             idx = [j for j, rg in enumerate(region.output_requires_grad) if rg]
-            backward = Event(BWD, region.index, slot)
-            wrapped = RecordBackward.apply(lambda: self.recorder.event(backward), *[outs[j] for j in idx])
+            wrapped = RecordBackward.apply(
+                functools.partial(self._recorded_backward, Event(BWD, region.index, slot)), *[outs[j] for j in idx]
+            )
             outs = list(outs)
             for j, w in zip(idx, wrapped):
                 outs[j] = w
         for j, o in enumerate(outs):
             self.recorder.note_output(o, region.index, slot, j)
         return region.join_outputs(outs)
+
+    def _recorded_backward(self, event: Event) -> None:
+        """Notes a backward of the recording iteration, and hands the memory that eager
+        freed up to here back to the device. Under an interleaved order the recording
+        iteration otherwise leaves blocks freed by one micro-batch (the loss head's logits)
+        cached in pieces that later allocations of other sizes cannot reuse, and reserves
+        about that much more than it holds; the pools captured next would then start
+        above eager's peak. One device sync per region, in this one iteration."""
+        self.recorder.event(event)
+        torch.cuda.empty_cache()  # a no-op until CUDA is initialised (CPU recording)
 
     # ------------------------------------------------------------------ replay (GraphReplay calls these)
     def replay_forward(self, region: GraphedRegion, slot: int, args) -> tuple[torch.Tensor, ...]:
