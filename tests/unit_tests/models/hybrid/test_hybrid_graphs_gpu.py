@@ -64,7 +64,7 @@ def train(flags: str, iters: int, snapshot_at: int = 3):
             loss = trainer.train_step(it)[0]
             losses.append(loss.detach().clone())
             if i == snapshot_at:
-                grads = [p.main_grad.detach().clone() for p in trainer.model.module.parameters()]
+                grads = [p.main_grad.detach().cpu() for p in trainer.model.module.parameters()]  # off the device
         torch.cuda.synchronize()
         facts = {
             "active": trainer.graphs.active,
