@@ -37,7 +37,9 @@ CONFIGS = {
 }
 CONFIGS["launch"] = CONFIGS["launch16"]
 
-DENSE_MODES = ["eager", "eager:expandable", "lean", "local:layer", "local:attn", "local:mlp", "local:attn+mlp", "mgc"]
+DENSE_MODES = [
+    "eager", "eager:expandable", "lean", "local:layer", "local:attn", "local:mlp", "local:attn+mlp", "full", "mgc"
+]  # fmt: skip
 MODES = {
     "small": DENSE_MODES,
     "launch16": DENSE_MODES,

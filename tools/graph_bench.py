@@ -66,6 +66,8 @@ def pipelined_ms(step) -> float:
 def mode_flags(mode: str) -> str:
     if mode.startswith("eager") or mode in ("mgc", "lean"):
         return ""
+    if mode == "full":
+        return "--cuda-graph-impl full_iteration"
     scope = mode.split(":", 1)[1]
     scopes = "" if scope == "layer" else " ".join(scope.split("+"))
     return f"--cuda-graph-impl local --cuda-graph-scope {scopes}".rstrip()
@@ -304,6 +306,14 @@ def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_p
         pipe = pipelined_ms(lambda: trainer.train_step(it))
         stats = trainer.graphs.stats() if trainer.graphs.captured else {}
         pool = trainer.graphs.pools.get(0)  # None for eager; one pool without pipelining
+        full = trainer.full_graph
+        if full is not None and full.num_graphs:  # --cuda-graph-impl full_iteration
+            pool = full.pool
+            stats = {
+                "graphs": full.num_graphs,
+                "pool_reserved_bytes": full.pool_reserved_bytes(),
+                "capture_seconds": sum(g.seconds for g in full.graphs.values()),
+            }
         if stats:
             stats["pool_map"] = segment_map(pool)
         regular_map = segment_map(pool, ours=False)

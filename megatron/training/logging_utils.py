@@ -250,6 +250,11 @@ def startup_lines(cfg) -> list[str]:
             "> --transformer-impl transformer_engine: running the local (plain PyTorch) layers; "
             "the same computation, parameter names as Megatron's local spec"
         )
+    if cfg.cuda_graph.cuda_graph_impl == "transformer_engine":
+        lines.append(
+            "> --cuda-graph-impl transformer_engine: running this trainer's local partial graphs of the same "
+            "regions (not Transformer Engine's make_graphed_callables); the same computation"
+        )
     if cfg.ignored_flags:
         lines.append("> accepted with no effect here (speed / I/O knobs): " + " ".join(cfg.ignored_flags))
     if cfg.model.apply_query_key_layer_scaling:

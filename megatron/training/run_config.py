@@ -28,6 +28,7 @@ from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
 from megatron.core.transformer.moe.moe_config import MoEConfig, validate_overlap_switches
 from megatron.core.transformer.recompute import check_recompute_with_graphs
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training import full_iteration
 from megatron.training.batch_schedule import BatchSchedule, parse_step_schedule
 from megatron.training.config import (
     CheckpointConfig,
@@ -119,7 +120,7 @@ class RunConfig(Freezable):
                 t.train_iters = max(1, batches.iterations_for(t.train_samples))
         elif t.train_iters is None:
             t.train_iters = 100
-        if cfg.ddp.overlap_param_gather and cfg.cuda_graph.enabled:
+        if cfg.ddp.overlap_param_gather and cfg.cuda_graph.captures:
             # A graph replay bypasses the forward pre-hooks that wait for each bucket's gather.
             warnings.warn(
                 "--overlap-param-gather is off with CUDA graphs: parameters are gathered right after "
@@ -127,6 +128,14 @@ class RunConfig(Freezable):
                 stacklevel=2,
             )
             cfg.ddp.overlap_param_gather = False
+        if cfg.ddp.overlap_grad_reduce and cfg.cuda_graph.full_iteration:
+            # Buckets launch from Python hooks during backward, which a replay does not run.
+            warnings.warn(
+                "--overlap-grad-reduce is off with --cuda-graph-impl full_iteration: gradients are reduced "
+                "right after the graph instead.",
+                stacklevel=2,
+            )
+            cfg.ddp.overlap_grad_reduce = False
         d = cfg.data
         if d.tokenizer_type is None:
             # Megatron's pretrain_gpt.py: vocab and merge files mean GPT-2 BPE.
@@ -184,6 +193,8 @@ class RunConfig(Freezable):
         self.parallel.validate_model(self.model, stages_from_pattern=pattern is not None)
         if self.cuda_graph.enabled:
             check_recompute_with_graphs(self.model, self.cuda_graph.cuda_graph_scope)
+        if self.cuda_graph.full_iteration:
+            full_iteration.check_config(self)
         require(
             not (self.cuda_graph.enabled and self.model.fine_grained_activation_offloading),
             "--fine-grained-activation-offloading with --cuda-graph-impl local is not supported: the host copies "

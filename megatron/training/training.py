@@ -42,7 +42,14 @@ from megatron.core.tensor_parallel.random import model_parallel_manual_seed
 from megatron.core.transformer import cuda_graphs
 from megatron.core.transformer.cuda_graphs.streams import side_stream
 from megatron.core.transformer.moe import moe_layer as moe_hooks
-from megatron.training import checkpoint_config, checkpointing, determinism, dist_checkpointing, save_lock
+from megatron.training import (
+    checkpoint_config,
+    checkpointing,
+    determinism,
+    dist_checkpointing,
+    full_iteration,
+    save_lock,
+)
 from megatron.training import logging_utils as logs
 from megatron.training.arguments import parse_args
 from megatron.training.batch_steps import StepBatches
@@ -108,6 +115,7 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
             grad_sinks=[self.model],
             scope_group=pg.pp if pg.pp_size > 1 else None,
         )
+        self.full_graph = full_iteration.build(cfg.cuda_graph, self.device, logs.print_rank_0)
         if pg.pp_size > 1 and self.graphs.active:  # graph slots sized by what each chunk keeps
             self.schedule = functools.partial(self.schedule, slot_weights=self._slot_weights(model))
         self.optimizer = build_optimizer(
@@ -159,7 +167,7 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
         # stream there is one set of per-stream cuBLAS workspaces and one allocator cache.
         # It is a driver-made stream, not one from torch's pool (see cuda_graphs/streams.py).
         # Eager runs stay on the default stream.
-        use_stream = self.device.type == "cuda" and self.graphs.active
+        use_stream = self.device.type == "cuda" and (self.graphs.active or self.full_graph is not None)
         self.stream = side_stream(self.device) if use_stream else None
         self.history: list[dict] = []
         self._consecutive_skips = 0  # fp16 overflows in a row
@@ -230,6 +238,8 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
             metrics.close()
         if self.save_lock is not None:
             self.save_lock.release()
+        if getattr(self, "full_graph", None) is not None:
+            self.full_graph.close()
 
     iteration = property(lambda self: self.state.iteration, lambda self, v: setattr(self.state, "iteration", v))
     consumed_samples = property(
@@ -305,16 +315,25 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
         mean loss (on the device), or with --calculate-per-token-loss the token-summed
         loss (``train_step`` divides it and the gradients by the global token count)."""
         per_token_loss = self.cfg.training.calculate_per_token_loss
-        loss, metrics = self.schedule(
-            forward_step=self.forward_step,
-            next_batch=next_batch or (lambda: self._next_batch(data_iterator)),
-            model=self.model,
-            num_microbatches=self.step_microbatches,
-            scale_loss=self.optimizer.scale_loss if self.cfg.precision.fp16 else None,
-            no_sync=self.model.no_sync,
-            graphs=self.graphs,
-            per_token_loss=per_token_loss,
-        )
+        fetch = next_batch or (lambda: self._next_batch(data_iterator))
+
+        def step(next_batch):
+            return self.schedule(
+                forward_step=self.forward_step,
+                next_batch=next_batch,
+                model=self.model,
+                num_microbatches=self.step_microbatches,
+                scale_loss=self.optimizer.scale_loss if self.cfg.precision.fp16 else None,
+                no_sync=self.model.no_sync,
+                graphs=self.graphs,
+                per_token_loss=per_token_loss,
+            )
+
+        if self.full_graph is None:
+            loss, metrics = step(fetch)
+        else:
+            batches = [fetch() for _ in range(self.step_microbatches)]
+            loss, metrics = self.full_graph.run(step, batches, then=self.model.accumulate_grads)
         if per_token_loss:
             self._loss_tokens = metrics[schedules.NUM_TOKENS]
         return loss
@@ -579,7 +598,7 @@ def build_trainer(
         for line in logs.startup_lines(cfg):
             logs.print_rank_0(line)
         determinism.set_determinism(cfg, use_cuda)
-        if use_cuda and cfg.cuda_graph.enabled and cfg.cuda_graph.cuda_graph_expandable_segments:
+        if use_cuda and cfg.cuda_graph.captures and cfg.cuda_graph.cuda_graph_expandable_segments:
             from megatron.core.transformer.cuda_graphs.pool import use_expandable_segments
 
             use_expandable_segments()

@@ -17,7 +17,8 @@ def test_every_config_parses_with_every_mode_flag():
         for mode in bcg.MODES[config]:
             argv = f"{flags} {graph_bench.COMMON} {graph_bench.mode_flags(mode)} {bcg.mode_extra(config, mode)}"
             cfg = parse_args(argv.split())
-            assert cfg.cuda_graph.cuda_graph_impl == ("local" if mode.startswith("local:") else "none"), (config, mode)
+            impl = "local" if mode.startswith("local:") else "full_iteration" if mode == "full" else "none"
+            assert cfg.cuda_graph.cuda_graph_impl == impl, (config, mode)
     medium = parse_args(f"{bcg.CONFIGS['medium']} {graph_bench.COMMON}".split())
     m = medium.model
     assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.seq_length) == (24, 2048, 8192, 4096)

@@ -79,7 +79,7 @@ def test_help_comes_from_attribute_docstrings():
     assert _action("--num-layers").help == "Number of transformer layers. (default: 2)"
     # Multi-line docstrings are joined into one paragraph.
     impl_help = _action("--cuda-graph-impl").help
-    assert "local (this trainer's memory-lean partial graphs). transformer_engine" in impl_help
+    assert "local (this trainer's memory-lean partial graphs); transformer_engine" in impl_help
     assert _action("--seq-length").help.endswith("(default: 128)")
     for action in build_parser()._actions:
         assert action.help, f"{action.option_strings} has no help"

@@ -49,7 +49,7 @@ def attach(
         RuntimeError: the model is already attached.
     """
     session = GraphSession(config, grad_sinks=grad_sinks)
-    if config.cuda_graph_impl != "local":
+    if not config.enabled:
         return session
     layers = regions_lib.graphable_layers(model)
     if model_config is None and layers:

@@ -11,8 +11,10 @@ class CudaGraphConfig(Freezable):
     """Partial CUDA graphs: which regions of each layer are captured and how."""
 
     cuda_graph_impl: str = flag_field("none", choices=("none", "local", "transformer_engine", "full_iteration"))
-    """CUDA-graph implementation: none (eager) or local (this trainer's memory-lean partial graphs).
-    transformer_engine and full_iteration are Megatron values that are not supported here."""
+    """CUDA-graph implementation: none (eager); local (this trainer's memory-lean partial graphs);
+    transformer_engine (Megatron's Transformer Engine graphs of the same regions: runs the local
+    graphs, the same computation); full_iteration (every micro-batch's forward and backward of
+    an iteration as one graph, the optimizer eager)."""
 
     cuda_graph_scope: list[str] = flag_field(
         default_factory=list, flag="--cuda-graph-scope", aliases=("--cuda-graph-modules",), nargs="*"
@@ -52,13 +54,14 @@ class CudaGraphConfig(Freezable):
 
     def validate(self) -> None:
         """Raises ``ValueError`` for an unknown impl or scope name (after ``resolve``; reads only)."""
-        require(
-            self.cuda_graph_impl in ("none", "local"),
-            f"--cuda-graph-impl {self.cuda_graph_impl} is not supported yet; use --cuda-graph-impl local "
-            "(partial graphs, the centrepiece of this trainer) or none.",
-        )
         scope = self.cuda_graph_scope.split() if isinstance(self.cuda_graph_scope, str) else self.cuda_graph_scope
-        check_scope_names([] if list(scope) == ["full"] else scope)
+        scope = [] if list(scope) == ["full"] else list(scope)
+        require(
+            not (self.full_iteration and scope),
+            f"--cuda-graph-scope {' '.join(scope)} with --cuda-graph-impl full_iteration: the whole iteration is "
+            "one graph, so no scope applies (as in Megatron); drop the scope, or use --cuda-graph-impl local.",
+        )
+        check_scope_names(scope)
         require(
             self.cuda_graph_warmup_steps >= 0,
             f"--cuda-graph-warmup-steps must be >= 0, got {self.cuda_graph_warmup_steps}.",
@@ -66,4 +69,14 @@ class CudaGraphConfig(Freezable):
 
     @property
     def enabled(self) -> bool:
-        return self.cuda_graph_impl == "local"
+        """Partial (per-region) graphs: local, or transformer_engine run as local."""
+        return self.cuda_graph_impl in ("local", "transformer_engine")
+
+    @property
+    def full_iteration(self) -> bool:
+        return self.cuda_graph_impl == "full_iteration"
+
+    @property
+    def captures(self) -> bool:
+        """Whether any CUDA graph is captured (partial graphs or the full iteration)."""
+        return self.enabled or self.full_iteration

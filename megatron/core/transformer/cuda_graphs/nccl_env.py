@@ -39,7 +39,7 @@ def expandable_segments_on(config: CudaGraphConfig, environ: MutableMapping[str,
     said = _alloc_conf_expandable(environ)
     if said is not None:
         return said
-    return config.enabled and config.cuda_graph_expandable_segments
+    return config.captures and config.cuda_graph_expandable_segments
 
 
 def configure_nccl_for_graphs(
@@ -67,7 +67,7 @@ def configure_nccl_for_graphs(
         "--expert-tensor-parallel-size": etp,
     }
     captured = [f"{flag} {size}" for flag, size in sizes.items() if size > 1]
-    if not config.enabled or not captured or not expandable_segments_on(config, environ):
+    if not config.captures or not captured or not expandable_segments_on(config, environ):
         return None
     value = environ.get(NCCL_GRAPH_REGISTER)
     if value is None:

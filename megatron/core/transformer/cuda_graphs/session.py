@@ -134,7 +134,8 @@ class GraphSession:
                 self.state = GraphState.RECORD
             else:
                 warnings.warn(
-                    "--cuda-graph-impl local: CUDA is not available, so CUDA graphs are off and the run is eager.",
+                    f"--cuda-graph-impl {config.cuda_graph_impl}: CUDA is not available, so CUDA graphs are off and "
+                    "the run is eager.",
                     stacklevel=3,
                 )
         self.recorder = Recorder()

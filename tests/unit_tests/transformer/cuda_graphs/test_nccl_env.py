@@ -12,13 +12,15 @@ from megatron.training.arguments import parse_args
 GRAPHS = CudaGraphConfig(cuda_graph_impl="local")
 
 
-def test_tp_with_graphs_turns_graph_registration_off_once():
+@pytest.mark.parametrize("impl", ["local", "transformer_engine", "full_iteration"])
+def test_tp_with_graphs_turns_graph_registration_off_once(impl):
     env = {}
-    line = configure_nccl_for_graphs(GRAPHS, tensor_parallel=2, environ=env)
+    graphs = CudaGraphConfig(cuda_graph_impl=impl)
+    line = configure_nccl_for_graphs(graphs, tensor_parallel=2, environ=env)
     assert env == {"NCCL_GRAPH_REGISTER": "0"}
     assert "NCCL_GRAPH_REGISTER=0" in line and "--tensor-model-parallel-size 2" in line
     # Set now: a second call (another build in the same process) changes and says nothing.
-    assert configure_nccl_for_graphs(GRAPHS, tensor_parallel=2, environ=env) is None
+    assert configure_nccl_for_graphs(graphs, tensor_parallel=2, environ=env) is None
     assert env == {"NCCL_GRAPH_REGISTER": "0"}
 
 
