@@ -92,7 +92,7 @@ def _supported_library(library, where: str, fix: str) -> str:
     """Returns ``library`` when this trainer reads it; raises a ValueError saying why not otherwise."""
     if library in LIBRARIES:
         return library
-    if library in _OTHER_LIBRARIES:
+    if isinstance(library, str) and library in _OTHER_LIBRARIES:
         raise ValueError(f"{where} names library {library!r}: {_OTHER_LIBRARIES[library]}; {fix}.")
     known = ", ".join(UPSTREAM_TEXT_LIBRARIES + UPSTREAM_VISION_LIBRARIES)
     raise ValueError(
@@ -197,10 +197,9 @@ def read_metadata(path: str) -> TokenizerMetadata:
         f"{flag}: field 'library'",
         f"set it to one of {', '.join(LIBRARIES)}, or drop the flag",
     )
+    # Upstream imports class_path.class_name when class_name is set, and builds its default class otherwise.
     class_name, class_path = data.get("class_name"), data.get("class_path")
-    if (class_name, class_path) != (None, None) and not (
-        class_name == DEFAULT_CLASS_NAME and class_path in DEFAULT_CLASS_PATHS
-    ):
+    if class_name and not (class_name == DEFAULT_CLASS_NAME and class_path in DEFAULT_CLASS_PATHS):
         raise ValueError(
             f"{flag}: fields 'class_name' / 'class_path' name the tokenizer class {class_path}.{class_name}; this "
             f"trainer builds its own tokenizer for each library and loads no custom class: remove both fields "

@@ -149,6 +149,8 @@ def test_upstream_written_files_are_read(tmp_path):
         assert read_metadata(str(path)).library == "megatron"
     path.write_text('{"library": "null-text"}')
     assert read_metadata(str(path)) == TokenizerMetadata("null-text", None, str(path))
+    path.write_text('{"library": "huggingface", "class_name": null, "class_path": "ignored.without.a.name"}')
+    assert read_metadata(str(path)).library == "huggingface"  # upstream builds its default class then
 
 
 def _meta(tmp_path, content) -> str:
@@ -165,6 +167,7 @@ def _meta(tmp_path, content) -> str:
         ({"chat_template": None}, "has no 'library' field; add one of huggingface, sentencepiece, megatron, null-text"),
         ({"library": "huggingfaces"}, "field 'library' names library 'huggingfaces', which is no tokenizer library"),
         ({"library": None}, "field 'library' names library None"),
+        ({"library": ["huggingface"]}, r"field 'library' names library \['huggingface'\], which is no tokenizer"),
         ({"library": "sft"}, "field 'library' names library 'sft': this trainer does not do SFT; set it to one of"),
         ({"library": "byte-level"}, "upstream's byte-level library .* is not this trainer's ByteLevelTokenizer"),
         ({"library": "multimodal"}, "names library 'multimodal': this trainer has no vision tokenizers"),
