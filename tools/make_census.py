@@ -11,7 +11,8 @@ one's ``MODEL_ARGS`` with only these changes, so it runs on a 2-core CPU in seco
   batches), evaluation to 1 batch, data-loader workers to 0;
 - real data replaced: ``--data-path`` by ``--mock-data``, vocab/merge/tokenizer files by
   the tiny test tokenizers in ``tests/assets/tokenizer`` (``tokenizer.model`` for the
-  SentencePiece types), output folders by placeholders
+  SentencePiece types; ``tokenizer_metadata.json``, the Hugging Face one's, for
+  ``--tokenizer-metadata``), output folders by placeholders
   (``${SAVE}``, ``${TENSORBOARD}``, ``${DATA_CACHE}``) the test fills in; ``--load`` of a
   pretrained checkpoint (configs that do not also ``--save``) is dropped;
 - the ``--wandb-*`` flags are dropped: W&B is an outside service (its package, an account),
@@ -70,7 +71,6 @@ _OUT_OF_SCOPE_PREFIXES = (
 _NOT_YET_FLAGS = (
     "--tensor-parallel-num-weight-shards",
     "--expert-tensor-parallel-num-weight-shards",
-    "--tokenizer-metadata",
 )
 # --spec values that name the layers our scripts build (megatron/training/known_flags.py says
 # the same; tests/unit_tests/training/census checks every entry against the parser).
@@ -191,6 +191,8 @@ def scale(args: dict) -> dict:
         elif flag == "--tokenizer-model":
             sentencepiece = args.get("--tokenizer-type") in _SP_TYPES
             out[flag] = "${ASSETS}/tokenizer.model" if sentencepiece else "${ASSETS}/tokenizer.json"
+        elif flag == "--tokenizer-metadata":
+            out[flag] = "${ASSETS}/tokenizer_metadata.json"  # the Hugging Face asset's (library huggingface)
         elif flag in by_layout:
             out[flag] = by_layout[flag]
         elif flag == "--num-experts":

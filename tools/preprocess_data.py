@@ -105,6 +105,7 @@ def _data_config(args: argparse.Namespace) -> DataConfig:
         vocab_file=args.vocab_file,
         merge_file=args.merge_file,
         tokenizer_model=args.tokenizer_model,
+        tokenizer_metadata=args.tokenizer_metadata,
         tokenizer_sentencepiece_legacy=args.tokenizer_sentencepiece_legacy,
         tokenizer_special_tokens=args.tokenizer_special_tokens or [],
         tokenizer_sentencepiece_ignore_extra_whitespaces=args.tokenizer_sentencepiece_ignore_extra_whitespaces,
@@ -127,6 +128,12 @@ def get_args(argv=None) -> argparse.Namespace:
     group.add_argument("--merge-file", default=None, help="GPT-2 merges.txt (GPT2BPETokenizer).")
     group.add_argument(
         "--tokenizer-model", default=None, help="tokenizer.json (HuggingFaceTokenizer) or a SentencePiece .model file."
+    )
+    group.add_argument(
+        "--tokenizer-metadata",
+        default=None,
+        help="Tokenizer metadata JSON (megatron.core.tokenizers.write_metadata); its library must be the one "
+        "--tokenizer-type reads.",
     )
     group.add_argument(
         "--tokenizer-sentencepiece-legacy",

@@ -233,6 +233,10 @@ class DataConfig(Freezable):
     tokenizer_model: str | None = None
     """Hugging Face tokenizer.json, or the SentencePiece .model file of the SentencePiece types."""
 
+    tokenizer_metadata: str | None = None
+    """Tokenizer metadata JSON (upstream's MegatronTokenizer.write_metadata; here
+    megatron.core.tokenizers.write_metadata): its library must be the one --tokenizer-type reads."""
+
     tokenizer_sentencepiece_legacy: bool = False
     """SentencePiece types: allow --tokenizer-special-tokens (added after the model's pieces when new,
     matched in the text before encoding)."""

@@ -329,12 +329,6 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
     "--expert-tensor-parallel-num-weight-shards": not_yet(
         "--expert-tensor-parallel-num-weight-shards", VALUE, "generalized tensor parallelism: weight shards beyond TP"
     ),
-    "--tokenizer-metadata": not_yet(
-        "--tokenizer-metadata",
-        VALUE,
-        "a tokenizer library chosen by a metadata file",
-        "drop it: --tokenizer-type chooses the tokenizer (HuggingFaceTokenizer reads a local tokenizer.json)",
-    ),
     "--spec": KnownFlag(
         LIST,
         "--spec (custom layer specs) is not supported yet; drop it: layers are chosen from the model flags.",

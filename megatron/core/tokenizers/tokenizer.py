@@ -19,6 +19,7 @@ import os
 from collections.abc import Iterable
 
 from megatron.core.tokenizers.gpt2_bpe import GPT2BPETokenizer
+from megatron.core.tokenizers.metadata import check_tokenizer_type, read_metadata
 from megatron.core.tokenizers.sentencepiece_tokenizer import SENTENCEPIECE_TYPES, SentencePieceTokenizer
 
 TOKENIZER_TYPES = (
@@ -222,9 +223,12 @@ def build_tokenizer(data_config):
         A tokenizer with ``vocab_size`` (unpadded), ``eod``, ``tokenize`` and ``detokenize``.
 
     Raises:
-        ValueError: Unknown type, or a missing/unreadable vocab, merge or model file.
+        ValueError: Unknown type, a missing/unreadable vocab, merge or model file, or a
+            ``--tokenizer-metadata`` file that is unreadable or names another library (``metadata.py``).
     """
     kind = data_config.tokenizer_type
+    if data_config.tokenizer_metadata:
+        check_tokenizer_type(read_metadata(data_config.tokenizer_metadata), kind)
     if kind == "NullTokenizer":
         return NullTokenizer(data_config.vocab_size)
     if kind == "ByteLevelTokenizer":

@@ -125,6 +125,28 @@ def test_missing_input_and_tokenizer_files(tmp_path, capsys):
     assert "--vocab-file" in error and "v.json" in error
 
 
+def test_tokenizer_metadata(tmp_path, capsys):
+    """The file changes nothing in the output when its library is the type's; another library is an error."""
+    from megatron.core.tokenizers import write_metadata
+
+    path = write_jsonl(tmp_path / "in.jsonl", [{"text": "Hello world"}, {"text": "café 東京"}])
+    good = write_metadata(ASSETS, "megatron", metadata_path=str(tmp_path / "bpe.json"))
+    for name, extra in (("plain", []), ("meta", ["--tokenizer-metadata", good])):
+        result = run_tool("--input", path, "--output-prefix", str(tmp_path / name), *BPE_FLAGS, *extra)
+        assert result.returncode == 0, result.stderr
+    for suffix in (".bin", ".idx"):
+        with (
+            open(tmp_path / f"plain_text_document{suffix}", "rb") as a,
+            open(tmp_path / f"meta_text_document{suffix}", "rb") as b,
+        ):
+            assert a.read() == b.read()
+    bad = write_metadata(ASSETS, "huggingface", metadata_path=str(tmp_path / "hf.json"))
+    error = tool_error(
+        capsys, "--input", path, "--output-prefix", str(tmp_path / "o"), *BPE_FLAGS, "--tokenizer-metadata", bad
+    )
+    assert f"--tokenizer-metadata {bad}: field 'library' is 'huggingface'" in error
+
+
 def test_worker_errors_reach_the_user(tmp_path, capsys):
     lines = ['{"text": "fine"}'] * 300 + ["{broken"]
     path = write_jsonl(tmp_path / "in.jsonl", lines)
