@@ -71,6 +71,7 @@ _OUT_OF_SCOPE_PREFIXES = (
 _NOT_YET_FLAGS = (
     "--tensor-parallel-num-weight-shards",
     "--expert-tensor-parallel-num-weight-shards",
+    "--moe-expert-rank-capacity-factor",
 )
 # --spec values that name the layers our scripts build (megatron/training/known_flags.py says
 # the same; tests/unit_tests/training/census checks every entry against the parser).
@@ -140,7 +141,7 @@ def expectation(args: dict) -> str:
         return "unsupported"
     if args.get("--ckpt-format") == "fsdp_dtensor" or args.get("--transformer-impl") == "inference_optimized":
         return "unsupported"
-    if flags & set(_NOT_YET_FLAGS) or args.get("--moe-token-dispatcher-type") == "flex":
+    if flags & set(_NOT_YET_FLAGS):
         return "not_yet"
     if "--spec" in flags and str(args["--spec"]).strip("[]") not in _ACCEPTED_SPECS:
         return "not_yet"

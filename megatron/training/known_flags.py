@@ -289,9 +289,28 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
         "Megatron reads it only in ModelOpt's model builder (a ModelOpt checkpoint loaded); attention here is "
         "always this trainer's own",
     ),
-    "--moe-flex-dispatcher-backend": noop(
+    "--moe-permute-fusion-into-hybridep": noop(SWITCH, "fuses HybridEP's permutation; flex runs alltoall here"),
+    "--moe-hybridep-pad-uneven-dispatch-inputs": noop(
+        SWITCH, "pads HybridEP's inputs to equal token counts (trimmed after combine); flex runs alltoall here"
+    ),
+    "--moe-hybridep-num-blocks-permute": noop(VALUE, "thread blocks of HybridEP's permute; flex runs alltoall here"),
+    "--moe-hybridep-num-blocks-unpermute": noop(
+        VALUE, "thread blocks of HybridEP's unpermute; flex runs alltoall here"
+    ),
+    "--moe-hybridep-num-sms-preprocessing": noop(VALUE, "SMs of HybridEP's metadata scan; flex runs alltoall here"),
+    "--moe-dispatch-fwd-dtype": KnownFlag(
         VALUE,
-        "chooses the kernels of --moe-token-dispatcher-type flex, which is refused here; other dispatchers ignore it",
+        "--moe-dispatch-fwd-dtype {value} is not supported: the only wire dtype here is bf16 (mxfp8, an "
+        "MXFP8-quantized all-to-all payload, is FP8 training, which this trainer does not do); drop the flag.",
+        accepted_values=("bf16",),
+        note="bf16, Megatron's default, sends the tokens unquantized, as here",
+    ),
+    "--moe-combine-bwd-dtype": KnownFlag(
+        VALUE,
+        "--moe-combine-bwd-dtype {value} is not supported: the only wire dtype here is bf16 (mxfp8, an "
+        "MXFP8-quantized all-to-all gradient, is FP8 training, which this trainer does not do); drop the flag.",
+        accepted_values=("bf16",),
+        note="bf16, Megatron's default, sends the gradients unquantized, as here",
     ),
     "--rope-type": KnownFlag(
         VALUE,
@@ -328,6 +347,12 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
     ),
     "--expert-tensor-parallel-num-weight-shards": not_yet(
         "--expert-tensor-parallel-num-weight-shards", VALUE, "generalized tensor parallelism: weight shards beyond TP"
+    ),
+    "--moe-expert-rank-capacity-factor": not_yet(
+        "--moe-expert-rank-capacity-factor",
+        VALUE,
+        "a per-rank token budget of the hybridep / ncclep flex kernels, which drop or replay the tokens over it",
+        "drop it: dropless routing sends every token (--moe-expert-capacity-factor caps tokens per expert)",
     ),
     "--spec": KnownFlag(
         LIST,

@@ -255,6 +255,27 @@ def startup_lines(cfg) -> list[str]:
             "> --cuda-graph-impl transformer_engine: running this trainer's local partial graphs of the same "
             "regions (not Transformer Engine's make_graphed_callables); the same computation"
         )
+    moe = cfg.moe
+    if moe.enabled and moe.moe_token_dispatcher_type == "flex":
+        kernels = {"deepep": "DeepEP's", "hybridep": "HybridEP's", "ncclep": "NCCL EP's"}[moe.flex_backend]
+        lines.append(
+            f"> --moe-token-dispatcher-type flex (--moe-flex-dispatcher-backend {moe.flex_backend}): running the "
+            "alltoall dispatcher; the same tokens, experts, probabilities and combine, moved by torch.distributed "
+            f"all-to-all instead of {kernels} kernels"
+        )
+        sms = [
+            flag
+            for flag, value in (
+                ("--moe-flex-dispatcher-num-sms", moe.moe_flex_dispatcher_num_sms),
+                ("--moe-deepep-num-sms", moe.moe_deepep_num_sms),
+                ("--moe-hybridep-num-sms", moe.moe_hybridep_num_sms),
+            )
+            if value is not None
+        ]
+        if sms:
+            lines.append(f"> {' '.join(sms)}: no effect, no flex kernels run here")
+        if moe.moe_enable_deepep:
+            lines.append("> --moe-enable-deepep is deprecated in Megatron: pass --moe-flex-dispatcher-backend deepep")
     if cfg.ignored_flags:
         lines.append("> accepted with no effect here (speed / I/O knobs): " + " ".join(cfg.ignored_flags))
     if cfg.model.apply_query_key_layer_scaling:

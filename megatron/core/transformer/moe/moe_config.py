@@ -165,8 +165,29 @@ class MoEConfig(Freezable):
     """Run the local experts as grouped GEMMs (torch grouped_mm on CUDA; a loop elsewhere)."""
 
     moe_token_dispatcher_type: str = flag_field("allgather", choices=("allgather", "alltoall", "flex"))
-    """Token dispatcher across expert-parallel ranks (flex, Megatron's DeepEP/HybridEP dispatcher, is not
-    supported yet)."""
+    """Token dispatcher across expert-parallel ranks. flex (Megatron's DeepEP / HybridEP / NCCL EP kernels)
+    runs the alltoall dispatcher here: the same tokens reach the same experts with the same probabilities
+    and are combined the same way, exchanged with torch.distributed all-to-all."""
+
+    moe_flex_dispatcher_backend: str = flag_field("deepep", choices=("deepep", "hybridep", "ncclep"))
+    """Kernels of --moe-token-dispatcher-type flex in Megatron. Every backend runs the alltoall
+    dispatcher here; the flag combinations Megatron refuses for a backend are refused too."""
+
+    moe_enable_deepep: bool = False
+    """Deprecated in Megatron for --moe-flex-dispatcher-backend deepep; needs --moe-token-dispatcher-type flex."""
+
+    moe_flex_dispatcher_num_sms: int | None = None
+    """SMs of the flex dispatcher's communication kernels in Megatron; no effect here (no such kernels)."""
+
+    moe_deepep_num_sms: int | None = None
+    """Deprecated in Megatron for --moe-flex-dispatcher-num-sms; no effect here."""
+
+    moe_hybridep_num_sms: int | None = None
+    """Deprecated in Megatron for --moe-flex-dispatcher-num-sms; no effect here."""
+
+    moe_ncclep_zero_copy: bool = False
+    """NCCL EP's zero-copy symmetric-memory buffers in Megatron; with the ncclep backend it needs
+    --moe-expert-rank-capacity-factor (not supported yet), other backends ignore it."""
 
     moe_expert_capacity_factor: float | None = None
     """Capacity of each expert as a multiple of its even share of tokens; tokens beyond it are
@@ -215,6 +236,75 @@ class MoEConfig(Freezable):
         """Static expert inputs: capacity factor set and inputs padded to capacity."""
         return self.moe_expert_capacity_factor is not None and self.moe_pad_expert_input_to_capacity
 
+    @property
+    def flex_backend(self) -> str:
+        """The flex dispatcher's backend: deepep when the deprecated --moe-enable-deepep is given."""
+        return "deepep" if self.moe_enable_deepep else self.moe_flex_dispatcher_backend
+
+    def _validate_flex_flags(self) -> None:
+        """Megatron's checks of the flex-dispatcher flags that hold with or without experts."""
+        flex = self.moe_token_dispatcher_type == "flex"
+        if self.moe_enable_deepep:
+            require(
+                flex,
+                "--moe-enable-deepep needs --moe-token-dispatcher-type flex (as in Megatron); it is deprecated "
+                "there: pass --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep, or drop it.",
+            )
+            require(
+                self.moe_flex_dispatcher_backend != "hybridep",
+                "--moe-enable-deepep cannot be combined with --moe-flex-dispatcher-backend hybridep (the flex "
+                "dispatcher has one backend); drop --moe-enable-deepep.",
+            )
+        if self.moe_flex_dispatcher_backend == "ncclep":
+            require(
+                flex,
+                "--moe-flex-dispatcher-backend ncclep needs --moe-token-dispatcher-type flex (as in Megatron); "
+                "drop the backend or pass --moe-token-dispatcher-type flex.",
+            )
+        deprecated = {
+            flag: value
+            for flag, value in (
+                ("--moe-deepep-num-sms", self.moe_deepep_num_sms),
+                ("--moe-hybridep-num-sms", self.moe_hybridep_num_sms),
+            )
+            if value is not None
+        }
+        if self.moe_flex_dispatcher_num_sms is None and len(set(deprecated.values())) > 1:
+            given = " and ".join(f"{flag} {value}" for flag, value in deprecated.items())
+            raise ValueError(
+                f"{given} conflict (both are deprecated in Megatron); pass one --moe-flex-dispatcher-num-sms N instead."
+            )
+        if flex and self.flex_backend == "deepep":
+            require(
+                not self.moe_pad_expert_input_to_capacity,
+                "--moe-token-dispatcher-type flex with the deepep backend does not support "
+                "--moe-pad-expert-input-to-capacity (as in Megatron); use --moe-flex-dispatcher-backend hybridep "
+                "or --moe-token-dispatcher-type alltoall.",
+            )
+
+    def _validate_flex_layout(self, etp_times_ep: int) -> None:
+        """Megatron's checks when the flex dispatcher of an MoE layer is built."""
+        backend = self.flex_backend
+        if backend in ("deepep", "ncclep"):
+            require(
+                etp_times_ep > 1,
+                f"--moe-token-dispatcher-type flex with the {backend} backend needs --expert-tensor-parallel-size x "
+                "--expert-model-parallel-size > 1 (as in Megatron); raise --expert-model-parallel-size, or use "
+                "--moe-flex-dispatcher-backend hybridep or --moe-token-dispatcher-type alltoall.",
+            )
+        if backend == "ncclep":
+            require(
+                self.moe_expert_capacity_factor is None and not self.moe_pad_expert_input_to_capacity,
+                "--moe-flex-dispatcher-backend ncclep does not support token dropping (as in Megatron): drop "
+                "--moe-expert-capacity-factor and --moe-pad-expert-input-to-capacity, or use the deepep or "
+                "hybridep backend.",
+            )
+            require(
+                not self.moe_ncclep_zero_copy,
+                "--moe-ncclep-zero-copy needs --moe-expert-rank-capacity-factor (as in Megatron), which is not "
+                "supported yet; drop --moe-ncclep-zero-copy.",
+            )
+
     def finalize(self, model) -> "MoEConfig":
         """Fills derived fields from the model config. Idempotent; returns self."""
         if not self.enabled:
@@ -230,6 +320,7 @@ class MoEConfig(Freezable):
 
     def validate(self, model, expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int = 1) -> None:
         """Raises ``ValueError`` for inconsistent MoE flags (call after ``finalize``)."""
+        self._validate_flex_flags()
         if not self.enabled:
             require(
                 self.moe_ffn_hidden_size is None and self.moe_shared_expert_intermediate_size is None,
@@ -241,11 +332,8 @@ class MoEConfig(Freezable):
             )
             return
         e, k = self.num_moe_experts, self.moe_router_topk
-        require(
-            self.moe_token_dispatcher_type != "flex",
-            "--moe-token-dispatcher-type flex (DeepEP / HybridEP kernels) is not supported yet; use alltoall: the same "
-            "routing over NCCL all-to-all.",
-        )
+        if self.moe_token_dispatcher_type == "flex":
+            self._validate_flex_layout(expert_model_parallel_size * expert_tensor_parallel_size)
         require(e >= 1, f"--num-experts must be >= 1, got {e}.")
         require(1 <= k <= e, f"--moe-router-topk ({k}) must be between 1 and --num-experts ({e}).")
         require(
@@ -364,8 +452,9 @@ def validate_overlap_switches(given, moe: MoEConfig, model, parallel, half_preci
     given = set(given)
     if "--moe-shared-expert-overlap" in given and moe.moe_shared_expert_intermediate_size is not None:
         require(
-            moe.moe_token_dispatcher_type == "alltoall",
-            "--moe-shared-expert-overlap only works with --moe-token-dispatcher-type alltoall (as in Megatron).",
+            moe.moe_token_dispatcher_type in ("alltoall", "flex"),
+            "--moe-shared-expert-overlap only works with --moe-token-dispatcher-type alltoall or flex (as in "
+            "Megatron).",
         )
     if "--delay-wgrad-compute" in given:
         require(
@@ -387,8 +476,8 @@ def validate_overlap_switches(given, moe: MoEConfig, model, parallel, half_preci
         f"{flag} overlaps the expert-parallel all-to-all: it needs --expert-model-parallel-size > 1.",
     )
     require(
-        moe.moe_token_dispatcher_type == "alltoall",
-        f"{flag} needs --moe-token-dispatcher-type alltoall (as in Megatron).",
+        moe.moe_token_dispatcher_type in ("alltoall", "flex"),
+        f"{flag} needs --moe-token-dispatcher-type alltoall or flex (as in Megatron).",
     )
     require(
         model.recompute_granularity != "full" and model.recompute_method is None and model.recompute_num_layers is None,

@@ -286,11 +286,19 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
 
 
 def build_token_dispatcher(moe, ep_group=None, etp_group=None, tp_ep_group=None) -> MoETokenDispatcher:
-    """The dispatcher ``--moe-token-dispatcher-type`` names (groups as ``MoETokenDispatcher``)."""
-    if moe.moe_token_dispatcher_type == "alltoall":
+    """The dispatcher ``--moe-token-dispatcher-type`` names (groups as ``MoETokenDispatcher``).
+
+    ``flex`` gets the all-to-all dispatcher. Megatron's flex dispatcher sends every token to the
+    ETP x EP ranks that hold its experts (DeepEP, HybridEP or NCCL EP kernels) with the router's
+    probabilities, and its combine sums each token's probability-weighted expert outputs and the
+    ETP partial outputs: the tokens, experts, probabilities and sums of ``alltoall``, moved by
+    other kernels (which may add the k outputs of a token in another order).
+    """
+    if moe.moe_token_dispatcher_type in ("alltoall", "flex"):
         return MoEAlltoAllTokenDispatcher(moe, ep_group, etp_group, tp_ep_group)
     if moe.moe_token_dispatcher_type == "allgather":
         return MoEAllGatherTokenDispatcher(moe, ep_group, etp_group, tp_ep_group)
     raise ValueError(
-        f"--moe-token-dispatcher-type {moe.moe_token_dispatcher_type} is not supported; use alltoall or allgather."
+        f"--moe-token-dispatcher-type {moe.moe_token_dispatcher_type} is not supported; use alltoall, allgather "
+        "or flex."
     )

@@ -85,7 +85,9 @@ def test_example_line_parses_and_validates(name, tmp_path):
     _check(argv_of(args, tmp_path), _world(args), entry["expect"], entry.get("match"))
     variant = entry.get("variant")
     if variant:
-        kept = {f: v for f, v in args.items() if f not in variant["drop"]}
+        kept = {f: v for f, v in args.items() if f not in variant.get("drop", ())}
+        if variant.get("add"):
+            kept.update(model_args({"argv": variant["add"]}))
         _check(argv_of(kept, tmp_path), _world(kept), variant["expect"], variant.get("match"))
 
 
