@@ -20,6 +20,9 @@ Unusual here:
 - Capture records and does not run, so the capturing iteration's work is its first
   replay; the eager cache is handed back to the driver before capture, so the pool does
   not stack on top of the warm-up's cached activations.
+- DDP's fold of ``.grad`` into ``main_grad`` is captured with its scratch buffers,
+  which DDP keeps for as long as the same parameters arrive with gradients: every
+  iteration here, since nothing runs an eager backward once the graph exists.
 - The schedule's Python runs only at capture. Everything it does each iteration must
   therefore be device work or state that stays true across replays; the run
   configuration refuses what is not (pipeline schedules, MoE token counts on the host,

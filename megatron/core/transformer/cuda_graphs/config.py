@@ -25,7 +25,8 @@ class CudaGraphConfig(Freezable):
     cuda_graph_warmup_steps: int = 3
     """Eager forward+backward passes per region, on sample data, before its graphs are captured.
     One pass always runs (it finds the region's parameters), so 0 and 1 mean the same; the
-    recording iteration has already run every kernel once."""
+    recording iteration has already run every kernel once. With full_iteration: the eager
+    training iterations before the capture (at least one)."""
 
     cuda_graph_expandable_segments: bool = flag_field(True, flag="--no-cuda-graph-expandable-segments")
     """With graphs on, switch the caching allocator to expandable segments (unless
