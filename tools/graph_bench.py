@@ -309,11 +309,7 @@ def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_p
         full = trainer.full_graph
         if full is not None and full.num_graphs:  # --cuda-graph-impl full_iteration
             pool = full.pool
-            stats = {
-                "graphs": full.num_graphs,
-                "pool_reserved_bytes": full.pool_reserved_bytes(),
-                "capture_seconds": sum(g.seconds for g in full.graphs.values()),
-            }
+            stats = full.stats()
         if stats:
             stats["pool_map"] = segment_map(pool)
         regular_map = segment_map(pool, ours=False)

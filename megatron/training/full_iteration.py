@@ -85,6 +85,18 @@ class FullIterationGraph:
         """Bytes the graphs' pool holds (0 before the first capture)."""
         return 0 if self.pool is None else self.pool.stats().reserved_bytes
 
+    def stats(self) -> dict[str, float]:
+        """What the memory line reports, with the partial graphs' keys (after a capture;
+        walks the allocator's segments). Static inputs and outputs live in the pool."""
+        pool = self.pool.stats()
+        return {
+            "pool_reserved_bytes": pool.reserved_bytes,
+            "pool_live_bytes": pool.live_bytes,
+            "strong_bytes": 0,
+            "graphs": self.num_graphs,
+            "capture_seconds": sum(g.seconds for g in self.graphs.values()),
+        }
+
     def run(
         self, step: Callable[[Callable[[], Batch]], Outputs], batches: list[Batch], then: Callable[[], None]
     ) -> Outputs:

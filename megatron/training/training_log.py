@@ -133,10 +133,17 @@ class IterationLogging:
             raise self._nan_error(nan_now, first_nan)
         return dict(record, iteration=self.iteration)
 
+    def _graph_stats(self) -> dict | None:
+        """The captured graphs' memory and count (partial or full-iteration), or None."""
+        if self.graphs.captured:
+            return self.graphs.stats()
+        full = getattr(self, "full_graph", None)
+        return full.stats() if full is not None and full.num_graphs else None
+
     def _memory_record(self) -> dict[str, float]:
         record = logs.memory_metrics(logs.memory_stats_mb(self.device))
-        if self.graphs.captured:
-            s = self.graphs.stats()
+        s = self._graph_stats()
+        if s is not None:
             record["graph-pool-reserved-bytes"] = s["pool_reserved_bytes"]
             record["graph-pool-live-bytes"] = s["pool_live_bytes"]
             record["graph-count"] = s["graphs"]  # the memory line's count, for ranks that print none
@@ -147,8 +154,8 @@ class IterationLogging:
             return
         mem = logs.memory_stats_mb(self.device)
         extra = {}
-        if self.graphs.captured:
-            s = self.graphs.stats()
+        s = self._graph_stats()
+        if s is not None:
             extra = {
                 "graph pool reserved": s["pool_reserved_bytes"] / 2**20,
                 "graph pool live": s["pool_live_bytes"] / 2**20,

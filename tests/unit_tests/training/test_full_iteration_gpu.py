@@ -90,11 +90,12 @@ def test_changed_micro_batch_count_captures_a_graph_per_count(capsys):
     and 3 each get a graph (one shared pool)."""
     flags = f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 --global-batch-size 6 --rampup-batch-size 2 2 8 --log-interval 1"
     eager = build_trainer(f"{flags} --train-iters 6".split()).train()
-    trainer = build_trainer(f"{flags} --train-iters 6 {FULL}".split())
+    trainer = build_trainer(f"{flags} --train-iters 6 {FULL} --log-memory-interval 6".split())
     graphed = trainer.train()
     out = capsys.readouterr().out
     for n in (1, 2, 3):  # train() closes the trainer, and with it the graphs: their capture lines tell
         assert out.count(f"full-iteration CUDA graph captured for {n} micro-batch(es)") == 1, out
+    assert "(after 6 iterations)" in out and "graphs: 3" in out, out  # the memory line counts them
     for a, b in zip(eager, graphed, strict=True):
         assert a["lm loss"] == b["lm loss"], (a, b)
 
