@@ -129,6 +129,8 @@ class RunSpec:
         nproc: Processes (GPUs).
         layout: Parallel layout flags.
         scope: None for eager, else the ``--cuda-graph-scope`` value ("" = whole layers).
+        impl: ``--cuda-graph-impl`` of a graphed run: ``local`` (partial graphs, ``scope``)
+            or ``full_iteration`` (one graph per iteration, ``scope`` "").
         extra: More flags (drop-and-pad).
         eager_ref: The eager run of the same layout (graphed runs), or None.
         one_gpu_ref: The one-GPU eager run of the same model and global batch, or None.
@@ -147,6 +149,7 @@ class RunSpec:
     nproc: int
     layout: str
     scope: str | None = None
+    impl: str = "local"
     extra: str = ""
     eager_ref: str | None = None
     one_gpu_ref: str | None = None
@@ -166,6 +169,8 @@ class RunSpec:
     def describe(self) -> str:
         if self.scope is None:
             mode = "eager"
+        elif self.impl == "full_iteration":
+            mode = "full iteration"
         elif self.scope == "":
             mode = "whole layer"
         else:
@@ -215,7 +220,12 @@ def all_runs(gpus: int = 2) -> list[RunSpec]:
         RunSpec(SAVE_RUN, "dense", 2, TP2_SP, kind="save", eager_ref="tp2sp_eager", tp=2, label="TP=2 SP"),
         RunSpec("ckpt_load_tp1", "dense", 2, "", kind="load", eager_ref="tp2sp_eager", dp=2, label="TP=1 DP=2"),
         RunSpec("ckpt_load_pp2", "dense", 2, PP2, kind="load", eager_ref="tp2sp_eager", pp=2, label="PP=2"),
-    ]
+        # The whole iteration as one graph, the TP collectives captured in it.
+        RunSpec(
+            "tp2sp_full", "dense", 2, TP2_SP, scope="", impl="full_iteration", eager_ref="tp2sp_eager",
+            one_gpu_ref="gpu1_eager", tp=2, label="TP=2 SP",
+        ),
+    ]  # fmt: skip
     return runs
 
 
@@ -295,7 +305,7 @@ def argv(spec: RunSpec, sizes: Sizes, iters: int, *, metrics_file: str, ckpt_dir
     # last rank's) also gets the memory numbers, for a rank that prints no memory line.
     flags += f" --log-memory-interval {train_iters} --log-memory-to-tensorboard"
     if spec.graphed:
-        flags += " --cuda-graph-impl local"
+        flags += f" --cuda-graph-impl {spec.impl}"
     out = flags.split()
     if spec.scope:
         out += ["--cuda-graph-scope", *spec.scope.split()]
@@ -329,6 +339,8 @@ def graph_bound(spec: RunSpec, sizes: Sizes, rank: int) -> int | None:
     """
     if not spec.graphed:
         return None
+    if spec.impl == "full_iteration":
+        return 1  # one micro-batch count, one graph
     from megatron.core.pipeline_parallel import schedules, simulate
 
     per_layer, head = SCOPE_REGIONS[(spec.model, spec.scope)]

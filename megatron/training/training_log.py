@@ -16,6 +16,14 @@ from megatron.core.transformer.moe import moe_layer as moe_hooks
 from megatron.training import logging_utils as logs
 
 
+def graph_stats(trainer) -> dict | None:
+    """The trainer's captured graphs' memory and count (partial or full-iteration), or None."""
+    if trainer.graphs.captured:
+        return trainer.graphs.stats()
+    full = getattr(trainer, "full_graph", None)
+    return full.stats() if full is not None and full.num_graphs else None
+
+
 class IterationLogging:
     """The ``Trainer``'s log methods (see the module docstring for what they read)."""
 
@@ -133,16 +141,9 @@ class IterationLogging:
             raise self._nan_error(nan_now, first_nan)
         return dict(record, iteration=self.iteration)
 
-    def _graph_stats(self) -> dict | None:
-        """The captured graphs' memory and count (partial or full-iteration), or None."""
-        if self.graphs.captured:
-            return self.graphs.stats()
-        full = getattr(self, "full_graph", None)
-        return full.stats() if full is not None and full.num_graphs else None
-
     def _memory_record(self) -> dict[str, float]:
         record = logs.memory_metrics(logs.memory_stats_mb(self.device))
-        s = self._graph_stats()
+        s = graph_stats(self)
         if s is not None:
             record["graph-pool-reserved-bytes"] = s["pool_reserved_bytes"]
             record["graph-pool-live-bytes"] = s["pool_live_bytes"]
@@ -154,7 +155,7 @@ class IterationLogging:
             return
         mem = logs.memory_stats_mb(self.device)
         extra = {}
-        s = self._graph_stats()
+        s = graph_stats(self)
         if s is not None:
             extra = {
                 "graph pool reserved": s["pool_reserved_bytes"] / 2**20,

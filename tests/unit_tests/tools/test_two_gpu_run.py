@@ -157,6 +157,11 @@ def test_graph_bounds():
     assert two_gpu_plan.graph_bound(runs["ep2_attn_router_pre"], gpu, 1) == 2 * 4 * 4
     assert two_gpu_plan.graph_bound(runs["ep2_dp_moe"], gpu, 0) == 2 * (4 + 1)
     assert two_gpu_plan.graph_bound(runs["tp2sp_eager"], gpu, 0) is None
+    # The full-iteration graph: one per rank (one micro-batch count).
+    assert [two_gpu_plan.graph_bound(runs["tp2sp_full"], gpu, r) for r in (0, 1)] == [1, 1]
+    assert "--cuda-graph-impl full_iteration" in " ".join(
+        two_gpu_plan.argv(runs["tp2sp_full"], gpu, 30, metrics_file="m", ckpt_dir="c")
+    )
 
 
 @pytest.mark.parametrize("sizes", [two_gpu_plan.GPU, two_gpu_plan.SMOKE], ids=["h200_sizes", "smoke_sizes"])
@@ -177,7 +182,10 @@ def test_every_run_is_a_valid_command_line_and_the_plan_matches_the_trainers_con
         assert (par.tensor_model_parallel_size, par.pipeline_model_parallel_size) == (spec.tp, spec.pp), spec.name
         assert par.data_parallel_size == spec.dp, spec.name
         assert cfg.num_microbatches == sizes.microbatches_per_rank(spec.model, spec.dp), spec.name
-        if spec.graphed:
+        assert cfg.cuda_graph.captures == spec.graphed, spec.name
+        if spec.impl == "full_iteration":
+            assert cfg.cuda_graph.full_iteration and spec.scope == "", spec.name
+        elif spec.graphed:
             layer = TransformerLayer if spec.model == "dense" else MoETransformerLayer
             chosen = regions.resolve(cfg.cuda_graph.cuda_graph_scope, [layer], cfg.model)[layer]
             head = regions.head_follows(chosen, layer)
@@ -187,7 +195,7 @@ def test_every_run_is_a_valid_command_line_and_the_plan_matches_the_trainers_con
 def test_only_names_and_order():
     runs = two_gpu_plan.all_runs()
     assert [r.name for r in runs[:3]] == ["tp2sp_eager", "tp2sp_layer", "tp2sp_attn_mlp"]
-    assert runs[-1].name == "ckpt_load_pp2"
+    assert runs[-1].name == "tp2sp_full" and runs[-1].describe() == "TP=2 SP full iteration"
     picked = two_gpu_plan.select(runs, ["ckpt_save_tp2", "tp2sp_eager"])
     assert [r.name for r in picked] == ["tp2sp_eager", "ckpt_save_tp2"]
     with pytest.raises(ValueError, match="--only: unknown run"):

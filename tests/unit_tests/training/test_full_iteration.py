@@ -119,3 +119,18 @@ def test_graph_outputs_must_be_device_tensors():
         assert (
             full_iteration.build(validate("--cuda-graph-impl", "local").cuda_graph, torch.device("cpu"), print) is None
         )
+
+
+def test_the_memory_line_reads_whichever_graphs_were_captured():
+    import types
+
+    from megatron.training.training_log import graph_stats
+
+    full_stats = {"pool_reserved_bytes": 7, "pool_live_bytes": 5, "strong_bytes": 0, "graphs": 2}
+    partial = types.SimpleNamespace(captured=True, stats=lambda: {"graphs": 18})
+    idle = types.SimpleNamespace(captured=False)
+    full = types.SimpleNamespace(num_graphs=2, stats=lambda: full_stats)
+    assert graph_stats(types.SimpleNamespace(graphs=partial, full_graph=None)) == {"graphs": 18}
+    assert graph_stats(types.SimpleNamespace(graphs=idle, full_graph=full)) == full_stats
+    assert graph_stats(types.SimpleNamespace(graphs=idle, full_graph=types.SimpleNamespace(num_graphs=0))) is None
+    assert graph_stats(types.SimpleNamespace(graphs=idle)) is None
