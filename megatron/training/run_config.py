@@ -120,22 +120,19 @@ class RunConfig(Freezable):
                 t.train_iters = max(1, batches.iterations_for(t.train_samples))
         elif t.train_iters is None:
             t.train_iters = 100
-        if cfg.ddp.overlap_param_gather and cfg.cuda_graph.captures:
-            # A graph replay bypasses the forward pre-hooks that wait for each bucket's gather.
-            warnings.warn(
-                "--overlap-param-gather is off with CUDA graphs: parameters are gathered right after "
-                "the optimizer step instead.",
-                stacklevel=2,
-            )
-            cfg.ddp.overlap_param_gather = False
-        if cfg.ddp.overlap_grad_reduce and cfg.cuda_graph.full_iteration:
-            # Buckets launch from Python hooks during backward, which a replay does not run.
-            warnings.warn(
-                "--overlap-grad-reduce is off with --cuda-graph-impl full_iteration: gradients are reduced "
-                "right after the graph instead.",
-                stacklevel=2,
-            )
-            cfg.ddp.overlap_grad_reduce = False
+        # Overlap hooks that a graph replay would bypass: turned off, with a warning each.
+        switched_off = (
+            # The forward pre-hooks that wait for each bucket's gather.
+            ("overlap_param_gather", cfg.cuda_graph.captures, "--overlap-param-gather is off with CUDA graphs: "
+             "parameters are gathered right after the optimizer step instead."),
+            # The backward hooks that launch each bucket's reduction.
+            ("overlap_grad_reduce", cfg.cuda_graph.full_iteration, "--overlap-grad-reduce is off with "
+             "--cuda-graph-impl full_iteration: gradients are reduced right after the graph instead."),
+        )  # fmt: skip
+        for field, graphed, message in switched_off:
+            if graphed and getattr(cfg.ddp, field):
+                warnings.warn(message, stacklevel=2)
+                setattr(cfg.ddp, field, False)
         d = cfg.data
         if d.tokenizer_type is None:
             # Megatron's pretrain_gpt.py: vocab and merge files mean GPT-2 BPE.
