@@ -87,7 +87,8 @@ class FullIterationGraph:
 
     def stats(self) -> dict[str, float]:
         """What the memory line reports, with the partial graphs' keys (after a capture;
-        walks the allocator's segments). Static inputs and outputs live in the pool."""
+        walks the allocator's segments). The outputs live in the pool; the static inputs
+        (token ids and masks) outside it."""
         pool = self.pool.stats()
         return {
             "pool_reserved_bytes": pool.reserved_bytes,
