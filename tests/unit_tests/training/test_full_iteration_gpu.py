@@ -119,3 +119,24 @@ def test_hybrid_full_iteration_equals_eager():
     graphed = run(f"{flags} {FULL}", 5, providers)
     assert graphed[2] == 1
     assert_same(eager, graphed, "hybrid full iteration")
+
+
+def test_transformer_engine_impl_is_the_local_graphs():
+    """``--cuda-graph-impl transformer_engine --cuda-graph-modules attn mlp`` captures the local
+    partial graphs: bitwise equal to eager, as ``local`` is."""
+    flags = f"{SMALL} {COMMON} {NO_DROPOUT} --bf16"
+    eager = run(flags, 4)
+    trainer = build_trainer(
+        f"{flags} --train-iters 4 --cuda-graph-impl transformer_engine --cuda-graph-modules attn mlp".split()
+    )
+    try:
+        it = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0)[0]
+        trainer.model.train()
+        losses = [trainer.train_step(it)[0].detach().clone() for _ in range(4)]
+        assert trainer.graphs.captured and trainer.full_graph is None
+    finally:
+        parallel_state.destroy(trainer.pg)
+        trainer.graphs.close()
+        trainer.close()
+    for i, (a, b) in enumerate(zip(eager[0], losses, strict=True)):
+        assert torch.equal(a, b), f"iteration {i + 1}: eager {a.item()!r} graphed {b.item()!r}"
