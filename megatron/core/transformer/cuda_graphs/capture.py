@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from megatron.core.transformer.cuda_graphs.plan import FWD, Event, Plan
+from megatron.core.transformer.cuda_graphs.plan import FWD, Event, Plan, in_backward_pool
 from megatron.core.transformer.cuda_graphs.pool import GraphPool, allocate_into_pool
 from megatron.core.transformer.cuda_graphs.region import GraphedRegion, TensorMeta, ValueArg
 from megatron.core.transformer.cuda_graphs.streams import side_stream
@@ -172,7 +172,7 @@ def _capture_slot(
                 buf = static(("input", region.index, i), meta, fill_sample, pool)
                 args.append(buf.detach().requires_grad_(True) if meta.requires_grad else buf)
                 del buf
-            into = backward_pool if region.index in forwards_in_backward_pool else pool
+            into = backward_pool if in_backward_pool(event, forwards_in_backward_pool) else pool
             outs = region.capture_forward(slot, args, into, stream)
             buffers.update({("output", region.index, j): o for j, o in enumerate(outs)})
             # No stray local may keep a buffer alive past its planned release.
@@ -197,8 +197,7 @@ def _capture_slot(
             if t is not None:
                 buffers[key] = make_weak_ref(t)
             del t
-        in_backward_pool = event.phase != FWD or region.index in forwards_in_backward_pool
-        stats = (backward_pool if in_backward_pool else pool).stats()
+        stats = (backward_pool if in_backward_pool(event, forwards_in_backward_pool) else pool).stats()
         graphs = region.slots[slot]
         graphs.pool_reserved_after[event.phase] = stats.reserved_bytes
         graphs.pool_live_after[event.phase] = stats.live_bytes

@@ -299,6 +299,12 @@ def forwards_next_to_backward(order: Sequence[Event], excluded: Iterable[int] = 
     return found
 
 
+def in_backward_pool(event: Event, forwards_in_backward_pool: Iterable[int]) -> bool:
+    """Whether ``event``'s graph is captured where backwards go: a backward, or the forward
+    of a region :func:`forwards_next_to_backward` found."""
+    return event.phase != FWD or event.region in forwards_in_backward_pool
+
+
 def build_plan(
     cycle: Sequence[Event],
     regions: Sequence[RegionIO],

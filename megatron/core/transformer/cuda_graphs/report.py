@@ -40,7 +40,7 @@ from megatron.core.transformer.cuda_graphs.activations import (
     num_slots,
     region_activation_bytes,
 )
-from megatron.core.transformer.cuda_graphs.plan import CommRecv
+from megatron.core.transformer.cuda_graphs.plan import CommRecv, in_backward_pool
 
 __all__ = [
     "RegionMemory",
@@ -338,7 +338,7 @@ def graphed_report(
         reserved = live = 0
         for event in cycle:
             graphs = session.regions[event.region].slots[slot]
-            in_shared = shared and (event.phase == "bwd" or event.region in session.forwards_in_backward_pool)
+            in_shared = shared and in_backward_pool(event, session.forwards_in_backward_pool)
             before, before_live = (bwd_reserved, bwd_live) if in_shared else (reserved, live)
             r = graphs.pool_reserved_after.get(event.phase, before)
             li = graphs.pool_live_after.get(event.phase, before_live)

@@ -22,6 +22,7 @@ from megatron.core.transformer.cuda_graphs.plan import (
     backward_runs_alone,
     build_plan,
     forwards_next_to_backward,
+    in_backward_pool,
     slot_runs,
 )
 from tests.unit_tests.transformer.cuda_graphs.test_pipeline_comm import boundary_comm, plan_comm
@@ -190,3 +191,11 @@ def test_other_forwards_in_the_shared_pool_are_caught():
         if replay_iteration(events, regions, slots, True):
             caught.add(name)
     assert caught == set(MULTI_SLOT), set(MULTI_SLOT) - caught
+
+
+def test_which_graphs_the_backward_pool_holds():
+    """Every backward, and the forwards of the regions found next to their backward; the
+    capture and the memory report read it from the same place."""
+    assert in_backward_pool(Event(BWD, 3, 0), ())
+    assert not in_backward_pool(Event(FWD, 3, 0), {2})
+    assert in_backward_pool(Event(FWD, 2, 1), {2})
