@@ -81,10 +81,6 @@ class FullIterationGraph:
         if self.pool is not None:
             self.pool.close()
 
-    def pool_reserved_bytes(self) -> int:
-        """Bytes the graphs' pool holds (0 before the first capture)."""
-        return 0 if self.pool is None else self.pool.stats().reserved_bytes
-
     def stats(self) -> dict[str, float]:
         """What the memory line reports, with the partial graphs' keys (after a capture;
         walks the allocator's segments). The outputs live in the pool; the static inputs
@@ -168,7 +164,7 @@ class FullIterationGraph:
         captured = _Captured(graph, inputs, outputs, seconds)
         self.log(
             f"> full-iteration CUDA graph captured for {len(batches)} micro-batch(es) in {seconds:.2f} s; "
-            f"graph pool {self.pool_reserved_bytes() / 2**20:.0f} MiB"
+            f"graph pool {self.pool.stats().reserved_bytes / 2**20:.0f} MiB"
         )
         return captured
 
@@ -220,11 +216,6 @@ def check_config(cfg) -> None:
         not cfg.precision.fp16,
         f"{impl} with --fp16 is not supported yet: the dynamic loss scale is a host value a graph would "
         f"freeze; use --bf16, or {fix}.",
-    )
-    require(
-        not cfg.model.fine_grained_activation_offloading,
-        f"--fine-grained-activation-offloading with {impl} is not supported: the host copies would be "
-        "captured and replayed into the same buffers. Drop one of them.",
     )
 
 

@@ -193,9 +193,10 @@ class RunConfig(Freezable):
         if self.cuda_graph.full_iteration:
             full_iteration.check_config(self)
         require(
-            not (self.cuda_graph.enabled and self.model.fine_grained_activation_offloading),
-            "--fine-grained-activation-offloading with --cuda-graph-impl local is not supported: the host copies "
-            "would be captured into the graphs and replayed into the same buffers. Drop one of them.",
+            not (self.cuda_graph.captures and self.model.fine_grained_activation_offloading),
+            f"--fine-grained-activation-offloading with --cuda-graph-impl {self.cuda_graph.cuda_graph_impl} is not "
+            "supported: the host copies would be captured into the graphs and replayed into the same buffers. Drop "
+            "one of them.",
         )
         p, t, o = self.precision, self.training, self.optimizer
         require(not (p.bf16 and p.fp16), "--bf16 and --fp16 cannot be combined; pick one.")

@@ -36,16 +36,17 @@ def validate(*argv, world: int = 1):
         ),
         (["--num-experts", "4"], 1, "full_iteration with --num-experts is not supported yet"),
         (["--fp16"], 1, "full_iteration with --fp16 is not supported yet"),
-        (
-            ["--fine-grained-activation-offloading", "--offload-modules", "core_attn"],
-            1,
-            "--fine-grained-activation-offloading with --cuda-graph-impl",
-        ),
     ],
 )
 def test_full_iteration_refuses_what_a_graph_cannot_hold(argv, world, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         validate("--cuda-graph-impl", "full_iteration", *argv, world=world)
+
+
+@pytest.mark.parametrize("impl", ["local", "transformer_engine", "full_iteration"])
+def test_activation_offloading_is_refused_with_any_graphs(impl):
+    with pytest.raises(ValueError, match=f"--fine-grained-activation-offloading with --cuda-graph-impl {impl} is not"):
+        validate("--cuda-graph-impl", impl, "--fine-grained-activation-offloading", "--offload-modules", "core_attn")
 
 
 def test_full_iteration_turns_the_overlap_hooks_off():
