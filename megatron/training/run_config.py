@@ -24,7 +24,7 @@ from megatron.core.parallel_config import ParallelConfig
 from megatron.core.ssm.gated_delta_net.config import LinearAttentionConfig
 from megatron.core.ssm.mamba_config import MambaConfig
 from megatron.core.tokenizers.tokenizer import SENTENCEPIECE_TYPES, TOKENIZER_TYPES
-from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
+from megatron.core.transformer.cuda_graphs.config import DEPRECATED_SCOPES, CudaGraphConfig
 from megatron.core.transformer.moe.moe_config import MoEConfig, validate_overlap_switches
 from megatron.core.transformer.recompute import check_recompute_with_graphs
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -373,8 +373,9 @@ class RunConfig(Freezable):
                 "and reduce in bf16, as in Megatron; drop one of them.",
                 stacklevel=3,
             )
-        if g.cuda_graph_impl == "none" and g.cuda_graph_scope:
-            scope = " ".join(g.cuda_graph_scope) if isinstance(g.cuda_graph_scope, list) else g.cuda_graph_scope
+        given = g.cuda_graph_scope.split() if isinstance(g.cuda_graph_scope, str) else list(g.cuda_graph_scope)
+        if g.cuda_graph_impl == "none" and given and not set(given) & set(DEPRECATED_SCOPES):  # those resolve() moves
+            scope = " ".join(given)
             warnings.warn(
                 f"--cuda-graph-scope {scope} has no effect without --cuda-graph-impl local (the run is eager).",
                 stacklevel=3,

@@ -135,3 +135,18 @@ def test_the_memory_line_reads_whichever_graphs_were_captured():
     assert graph_stats(types.SimpleNamespace(graphs=idle, full_graph=full)) == full_stats
     assert graph_stats(types.SimpleNamespace(graphs=idle, full_graph=types.SimpleNamespace(num_graphs=0))) is None
     assert graph_stats(types.SimpleNamespace(graphs=idle)) is None
+
+
+def test_megatrons_deprecated_full_iteration_scopes_migrate_as_upstream():
+    with pytest.warns(UserWarning, match="--cuda-graph-scope full_iteration is deprecated") as record:
+        cfg = validate("--cuda-graph-scope", "full_iteration")
+    assert cfg.cuda_graph.full_iteration and cfg.cuda_graph.cuda_graph_scope == []
+    assert not any("has no effect without" in str(w.message) for w in record)
+    with pytest.warns(UserWarning, match="full_iteration_inference is deprecated .* no effect here"):
+        cfg = validate("--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration_inference")
+    assert cfg.cuda_graph.cuda_graph_impl == "local" and cfg.cuda_graph.cuda_graph_scope == []
+    with pytest.raises(ValueError, match="full_iteration cannot be combined with --cuda-graph-impl transformer_engine"):
+        validate("--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "full_iteration")
+    # With another scope left over, full_iteration's own rule applies (as upstream asserts after migrating).
+    with pytest.raises(ValueError, match="--cuda-graph-scope attn with --cuda-graph-impl full_iteration"):
+        validate("--cuda-graph-scope", "full_iteration", "attn")

@@ -1,9 +1,13 @@
 """CUDA-graph configuration (``--cuda-graph-impl``, ``--cuda-graph-scope`` ...)."""
 
 import dataclasses
+import warnings
 
 from megatron.core.config_utils import Freezable, flag_field, require
 from megatron.core.transformer.cuda_graphs.regions import check_scope_names
+
+DEPRECATED_SCOPES = ("full_iteration", "full_iteration_inference")
+"""Megatron's old ``--cuda-graph-scope`` values for whole-iteration graphs (``resolve`` migrates them)."""
 
 
 @dataclasses.dataclass
@@ -46,11 +50,34 @@ class CudaGraphConfig(Freezable):
     """With --cuda-graph-debug: how many replays of each region are checked against eager."""
 
     def resolve(self) -> "CudaGraphConfig":
-        """Normalises the scope list (a string splits; Megatron's ``full`` is the whole layer); returns self."""
+        """Normalises the scope list (a string splits; Megatron's ``full`` is the whole layer) and
+        migrates Megatron's deprecated scope values as Megatron does: ``full_iteration`` becomes
+        ``--cuda-graph-impl full_iteration``; ``full_iteration_inference`` chooses inference graphs,
+        which training never runs, so it is dropped. Returns self."""
         if isinstance(self.cuda_graph_scope, str):
             self.cuda_graph_scope = self.cuda_graph_scope.split()
         if self.cuda_graph_scope == ["full"]:
             self.cuda_graph_scope = []
+        scope = self.cuda_graph_scope
+        if "full_iteration" in scope:
+            require(
+                self.cuda_graph_impl in ("none", "local", "full_iteration"),
+                f"--cuda-graph-scope full_iteration cannot be combined with --cuda-graph-impl {self.cuda_graph_impl} "
+                "(as in Megatron); use --cuda-graph-impl full_iteration without a scope.",
+            )
+            warnings.warn(
+                "--cuda-graph-scope full_iteration is deprecated (as in Megatron): setting --cuda-graph-impl "
+                "full_iteration instead.",
+                stacklevel=3,
+            )
+            self.cuda_graph_impl = "full_iteration"
+        if "full_iteration_inference" in scope:
+            warnings.warn(
+                "--cuda-graph-scope full_iteration_inference is deprecated and chooses inference CUDA graphs, which "
+                "training does not run: it has no effect here.",
+                stacklevel=3,
+            )
+        self.cuda_graph_scope = [s for s in scope if s not in DEPRECATED_SCOPES]
         return self
 
     def validate(self) -> None:
