@@ -1,4 +1,4 @@
-"""The trainer's per-step global batch: ramp-up and step schedules (a mixin of ``training.Trainer``).
+"""The trainer's per-step global batch: ramp-up and step schedules (a mixin of ``trainer.Trainer``).
 
 ``StepBatches`` reads the trainer's ``cfg``, ``pg``, ``batches`` (a ``BatchSchedule``),
 ``graphs``, ``iteration`` and ``consumed_samples``, and sets ``step_batch`` and

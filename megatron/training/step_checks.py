@@ -1,4 +1,4 @@
-"""The trainer's checks of a step's result (a mixin of ``training.Trainer``).
+"""The trainer's checks of a step's result (a mixin of ``trainer.Trainer``).
 
 ``StepChecks`` holds result validation under ``--rerun-mode`` (check the loss before
 the optimizer step; re-run the iteration from the same micro-batches, RNG and weights

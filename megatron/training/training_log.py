@@ -1,6 +1,6 @@
 """The trainer's iteration logging: Megatron's log line, TensorBoard scalars, memory line.
 
-``IterationLogging`` is a mixin of ``training.Trainer``: its methods read the trainer's
+``IterationLogging`` is a mixin of ``trainer.Trainer``: its methods read the trainer's
 ``cfg``, ``pg``, ``device``, ``model``, ``optimizer``, ``scheduler``, ``graphs``,
 ``metrics``, counters (``iteration``, ``consumed_samples``, ``nan_iters``) and the loss
 window ``_window``. ``LossWindow`` keeps the window's sums on the device, so adding an
