@@ -1,9 +1,14 @@
 """Multi-rank test helper: run a function on N gloo CPU processes and fail loudly.
 
-``run_distributed(fn, world_size, *args)`` spawns one process per rank (spawn start
-method, so children import a fresh interpreter and never inherit the parent's torch
-state), points them at a free local port, initialises a gloo process group in each,
-runs ``fn(rank, world_size, *args)`` and returns the per-rank return values.
+``run_distributed(fn, world_size, *args)`` starts one process per rank, points them at a
+free local port, initialises a gloo process group in each, runs ``fn(rank, world_size,
+*args)`` and returns the per-rank return values.
+
+Ranks come from a fork server that imported torch (and torch.distributed, torch._dynamo,
+megatron.core) once: a rank then starts in milliseconds instead of the seconds a fresh
+interpreter takes to import torch, which over the suite's many multi-rank tests was
+minutes of CI. The server is a clean interpreter, not the pytest process, so ranks still
+never inherit the parent's torch state; each rank takes the parent's current environment.
 
 Unusual on purpose: a rank that raises, dies, or hangs becomes a ``pytest.fail`` in
 the parent with the rank's traceback, and every other rank is killed at once, since
@@ -40,9 +45,32 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(fn: Callable, rank: int, world_size: int, port: int, timeout: float, args: tuple, results) -> None:
+# Imported once by the fork server, so that ranks forked from it start with them loaded.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megatron.core.parallel_state"]
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    """The fork server's context where the platform has one, else spawn.
+
+    Spawn too while ``TRITON_INTERPRET`` is set: triton, which torch._dynamo imports,
+    reads it when its own kernels are defined, so ranks forked from a server that
+    imported triton without it would mix compiled and interpreted functions.
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods() or os.environ.get("TRITON_INTERPRET"):
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _worker(
+    fn: Callable, rank: int, world_size: int, port: int, timeout: float, args: tuple, environ: dict, results
+) -> None:
     """Child entry point: set the torchrun-style environment, init gloo, run ``fn``, report."""
     results.put(("ready", rank, None))
+    # The parent's environment as it is now (the fork server's is from when it started).
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -114,13 +142,13 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     except Exception as exc:  # noqa: BLE001
         pytest.fail(f"run_distributed needs a module-level function and picklable args: {exc!r}")
 
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context()
     messages = ctx.Queue()
     port = _free_port()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, rank, world_size, port, timeout, args, messages),
+            args=(fn, rank, world_size, port, timeout, args, dict(os.environ), messages),
             name=f"rank{rank}",
             daemon=True,
         )
