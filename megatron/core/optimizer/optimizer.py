@@ -34,7 +34,7 @@ Unusual choices:
 """
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,8 @@ import torch.distributed as dist
 from megatron.core.optimizer.fp32_grads import Fp32GradCopies
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.optimizer.lion import lion_from_config
-from megatron.core.optimizer.muon import MatrixInfo, Muon, adamw_kwargs, scalar_state_names
+from megatron.core.optimizer.muon import MatrixInfo, Muon, adamw_kwargs
+from megatron.core.optimizer.optimizer_state import OptimizerState
 from megatron.core.optimizer.param_groups import (  # noqa: F401  (re-exported: the optimizer's group rule)
     GROUP_ORDER,
     GroupKey,
@@ -89,28 +90,7 @@ def _unscale_and_check(grads: list[torch.Tensor], inv_scale: torch.Tensor, found
     torch._foreach_mul_(grads, inv_scale)
 
 
-class StatePiece(NamedTuple):
-    """What the optimizer holds for (a flat range of) one model parameter.
-
-    Attributes:
-        param: The model parameter (this rank's TP shard of it, whole).
-        start: First flat element of ``param`` covered.
-        end: One past the last one.
-        main: The optimized fp32 tensor (``end - start`` elements).
-        fp32_copy: ``main`` is an fp32 copy of a bf16/fp16 parameter (else it is the
-            parameter's own memory).
-        state: The inner optimizer's live state dict of ``main`` (moments, ``step``).
-    """
-
-    param: torch.nn.Parameter
-    start: int
-    end: int
-    main: torch.Tensor
-    fp32_copy: bool
-    state: dict
-
-
-class MixedPrecisionOptimizer:
+class MixedPrecisionOptimizer(OptimizerState):
     """Optimizer over fp32 main params whose grads are the DDP ``main_grad`` views.
 
     Args:
@@ -246,54 +226,6 @@ class MixedPrecisionOptimizer:
                     growth_interval=precision.loss_scale_window,
                     hysteresis=precision.hysteresis,
                 )
-
-    def _allocate_adam_state(self) -> None:
-        """Allocates Adam's moments now, exactly as torch would at the first step.
-
-        Used with CUDA graphs. Lazily, the moments land in the blocks that the eager
-        recording iteration's activations just freed; from iteration 2 on those
-        activations live in the graph pool, and what is left of those blocks stays
-        reserved for nothing, which raises the graphed run's peak. Eager runs keep
-        torch's lazy allocation (it is the cheaper one for them).
-        """
-        self.allocate_state(self.state_names(), only_empty=True)
-
-    def state_names(self) -> list[str]:
-        """The state the inner optimizer keeps per tensor once it has stepped."""
-        if self.config.optimizer == "adam":
-            amsgrad = any(group.get("amsgrad") for group in self.optimizer.param_groups)
-            return ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
-        if self.config.optimizer == "muon":
-            return scalar_state_names(self.config) + ["momentum_buffer"]
-        if self.config.optimizer == "lion":
-            return ["exp_avg"]
-        return ["momentum_buffer"] if self.config.sgd_momentum else []
-
-    def allocate_state(self, names: Iterable[str], *, only_empty: bool = False) -> None:
-        """Creates the named state entries that are missing (zeros; ``step`` 0-d, where torch keeps it).
-
-        A loader calls this before copying a checkpoint's state in place. With
-        ``only_empty`` a tensor whose state exists already is left alone.
-        """
-        names = list(names)
-        names_for = getattr(self.optimizer, "state_names_for", None)  # Muon: what each kind of group holds
-        for group in self.optimizer.param_groups:
-            on_device = group.get("fused") or group.get("capturable")
-            wanted = names if names_for is None else [n for n in names if n in names_for(group)]
-            for p in group["params"]:
-                state = self.optimizer.state[p]
-                if only_empty and state:
-                    continue
-                for name in wanted:
-                    if name in state:
-                        continue
-                    if name == "step":
-                        state[name] = (
-                            torch.zeros((), dtype=torch.float32, device=p.device) if on_device else torch.tensor(0.0)
-                        )
-                    else:
-                        state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        self._fused_lists = None
 
     def _check_grad_buffers(self, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Flat buffers that hold every ``main_grad`` (and zeros elsewhere): the gradient
@@ -546,75 +478,3 @@ class MixedPrecisionOptimizer:
             )
             all_steps += steps
         return groups, all_steps
-
-    # ------------------------------------------------------------------ checkpoints
-
-    sharded_over_dp = False
-    """Whether each data-parallel rank holds only its part of the state (the distributed optimizer)."""
-
-    def _piece_range(self, index: int) -> tuple[torch.nn.Parameter, int, int]:
-        """``(model param, start, end)`` of ``model_params[index]``: here the whole parameter."""
-        param = self.model_params[index]
-        return param, 0, param.numel()
-
-    def state_pieces(self) -> list[StatePiece]:
-        """What this rank optimizes, per model parameter (range), with its live state.
-
-        The layout-free checkpoint (``training/sharded_state.py``) keys these by the
-        parameter's name; copying into ``main`` and ``state`` in place and then calling
-        ``after_state_load`` restores the optimizer.
-        """
-        pieces = []
-        for i, (own, main) in enumerate(zip(self.model_params, self.main_params)):
-            param, start, end = self._piece_range(i)
-            pieces.append(StatePiece(param, start, end, main, main is not own, self.optimizer.state[main]))
-        return pieces
-
-    @torch.no_grad()
-    def after_state_load(self) -> None:
-        """After state was copied in place: fp32 main params into the model params, caches reset."""
-        self._fused_lists = None
-        for param, main in zip(self._lowp_model, self._lowp_main):
-            param.copy_(main)
-
-    @torch.no_grad()
-    def reload_model_params(self) -> None:
-        """Copies model params into the fp32 main params (after loading model weights alone)."""
-        for param, main in zip(self._lowp_model, self._lowp_main):
-            main.copy_(param)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Inner optimizer state, fp32 copies of low-precision params, scaler numbers.
-
-        Only tensors, lists, dicts, strings and numbers: loadable with
-        ``torch.load(weights_only=True)``.
-        """
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "main_params": [main.detach() for main in self._lowp_main],
-            "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
-        }
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores what ``state_dict`` saved; main params are copied into the model params too."""
-        saved = state["main_params"]
-        if len(saved) != len(self._lowp_main):
-            raise ValueError(
-                f"optimizer checkpoint holds {len(saved)} fp32 main params but this model has "
-                f"{len(self._lowp_main)} bf16/fp16 params: the checkpoint was saved with another "
-                "model or precision; load it with the same --bf16/--fp16 setting, or pass --no-load-optim."
-            )
-        # Saved groups carry the implementation flags of the saving run (fused on CUDA);
-        # keep this run's, so a GPU checkpoint resumes on the CPU and vice versa.
-        impl_keys = ("fused", "foreach", "capturable", "differentiable")
-        impl = [{k: g[k] for k in impl_keys if k in g} for g in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(state["optimizer"])
-        self._fused_lists = None  # new state tensors
-        for group, flags in zip(self.optimizer.param_groups, impl):
-            group.update(flags)
-        for main, value, param in zip(self._lowp_main, saved, self._lowp_model):
-            main.copy_(value)
-            param.copy_(main)
-        if self.grad_scaler is not None and state.get("grad_scaler") is not None:
-            self.grad_scaler.load_state_dict(state["grad_scaler"])
