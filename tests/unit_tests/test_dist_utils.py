@@ -73,3 +73,21 @@ def test_dead_rank_fails():
 def test_unpicklable_function_fails_early():
     with pytest.raises(pytest.fail.Exception, match="module-level function"):
         run_distributed(lambda rank, world_size: None, 2)
+
+
+def _state(rank, world_size, name):
+    return os.environ.get(name), torch.get_default_dtype(), torch.get_num_threads()
+
+
+def test_ranks_take_the_parents_environment_of_now_and_none_of_its_torch_state(monkeypatch):
+    # Ranks are forked from a server started at the first multi-rank test: a variable the
+    # parent sets later must still reach them, and the parent's torch settings must not.
+    run_distributed(_state, 1, "DIST_UTILS_PROBE")  # the server runs from here on
+    monkeypatch.setenv("DIST_UTILS_PROBE", "set after the fork server started")
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        out = run_distributed(_state, 2, "DIST_UTILS_PROBE")
+    finally:
+        torch.set_default_dtype(default)
+    assert out == [("set after the fork server started", torch.float32, 1)] * 2
