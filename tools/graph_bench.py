@@ -414,7 +414,7 @@ def table(results):
     return "\n".join(rows)
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS))
     parser.add_argument("--mode")
@@ -422,7 +422,7 @@ def main():
     parser.add_argument("--modes", nargs="*", default=None, help="default: each config's own list")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--skip", type=int, default=10, help="iterations left out of the timing median")
-    parser.add_argument("--extra", default="", help="more flags for every run")
+    parser.add_argument("--extra", default="", help="more flags for every run (--extra=--deterministic-mode)")
     parser.add_argument("--json", help="one run: write its result here")
     parser.add_argument("--profile", default="", help="one run: also write a torch.profiler table here")
     parser.add_argument("--out", default="bench_out", help="all runs: folder for results.json and logs")
@@ -436,7 +436,11 @@ def main():
     parser.add_argument("--dry-run", action="store_true", help="print the runs and their estimated duration only")
     parser.add_argument("--no-matmul-peak", action="store_true", help="skip the bf16 matmul peak (no MFU column)")
     parser.add_argument("--matmul-peak", action="store_true", help=argparse.SUPPRESS)  # the peak's child process
-    args = parser.parse_args()
+    return parser
+
+
+def main():
+    args = build_parser().parse_args()
     if args.matmul_peak:
         with open(args.json, "w") as f:
             json.dump({"tflops": bcg.matmul_peak_tflops()}, f)
@@ -487,10 +491,9 @@ def run_matmul_peak(stem: str):
     return tflops
 
 
-def run_child(config: str, mode: str, args, stem: str):
-    """One (config, mode) in a child process; its result, or None (its log's tail printed)."""
-    path, log = stem + ".json", stem + ".log"
-    cmd = [
+def child_command(config: str, mode: str, args, path: str) -> list[str]:
+    """The command line of one (config, mode) child run that writes its result to ``path``."""
+    return [
         sys.executable,
         __file__,
         "--config",
@@ -503,9 +506,14 @@ def run_child(config: str, mode: str, args, stem: str):
         str(args.skip),
         "--json",
         path,
-        "--extra",
-        args.extra,
+        f"--extra={args.extra}",  # a value starting with -- needs the = form
     ]
+
+
+def run_child(config: str, mode: str, args, stem: str):
+    """One (config, mode) in a child process; its result, or None (its log's tail printed)."""
+    path, log = stem + ".json", stem + ".log"
+    cmd = child_command(config, mode, args, path)
     env = dict(os.environ)
     if mode == "eager:expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"

@@ -17,10 +17,10 @@ VPP memory test does); the capture analysis follows slot 0's pool, or with
 ``--all-pools`` every slot's pool and the shared backward pool.
 
 Usage (on a GPU):
-    python tools/pool_peak.py --config dense8 --mode local:attn [--extra "--deterministic-mode"]
+    python tools/pool_peak.py --config dense8 --mode local:attn [--extra=--deterministic-mode]
     python tools/pool_peak.py --config dense8 --mode eager --steady
     python tools/pool_peak.py --config dense8 --mode local:layer --steady --vpp-rank 1 \
-        --extra "--global-batch-size 8 --untie-embeddings-and-output-weights --deterministic-mode"
+        --extra="--global-batch-size 8 --untie-embeddings-and-output-weights --deterministic-mode"
 """
 
 import argparse
@@ -123,7 +123,9 @@ def main():
     parser.add_argument("--config", choices=sorted(CONFIGS), default="dense8")
     parser.add_argument("--mode", default="local:attn", help="a local:* mode of graph_bench.py")
     parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--extra", default="", help="more training flags, e.g. --deterministic-mode")
+    parser.add_argument(
+        "--extra", default="", help="more training flags, e.g. --extra=--deterministic-mode (the = form)"
+    )
     parser.add_argument("--steady", action="store_true", help="the device peak of iteration 3 (see the docstring)")
     parser.add_argument("--vpp-rank", type=int, choices=(0, 1), help="two chunks in rank R's interleaved order")
     parser.add_argument("--all-pools", action="store_true", help="every slot's pool and the shared backward pool")

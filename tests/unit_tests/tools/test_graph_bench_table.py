@@ -75,3 +75,12 @@ def test_repeat_runs_round_robin_and_merges_medians(tmp_path, monkeypatch, capsy
     assert "dense8 eager: ms/it of each run, in run order: 17.00 15.00 16.00" in out
     merged = graph_bench.merge_runs([_row("lean", 13.0, 12.0, 3.9, []), _row("lean", 12.0, 11.0, 3.95, [])])
     assert merged["peak_device_bytes"] == int(3.95 * 2**30) and merged["tflops_per_gpu"] == 100.0 * 13.0 / 12.5
+
+
+def test_extra_flags_reach_the_child_run_even_when_they_start_with_dashes():
+    parser = graph_bench.build_parser()
+    args = parser.parse_args(["--configs", "dense8", "--extra=--deterministic-mode --bf16"])
+    cmd = graph_bench.child_command("dense8", "local:attn", args, "out.json")
+    child = parser.parse_args(cmd[2:])
+    assert (child.config, child.mode, child.json) == ("dense8", "local:attn", "out.json")
+    assert child.extra == "--deterministic-mode --bf16"
