@@ -6,8 +6,7 @@ free local port, initialises a gloo process group in each, runs ``fn(rank, world
 
 Ranks come from a fork server that imported torch (and torch.distributed, torch._dynamo,
 megatron.core) once: a rank then starts in milliseconds instead of the seconds a fresh
-interpreter takes to import torch, which over the suite's many multi-rank tests was
-minutes of CI. The server is a clean interpreter, not the pytest process, so ranks still
+interpreter takes to import torch. The server is a clean interpreter, not the pytest process, so ranks still
 never inherit the parent's torch state; each rank takes the parent's current environment.
 
 Unusual on purpose: a rank that raises, dies, or hangs becomes a ``pytest.fail`` in
