@@ -15,6 +15,8 @@ one's ``MODEL_ARGS`` with only these changes, so it runs on a 2-core CPU in seco
   ``--tokenizer-metadata``), output folders by placeholders
   (``${SAVE}``, ``${TENSORBOARD}``, ``${DATA_CACHE}``) the test fills in; ``--load`` of a
   pretrained checkpoint (configs that do not also ``--save``) is dropped;
+- a distillation teacher's checkpoint and YAML by ``${TEACHER}`` and ``${KD_CFG}``; the
+  YAML's contents (upstream's ``DISTILL_CONFIG`` variable) are kept as ``kd_cfg``;
 - the ``--wandb-*`` flags are dropped: W&B is an outside service (its package, an account),
   and upstream's configs take the run name and folder from the environment.
 
@@ -58,7 +60,6 @@ _OUT_OF_SCOPE_PREFIXES = (
     "--megatron-fsdp-",
     "--fsdp-",
     "--init-model-with-meta-device",
-    "--export-kd-",
     "--flextron",
     "--cp-comm-type",
     "--hierarchical-context-parallel-sizes",
@@ -127,7 +128,13 @@ _SIZES = {
     "--num-workers": lambda v: 0,
 }
 _SP_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")  # read a .model file
-_PLACEHOLDERS = {"--save": "${SAVE}", "--tensorboard-dir": "${TENSORBOARD}", "--data-cache-path": "${DATA_CACHE}"}
+_PLACEHOLDERS = {
+    "--save": "${SAVE}",
+    "--tensorboard-dir": "${TENSORBOARD}",
+    "--data-cache-path": "${DATA_CACHE}",
+    "--export-kd-teacher-load": "${TEACHER}",
+    "--export-kd-cfg": "${KD_CFG}",
+}
 
 
 def _git(git_dir: str, *args: str) -> str:
@@ -310,6 +317,8 @@ def main() -> None:
             if expectation(single) == "train":
                 entry["single_device"] = layout
         entry["MODEL_ARGS"] = scale(args)
+        if "--export-kd-cfg" in args:  # upstream writes the distillation YAML from an environment variable
+            entry["kd_cfg"] = yaml.safe_load(str((config.get("ENV_VARS") or {}).get("DISTILL_CONFIG") or "{}"))
         if "single_device" in entry:
             # The sizes the layout made larger (heads, widths x TP), scaled as for one device.
             one = scale(single)

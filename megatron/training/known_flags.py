@@ -8,7 +8,7 @@ a config field is in ``KNOWN_MEGATRON_FLAGS`` with one of three answers:
   prints one line naming the ones it was given.
 - *not supported*: what this project does not do: FP8, multi-latent attention (and DSA on it),
   multi-token prediction, context parallelism, TE userbuffers / TP communication
-  overlap, Megatron-FSDP / torch FSDP2, inference, RL, SFT, distillation.
+  overlap, Megatron-FSDP / torch FSDP2, inference, RL, SFT.
 - *not supported yet*: MoE, hybrid (Mamba) and parallel-layout flags whose issues are
   open, and a few upstream features nobody has asked for here yet.
 
@@ -152,7 +152,6 @@ _INFERENCE = {
     "--enable-chunked-prefill": SWITCH,
     "--flash-decode": SWITCH,
     "--max-tokens-to-oom": VALUE,
-    "--export-te-mcore-model": SWITCH,
     "--use-flashinfer-fused-rope": SWITCH,
 }
 _RL = {
@@ -171,7 +170,6 @@ _RL = {
     "--rl-partial-rollouts": SWITCH,
     "--rl-generation-lag": VALUE,
 }
-_DISTILL = {"--export-kd-teacher-load": VALUE, "--export-kd-cfg": VALUE}
 _FLEXTRON = (
     "--flextron --enable-router --binary-mask --soft-mask --slice --hard-sample-th --router-beta "
     "--original-model-sample-prob --tau-init --tau-decay --loss-alpha --lr-mult-router --router-gbs "
@@ -284,6 +282,11 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
         "Megatron reads it only in ModelOpt's model builder (a ModelOpt checkpoint loaded); a pretraining run builds "
         "the same model without it",
     ),
+    "--export-te-mcore-model": noop(
+        SWITCH,
+        "ModelOpt's model builder names Transformer Engine's fused layer norms as separate modules; layers here are "
+        "always this trainer's own, and a distillation config names them as Megatron's local layers do",
+    ),
     "--export-force-local-attention": noop(
         SWITCH,
         "Megatron reads it only in ModelOpt's model builder (a ModelOpt checkpoint loaded); attention here is "
@@ -380,7 +383,6 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
         ),
     ),
     **_family(_RL, lambda f, n: never(f, n, "RL")),
-    **_family(_DISTILL, lambda f, n: never(f, n, "knowledge distillation")),
     "--sft": never("--sft", SWITCH, "SFT"),
     "--sft-tokenizer-prompt-format": never("--sft-tokenizer-prompt-format", VALUE, "SFT"),
     **{

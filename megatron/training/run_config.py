@@ -34,6 +34,7 @@ from megatron.training.config import (
     CheckpointConfig,
     DataConfig,
     DDPConfig,
+    DistillationConfig,
     LoggingConfig,
     PrecisionConfig,
     ProfilingConfig,
@@ -55,6 +56,7 @@ class RunConfig(Freezable):
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    distill: DistillationConfig = dataclasses.field(default_factory=DistillationConfig)
     profiling: ProfilingConfig = dataclasses.field(default_factory=ProfilingConfig)
     cuda_graph: CudaGraphConfig = dataclasses.field(default_factory=CudaGraphConfig)
     mamba: MambaConfig = dataclasses.field(default_factory=MambaConfig)
@@ -325,6 +327,18 @@ class RunConfig(Freezable):
         self.logging.validate(self.checkpoint.save)
         self.checkpoint.validate()
         self.profiling.validate()
+        self.distill.validate()
+        if self.distill.enabled:
+            require(
+                par.pipeline_model_parallel_size == 1,
+                "--export-kd-teacher-load with --pipeline-model-parallel-size > 1 is not supported yet (the teacher "
+                "runs beside the student on one stage); distill at PP 1.",
+            )
+            require(
+                not self.cuda_graph.enabled and self.cuda_graph.cuda_graph_impl != "full_iteration",
+                "--export-kd-teacher-load with --cuda-graph-impl is not supported yet (the distillation loss reads "
+                "layer outputs through hooks, which a graph replay does not run); drop --cuda-graph-impl.",
+            )
 
     def _split_weights(self) -> list[float]:
         return parse_split(self.data.split)  # the data code owns the format

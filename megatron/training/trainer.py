@@ -45,6 +45,7 @@ from megatron.training import (
     checkpoint_config,
     checkpointing,
     dist_checkpointing,
+    distillation,
     full_iteration,
     save_lock,
 )
@@ -70,6 +71,8 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
         model_provider: ``(cfg, vocab_size, pg, device) -> torch.nn.Module``.
         forward_step: ``(batch, model) -> (loss, metrics)``: the micro-batch's mean loss
             and extra values to log (the model family's; see ``schedules.py``).
+        teacher_cfg: With ``--export-kd-teacher-load``: the teacher's resolved config
+            (``distillation.teacher_run_config``).
     """
 
     def __init__(
@@ -78,6 +81,8 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
         pg: parallel_state.ProcessGroups,
         model_provider: Callable,
         forward_step: schedules.ForwardStep = gpt_forward_step,
+        *,
+        teacher_cfg: RunConfig | None = None,
     ):
         self.start_time = time.monotonic()  # --exit-duration-in-mins counts from here, set-up included
         self.cfg = cfg
@@ -102,6 +107,9 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
             model, config=cfg.ddp, pg=pg, grad_reduce_in_fp32=cfg.precision.grad_reduce_in_fp32
         )
         self.tied_embedding = pipeline_grads.TiedEmbeddingGrads(model, pg)
+        if cfg.distill.enabled:  # a frozen teacher beside the model; forward_step returns the distillation loss
+            distiller = distillation.build(cfg, teacher_cfg, model_provider, model, pg, self.device)
+            self.forward_step = distiller.wrap(forward_step)
         # Every stage when the model has experts: the MoE log values are reduced over the stages.
         self.has_moe = cfg.moe.enabled or bool(moe_hooks.moe_layers(model))
         # With PP > 1 the scopes are checked against every stage's layers (a stage may lack some).
@@ -159,6 +167,7 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
             raise
         self.num_params = sum(p.numel() for p in model.parameters())
         self._prefetched = None  # (iterator, batch) fetched at the end of the previous step
+        self._reports: dict[str, torch.Tensor] = {}  # forward_step's reported losses of the last step
         # With graphs, training and evaluation run on a stream of their own: graphs cannot
         # be captured on the default stream, and when the eager parts share the capture
         # stream there is one set of per-stream cuBLAS workspaces and one allocator cache.
@@ -333,6 +342,8 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
             loss, metrics = self.full_graph.run(step, batches, then=self.model.accumulate_grads)
         if per_token_loss:
             self._loss_tokens = metrics[schedules.NUM_TOKENS]
+        # Losses forward_step reports besides the objective (distillation's), logged under their names.
+        self._reports = {k: v for k, v in metrics.items() if k != schedules.NUM_TOKENS}
         return loss
 
     def _divide_by_global_tokens(self, loss_sum: torch.Tensor) -> torch.Tensor:
@@ -347,6 +358,7 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
             dist.all_reduce(tokens, group=self.pg.dp)
         factor = self.pg.dp_size / tokens.clamp(min=1.0)
         self.model.scale_grads(factor)
+        self._reports = {k: v * factor for k, v in self._reports.items()}
         return loss_sum * factor
 
     @contextlib.contextmanager
@@ -414,7 +426,12 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
             loss = self._divide_by_global_tokens(loss)
         local = loss.detach().clone() if keep_local else None
         # The mean loss before the step, so every rank's NaN guard sees the same value.
-        if self.pg.dp is not None:
+        if self.pg.dp is not None and self._reports:  # the reported losses' means too, in the same reduction
+            packed = torch.stack([loss.float(), *(v.float() for v in self._reports.values())])
+            dist.all_reduce(packed, group=self.pg.dp)
+            packed = packed / self.pg.dp_size
+            loss, self._reports = packed[0], dict(zip(self._reports, packed[1:]))
+        elif self.pg.dp is not None:
             dist.all_reduce(loss, group=self.pg.dp)
             loss = loss / self.pg.dp_size
         return loss, local
@@ -461,8 +478,8 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
                     self._count_overflow()
                 else:
                     self._consecutive_skips = 0
-                self._window.add(loss, non_finite, self.iteration)
-                self._log_tensorboard_iteration(loss, grad_norm)
+                self._window.add(loss, non_finite, self.iteration, self._reports)
+                self._log_tensorboard_iteration(loss, grad_norm, self._reports)
                 if self.iteration == first_iteration and self.graphs.captured:
                     self._log_capture()
                 if self.iteration == 1 or self.iteration % lg.log_interval == 0:  # Megatron's: after 1, then every N

@@ -15,7 +15,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt.loss import gpt_forward_step
 from megatron.core.pipeline_parallel import layout, schedules
-from megatron.training import determinism
+from megatron.training import determinism, distillation
 from megatron.training import logging_utils as logs
 from megatron.training.arguments import parse_args
 from megatron.training.run_config import RunConfig
@@ -66,8 +66,13 @@ def build_trainer(
 
     The caller ends it: ``trainer.graphs.close()``, then ``parallel_state.destroy(trainer.pg)``.
     """
-    cfg = parse_args(argv).resolve(parallel_state.world_size_from_env())
+    given = parse_args(argv)
+    cfg = given.resolve(parallel_state.world_size_from_env())
     cfg.validate()
+    teacher_cfg = None
+    if cfg.distill.enabled:  # the teacher: the student's flags with its own model config
+        teacher_cfg = distillation.teacher_run_config(given, parallel_state.world_size_from_env())
+        teacher_cfg.validate()
     use_cuda = torch.cuda.is_available() and not cfg.training.use_cpu
     if cfg.training.deterministic_mode:
         determinism.apply_determinism_env(os.environ)  # before any NCCL communicator or cuBLAS handle exists
@@ -82,7 +87,7 @@ def build_trainer(
             from megatron.core.transformer.cuda_graphs.pool import use_expandable_segments
 
             use_expandable_segments()
-        return Trainer(cfg, pg, model_provider, forward_step)
+        return Trainer(cfg, pg, model_provider, forward_step, teacher_cfg=teacher_cfg)
     except BaseException:
         parallel_state.destroy(pg, failed=True)
         raise

@@ -33,15 +33,16 @@ class IterationLogging:
             return self.scheduler.get_lr(self.scheduler.num_steps)
         return self.scheduler.get_lr(self.iteration)
 
-    def _log_tensorboard_iteration(self, loss, grad_norm) -> None:
-        """Megatron's per-iteration TensorBoard (and W&B) scalars (every --tensorboard-log-interval)."""
+    def _log_tensorboard_iteration(self, loss, grad_norm, reports=None) -> None:
+        """Megatron's per-iteration TensorBoard (and W&B) scalars (every --tensorboard-log-interval);
+        ``reports``: the losses forward_step reported, written instead of the loss when given."""
         lg = self.cfg.logging
         if not self.metrics.has_scalar_sink or self.iteration % lg.tensorboard_log_interval != 0:
             return
         record = {
             "learning-rate": self._logged_lr(),
             "batch-size": self.step_batch,
-            "lm loss": float(loss),
+            **({k: float(v) for k, v in reports.items()} if reports else {"lm loss": float(loss)}),
             "loss-scale": float(self.optimizer.get_loss_scale()),
         }
         if grad_norm is not None:
@@ -74,6 +75,7 @@ class IterationLogging:
             )
             moe_losses = {k: v.item() for k, v in metrics.items()}
         loss_value, nan_now, first_nan = self._window.read_and_reset()
+        losses = self._window.report_means or {"lm loss": loss_value}  # forward_step's reported losses, if any
         self._window_microbatches = 0
         self.nan_iters += nan_now
         grad_value = None if grad_norm is None else float(grad_norm)
@@ -102,7 +104,7 @@ class IterationLogging:
             elapsed_ms=elapsed_ms,
             lr=lr,
             global_batch_size=self.step_batch,
-            losses={"lm loss": loss_value, **moe_losses},
+            losses={**losses, **moe_losses},
             loss_scale=loss_scale,
             grad_norm=grad_value,
             skipped_iters=skipped_count,
@@ -114,7 +116,7 @@ class IterationLogging:
         )
         logs.print_last_rank(line)
         record = {
-            "lm loss": loss_value,
+            **losses,
             "learning-rate": lr,
             "grad-norm": grad_value,
             "loss-scale": loss_scale,
@@ -130,7 +132,7 @@ class IterationLogging:
             record["num-zeros"] = num_zeros
         if cfg.logging.log_memory_to_tensorboard:
             record.update(self._memory_record())
-        per_iteration = ("lm loss", "learning-rate", "grad-norm", "loss-scale", "batch-size")
+        per_iteration = ("lm loss", *losses, "learning-rate", "grad-norm", "loss-scale", "batch-size")
         self.metrics.write(self.iteration, record, samples=self.consumed_samples, tensorboard=False)
         tb_extra = {k: v for k, v in record.items() if k not in per_iteration and k != "iteration-time"}
         if cfg.logging.log_timers_to_tensorboard:
@@ -198,11 +200,18 @@ class LossWindow:
         self._acc = torch.zeros(3, dtype=torch.float64, device=device)  # [finite sum, finite count, nan count]
         self._first_nan = torch.full((), math.inf, dtype=torch.float64, device=device)
         self.iterations = 0
+        self._report_sums: dict[str, torch.Tensor] = {}
+        self.report_means: dict[str, float] = {}
+        """Means of the reported losses over the finite iterations of the window last read."""
 
-    def add(self, loss: torch.Tensor, non_finite: torch.Tensor, iteration: int) -> None:
+    def add(self, loss: torch.Tensor, non_finite: torch.Tensor, iteration: int, reports=None) -> None:
+        """One iteration: its loss, whether it was not finite, and forward_step's reported losses."""
         finite = torch.isfinite(loss)
         bad = non_finite.to(torch.float64)
         self._acc += torch.stack([torch.where(finite, loss, 0.0).double(), finite.double(), bad])
+        for name, value in (reports or {}).items():
+            kept = torch.where(finite, value, 0.0).double()
+            self._report_sums[name] = kept if name not in self._report_sums else self._report_sums[name] + kept
         # Scalars reach the kernels as arguments: no host-to-device copy, no sync.
         candidate = torch.minimum(self._first_nan, torch.full_like(self._first_nan, float(iteration)))
         torch.where(bad > 0, candidate, self._first_nan, out=self._first_nan)
@@ -222,4 +231,7 @@ class LossWindow:
         loss_sum, finite, nan, first = self._read()
         self._acc.zero_()
         self.iterations = 0
+        sums = torch.stack(list(self._report_sums.values())).tolist() if self._report_sums else []
+        self.report_means = {k: (v / finite if finite else float("nan")) for k, v in zip(self._report_sums, sums)}
+        self._report_sums = {}
         return (loss_sum / finite if finite else float("nan")), nan, first

@@ -10,7 +10,7 @@ Parsing covers all entries. Training covers the configs that run as written plus
 subset of the single-device variants (the layout flags dropped, at the one-device sizes
 of ``single_device_sizes``) chosen so that every flag of any trainable variant is
 trained at least once, and every value of the flags that choose a code path (a greedy
-cover: 14 runs of about 10 iterations instead of a hundred).
+cover: 15 runs of about 10 iterations instead of a hundred).
 """
 
 import math
@@ -34,6 +34,8 @@ def argv_of(args: dict, tmp: pathlib.Path, drop=()) -> list[str]:
         "${TENSORBOARD}": str(tmp / "tb"),
         "${DATA_CACHE}": str(tmp / "cache"),
         "${ASSETS}": str(ASSETS),
+        "${TEACHER}": str(tmp / "teacher"),
+        "${KD_CFG}": str(tmp / "kd.yaml"),
     }
     argv = []
     for flag, value in args.items():
@@ -50,6 +52,22 @@ def argv_of(args: dict, tmp: pathlib.Path, drop=()) -> list[str]:
             continue
         argv.append(f"{flag}={text}")
     return argv
+
+
+def distillation_files(entry: dict, tmp: pathlib.Path) -> None:
+    """A distillation entry's ``${TEACHER}`` folder (empty: enough to validate) and ``${KD_CFG}`` YAML."""
+    if "kd_cfg" in entry:
+        (tmp / "teacher").mkdir(exist_ok=True)
+        (tmp / "kd.yaml").write_text(yaml.safe_dump(entry["kd_cfg"]))
+
+
+def train_teacher(args: dict, tmp: pathlib.Path, drop=()) -> None:
+    """Saves a teacher for a distillation entry: the student's model flags, trained 2 iterations."""
+    from megatron.training.training import pretrain
+
+    skip = {"--export-kd-teacher-load", "--export-kd-cfg", "--load", "--save", "--train-iters", "--exit-interval"}
+    argv = argv_of({k: v for k, v in args.items() if k not in skip}, tmp, drop=drop)
+    pretrain([*argv, "--train-iters", "2", "--save", str(tmp / "teacher")])
 
 
 def _world(args: dict) -> int:
@@ -98,6 +116,7 @@ def test_census_covers_enough_upstream_configs():
 @pytest.mark.parametrize("name", list(CENSUS))
 def test_census_config_parses_and_validates(name, tmp_path):
     entry = CENSUS[name]
+    distillation_files(entry, tmp_path)
     argv = argv_of(entry["MODEL_ARGS"], tmp_path)
     world = _world(entry["MODEL_ARGS"])
     if entry["expect"] == "train":
@@ -139,7 +158,7 @@ _VALUE_MATTERS = {
 }
 
 
-MAX_TRAINING_RUNS = 14  # the whole census stays well under 3 minutes on 2 cores
+MAX_TRAINING_RUNS = 15  # the whole census stays well under 3 minutes on 2 cores
 
 
 def training_subset() -> list[str]:
@@ -171,14 +190,17 @@ def training_subset() -> list[str]:
     return chosen
 
 
-@pytest.mark.parametrize("name", training_subset())
-def test_census_config_trains(name, tmp_path, capsys):
+def _train_entry(name: str, tmp_path: pathlib.Path, capsys):
+    """Trains one entry (its single-device variant when it has one); returns the finished trainer."""
     from megatron.training.training import pretrain
 
     entry = CENSUS[name]
     drop = entry.get("single_device", ())
     args = {**entry["MODEL_ARGS"], **entry.get("single_device_sizes", {})} if drop else entry["MODEL_ARGS"]
     argv = argv_of(args, tmp_path, drop=drop)
+    if "kd_cfg" in entry:  # a distillation config: its teacher first
+        distillation_files(entry, tmp_path)
+        train_teacher(args, tmp_path, drop)
     kwargs = {}
     if name.startswith("hybrid/"):  # upstream trains these with its hybrid script, as we do
         import pretrain_hybrid
@@ -192,10 +214,24 @@ def test_census_config_trains(name, tmp_path, capsys):
         with pytest.raises(RerunExit) as stop:
             pretrain(argv, **kwargs)
         assert stop.value.code == 17
-        return
+        return None
     trainer = pretrain(argv, **kwargs)
     losses = [r["lm loss"] for r in trainer.history]
     assert trainer.iteration == trainer.cfg.training.train_iters
     assert losses and all(math.isfinite(v) for v in losses)
     out = capsys.readouterr().out
     assert " iteration        1/" in out
+    return trainer
+
+
+@pytest.mark.parametrize("name", training_subset())
+def test_census_config_trains(name, tmp_path, capsys):
+    _train_entry(name, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("name", [n for n, e in CENSUS.items() if "kd_cfg" in e and n not in training_subset()])
+def test_census_distillation_config_trains(name, tmp_path, capsys):
+    """Upstream's ModelOpt distillation configs (single-device variant) distil from a teacher saved
+    with the same model flags; the lm loss is skipped, as their skip_lm_loss says."""
+    trainer = _train_entry(name, tmp_path, capsys)
+    assert all(r["lm loss"] == 0.0 and r["total loss"] > 0 for r in trainer.history)
