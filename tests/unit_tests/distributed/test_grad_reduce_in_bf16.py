@@ -34,6 +34,11 @@ FLAGS = (
 MOE = "--num-experts 4 --moe-router-topk 2"
 LOSS_RTOL = 1e-3
 NORM_RTOL = 3e-2
+# With experts the grad norm drifts further: a token whose top-2 scores nearly tie changes
+# experts on a rounding difference. Measured up to 3.2% (one process: 3.1% at iteration 10
+# of 20; EP = 2 with the distributed optimizer: 3.2% at iteration 9) on an AMD EPYC CPU, under
+# 3% on the machine the tests were written on; the losses stay within 1e-3.
+MOE_NORM_RTOL = 5e-2
 
 
 def _build(extra: str):
@@ -181,8 +186,9 @@ def test_bf16_grad_reduction_trains_close_to_fp32_reduction(extra):
     assert loss16 != loss32, "bf16 accumulation over 4 micro-batches rounds: the curves cannot be bitwise equal"
     for i, (a, b) in enumerate(zip(loss32, loss16)):
         assert b == pytest.approx(a, rel=LOSS_RTOL), f"iteration {i + 1}"
+    norm_rtol = MOE_NORM_RTOL if MOE in extra else NORM_RTOL
     for i, (a, b) in enumerate(zip(norm32, norm16)):
-        assert b == pytest.approx(a, rel=NORM_RTOL), f"iteration {i + 1}"
+        assert b == pytest.approx(a, rel=norm_rtol), f"iteration {i + 1}"
 
 
 # ------------------------------------------------------------------ data parallel
@@ -243,8 +249,9 @@ def test_model_parallel_norms_track_the_fp32_buffer_run(model_parallel_runs, nam
     assert r0["losses"][-1] < r0["losses"][0] - 0.3, "the loss should clearly decrease"
     for i, (a, b) in enumerate(zip(ref["losses"], r0["losses"])):
         assert b == pytest.approx(a, rel=LOSS_RTOL), f"iteration {i + 1}"
+    norm_rtol = MOE_NORM_RTOL if MOE in MODEL_PARALLEL[name] else NORM_RTOL
     for i, (a, b) in enumerate(zip(ref["norms"], r0["norms"])):
-        assert b == pytest.approx(a, rel=NORM_RTOL), f"iteration {i + 1}"
+        assert b == pytest.approx(a, rel=norm_rtol), f"iteration {i + 1}"
 
 
 @pytest.mark.parametrize("name", ["dp2", "dp2_distopt"])
