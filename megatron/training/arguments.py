@@ -34,6 +34,7 @@ import sys
 import textwrap
 import types
 import typing
+import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Union
 
@@ -281,6 +282,35 @@ def _ignored_flags(values: dict[str, Any]) -> list[str]:
     return out
 
 
+def _legacy_spellings(argv: list[str]) -> list[str]:
+    """Megatron's deprecated spellings that still work there, rewritten to the current flags
+    (with the warning Megatron gives): ``--use-rotary-position-embeddings`` is
+    ``--position-embedding-type rope``; ``--no-weight-decay-cond-type apply_wd_to_qk_layernorm``
+    is ``--apply-wd-to-qk-layernorm`` (any other value is an error naming the flag)."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--use-rotary-position-embeddings":
+            warnings.warn(
+                "--use-rotary-position-embeddings is deprecated: use --position-embedding-type rope.", stacklevel=3
+            )
+            out += ["--position-embedding-type", "rope"]
+        elif arg == "--no-weight-decay-cond-type" or arg.startswith("--no-weight-decay-cond-type="):
+            value = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 0 if "=" in arg else 1
+            if value != "apply_wd_to_qk_layernorm":
+                raise ValueError(
+                    f"--no-weight-decay-cond-type {value!r} is not valid (Megatron's only value is "
+                    "apply_wd_to_qk_layernorm); use --apply-wd-to-qk-layernorm."
+                )
+            warnings.warn("--no-weight-decay-cond-type is deprecated: use --apply-wd-to-qk-layernorm.", stacklevel=3)
+            out.append("--apply-wd-to-qk-layernorm")
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
 _DASH_VALUE = re.compile(r"^-[\d.]")
 
 
@@ -326,7 +356,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     """
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    namespace = parser.parse_args(_attach_dash_values(parser, argv))
+    namespace = parser.parse_args(_attach_dash_values(parser, _legacy_spellings(argv)))
     values = vars(namespace)
     _check_known_flags(values)
     config = RunConfig()

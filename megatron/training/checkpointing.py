@@ -432,12 +432,13 @@ def find_checkpoint(cfg, pg, checkpoints_dir: str) -> tuple[str, int, bool] | No
     save = cfg.checkpoint.save
     resume_idiom = save is not None and os.path.abspath(save) == os.path.abspath(checkpoints_dir)
     if not has_checkpoint(checkpoints_dir):
-        if resume_idiom:
+        if resume_idiom and not cfg.checkpoint.exit_on_missing_checkpoint:
             return None
         what = "does not exist" if not os.path.isdir(checkpoints_dir) else "holds no checkpoint"
         raise ValueError(
             f"--load {checkpoints_dir} {what} (no {TRACKER_FILENAME}, no iter_* folders). Point --load at a "
-            "folder written by --save, or drop --load to train from scratch."
+            "folder written by --save, or drop --load to train from scratch"
+            + (" (--exit-on-missing-checkpoint asks for one)." if cfg.checkpoint.exit_on_missing_checkpoint else ".")
         )
     iteration, release = read_tracker(checkpoints_dir)
     path = _rank_file(pg, checkpoints_dir, iteration, release)

@@ -195,6 +195,9 @@ class DataConfig(Freezable):
     data_path: list[str] = flag_field(default_factory=list, nargs="*")
     """Dataset prefix, or a weighted blend: 0.3 prefixA 0.7 prefixB."""
 
+    eod_mask_loss: bool = False
+    """Mask the loss at end-of-document tokens (the next-token target after one is not counted)."""
+
     split: str = "969,30,1"
     """Train/valid/test split of each dataset, as weights."""
 
@@ -498,6 +501,9 @@ class CheckpointConfig(Freezable):
 
     finetune: bool = False
     """Load model weights only and start from iteration 0."""
+
+    exit_on_missing_checkpoint: bool = False
+    """With --load: stop with an error when it holds no checkpoint, instead of training from scratch."""
 
     pretrained_checkpoint: str | None = None
     """Checkpoint folder to start from when --load holds none (or is unset): its weights only, from iteration 0,

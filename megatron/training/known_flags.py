@@ -13,10 +13,13 @@ a config field is in ``KNOWN_MEGATRON_FLAGS`` with one of three answers:
   open, and a few upstream features nobody has asked for here yet.
 
 Rejections raise ``ValueError`` naming the flag and the fix after parsing, all of
-them in one message, so a command line learns everything in one launch.
+them in one message, so a command line learns everything in one launch. Every other
+flag of upstream's training parser is answered by family in ``flag_families.py``.
 """
 
 from typing import NamedTuple
+
+from megatron.training.flag_families import flag_families as _flag_families
 
 
 class KnownFlag(NamedTuple):
@@ -404,3 +407,7 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
         SWITCH, "--external-cuda-graph is deprecated in Megatron; use --cuda-graph-impl local."
     ),
 }
+
+
+# Every other flag of upstream's training parser, by family (flag_families.py).
+KNOWN_MEGATRON_FLAGS.update(_flag_families())

@@ -28,8 +28,18 @@ class OptimizerConfig(Freezable):
     min_lr: float = 0.0
     """Minimum learning rate at the end of decay."""
 
-    lr_decay_style: str = flag_field("linear", choices=("constant", "linear", "cosine"))
-    """Learning-rate decay after warm-up."""
+    lr_decay_style: str = flag_field("linear", choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
+    """Learning-rate decay after warm-up: inverse-square-root is --lr times sqrt(warm-up / step), at least --min-lr;
+    WSD (warm-up, stable, decay) stays at --lr until the last --lr-wsd-decay-iters of the decay, then anneals."""
+
+    lr_wsd_decay_style: str = flag_field("exponential", choices=("exponential", "linear", "cosine", "minus_sqrt"))
+    """Shape of WSD's annealing phase (exponential: 2 * 0.5^r - 1 of the way from --lr to --min-lr)."""
+
+    lr_wsd_decay_iters: int | None = None
+    """Iterations of WSD's annealing phase (the end of --lr-decay-iters)."""
+
+    lr_wsd_decay_samples: int | None = None
+    """Samples of WSD's annealing phase (with --train-samples)."""
 
     lr_warmup_iters: int = 0
     """Iterations of linear warm-up."""
@@ -71,6 +81,16 @@ class OptimizerConfig(Freezable):
 
     weight_decay: float = 0.01
     """Decoupled weight decay (not applied to biases and norm weights)."""
+
+    start_weight_decay: float | None = None
+    """Weight decay at the start of training, with --weight-decay-incr-style linear or cosine."""
+
+    end_weight_decay: float | None = None
+    """Weight decay at the end of training (--train-iters), with --weight-decay-incr-style linear or cosine."""
+
+    weight_decay_incr_style: str = flag_field("constant", choices=("constant", "linear", "cosine"))
+    """How weight decay moves from --start-weight-decay to --end-weight-decay over training (constant:
+    --weight-decay throughout)."""
 
     clip_grad: float = 1.0
     """Gradient clipping on the global L2 norm (0 turns it off)."""
@@ -155,6 +175,25 @@ class OptimizerConfig(Freezable):
             f"--weight-decay must be >= 0, got {self.weight_decay} (0 turns it off).",
         )
         require(self.sgd_momentum >= 0, f"--sgd-momentum must be >= 0, got {self.sgd_momentum}.")
+        ends = (self.start_weight_decay, self.end_weight_decay)
+        if self.weight_decay_incr_style == "constant":
+            require(
+                ends == (None, None),
+                "--start-weight-decay / --end-weight-decay need --weight-decay-incr-style linear or cosine "
+                "(constant uses --weight-decay throughout).",
+            )
+        else:
+            require(
+                None not in ends and min(ends) >= 0,
+                f"--weight-decay-incr-style {self.weight_decay_incr_style} needs --start-weight-decay and "
+                "--end-weight-decay (both >= 0).",
+            )
+        if self.lr_decay_style == "WSD":
+            require(
+                self.lr_wsd_decay_iters is not None or self.lr_wsd_decay_samples is not None,
+                "--lr-decay-style WSD needs the length of its annealing phase: --lr-wsd-decay-iters (or "
+                "--lr-wsd-decay-samples with --train-samples).",
+            )
         require(
             math.isfinite(self.lr) and math.isfinite(self.min_lr),
             f"--lr ({self.lr}) and --min-lr ({self.min_lr}) must be finite.",

@@ -98,7 +98,8 @@ def group_settings(key: GroupKey, config, mup_width_mult: float = 1.0) -> dict[s
     SGD at lr * m and min lr * m, as Megatron's muP optimizer overrides.
     """
     decays, decoupled, mup_scaled = key[:3]
-    settings: dict[str, Any] = {"weight_decay": config.weight_decay if decays else 0.0}
+    # wd_mult: the share of the scheduled weight decay (--weight-decay-incr-style) the group takes.
+    settings: dict[str, Any] = {"weight_decay": config.weight_decay if decays else 0.0, "wd_mult": float(decays)}
     if len(key) > 3:
         settings["use_muon"] = key[3]
     if decoupled:

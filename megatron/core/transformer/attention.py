@@ -121,7 +121,7 @@ class SelfAttention(torch.nn.Module):
             ((2 if self.output_gate else 1) * heads + 2 * groups) * kv,
             config=config,
             init_method=init_method_normal(config.hidden_init_std()),
-            bias=config.add_bias_linear,
+            bias=config.add_bias_linear or getattr(config, "add_qkv_bias", False),
             gather_output=False,
             pg=pg,
             device=device,

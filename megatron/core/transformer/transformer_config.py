@@ -23,7 +23,7 @@ from megatron.core.transformer.recompute import SELECTIVE_MODULES
 class TransformerConfig(Freezable):
     """Shape, initialisation and regularisation of the transformer."""
 
-    num_layers: int = 2
+    num_layers: int = flag_field(2, aliases=("--encoder-num-layers",))
     """Number of transformer layers."""
 
     hidden_size: int = 128
@@ -102,11 +102,17 @@ class TransformerConfig(Freezable):
     add_bias_linear: bool = flag_field(True, flag="--disable-bias-linear")
     """Linear layers carry biases; --disable-bias-linear removes them."""
 
+    add_qkv_bias: bool = False
+    """Give the query-key-value projection a bias even with --disable-bias-linear (Qwen's layout)."""
+
     untie_embeddings_and_output_weights: bool = False
     """Use a separate output-layer weight instead of the input embedding."""
 
     init_method_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
+
+    embedding_init_method_std: float | None = None
+    """Standard deviation of the word (and position) embeddings' initialisation; default --init-method-std."""
 
     hidden_dropout: float = 0.1
     """Dropout probability on the residual branches."""

@@ -107,3 +107,66 @@ def test_bad_schedules_name_the_flags():
     with pytest.raises(ValueError, match="--lr-warmup-fraction"):
         build_scheduler(_opt(), OptimizerConfig(lr_warmup_fraction=1.5), train_iters=10)
     _sched("constant", warmup=100, decay=10)  # decay length is irrelevant for constant
+
+
+def test_inverse_square_root():
+    # Megatron: max_lr * sqrt(max(warmup, 1)) / sqrt(max(step, 1)), floored at min_lr; min_lr after decay.
+    s = _sched("inverse-square-root", warmup=4, decay=1000, max_lr=1.0, min_lr=0.1)
+    assert s.get_lr(2) == 0.5 and s.get_lr(4) == 1.0
+    assert s.get_lr(16) == 0.5 and s.get_lr(64) == 0.25 and s.get_lr(900) == 0.1
+    assert _sched("inverse-square-root", warmup=0, decay=100).get_lr(4) == 0.5
+    assert s.get_lr(1001) == 0.1
+
+
+@pytest.mark.parametrize(
+    "style, at_half",
+    [("exponential", 2 * 0.5**0.5 - 1), ("linear", 0.5), ("cosine", 0.5), ("minus_sqrt", 1 - 0.5**0.5)],
+)
+def test_wsd_holds_then_anneals(style, at_half):
+    c = OptimizerConfig(
+        lr=1.0, min_lr=0.1, lr_warmup_iters=10, lr_decay_style="WSD", lr_wsd_decay_style=style, lr_wsd_decay_iters=40
+    )
+    s = build_scheduler(_opt(), c, train_iters=110)
+    assert s.get_lr(5) == 0.5 and s.get_lr(10) == 1.0 and s.get_lr(70) == 1.0  # stable until 110 - 40
+    assert s.get_lr(90) == pytest.approx(0.1 + 0.9 * at_half)
+    assert s.get_lr(110) == pytest.approx(0.1) and s.get_lr(111) == 0.1
+
+
+def test_wsd_in_samples():
+    c = OptimizerConfig(lr=1.0, min_lr=0.0, lr_decay_style="WSD", lr_wsd_decay_samples=80, lr_wsd_decay_style="linear")
+    s = build_scheduler(_opt(), c, train_iters=50, samples_per_iteration=4)  # 200 samples: the last 20 iterations
+    assert s.get_lr(30) == 1.0 and s.get_lr(40) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine"])
+def test_weight_decay_schedule_moves_decaying_groups_only(style):
+    opt = _opt()  # group 0 decays, group 1 (biases) does not
+    opt.param_groups[0]["weight_decay"] = 0.01
+    c = OptimizerConfig(weight_decay_incr_style=style, start_weight_decay=0.01, end_weight_decay=0.1)
+    s = build_scheduler(opt, c, train_iters=100)
+    assert opt.param_groups[0]["weight_decay"] == pytest.approx(0.01) and opt.param_groups[1]["weight_decay"] == 0.0
+    s.step(50)
+    half = 0.5 if style == "linear" else 0.5 * (math.cos(math.pi * 0.5) + 1.0)
+    assert opt.param_groups[0]["weight_decay"] == pytest.approx(0.01 + 0.09 * half)
+    assert opt.param_groups[1]["weight_decay"] == 0.0
+    s.step(60)
+    assert opt.param_groups[0]["weight_decay"] == pytest.approx(0.1)
+
+
+def test_constant_weight_decay_is_left_alone():
+    opt = _opt()
+    opt.param_groups[0]["weight_decay"] = 0.03
+    build_scheduler(opt, OptimizerConfig(weight_decay=0.01), train_iters=10).step(5)
+    assert opt.param_groups[0]["weight_decay"] == 0.03
+
+
+def test_schedule_flag_errors():
+    with pytest.raises(ValueError, match="--lr-wsd-decay-iters"):
+        OptimizerConfig(lr_decay_style="WSD").validate(None)
+    with pytest.raises(ValueError, match="needs --start-weight-decay and --end-weight-decay"):
+        OptimizerConfig(weight_decay_incr_style="linear", start_weight_decay=0.1).validate(None)
+    with pytest.raises(ValueError, match="need --weight-decay-incr-style linear or cosine"):
+        OptimizerConfig(end_weight_decay=0.1).validate(None)
+    with pytest.raises(ValueError, match="at most the decay iterations"):
+        c = OptimizerConfig(lr_decay_style="WSD", lr_wsd_decay_iters=200)
+        build_scheduler(_opt(), c, train_iters=100)

@@ -303,7 +303,7 @@ def test_flags_markdown():
     text = flags_markdown()
     assert text.startswith("## Command-line flags")
     assert "### cuda graphs" in text and "### model" in text
-    assert "| `--num-layers N` | 2 | Number of transformer layers. |" in text
+    assert "| `--num-layers N`, `--encoder-num-layers N` | 2 | Number of transformer layers" in text
     assert "`--cuda-graph-scope STR ...`, `--cuda-graph-modules STR ...`" in text
     assert "| `--fp8-format` | rejected |" in text
     assert "### mixture of experts" in text and "`--num-experts N`" in text

@@ -64,7 +64,8 @@ class LanguageModelEmbedding(torch.nn.Module):
         self, config, vocab_size: int, max_sequence_length: int, position_embedding_type: str, pg=None, device=None
     ):
         super().__init__()
-        init = init_method_normal(config.init_method_std)  # muP too: embeddings keep the base std
+        std = getattr(config, "embedding_init_method_std", None)
+        init = init_method_normal(config.init_method_std if std is None else std)  # muP too: the base std
         self.embedding_mult = config.mup_embedding_mult if getattr(config, "use_mup", False) else 1.0
         self.embedding_dropout = config.hidden_dropout
         self.sequence_parallel = uses_sequence_parallel(pg)

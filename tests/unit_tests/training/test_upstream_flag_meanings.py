@@ -1,0 +1,82 @@
+"""Megatron flags that the whole-parser inventory (census/upstream_flags.txt) brought in with their meaning:
+--add-qkv-bias, --embedding-init-method-std, --eod-mask-loss, --exit-on-missing-checkpoint,
+--encoder-num-layers, and the deprecated spellings Megatron still rewrites."""
+
+import warnings
+
+import pytest
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.datasets.builder import build_train_valid_test_datasets
+from megatron.training.arguments import parse_args
+from megatron.training.training import build_trainer
+
+FLAGS = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+    "--micro-batch-size 2 --global-batch-size 2 --train-iters 2 --mock-data --tokenizer-type NullTokenizer "
+    "--vocab-size 64 --num-workers 0 --log-interval 1"
+)
+
+
+def _model(extra: str):
+    trainer = build_trainer(f"{FLAGS} {extra}".split())
+    parallel_state.destroy(trainer.pg)
+    return trainer.model.module, trainer
+
+
+def test_add_qkv_bias_gives_the_qkv_projection_alone_a_bias():
+    model, _ = _model("--disable-bias-linear --add-qkv-bias")
+    names = [n for n, _ in model.named_parameters() if n.endswith("bias") and "norm" not in n]
+    assert names and all("linear_qkv" in n for n in names), names
+    plain, _ = _model("--disable-bias-linear")
+    assert not [n for n, _ in plain.named_parameters() if n.endswith("bias") and "norm" not in n]
+
+
+def test_embedding_init_method_std():
+    model, _ = _model("--embedding-init-method-std 0.5 --init-method-std 0.01")
+    emb = model.embedding.word_embeddings.weight
+    assert 0.4 < emb.std().item() < 0.6
+    qkv = model.decoder.layers[0].self_attention.linear_qkv.weight
+    assert qkv.std().item() < 0.02
+
+
+def test_eod_mask_loss_masks_end_of_document_inputs():
+    cfg = parse_args(f"{FLAGS} --eod-mask-loss".split()).resolve()
+    _, trainer = _model("--eod-mask-loss")
+    train, _, _ = build_train_valid_test_datasets(
+        cfg.data, trainer.tokenizer, seq_length=16, seed=1, num_samples=(20, 0, 0)
+    )
+    eod = trainer.tokenizer.eod
+    seen = 0
+    for i in range(20):
+        s = train[i]
+        at_eod = s["tokens"] == eod
+        seen += int(at_eod.sum())
+        assert torch.equal(s["loss_mask"][at_eod], torch.zeros(int(at_eod.sum())))
+        assert torch.all(s["loss_mask"][~at_eod] == 1)
+    assert seen > 0, "the mock documents should contain end-of-document tokens"
+
+
+def test_exit_on_missing_checkpoint(tmp_path):
+    save = str(tmp_path / "ckpt")
+    argv = f"{FLAGS} --save {save} --load {save}".split()
+    with pytest.raises(ValueError, match="--exit-on-missing-checkpoint asks for one"):
+        build_trainer([*argv, "--exit-on-missing-checkpoint"])
+    trainer = build_trainer(argv)  # without it, the resume idiom trains from scratch
+    parallel_state.destroy(trainer.pg)
+    trainer.close()
+
+
+def test_older_spellings():
+    assert parse_args(["--encoder-num-layers", "5"]).model.num_layers == 5
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = parse_args(["--use-rotary-position-embeddings", "--no-weight-decay-cond-type=apply_wd_to_qk_layernorm"])
+    assert cfg.model.position_embedding_type == "rope" and cfg.optimizer.apply_wd_to_qk_layernorm
+    assert len([w for w in caught if "deprecated" in str(w.message)]) == 2
+    with pytest.raises(ValueError, match="--no-weight-decay-cond-type 'qwen' is not valid"):
+        parse_args(["--no-weight-decay-cond-type", "qwen"])
+    for flag, words in (("--batch-size", "use --micro-batch-size"), ("--warmup", "use --lr-warmup-fraction")):
+        with pytest.raises(ValueError, match=words):
+            parse_args([flag, "4"])
