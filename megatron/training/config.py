@@ -6,6 +6,7 @@ bundles every concern and runs the rest.
 """
 
 import dataclasses
+import json
 import os
 
 import torch
@@ -195,6 +196,23 @@ class DataConfig(Freezable):
     data_path: list[str] = flag_field(default_factory=list, nargs="*")
     """Dataset prefix, or a weighted blend: 0.3 prefixA 0.7 prefixB."""
 
+    data_args_path: str | None = None
+    """File whose words are the --data-path value (a blend too long for a command line)."""
+
+    train_data_path: list[str] = flag_field(default_factory=list, nargs="*")
+    """The train split's own prefix or weighted blend (all of their documents), instead of --data-path and
+    --split."""
+
+    valid_data_path: list[str] = flag_field(default_factory=list, nargs="*")
+    """The validation split's own prefix or weighted blend (with --train-data-path)."""
+
+    test_data_path: list[str] = flag_field(default_factory=list, nargs="*")
+    """The test split's own prefix or weighted blend (with --train-data-path)."""
+
+    per_split_data_args_path: str | None = None
+    """JSON file {"train": ..., "valid": ..., "test": ...} giving the three per-split blends (a string of words or
+    a list each), instead of --train-data-path, --valid-data-path and --test-data-path."""
+
     eod_mask_loss: bool = False
     """Mask the loss at end-of-document tokens (the next-token target after one is not counted)."""
 
@@ -292,6 +310,46 @@ class DataConfig(Freezable):
 
     fim_eod_token: str = "<|endoftext|>"
     """FIM end-of-document token: documents in a sample are rewritten one by one between these."""
+
+    @property
+    def per_split(self) -> bool:
+        """Each split has blends of its own (--train-data-path ...), not a share of --data-path."""
+        return bool(self.train_data_path or self.valid_data_path or self.test_data_path)
+
+    def read_path_files(self) -> None:
+        """Fills --data-path from --data-args-path and the per-split paths from --per-split-data-args-path
+        (``RunConfig.resolve`` calls it: it reads files); raises ``ValueError`` naming the flags."""
+        if self.data_args_path is not None:
+            require(not self.data_path, "--data-args-path and --data-path cannot both be set; give one.")
+            require(os.path.isfile(self.data_args_path), f"--data-args-path {self.data_args_path} does not exist.")
+            with open(self.data_args_path) as f:
+                self.data_path = f.read().split()
+        if self.per_split_data_args_path is not None:
+            path = self.per_split_data_args_path
+            require(
+                not self.per_split,
+                "--per-split-data-args-path and --train/--valid/--test-data-path cannot both be set; give one.",
+            )
+            require(os.path.isfile(path), f"--per-split-data-args-path {path} does not exist.")
+            try:
+                with open(path) as f:
+                    blends = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--per-split-data-args-path {path} is not valid JSON: {e}") from e
+            require(
+                isinstance(blends, dict) and set(blends) <= {"train", "valid", "test"},
+                f"--per-split-data-args-path {path} must be a JSON object with keys train, valid and test.",
+            )
+            for split in ("train", "valid", "test"):
+                value = blends.get(split) or []
+                setattr(
+                    self, f"{split}_data_path", value.split() if isinstance(value, str) else [str(v) for v in value]
+                )
+        require(
+            not (self.data_path and self.per_split),
+            "--data-path (with --split) and the per-split paths (--train-data-path, --valid-data-path, "
+            "--test-data-path) cannot both be set; give one.",
+        )
 
 
 @dataclasses.dataclass

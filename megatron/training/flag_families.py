@@ -79,16 +79,15 @@ _SWITCHES = set(
         --use-checkpoint-args --use-cpu-initialization --use-dist-ckpt --use-gigatoken
         --use-grouped-gemm-for-dense-mlp --use-grouped-gemm-for-shared-expert --use-kitchen-attention
         --use-legacy-static-engine --use-mp-args-from-checkpoint-args --use-one-sent-docs
-        --use-ring-exchange-p2p --use-rope-scaling --use-rotary-position-embeddings
-        --use-same-sampling-seed-across-dp-ranks --use-sharp --use-te-activation-func
-        --use-torch-optimizer-for-cpu-offload --vision-pretraining --yarn-correction-range-round-to-int
+        --use-ring-exchange-p2p --use-rotary-position-embeddings --use-same-sampling-seed-across-dp-ranks
+        --use-sharp --use-te-activation-func --use-torch-optimizer-for-cpu-offload --vision-pretraining
+        --yarn-correction-range-round-to-int
     """.split()
 )
 _LISTS = set(
     """
         --ddp-param-name-patterns-for-fp32-local-accumulation --gtp-remat-opt-in-modules --iterations-to-skip
-        --mrope-section --retriever-report-topk-accuracies --rl-inference-parsers --test-data-path
-        --train-data-path --valid-data-path --validation-set-names
+        --mrope-section --retriever-report-topk-accuracies --rl-inference-parsers --validation-set-names
     """.split()
 )
 
@@ -311,16 +310,14 @@ _NOT_YET = {
     ("a YAML file of arguments", "pass the flags on the command line"): """
         --yaml-cfg
     """,
-    ("per-split datasets and data-argument files", "give --data-path (and --split)"): """
-        --train-data-path --valid-data-path --test-data-path --data-args-path --per-split-data-args-path
+    ("data phases and the blended datasets' sample surplus", "drop the flag"): """
         --phase-transition-iterations --mid-level-dataset-surplus
     """,
     ("document-boundary attention and position resets", "drop the flag"): """
         --reset-attention-mask --reset-position-ids --dataloader-inter-document-masking
     """,
     ("other activations and position encodings", "drop the flag"): """
-        --openai-gelu --no-rope-freq --use-rope-scaling --rope-scaling-factor
-        --rotary-seq-len-interpolation-factor --apply-residual-connection-post-layernorm
+        --openai-gelu --no-rope-freq --apply-residual-connection-post-layernorm
         --fp32-residual-connection --init-method-xavier-uniform --qk-clip --qk-clip-alpha --qk-clip-threshold
         --qk-l2-norm --enable-mhc-connections --mhc-init-gating-factor --mhc-num-residual-streams
         --mhc-recompute-layer-num --mhc-sinkhorn-iterations --flash-attention-version --mlp-chunks-for-training

@@ -230,7 +230,9 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
     "--disable-gloo-process-groups": noop(SWITCH, "no gloo side groups are made with NCCL here"),
     "--check-weight-hash-across-dp-replicas-interval": noop(VALUE, "a consistency check of replicas; no value changes"),
     "--empty-unused-memory-level": noop(VALUE, "torch.cuda.empty_cache calls; no value changes"),
-    "--rotary-scaling-factor": noop(VALUE, "Megatron applies it only with --use-rope-scaling, which is not set"),
+    "--rotary-scaling-factor": noop(
+        VALUE, "Megatron reads it only in multi-latent attention's YaRN rotary embedding, which is refused here"
+    ),
     "--distributed-timeout-minutes-for-ckpt": noop(VALUE, "a timeout; no value changes"),
     "--log-progress": noop(SWITCH, "writes a progress.txt; training is unchanged"),
     "--no-record-throughput": noop(SWITCH, "progress logging only"),

@@ -77,6 +77,7 @@ class RunConfig(Freezable):
         """
         cfg = copy.deepcopy(self)
         cfg._warn_ignored_flags()  # on the flags as given, before defaults fill them in
+        cfg.data.read_path_files()  # --data-args-path, --per-split-data-args-path
         cfg.model.moe = cfg.moe  # the model reads its MoE flags as config.moe
         cfg.model.linear_attention = cfg.linear_attention  # and its attention variant as config.linear_attention
         cfg.mamba.resolve(cfg.model, cfg.parallel)  # before finalize: the hybrid pattern sets --num-layers
@@ -271,19 +272,27 @@ class RunConfig(Freezable):
         o.validate(p)
         d = self.data
         require(
-            d.mock_data or d.data_path,
+            d.mock_data or d.data_path or d.per_split,
             "no training data: pass --mock-data for synthetic documents, or --data-path PREFIX.",
         )
-        split = self._split_weights()
-        require(
-            split[0] > 0,
-            f"--split {d.split} gives the train split no data; give it a weight, e.g. --split 969,30,1.",
-        )
-        require(
-            t.eval_iters == 0 or split[1] > 0,
-            f"--eval-iters {t.eval_iters} needs validation data, but --split {d.split} gives the valid split none; "
-            "give it a weight (e.g. --split 969,30,1) or pass --eval-iters 0.",
-        )
+        if d.per_split and not d.mock_data:
+            require(d.train_data_path, "the per-split paths give no train data: add --train-data-path PREFIX.")
+            require(
+                t.eval_iters == 0 or d.valid_data_path,
+                f"--eval-iters {t.eval_iters} needs validation data: add --valid-data-path PREFIX or pass "
+                "--eval-iters 0.",
+            )
+        else:
+            split = self._split_weights()
+            require(
+                split[0] > 0,
+                f"--split {d.split} gives the train split no data; give it a weight, e.g. --split 969,30,1.",
+            )
+            require(
+                t.eval_iters == 0 or split[1] > 0,
+                f"--eval-iters {t.eval_iters} needs validation data, but --split {d.split} gives the valid split "
+                "none; give it a weight (e.g. --split 969,30,1) or pass --eval-iters 0.",
+            )
         require(
             d.tokenizer_type in TOKENIZER_TYPES,
             f"--tokenizer-type {d.tokenizer_type} is not supported yet; use one of {', '.join(TOKENIZER_TYPES)} "

@@ -110,6 +110,13 @@ def _blend_sizes(weights: Sequence[float], target: int) -> list[int]:
     return [int(math.ceil(math.ceil(target * w) * (1 + BLEND_SURPLUS))) for w in weights]
 
 
+def _kept_blend(data_path: Sequence[str]) -> tuple[list[str], list[float]]:
+    """``(prefixes, weights)`` of a --data-path style blend, prefixes of weight 0 dropped."""
+    prefixes, weights = parse_data_path(data_path)
+    kept = [(p, w) for p, w in zip(prefixes, weights) if w > 0]
+    return [p for p, _ in kept], [w for _, w in kept]
+
+
 def _open_prefix(prefix: str) -> IndexedDataset:
     if exists(prefix):
         return IndexedDataset(prefix)
@@ -135,7 +142,8 @@ def build_train_valid_test_datasets(
     """Builds (train, valid, test) datasets; a split is None when its weight or sample count is 0.
 
     Args:
-        data_config: ``DataConfig`` (mock_data, data_path, split, data_cache_path).
+        data_config: ``DataConfig`` (mock_data, data_path, split, data_cache_path; or the per-split
+            train/valid/test_data_path, each split then a blend of all of its prefixes' documents).
         tokenizer: Gives ``eod`` (and ``vocab_size`` for mock data).
         seq_length: ``--seq-length``.
         seed: ``--seed`` (shuffles documents and samples).
@@ -170,20 +178,24 @@ def build_train_valid_test_datasets(
             out.append(MockGPTDataset(low, np.arange(*bounds), n, split_name=name, path_prefix=None, **common))
         return tuple(out)
 
-    prefixes, weights = parse_data_path(data_config.data_path)
-    kept = [(p, w) for p, w in zip(prefixes, weights) if w > 0]
-    prefixes, weights = [p for p, _ in kept], [w for _, w in kept]
-    low_levels = [_open_prefix(p) for p in prefixes]
+    per_split = [getattr(data_config, f"{name}_data_path", None) or [] for name in SPLIT_NAMES]
+    if any(per_split):  # each split its own blend, every document of its prefixes (--split unused)
+        blends = [_kept_blend(words) if words else ([], []) for words in per_split]
+    else:
+        blends = [_kept_blend(data_config.data_path)] * 3
+    opened: dict[str, IndexedDataset] = {}
     out = []
     for s, name in enumerate(SPLIT_NAMES):
+        prefixes, weights = blends[s]
         n = wanted[s]
-        if split[s] == 0 or n == 0:
+        if not prefixes or (not any(per_split) and split[s] == 0) or n == 0:
             out.append(None)
             continue
         sizes = [n] if len(prefixes) == 1 else _blend_sizes(weights, n)
         parts = []
-        for prefix, low, size in zip(prefixes, low_levels, sizes):
-            begin, end = split_ranges(split, len(low))[s]
+        for prefix, size in zip(prefixes, sizes):
+            low = opened[prefix] = opened.get(prefix) or _open_prefix(prefix)
+            begin, end = (0, len(low)) if any(per_split) else split_ranges(split, len(low))[s]
             if begin == end:
                 raise ValueError(
                     f"--split {data_config.split} leaves the {name} split of {prefix} no documents "

@@ -60,6 +60,15 @@ class TransformerConfig(Freezable):
     rotary_base: int = 10000
     """Base of the rotary embedding frequencies."""
 
+    rotary_seq_len_interpolation_factor: int | None = None
+    """Divide the rotary positions by this factor (linear position interpolation for longer sequences)."""
+
+    use_rope_scaling: bool = False
+    """Scale the rotary frequencies as Llama 3.x does (long wavelengths divided by --rope-scaling-factor)."""
+
+    rope_scaling_factor: float = 8.0
+    """The factor of --use-rope-scaling."""
+
     rotary_percent: float = 1.0
     """Fraction of each head's channels that rotary embeddings rotate."""
 
@@ -390,6 +399,11 @@ class TransformerConfig(Freezable):
         require(self.norm_epsilon > 0, f"--norm-epsilon must be positive, got {self.norm_epsilon}.")
         given = self._given_activation_flags()
         require(len(given) <= 1, f"{' and '.join(given)} each set the MLP activation; pick one.")
+        for flag, value in (
+            ("--rotary-seq-len-interpolation-factor", self.rotary_seq_len_interpolation_factor),
+            ("--rope-scaling-factor", self.rope_scaling_factor),
+        ):
+            require(value is None or value > 0, f"{flag} must be > 0, got {value}.")
         self._validate_activation()
         self._validate_attention_variant()
         require(

@@ -153,3 +153,41 @@ def test_loader_over_real_data(tmp_path, workers):
     batch = next(iter(loader))
     assert batch["tokens"].shape == (2, 8) and batch["loss_mask"].shape == (2, 8)
     assert batch["tokens"].tolist() == [train[6]["tokens"].tolist(), train[7]["tokens"].tolist()]
+
+
+def test_per_split_paths_take_all_documents_of_their_own_prefixes(tmp_path):
+    a = write(str(tmp_path / "a"), 60, 0)
+    b = write(str(tmp_path / "b"), 40, 10_000)
+    c = write(str(tmp_path / "c"), 30, 20_000)
+    cfg = DataConfig(
+        train_data_path=["0.5", a, "0.5", b],
+        valid_data_path=[c],
+        split="1,0,0",  # unused with per-split paths
+        data_cache_path=str(tmp_path / "cache"),
+    )
+    train, valid, test = build_train_valid_test_datasets(cfg, TOK, seq_length=8, seed=1, num_samples=(40, 10, 5))
+    assert isinstance(train, BlendedDataset) and test is None
+    assert isinstance(valid, GPTDataset) and set(valid.document_index.tolist()) == set(range(30))
+    sources = {int(train[i]["tokens"][0]) // 10_000 for i in range(40)}
+    assert sources == {0, 1}
+    assert all(int(valid[i]["tokens"][0]) // 10_000 == 2 for i in range(10))
+
+
+def test_data_args_files(tmp_path):
+    import json
+
+    from megatron.training.arguments import parse_args
+
+    a, b = write(str(tmp_path / "a"), 20, 0), write(str(tmp_path / "b"), 20, 10_000)
+    (tmp_path / "blend.txt").write_text(f"0.3 {a}\n0.7 {b}\n")
+    cfg = parse_args(["--data-args-path", str(tmp_path / "blend.txt"), "--vocab-size", "64"]).resolve()
+    assert cfg.data.data_path == ["0.3", a, "0.7", b]
+    (tmp_path / "splits.json").write_text(json.dumps({"train": f"1 {a}", "valid": [b], "test": []}))
+    cfg = parse_args(["--per-split-data-args-path", str(tmp_path / "splits.json"), "--vocab-size", "64"]).resolve()
+    assert (cfg.data.train_data_path, cfg.data.valid_data_path, cfg.data.test_data_path) == (["1", a], [b], [])
+    cfg.validate()
+    with pytest.raises(ValueError, match="cannot both be set"):
+        parse_args(["--data-path", a, "--train-data-path", b, "--vocab-size", "64"]).resolve()
+    with pytest.raises(ValueError, match="--eval-iters 5 needs validation data: add --valid-data-path"):
+        bad = parse_args(["--train-data-path", a, "--vocab-size", "64", "--eval-iters", "5", "--eval-interval", "2"])
+        bad.resolve().validate()

@@ -6,7 +6,8 @@ channels, as in Megatron). Unusual here: the table is cached per (seq_len, devic
 the SAME tensor object is returned on every call, because CUDA graphs key their
 inputs on addresses and a fresh table per step would defeat replay.
 ``apply_rotary_pos_emb`` rotates the first ``rot_dim`` channels of ``t`` and passes the
-rest through (``--rotary-percent`` < 1). The cos/sin tables it needs are computed once
+rest through (``--rotary-percent`` < 1). Llama 3.x's frequency scaling (``--use-rope-scaling``)
+and position interpolation (``--rotary-seq-len-interpolation-factor``) change the table only. The cos/sin tables it needs are computed once
 with the angle table and attached to it, for the common activation dtypes.
 """
 
@@ -25,10 +26,24 @@ class RotaryEmbedding(torch.nn.Module):
         kv_channels: Channels per attention head.
         rotary_percent: Fraction of the channels to rotate.
         rotary_base: Base of the geometric frequency progression.
+        seq_len_interpolation_factor: Positions are divided by it (linear position interpolation).
+        rope_scaling: Llama 3.x's scaling of the low frequencies (``llama3_scaled_inv_freq``).
+        rope_scaling_factor: Its factor (Llama 3.1: 8).
     """
 
-    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: int = 10000):
+    def __init__(
+        self,
+        kv_channels: int,
+        rotary_percent: float = 1.0,
+        rotary_base: int = 10000,
+        *,
+        seq_len_interpolation_factor: float | None = None,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
+    ):
         super().__init__()
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        self.rope_scaling_factor = rope_scaling_factor if rope_scaling else None
         rot_dim = int(kv_channels * rotary_percent)
         if rot_dim <= 0 or rot_dim % 2 != 0:
             raise ValueError(
@@ -53,13 +68,51 @@ class RotaryEmbedding(torch.nn.Module):
             with torch.no_grad(), torch.inference_mode(False):
                 exponents = torch.arange(0, self.rot_dim, 2, dtype=torch.float32, device=device) / self.rot_dim
                 inv_freq = 1.0 / (self.rotary_base**exponents)  # [rot_dim / 2]
+                if self.rope_scaling_factor is not None:
+                    inv_freq = llama3_scaled_inv_freq(inv_freq, self.rope_scaling_factor)
                 positions = torch.arange(seq_len, dtype=torch.float32, device=device)
+                if self.seq_len_interpolation_factor is not None:
+                    positions = positions / self.seq_len_interpolation_factor
                 angles = torch.outer(positions, inv_freq)  # [s, rot_dim / 2]
                 freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :]  # [s, 1, 1, rot_dim]
                 # Per-dtype cos/sin tables ride on the cached tensor so layers need not recompute them.
                 freqs._rope_tables = {dtype: _rope_tables(freqs, dtype) for dtype in _TABLE_DTYPES}
             self._cache[key] = freqs
         return freqs
+
+
+def rotary_embedding(config) -> RotaryEmbedding:
+    """The ``RotaryEmbedding`` of a model config (``--rotary-*``, ``--use-rope-scaling`` flags)."""
+    return RotaryEmbedding(
+        config.kv_channels,
+        config.rotary_percent,
+        config.rotary_base,
+        seq_len_interpolation_factor=getattr(config, "rotary_seq_len_interpolation_factor", None),
+        rope_scaling=getattr(config, "use_rope_scaling", False),
+        rope_scaling_factor=getattr(config, "rope_scaling_factor", 8.0),
+    )
+
+
+def llama3_scaled_inv_freq(
+    inv_freq: torch.Tensor,
+    factor: float,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_context: int = 8192,
+) -> torch.Tensor:
+    """Llama 3.x's RoPE frequency scaling (Megatron's ``--use-rope-scaling``, its constants).
+
+    Wavelengths ``2 pi / f`` shorter than ``original_context / high_freq_factor`` keep their
+    frequency; those longer than ``original_context / low_freq_factor`` are divided by
+    ``factor``; in between, the frequency blends linearly from ``f / factor`` to ``f`` as
+    ``original_context / wavelength`` goes from ``low_freq_factor`` to ``high_freq_factor``.
+    """
+    wavelength = 2 * torch.pi / inv_freq
+    blend = (original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - blend) * inv_freq / factor + blend * inv_freq
+    long = wavelength > original_context / low_freq_factor
+    short = wavelength < original_context / high_freq_factor
+    return torch.where(long, inv_freq / factor, torch.where(short, inv_freq, blended))
 
 
 def _rope_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ biases) are marked ``sequence_parallel`` so DDP sums their gradients over TP.
 import torch
 import torch.nn.functional as F
 
-from megatron.core.models.common.rotary import RotaryEmbedding
+from megatron.core.models.common.rotary import rotary_embedding
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.layers import (
@@ -211,7 +211,7 @@ class GPTModel(torch.nn.Module):
         else:
             self.embedding = None
         if position_embedding_type == "rope":
-            self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base)
+            self.rotary_pos_emb = rotary_embedding(config)
         else:
             self.rotary_pos_emb = None
         self.decoder = TransformerBlock(

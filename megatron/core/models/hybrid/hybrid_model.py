@@ -13,7 +13,7 @@ as in GPT.
 
 import torch
 
-from megatron.core.models.common.rotary import RotaryEmbedding
+from megatron.core.models.common.rotary import rotary_embedding
 from megatron.core.models.gpt.gpt_model import GPTModel, LanguageModelEmbedding, build_output_layer, scale_logits
 from megatron.core.models.hybrid.hybrid_block import HybridStack
 from megatron.core.models.hybrid.hybrid_layer_allocation import (
@@ -106,7 +106,7 @@ class HybridModel(torch.nn.Module):
         else:
             self.embedding = None
         if position_embedding_type == "rope":
-            self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base)
+            self.rotary_pos_emb = rotary_embedding(config)
         else:
             self.rotary_pos_emb = None
         self.decoder = HybridStack(

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron.core.models.common.rotary import RotaryEmbedding, apply_rotary_pos_emb
+from megatron.core.models.common.rotary import RotaryEmbedding, apply_rotary_pos_emb, llama3_scaled_inv_freq
 
 
 def rotate_reference(t, freqs):
@@ -88,3 +88,27 @@ def test_bf16_cached_tables_and_5d_input():
 def test_odd_rotary_dim_is_refused():
     with pytest.raises(ValueError, match="rotary-percent"):
         RotaryEmbedding(10, rotary_percent=0.5)
+
+
+def test_llama3_scaling_keeps_short_wavelengths_divides_long_ones_and_blends_between():
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128))
+    scaled = llama3_scaled_inv_freq(inv_freq, 8.0)
+    wavelength = 2 * math.pi / inv_freq
+    short, long = wavelength < 8192 / 4, wavelength > 8192
+    assert short.any() and long.any() and (~short & ~long).any()
+    assert torch.equal(scaled[short], inv_freq[short])
+    torch.testing.assert_close(scaled[long], inv_freq[long] / 8, rtol=0, atol=0)
+    mid = ~short & ~long
+    r = (8192 / wavelength[mid] - 1) / 3  # 0 at the long end, 1 at the short end
+    torch.testing.assert_close(scaled[mid], (1 - r) * inv_freq[mid] / 8 + r * inv_freq[mid], rtol=1e-12, atol=0)
+    assert torch.all(scaled <= inv_freq) and torch.all(scaled >= inv_freq / 8)
+
+
+def test_rope_scaling_and_interpolation_change_the_table():
+    plain = RotaryEmbedding(16, rotary_base=10000)(32)
+    halved = RotaryEmbedding(16, rotary_base=10000, seq_len_interpolation_factor=2)(32)
+    torch.testing.assert_close(halved, plain / 2)
+    scaled = RotaryEmbedding(16, rotary_base=10000, rope_scaling=True, rope_scaling_factor=4.0)(32)
+    inv = 1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    want = torch.outer(torch.arange(32, dtype=torch.float32), llama3_scaled_inv_freq(inv, 4.0))
+    torch.testing.assert_close(scaled[:, 0, 0, :8], want)
