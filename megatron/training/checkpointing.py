@@ -325,7 +325,8 @@ def save_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> str:
         dist.all_gather_object(rng_states, rng, group=pg.dp)
 
     path = os.path.join(tmp_dir, os.path.relpath(_rank_file(pg, save_dir, iteration), final_dir))
-    others = {key: obj.state_dict() for key, obj in state.items() if key != TRAIN_STATE}
+    skipped = {TRAIN_STATE} | ({OPTIMIZER, SCHEDULER} if cfg.checkpoint.no_save_optim else set())
+    others = {key: obj.state_dict() for key, obj in state.items() if key not in skipped}
     refuse_non_finite(others, pg, iteration, save_dir)
     error = None
     if _writes_file(pg):
@@ -333,7 +334,8 @@ def save_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> str:
         contents = {"checkpoint_version": CHECKPOINT_VERSION}
         contents.update({k: train[k] for k in ("iteration", "consumed_samples")})
         contents.update(others)
-        contents["rng_state"] = rng_states
+        if not cfg.checkpoint.no_save_rng:
+            contents["rng_state"] = rng_states
         contents["config"] = config_to_dict(cfg)
         contents.update({k: v for k, v in train.items() if k not in contents})
         try:
@@ -491,6 +493,24 @@ def _load_file(path: str) -> dict[str, Any]:
     return state
 
 
+def require_saved(contents: Mapping[str, Any], path: str, wanted: Mapping[str, tuple[str, str]]) -> None:
+    """Raises one ``ValueError`` naming every piece a checkpoint lacks because a save flag left it out.
+
+    Args:
+        contents: The checkpoint's top-level entries.
+        path: The checkpoint, for the message.
+        wanted: Entry key -> (the save flag that drops it, the load flag that does without it).
+    """
+    missing = {key: flags for key, flags in wanted.items() if key not in contents}
+    if missing:
+        saved = sorted({save for save, _ in missing.values()})
+        load = sorted({load for _, load in missing.values()})
+        raise ValueError(
+            f"checkpoint {path} holds no {', '.join(missing)} (saved with {' '.join(saved)}); "
+            f"load it with {' '.join(load)}."
+        )
+
+
 @torch.no_grad()
 def load_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> LoadedCheckpoint | None:
     """Loads ``--load`` into the ``Stateful`` objects of ``state`` (keys as for saving).
@@ -534,6 +554,11 @@ def load_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> LoadedCheckpoint 
     loaded = {MODEL}
 
     weights_only = ckpt.finetune or release
+    if not weights_only:
+        wanted = {} if ckpt.no_load_rng else {"rng_state": ("--no-save-rng", "--no-load-rng")}
+        if not ckpt.no_load_optim:
+            wanted.update({k: ("--no-save-optim", "--no-load-optim") for k in state if k not in (MODEL, TRAIN_STATE)})
+        require_saved(contents, path, wanted)
     if weights_only:
         train_state.iteration, train_state.consumed_samples = 0, 0
     else:

@@ -554,6 +554,13 @@ class CheckpointConfig(Freezable):
     no_load_optim: bool = False
     """Do not load optimizer state."""
 
+    no_save_optim: bool = False
+    """Save checkpoints without the optimizer state and the learning-rate schedule (loading one then needs
+    --no-load-optim)."""
+
+    no_save_rng: bool = False
+    """Save checkpoints without the RNG state (loading one then needs --no-load-rng)."""
+
     no_load_rng: bool = False
     """Do not load RNG state."""
 

@@ -152,6 +152,7 @@ def save(trainer) -> None:
     if trainer.pg.dp is not None:
         rng_states = [None] * trainer.pg.dp_size
         dist.all_gather_object(rng_states, rng, group=trainer.pg.dp)
+    c = cfg.checkpoint
     common = {
         "checkpoint_version": ckpt.CHECKPOINT_VERSION,
         "iteration": iteration,
@@ -160,9 +161,13 @@ def save(trainer) -> None:
         "rng_state": rng_states,
         "config": checkpoint_config.config_to_dict(cfg),
     }
-    entries = _entries(trainer, with_optimizer=True)
+    entries = _entries(trainer, with_optimizer=not c.no_save_optim)
     _check_finite(trainer, entries)
     common["optimizer"] = {"grad_scaler": _grad_scaler_state(trainer.optimizer)}
+    if c.no_save_optim:
+        del common["opt_param_scheduler"], common["optimizer"]
+    if c.no_save_rng:
+        del common["rng_state"]
     is_rank0 = trainer.pg.rank == 0
     distributed = _distributed(trainer)
 
@@ -343,6 +348,10 @@ def load(trainer, iteration_dir: str, iteration: int, release: bool) -> int:
     checkpoint_config.check_config(saved_config, trainer.cfg, iteration_dir)
     weights_only = c.finetune or release
     with_optimizer = not weights_only and not c.no_load_optim
+    wanted = {"opt_param_scheduler": ("--no-save-optim", "--no-load-optim")} if with_optimizer else {}
+    if not weights_only and not c.no_load_rng:
+        wanted["rng_state"] = ("--no-save-rng", "--no-load-rng")
+    ckpt.require_saved(common, iteration_dir, wanted)
     reader = dcp.FileSystemReader(iteration_dir)
     metadata = reader.read_metadata()
     found = set(metadata.state_dict_metadata)

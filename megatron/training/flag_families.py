@@ -64,16 +64,16 @@ _SWITCHES = set(
         --no-pad-vocab-size --no-pin-cpu-grads --no-pin-cpu-params --no-rl-inference-logprobs-is-correction
         --no-rl-offload-inference-model-weights-when-idle --no-rl-partial-rollouts --no-rl-persist-cuda-graphs
         --no-rl-skip-bos-token --no-rl-training-cuda-graphs --no-rl-use-sequence-packing
-        --no-rl-verify-model-weights-swap --no-save-optim --no-save-rng --no-save-tokenizer-assets
-        --no-strict-fsdp-dtensor-load --no-tp-comm-bulk-dgrad --no-tp-comm-bulk-wgrad --no-tp-comm-overlap-ag
-        --no-tp-comm-overlap-rs --no-tp-comm-split-ag --no-tp-comm-split-rs
-        --no-use-tokenizer-model-from-checkpoint-args --no-yarn-correction-range-round-to-int --one-logger-async
-        --openai-gelu --optimizer-cpu-offload --optimizer-cuda-graph --otel-enabled --output-bert-embeddings
-        --overlap-cpu-optimizer-d2h-h2d --overlap-dispatch-backward-with-experts-wgrad --qk-clip --qk-l2-norm
-        --replication --reset-attention-mask --reset-position-ids --retriever-score-scaling
-        --rl-durable-rollout-bank --rl-inference-logprobs-is-correction
-        --rl-offload-inference-model-weights-when-idle --rl-persist-cuda-graphs --rl-profile --rl-skip-bos-token
-        --rl-training-cuda-graphs --rl-verify-model-weights-swap --run-workload-inspector-server --skip-train
+        --no-rl-verify-model-weights-swap --no-save-tokenizer-assets --no-strict-fsdp-dtensor-load
+        --no-tp-comm-bulk-dgrad --no-tp-comm-bulk-wgrad --no-tp-comm-overlap-ag --no-tp-comm-overlap-rs
+        --no-tp-comm-split-ag --no-tp-comm-split-rs --no-use-tokenizer-model-from-checkpoint-args
+        --no-yarn-correction-range-round-to-int --one-logger-async --openai-gelu --optimizer-cpu-offload
+        --optimizer-cuda-graph --otel-enabled --output-bert-embeddings --overlap-cpu-optimizer-d2h-h2d
+        --overlap-dispatch-backward-with-experts-wgrad --qk-clip --qk-l2-norm --replication
+        --reset-attention-mask --reset-position-ids --retriever-score-scaling --rl-durable-rollout-bank
+        --rl-inference-logprobs-is-correction --rl-offload-inference-model-weights-when-idle
+        --rl-persist-cuda-graphs --rl-profile --rl-skip-bos-token --rl-training-cuda-graphs
+        --rl-verify-model-weights-swap --run-workload-inspector-server --skip-train
         --tokenizer-hf-no-include-special-tokens --tokenizer-hf-no-use-fast
         --torch-fsdp2-no-reshard-after-forward --tp-comm-overlap-rs-dgrad --trust-remote-code
         --use-checkpoint-args --use-cpu-initialization --use-dist-ckpt --use-gigatoken
@@ -340,7 +340,7 @@ _NOT_YET = {
         --gdp-num-chunk-states-to-recompute --gdp-num-householder
     """,
     ("these checkpoint options", "drop the flag"): """
-        --no-save-optim --no-save-rng --override-ckpt-iteration --ckpt-step --ckpt-convert-format
+        --override-ckpt-iteration --ckpt-step --ckpt-convert-format
         --ckpt-convert-save --ckpt-convert-update-legacy-dist-opt-format --dist-ckpt-save-pre-mcore-014
         --load-main-params-from-ckpt --use-checkpoint-args --use-mp-args-from-checkpoint-args
         --non-persistent-ckpt-type --non-persistent-global-ckpt-dir --non-persistent-local-ckpt-algo

@@ -80,3 +80,30 @@ def test_older_spellings():
     for flag, words in (("--batch-size", "use --micro-batch-size"), ("--warmup", "use --lr-warmup-fraction")):
         with pytest.raises(ValueError, match=words):
             parse_args([flag, "4"])
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_no_save_optim_and_rng(tmp_path, fmt):
+    """Checkpoints without optimizer/schedule and RNG state; loading one asks for the matching
+    --no-load-* flag, and with them resumes at the saved iteration from the saved weights."""
+    save = str(tmp_path / "ckpt")
+    base = f"{FLAGS} --ckpt-format {fmt} --save {save}".split()
+    trainer = build_trainer([*base, "--no-save-optim", "--no-save-rng"])
+    trainer.train()
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    parallel_state.destroy(trainer.pg)
+    trainer.close()
+    if fmt == "torch":
+        state = torch.load(f"{save}/iter_0000002/mp_rank_00/model_optim_rng.pt", weights_only=True)
+        assert not {"optimizer", "opt_param_scheduler", "rng_state"} & set(state) and "model" in state
+    for extra, words in (([], "load it with --no-load-optim --no-load-rng"), (["--no-load-optim"], "--no-load-rng")):
+        with pytest.raises(ValueError, match=words):
+            build_trainer([*base, "--load", save, "--train-iters", "3", *extra])
+    trainer = build_trainer([*base, "--load", save, "--train-iters", "3", "--no-load-optim", "--no-load-rng"])
+    try:
+        assert trainer.iteration == 2
+        for k, v in trainer.model.state_dict().items():
+            assert torch.equal(v, weights[k]), k
+    finally:
+        parallel_state.destroy(trainer.pg)
+        trainer.close()
