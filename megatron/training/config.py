@@ -213,6 +213,14 @@ class DataConfig(Freezable):
     """JSON file {"train": ..., "valid": ..., "test": ...} giving the three per-split blends (a string of words or
     a list each), instead of --train-data-path, --valid-data-path and --test-data-path."""
 
+    dataloader_type: str = flag_field("single", choices=("single", "cyclic"))
+    """Sample order: single (one pass in index order; the datasets shuffle themselves) or cyclic (epochs, each
+    in a new random order)."""
+
+    data_sharding: bool = flag_field(True, flag="--no-data-sharding")
+    """With --dataloader-type cyclic: each data-parallel rank shuffles its own bucket of the dataset
+    (--no-data-sharding: one shuffle of the whole dataset, dealt out to the ranks)."""
+
     eod_mask_loss: bool = False
     """Mask the loss at end-of-document tokens (the next-token target after one is not counted)."""
 

@@ -63,13 +63,15 @@ def build_data_iterators(cfg, tokenizer, pg, consumed_samples: int) -> tuple[Ite
         num_samples=(train_samples, valid_samples, 0),
         fim=FIMRewriter.from_config(cfg.data, tokenizer, t.seed),
     )
-    workers = cfg.data.num_workers
+    d = cfg.data
+    order = dict(num_workers=d.num_workers, dataloader_type=d.dataloader_type, data_sharding=d.data_sharding)
     train = build_pretraining_data_loader(
-        train_ds, consumed_samples, t.micro_batch_size, pg.dp_rank, pg.dp_size, workers
+        train_ds, consumed_samples, t.micro_batch_size, pg.dp_rank, pg.dp_size, **order
     )
     train = _own_generator(train, t.seed)
     valid = None
     if valid_ds is not None and valid_samples:
-        valid = build_pretraining_data_loader(valid_ds, 0, t.micro_batch_size, pg.dp_rank, pg.dp_size, workers)
+        valid = build_pretraining_data_loader(valid_ds, 0, t.micro_batch_size, pg.dp_rank, pg.dp_size, **order)
         valid = repeat(_own_generator(valid, t.seed + 1))
-    return iter(train), valid
+    # cyclic: each pass over the loader is the next epoch (Megatron's cyclic iterator)
+    return (repeat(train) if d.dataloader_type == "cyclic" else iter(train)), valid

@@ -54,7 +54,7 @@ _SWITCHES = set(
         --moe-single-grouped-weight --moe-use-grouped-tensor --moe-use-upcycling --mtp-detach-heads --mtp-hsm
         --mtp-standalone --mtp-use-repeated-layer --multiple-validation-sets --nccl-all-reduce-for-prefill
         --no-align-grad-reduce --no-align-param-gather --no-barrier-with-level-1-timing
-        --no-ckpt-load-validate-sharding-integrity --no-clone-scatter-output-in-embedding --no-data-sharding
+        --no-ckpt-load-validate-sharding-integrity --no-clone-scatter-output-in-embedding
         --no-dsa-indexer-rotate-activation --no-dsa-indexer-scoring-relu --no-flight-recorder-dump-on-timeout
         --no-flight-recorder-extra-dump-on-exec --no-flight-recorder-include-only-active
         --no-gradient-reduce-div-fusion --no-inference-disable-ep-consensus
@@ -258,7 +258,7 @@ _NEVER = {
         --classes-fraction --data-per-class-fraction --dino-bottleneck-size --dino-freeze-last-layer
         --dino-head-hidden-size --dino-local-crops-number --dino-local-img-size --dino-norm-last-layer
         --dino-teacher-temp --dino-warmup-teacher-temp --dino-warmup-teacher-temp-epochs --head-lr-mult --img-h
-        --img-w --iter-per-epoch --mask-factor --mask-type --no-data-sharding --num-channels --num-classes
+        --img-w --iter-per-epoch --mask-factor --mask-type --num-channels --num-classes
         --patch-dim --swin-backbone-type --vision-backbone-type --vision-pretraining --vision-pretraining-type
         --mrope-section
     """,
@@ -390,7 +390,7 @@ _NOT_YET = {
 
 def flag_families() -> dict:
     """Every flag of the families above -> its ``KnownFlag`` (``known_flags`` merges them into its table)."""
-    from megatron.training.known_flags import VALUE, KnownFlag, never, noop, not_yet  # it imports this module
+    from megatron.training.known_flags import KnownFlag, never, noop, not_yet  # it imports this module
 
     out = {}
     for note, flags in _NOOPS.items():
@@ -400,11 +400,4 @@ def flag_families() -> dict:
     for (what, fix), flags in _NOT_YET.items():
         out.update({f: not_yet(f, _nargs(f), what, fix) for f in flags.split()})
     out.update({f: KnownFlag(_nargs(f), message) for f, message in _RETIRED.items()})
-    out["--dataloader-type"] = KnownFlag(
-        VALUE,
-        "--dataloader-type {value} is not supported yet (cyclic and external loaders); drop it: the loader here is "
-        "Megatron's default, single.",
-        accepted_values=("single",),
-        note="single, Megatron's default, is the loader here",
-    )
     return out

@@ -1,6 +1,7 @@
 """Batch sampler and data loader for pretraining, in Megatron's sample order.
 
-Samples are consumed in index order (datasets shuffle internally). One global step of
+Samples are consumed in index order (datasets shuffle internally); ``--dataloader-type
+cyclic`` draws them in a new random order each epoch instead (``MegatronPretrainingRandomSampler``). One global step of
 ``micro_batch_size * data_parallel_size`` consecutive indices is cut into contiguous
 slices, rank r taking ``[r * mbs, (r + 1) * mbs)``. Starting at ``consumed_samples``
 lets a resumed run continue exactly where it stopped.
@@ -103,6 +104,70 @@ class MegatronPretrainingSampler:
                 yield tail
 
 
+class MegatronPretrainingRandomSampler:
+    """``--dataloader-type cyclic``: epochs over the dataset, each in a new random order (Megatron's).
+
+    Epoch ``e`` shuffles with a ``torch.Generator`` seeded ``e``. With data sharding (the
+    default; ``--no-data-sharding`` turns it off) each data-parallel rank owns a contiguous
+    bucket of ``total // (mbs * dp) * mbs`` indices and walks a permutation of it; without,
+    one permutation of the whole dataset (cut to whole micro-batches) is dealt out to the
+    ranks in turn. The part of the dataset that fills no whole global step is never drawn.
+    ``consumed_samples`` (all ranks') says the epoch and the place in it, so a resumed run
+    continues the same order; each pass over the sampler continues where the last stopped.
+
+    Args:
+        total_samples, consumed_samples, micro_batch_size, data_parallel_rank,
+        data_parallel_size: As for ``MegatronPretrainingSampler``.
+        data_sharding: Per-rank buckets (see above).
+    """
+
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        data_sharding: bool = True,
+    ):
+        self.step = micro_batch_size * data_parallel_size
+        if total_samples < self.step:
+            raise ValueError(
+                f"the dataset has {total_samples} samples, fewer than one global step of {self.step}; "
+                "--dataloader-type cyclic needs at least one."
+            )
+        if data_parallel_size < 1 or not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(f"data-parallel rank {data_parallel_rank} is not in a group of size {data_parallel_size}.")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.data_parallel_size = data_parallel_size
+        self.data_sharding = data_sharding
+
+    def __len__(self) -> int:
+        return self.total_samples
+
+    def __iter__(self) -> Iterator[list[int]]:
+        per_epoch = self.total_samples - self.total_samples % self.step  # whole global steps only
+        epoch, done = divmod(self.consumed_samples, per_epoch)
+        assert done % self.step == 0, (done, self.step)
+        generator = torch.Generator()
+        generator.manual_seed(epoch)
+        if self.data_sharding:
+            bucket = self.total_samples // self.step * self.micro_batch_size
+            start = self.data_parallel_rank * bucket
+            order = [start + i for i in torch.randperm(bucket, generator=generator).tolist()]
+            mine = order[done // self.data_parallel_size :]
+        else:
+            whole = self.total_samples // self.micro_batch_size * self.micro_batch_size
+            order = torch.randperm(whole, generator=generator).tolist()[done:]
+            mine = order[self.data_parallel_rank :: self.data_parallel_size]
+        for begin in range(0, len(mine) - self.micro_batch_size + 1, self.micro_batch_size):
+            self.consumed_samples += self.step
+            yield mine[begin : begin + self.micro_batch_size]
+
+
 def build_pretraining_data_loader(
     dataset,
     consumed_samples: int,
@@ -110,8 +175,11 @@ def build_pretraining_data_loader(
     data_parallel_rank: int,
     data_parallel_size: int,
     num_workers: int = 0,
+    dataloader_type: str = "single",
+    data_sharding: bool = True,
 ) -> Iterable[Batch] | None:
-    """A DataLoader over ``dataset`` driven by ``MegatronPretrainingSampler``.
+    """A DataLoader over ``dataset`` driven by ``MegatronPretrainingSampler`` (``--dataloader-type
+    single``) or ``MegatronPretrainingRandomSampler`` (``cyclic``: iterate it again for the next epoch).
 
     Batches are dicts of stacked tensors ([micro_batch_size, seq_length] for GPT data),
     in pageable memory (module docstring). Workers persist across epochs when
@@ -124,13 +192,17 @@ def build_pretraining_data_loader(
         return None
     if num_workers < 0:
         raise ValueError(f"--num-workers must be >= 0, got {num_workers}.")
-    sampler = MegatronPretrainingSampler(
+    where = dict(
         total_samples=len(dataset),
         consumed_samples=consumed_samples,
         micro_batch_size=micro_batch_size,
         data_parallel_rank=data_parallel_rank,
         data_parallel_size=data_parallel_size,
     )
+    if dataloader_type == "cyclic":
+        sampler = MegatronPretrainingRandomSampler(**where, data_sharding=data_sharding)
+    else:
+        sampler = MegatronPretrainingSampler(**where)
     if num_workers == 0:
         return torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
     loader = torch.utils.data.DataLoader(

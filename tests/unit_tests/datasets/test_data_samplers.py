@@ -71,3 +71,52 @@ def test_worker_batches_travel_as_numpy_and_arrive_as_tensors():
     assert len(batches) == len(loader) == 10
     assert all(isinstance(v, torch.Tensor) for b in batches for v in b.values())
     assert batches[1]["tokens"].tolist() == [[2, 4], [3, 9]] and batches[1]["loss_mask"].dtype == torch.float32
+
+
+def _epoch(sampler):
+    return [i for batch in sampler for i in batch]
+
+
+@pytest.mark.parametrize("sharding", [True, False])
+def test_cyclic_sampler_is_megatrons_epoch_order(sharding):
+    from megatron.core.datasets.data_samplers import MegatronPretrainingRandomSampler
+
+    total, mbs, dp = 50, 2, 3  # 48 samples in whole global steps of 6
+    ranks = [MegatronPretrainingRandomSampler(total, 0, mbs, r, dp, data_sharding=sharding) for r in range(dp)]
+    epochs = [[_epoch(s) for s in ranks] for _ in range(2)]  # each pass is the next epoch
+    for e, drawn in enumerate(epochs):
+        g = torch.Generator().manual_seed(e)
+        if sharding:  # rank r walks a permutation of its own bucket of 16 = 50 // 6 * 2
+            for r, mine in enumerate(drawn):
+                assert mine == [16 * r + i for i in torch.randperm(16, generator=g.manual_seed(e)).tolist()]
+        else:  # one permutation of the 50 samples' 25 whole micro-batches' worth, dealt out in turn
+            order = torch.randperm(50, generator=g).tolist()
+            assert [i for r in range(dp) for i in drawn[r]] == [i for r in range(dp) for i in order[r::dp][:16]]
+        assert len({i for mine in drawn for i in mine}) == 48  # no sample twice in an epoch
+    assert epochs[0] != epochs[1]
+    assert all(s.consumed_samples == 2 * 48 for s in ranks)
+
+
+def test_cyclic_sampler_resumes_mid_epoch():
+    from megatron.core.datasets.data_samplers import MegatronPretrainingRandomSampler
+
+    whole = _epoch(MegatronPretrainingRandomSampler(40, 0, 2, 1, 2))
+    later = _epoch(MegatronPretrainingRandomSampler(40, 40 + 12, 2, 1, 2))  # epoch 1, three steps in
+    epoch1 = _epoch(MegatronPretrainingRandomSampler(40, 40, 2, 1, 2))
+    assert later == epoch1[6:] and epoch1 != whole
+
+
+def test_cyclic_training_runs_epochs():
+    from megatron.core import parallel_state
+    from megatron.training.training import build_trainer
+
+    argv = (
+        "--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+        "--micro-batch-size 2 --global-batch-size 2 --train-iters 6 --mock-data --tokenizer-type NullTokenizer "
+        "--vocab-size 64 --num-workers 0 --log-interval 1 --dataloader-type cyclic"
+    ).split()
+    trainer = build_trainer(argv)
+    parallel_state.destroy(trainer.pg)
+    history = trainer.train()
+    trainer.close()
+    assert len(history) == 6 and all(np.isfinite(r["lm loss"]) for r in history)
