@@ -221,6 +221,10 @@ class DataConfig(Freezable):
     """With --dataloader-type cyclic: each data-parallel rank shuffles its own bucket of the dataset
     (--no-data-sharding: one shuffle of the whole dataset, dealt out to the ranks)."""
 
+    reset_position_ids: bool = False
+    """Restart the position ids at 0 after each end-of-document token (they feed learned absolute position
+    embeddings; rotary embeddings count positions within the sequence)."""
+
     eod_mask_loss: bool = False
     """Mask the loss at end-of-document tokens (the next-token target after one is not counted)."""
 

@@ -70,7 +70,7 @@ _SWITCHES = set(
         --no-yarn-correction-range-round-to-int --one-logger-async --openai-gelu --optimizer-cpu-offload
         --optimizer-cuda-graph --otel-enabled --output-bert-embeddings --overlap-cpu-optimizer-d2h-h2d
         --overlap-dispatch-backward-with-experts-wgrad --qk-clip --qk-l2-norm --replication
-        --reset-attention-mask --reset-position-ids --retriever-score-scaling --rl-durable-rollout-bank
+        --reset-attention-mask --retriever-score-scaling --rl-durable-rollout-bank
         --rl-inference-logprobs-is-correction --rl-offload-inference-model-weights-when-idle
         --rl-persist-cuda-graphs --rl-profile --rl-skip-bos-token --rl-training-cuda-graphs
         --rl-verify-model-weights-swap --run-workload-inspector-server --skip-train
@@ -314,7 +314,7 @@ _NOT_YET = {
         --phase-transition-iterations --mid-level-dataset-surplus
     """,
     ("document-boundary attention and position resets", "drop the flag"): """
-        --reset-attention-mask --reset-position-ids --dataloader-inter-document-masking
+        --reset-attention-mask --dataloader-inter-document-masking
     """,
     ("other activations and position encodings", "drop the flag"): """
         --openai-gelu --no-rope-freq --apply-residual-connection-post-layernorm

@@ -165,6 +165,7 @@ def build_train_valid_test_datasets(
         vocab_size=tokenizer.vocab_size,
         fim=fim,
         pad=pad_id_to_mask(tokenizer),
+        reset_position_ids=bool(getattr(data_config, "reset_position_ids", False)),
     )
     wanted = [n if n else 0 for n in num_samples]
 

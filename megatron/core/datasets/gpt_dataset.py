@@ -147,6 +147,8 @@ class GPTDataset(torch.utils.data.Dataset):
             fill-in-the-middle format with its own random stream.
         pad: Megatron's pad id (``pad_id_to_mask(tokenizer)``) or None: where a label is this id
             its loss is zeroed, and the id is replaced by 0 in tokens and labels.
+        reset_position_ids: Positions count again from 0 after each end-of-document input token
+            (``--reset-position-ids``; read by learned absolute position embeddings).
 
     Each item is a dict of tensors: ``tokens`` int64 [s], ``labels`` int64 [s] (tokens
     shifted by one), ``loss_mask`` float32 [s], ``position_ids`` int64 [s].
@@ -168,6 +170,7 @@ class GPTDataset(torch.utils.data.Dataset):
         vocab_size: int | None = None,
         fim=None,
         pad: int | None = None,
+        reset_position_ids: bool = False,
     ):
         if seq_length < 1:
             raise ValueError(f"--seq-length must be >= 1, got {seq_length}.")
@@ -183,6 +186,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.vocab_size = vocab_size
         self.fim = fim
         self.pad = pad
+        self.reset_position_ids = reset_position_ids
         if len(self.documents) == 0:
             raise ValueError(
                 f"the {split_name} split of {path_prefix or 'the mock data'} has no documents; "
@@ -264,7 +268,12 @@ class GPTDataset(torch.utils.data.Dataset):
             loss_mask[labels == self.pad] = 0.0
             tokens[tokens == self.pad] = 0
             labels[labels == self.pad] = 0
-        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": self._position_ids.clone()}
+        positions = self._position_ids.clone()
+        if self.reset_position_ids:  # count again from 0 after each end-of-document input
+            after_eod = torch.zeros_like(positions)
+            after_eod[1:] = torch.where(tokens[:-1] == self.eod, positions[1:], 0)
+            positions -= torch.cummax(after_eod, dim=0).values
+        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": positions}
 
 
 def _md5(array: np.ndarray) -> str:

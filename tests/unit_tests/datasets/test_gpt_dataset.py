@@ -253,3 +253,18 @@ def test_re_preprocessed_data_rebuilds_the_cache_and_says_so(corpus, tmp_path, c
         assert GPTDataset(new_low, np.arange(50), 200, **kwargs).cache.cache_hit
         GPTDataset(new_low, np.arange(50), 100, **kwargs)  # other settings: a new cache, not a rebuild
     assert "rebuilding" not in caplog.text
+
+
+def test_reset_position_ids_counts_again_after_each_end_of_document(tmp_path):
+    docs = [np.array([5, 6, EOD]), np.array([7, 8, 9, EOD]), np.array([4, 4, 4, 4, 4])]
+    low = write(str(tmp_path / "reset"), docs)
+    common = dict(seq_length=10, seed=0, eod=EOD, cache_dir=str(tmp_path / "c"))
+    item = GPTDataset(low, np.arange(3), 1, reset_position_ids=True, **common)[0]
+    tokens, positions = item["tokens"].tolist(), item["position_ids"].tolist()
+    want, p = [], 0
+    for t in tokens:  # Megatron's loop: the end-of-document token keeps its count, the next starts at 0
+        want.append(p)
+        p = 0 if t == EOD else p + 1
+    assert positions == want and EOD in tokens[:-1]
+    plain = GPTDataset(low, np.arange(3), 1, **common)[0]
+    assert plain["position_ids"].tolist() == list(range(10)) and torch.equal(plain["tokens"], item["tokens"])

@@ -107,3 +107,19 @@ def test_no_save_optim_and_rng(tmp_path, fmt):
     finally:
         parallel_state.destroy(trainer.pg)
         trainer.close()
+
+
+def test_reset_position_ids_reaches_the_dataset():
+    cfg = parse_args(f"{FLAGS} --reset-position-ids".split()).resolve()
+    _, trainer = _model("--reset-position-ids")
+    train, _, _ = build_train_valid_test_datasets(
+        cfg.data, trainer.tokenizer, seq_length=16, seed=1, num_samples=(20, 0, 0)
+    )
+    restarted = 0
+    for i in range(20):
+        s = train[i]
+        positions, after_eod = s["position_ids"], torch.nonzero(s["tokens"][:-1] == trainer.tokenizer.eod)
+        for j in after_eod.flatten().tolist():
+            assert positions[j + 1] == 0
+            restarted += 1
+    assert restarted > 0
