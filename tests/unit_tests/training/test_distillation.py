@@ -318,3 +318,15 @@ def test_metrics_file_holds_the_reported_losses(teachers, tmp_path):
         ["intermediate distillation loss", "lm loss", "logits distillation loss", "total loss"]
     ] * 2
     assert distillation.TOTAL_LOSS in rows[0]
+
+
+def test_per_token_loss_reports_the_same_means(teachers, tmp_path):
+    """--calculate-per-token-loss: the reported losses are token sums divided by the global token count;
+    with every token counted (mock data, no masking) they equal the mean of the micro-batch means."""
+    kd = f"--train-iters 2 --export-kd-teacher-load {teachers['torch_dist']} --export-kd-cfg "
+    kd += _write(tmp_path / "kd.yaml", UPSTREAM_CFG)
+    plain, per_token = _train(_argv(kd)), _train(_argv(f"{kd} --calculate-per-token-loss"))
+    first, second = plain[0], per_token[0]  # iteration 1: the same weights either way
+    for name in ("total loss", "logits distillation loss", "intermediate distillation loss"):
+        assert second[name] == pytest.approx(first[name], rel=1e-6), name
+    assert second["lm loss"] == 0.0
