@@ -180,8 +180,9 @@ def build_train_valid_test_datasets(
         return tuple(out)
 
     per_split = [getattr(data_config, f"{name}_data_path", None) or [] for name in SPLIT_NAMES]
-    if any(per_split):  # each split its own blend, every document of its prefixes (--split unused)
-        blends = [_kept_blend(words) if words else ([], []) for words in per_split]
+    own_blends = any(per_split)  # each split its own blend, every document of its prefixes (--split unused)
+    if own_blends:
+        blends = [_kept_blend(words) if words else ([], []) for words in per_split]  # a split may have none
     else:
         blends = [_kept_blend(data_config.data_path)] * 3
     opened: dict[str, IndexedDataset] = {}
@@ -189,14 +190,16 @@ def build_train_valid_test_datasets(
     for s, name in enumerate(SPLIT_NAMES):
         prefixes, weights = blends[s]
         n = wanted[s]
-        if not prefixes or (not any(per_split) and split[s] == 0) or n == 0:
+        if not prefixes or (not own_blends and split[s] == 0) or n == 0:
             out.append(None)
             continue
         sizes = [n] if len(prefixes) == 1 else _blend_sizes(weights, n)
         parts = []
         for prefix, size in zip(prefixes, sizes):
-            low = opened[prefix] = opened.get(prefix) or _open_prefix(prefix)
-            begin, end = (0, len(low)) if any(per_split) else split_ranges(split, len(low))[s]
+            if prefix not in opened:
+                opened[prefix] = _open_prefix(prefix)
+            low = opened[prefix]
+            begin, end = (0, len(low)) if own_blends else split_ranges(split, len(low))[s]
             if begin == end:
                 raise ValueError(
                     f"--split {data_config.split} leaves the {name} split of {prefix} no documents "

@@ -1,9 +1,9 @@
 """Batch sampler and data loader for pretraining, in Megatron's sample order.
 
 Samples are consumed in index order (datasets shuffle internally); ``--dataloader-type
-cyclic`` draws them in a new random order each epoch instead (``MegatronPretrainingRandomSampler``). One global step of
-``micro_batch_size * data_parallel_size`` consecutive indices is cut into contiguous
-slices, rank r taking ``[r * mbs, (r + 1) * mbs)``. Starting at ``consumed_samples``
+cyclic`` draws them in a new random order each epoch instead
+(``MegatronPretrainingRandomSampler``). One global step of ``micro_batch_size *
+data_parallel_size`` consecutive indices is cut into contiguous slices, rank r taking ``[r * mbs, (r + 1) * mbs)``. Starting at ``consumed_samples``
 lets a resumed run continue exactly where it stopped.
 
 Unusual here, both for a host-bound GPU step:
@@ -42,6 +42,14 @@ from torch.utils.data import default_collate
 Batch = dict[str, torch.Tensor | np.ndarray]
 
 
+def _check_micro_batch_and_rank(micro_batch_size: int, data_parallel_rank: int, data_parallel_size: int) -> None:
+    """The samplers' shared argument checks; raises ``ValueError``."""
+    if micro_batch_size < 1:
+        raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}.")
+    if data_parallel_size < 1 or not 0 <= data_parallel_rank < data_parallel_size:
+        raise ValueError(f"data-parallel rank {data_parallel_rank} is not in a group of size {data_parallel_size}.")
+
+
 class MegatronPretrainingSampler:
     """Yields this data-parallel rank's index lists, one per micro-batch.
 
@@ -70,10 +78,7 @@ class MegatronPretrainingSampler:
                 f"consumed samples ({consumed_samples}) must be in [0, {total_samples}): the run has used "
                 "up its dataset; build it with more samples (e.g. raise --train-iters before resuming)."
             )
-        if micro_batch_size < 1:
-            raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}.")
-        if data_parallel_size < 1 or not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(f"data-parallel rank {data_parallel_rank} is not in a group of size {data_parallel_size}.")
+        _check_micro_batch_and_rank(micro_batch_size, data_parallel_rank, data_parallel_size)
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
@@ -130,14 +135,13 @@ class MegatronPretrainingRandomSampler:
         data_parallel_size: int,
         data_sharding: bool = True,
     ):
+        _check_micro_batch_and_rank(micro_batch_size, data_parallel_rank, data_parallel_size)
         self.step = micro_batch_size * data_parallel_size
         if total_samples < self.step:
             raise ValueError(
                 f"the dataset has {total_samples} samples, fewer than one global step of {self.step}; "
                 "--dataloader-type cyclic needs at least one."
             )
-        if data_parallel_size < 1 or not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(f"data-parallel rank {data_parallel_rank} is not in a group of size {data_parallel_size}.")
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
