@@ -48,7 +48,7 @@ import glob
 import os
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -320,7 +320,7 @@ def save_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> str:
     train = train_state.state_dict()
     rng = train.pop("rng_state")
     rng_states = [rng]
-    if pg.dp is not None:
+    if pg.dp is not None and not cfg.checkpoint.no_save_rng:
         rng_states = [None] * pg.dp_size
         dist.all_gather_object(rng_states, rng, group=pg.dp)
 
@@ -493,14 +493,19 @@ def _load_file(path: str) -> dict[str, Any]:
     return state
 
 
-def require_saved(contents: Mapping[str, Any], path: str, wanted: Mapping[str, tuple[str, str]]) -> None:
-    """Raises one ``ValueError`` naming every piece a checkpoint lacks because a save flag left it out.
+def require_saved(contents: Mapping[str, Any], path: str, ckpt, optimizer_keys: Sequence[str]) -> None:
+    """Raises one ``ValueError`` naming every piece a resume needs that the checkpoint lacks because
+    ``--no-save-optim`` / ``--no-save-rng`` left it out, and the load flags that do without it.
 
     Args:
         contents: The checkpoint's top-level entries.
         path: The checkpoint, for the message.
-        wanted: Entry key -> (the save flag that drops it, the load flag that does without it).
+        ckpt: The ``CheckpointConfig`` (``--no-load-optim`` and ``--no-load-rng`` want less).
+        optimizer_keys: The entries ``--no-save-optim`` drops in this format.
     """
+    wanted = {} if ckpt.no_load_rng else {"rng_state": ("--no-save-rng", "--no-load-rng")}
+    if not ckpt.no_load_optim:
+        wanted.update(dict.fromkeys(optimizer_keys, ("--no-save-optim", "--no-load-optim")))
     missing = {key: flags for key, flags in wanted.items() if key not in contents}
     if missing:
         saved = sorted({save for save, _ in missing.values()})
@@ -555,10 +560,7 @@ def load_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> LoadedCheckpoint 
 
     weights_only = ckpt.finetune or release
     if not weights_only:
-        wanted = {} if ckpt.no_load_rng else {"rng_state": ("--no-save-rng", "--no-load-rng")}
-        if not ckpt.no_load_optim:
-            wanted.update({k: ("--no-save-optim", "--no-load-optim") for k in state if k not in (MODEL, TRAIN_STATE)})
-        require_saved(contents, path, wanted)
+        require_saved(contents, path, ckpt, [k for k in state if k not in (MODEL, TRAIN_STATE)])
     if weights_only:
         train_state.iteration, train_state.consumed_samples = 0, 0
     else:

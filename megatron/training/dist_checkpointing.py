@@ -130,6 +130,16 @@ def wait_for_pending_save() -> None:
     print_rank_0(f"  successfully saved checkpoint from iteration {pending.iteration:7d} (async)")
 
 
+def _gathered_rng_states(trainer) -> list:
+    """Every data-parallel rank's RNG state, in DP-rank order (each rank resumes its own)."""
+    rng = get_rng_state(trainer.device.type == "cuda")
+    if trainer.pg.dp is None:
+        return [rng]
+    states = [None] * trainer.pg.dp_size
+    dist.all_gather_object(states, rng, group=trainer.pg.dp)
+    return states
+
+
 def save(trainer) -> None:
     """Saves ``trainer`` at its iteration in the torch_dist format (async with ``--async-save``)."""
     global _pending
@@ -147,27 +157,21 @@ def save(trainer) -> None:
         dist.broadcast_object_list(tmp_name, src=0)
     tmp_dir = os.path.join(save_dir, tmp_name[0])
 
-    rng = get_rng_state(trainer.device.type == "cuda")
-    rng_states = [rng]
-    if trainer.pg.dp is not None:
-        rng_states = [None] * trainer.pg.dp_size
-        dist.all_gather_object(rng_states, rng, group=trainer.pg.dp)
     c = cfg.checkpoint
     common = {
         "checkpoint_version": ckpt.CHECKPOINT_VERSION,
         "iteration": iteration,
         "consumed_samples": trainer.consumed_samples,
-        "opt_param_scheduler": trainer.scheduler.state_dict(),
-        "rng_state": rng_states,
-        "config": checkpoint_config.config_to_dict(cfg),
     }
+    if not c.no_save_optim:
+        common["opt_param_scheduler"] = trainer.scheduler.state_dict()
+    if not c.no_save_rng:
+        common["rng_state"] = _gathered_rng_states(trainer)
+    common["config"] = checkpoint_config.config_to_dict(cfg)
     entries = _entries(trainer, with_optimizer=not c.no_save_optim)
     _check_finite(trainer, entries)
-    common["optimizer"] = {"grad_scaler": _grad_scaler_state(trainer.optimizer)}
-    if c.no_save_optim:
-        del common["opt_param_scheduler"], common["optimizer"]
-    if c.no_save_rng:
-        del common["rng_state"]
+    if not c.no_save_optim:
+        common["optimizer"] = {"grad_scaler": _grad_scaler_state(trainer.optimizer)}
     is_rank0 = trainer.pg.rank == 0
     distributed = _distributed(trainer)
 
@@ -348,10 +352,8 @@ def load(trainer, iteration_dir: str, iteration: int, release: bool) -> int:
     checkpoint_config.check_config(saved_config, trainer.cfg, iteration_dir)
     weights_only = c.finetune or release
     with_optimizer = not weights_only and not c.no_load_optim
-    wanted = {"opt_param_scheduler": ("--no-save-optim", "--no-load-optim")} if with_optimizer else {}
-    if not weights_only and not c.no_load_rng:
-        wanted["rng_state"] = ("--no-save-rng", "--no-load-rng")
-    ckpt.require_saved(common, iteration_dir, wanted)
+    if not weights_only:
+        ckpt.require_saved(common, iteration_dir, c, ["opt_param_scheduler"])
     reader = dcp.FileSystemReader(iteration_dir)
     metadata = reader.read_metadata()
     found = set(metadata.state_dict_metadata)
