@@ -494,59 +494,6 @@ class ProfilingConfig(Freezable):
 
 
 @dataclasses.dataclass
-class DistillationConfig(Freezable):
-    """Knowledge distillation from a frozen teacher (the flags of Megatron's ModelOpt integration)."""
-
-    export_kd_teacher_load: str | None = None
-    """Checkpoint folder of the teacher model; setting it turns distillation on (the student is the model the
-    other flags describe, trained on the distillation loss of --export-kd-cfg)."""
-
-    export_kd_teacher_model_config: str | None = None
-    """YAML file of the teacher's model flags that differ from the student's (Megatron's argument names, e.g.
-    ``num_layers: 24``); default: ``model_config.yaml`` in --export-kd-teacher-load, else the student's model."""
-
-    export_kd_teacher_ckpt_format: str | None = flag_field(None, choices=("torch", "torch_dist", "torch_dcp"))
-    """Format of the teacher's checkpoint when it differs from --ckpt-format (default: the one it has)."""
-
-    export_kd_cfg: str | None = None
-    """Distillation YAML (ModelOpt's fields: logit_layers, intermediate_layer_pairs, skip_lm_loss, kd_loss_scale,
-    kd_loss_alpha, logit_kl_temperature); default: KL divergence of the logits alone, temperature 1."""
-
-    @property
-    def enabled(self) -> bool:
-        return self.export_kd_teacher_load is not None
-
-    def validate(self) -> None:
-        """The distillation flags' own checks (files exist); raises ``ValueError``."""
-        given = {
-            "--export-kd-teacher-model-config": self.export_kd_teacher_model_config,
-            "--export-kd-teacher-ckpt-format": self.export_kd_teacher_ckpt_format,
-            "--export-kd-cfg": self.export_kd_cfg,
-        }
-        if not self.enabled:
-            extra = [flag for flag, value in given.items() if value is not None]
-            require(
-                not extra,
-                f"{', '.join(extra)} configure distillation, which --export-kd-teacher-load turns on; "
-                "give the teacher's checkpoint folder or drop them.",
-            )
-            return
-        require(
-            os.path.isdir(self.export_kd_teacher_load),
-            f"--export-kd-teacher-load {self.export_kd_teacher_load} is not a folder; give the teacher's checkpoint "
-            "folder (the one its --save wrote).",
-        )
-        for flag in ("--export-kd-teacher-model-config", "--export-kd-cfg"):
-            path = given[flag]
-            require(path is None or os.path.isfile(path), f"{flag} {path} does not exist; give a YAML file.")
-        require(
-            self.export_kd_teacher_ckpt_format != "torch_dcp",
-            "--export-kd-teacher-ckpt-format torch_dcp is not supported: teachers load from torch_dist or torch "
-            "checkpoints.",
-        )
-
-
-@dataclasses.dataclass
 class CheckpointConfig(Freezable):
     """Saving and loading checkpoints."""
 

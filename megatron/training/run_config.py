@@ -34,12 +34,12 @@ from megatron.training.config import (
     CheckpointConfig,
     DataConfig,
     DDPConfig,
-    DistillationConfig,
     LoggingConfig,
     PrecisionConfig,
     ProfilingConfig,
     TrainingConfig,
 )
+from megatron.training.distillation import DistillationConfig
 
 
 @dataclasses.dataclass

@@ -6,9 +6,10 @@ channels, as in Megatron). Unusual here: the table is cached per (seq_len, devic
 the SAME tensor object is returned on every call, because CUDA graphs key their
 inputs on addresses and a fresh table per step would defeat replay.
 ``apply_rotary_pos_emb`` rotates the first ``rot_dim`` channels of ``t`` and passes the
-rest through (``--rotary-percent`` < 1). Llama 3.x's frequency scaling (``--use-rope-scaling``)
-and position interpolation (``--rotary-seq-len-interpolation-factor``) change the table only. The cos/sin tables it needs are computed once
-with the angle table and attached to it, for the common activation dtypes.
+rest through (``--rotary-percent`` < 1). Llama 3.x's frequency scaling
+(``--use-rope-scaling``) and position interpolation (``--rotary-seq-len-interpolation-factor``)
+change the table only. The cos/sin tables it needs are computed once with the angle table
+and attached to it, for the common activation dtypes.
 """
 
 import torch
