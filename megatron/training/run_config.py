@@ -2,7 +2,7 @@
 
 The training-side concerns are in ``config.py``; the model, parallel, MoE, Mamba and
 cuda-graph configs live with the core code they configure, ``OptimizerConfig`` with the
-optimizer.
+optimizer, ``DistillationConfig`` with distillation.
 
 A run's config goes through four steps, once each: ``parse_args`` fills the
 dataclasses; ``RunConfig.resolve(world_size)`` returns a copy with every derived value
