@@ -42,7 +42,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import yaml
 
 from megatron.core.config_utils import Freezable, flag_field, require
 from megatron.core.pipeline_parallel.schedules import NUM_TOKENS
@@ -130,6 +129,7 @@ class KDSettings:
         if path is None:
             return cls()
         where = f"--export-kd-cfg {path}"
+        yaml = _yaml(where)
         try:
             with open(path) as f:
                 raw = yaml.safe_load(f)
@@ -178,6 +178,15 @@ class KDSettings:
         )
 
 
+def _yaml(what: str):
+    """PyYAML, imported only when a YAML file is read (it is no install requirement of training)."""
+    try:
+        import yaml
+    except ImportError as e:
+        raise ValueError(f"{what} is YAML, which needs PyYAML: pip install pyyaml.") from e
+    return yaml
+
+
 def teacher_model_config_path(distill) -> str | None:
     """``--export-kd-teacher-model-config``, else the teacher folder's ``model_config.yaml`` if present."""
     if distill.export_kd_teacher_model_config is not None:
@@ -196,7 +205,7 @@ def teacher_run_config(given, world_size: int):
     overrides = {}
     if path is not None:
         with open(path) as f:
-            overrides = yaml.safe_load(f) or {}
+            overrides = _yaml(f"teacher model config {path}").safe_load(f) or {}
         require(isinstance(overrides, dict), f"teacher model config {path} must be a YAML mapping of model flags.")
     for name, value in overrides.items():
         groups = [g for g in _TEACHER_GROUPS if name in {f.name for f in dataclasses.fields(getattr(cfg, g))}]
