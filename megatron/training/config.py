@@ -1,4 +1,5 @@
-"""Training-side configuration: batch, precision, DDP, data, logging, checkpoints.
+"""Training-side configuration: batch, precision, DDP, data, logging, checkpoints (profiling's is in
+``profiling.py``, distillation's in ``distillation.py``).
 
 One small dataclass per concern; ``megatron.training.arguments`` generates the flags.
 The checks that read one concern only are its ``validate``; ``run_config.RunConfig``
@@ -436,61 +437,6 @@ class LoggingConfig(Freezable):
                 self.wandb_save_dir or save,
                 "--wandb-project needs --wandb-save-dir DIR (or --save, whose wandb/ subfolder is the default).",
             )
-
-
-@dataclasses.dataclass
-class ProfilingConfig(Freezable):
-    """Profiling (``profiling.StepProfiler``)."""
-
-    profile: bool = False
-    """Profile iterations --profile-step-start + 1 to --profile-step-end: an nsys capture range
-    (cudaProfilerStart/Stop; run under nsys profile --capture-range=cudaProfilerApi
-    --capture-range-end=stop), or torch.profiler with --use-pytorch-profiler."""
-
-    profile_step_start: int = 10
-    """Iterations done when profiling starts."""
-
-    profile_step_end: int = 12
-    """Iteration after which profiling stops."""
-
-    use_pytorch_profiler: bool = False
-    """Profile with torch.profiler; the trace goes to <--tensorboard-dir>/../torch_profile/rank-<rank>.json.gz."""
-
-    pytorch_profiler_collect_shapes: bool = False
-    """Record tensor shapes in the torch.profiler trace."""
-
-    pytorch_profiler_collect_callstack: bool = False
-    """Record Python call stacks in the torch.profiler trace."""
-
-    pytorch_profiler_collect_chakra: bool = False
-    """Also write a Chakra execution trace (<--tensorboard-dir>/../chakra/rank-<rank>.json.gz)."""
-
-    profile_ranks: list[int] = flag_field(default_factory=list, nargs="+")
-    """Global ranks that profile (default: every rank)."""
-
-    record_memory_history: bool = False
-    """Record the CUDA caching allocator's history from start-up and write snapshots (at the first
-    iteration and every log line, and on out-of-memory) on the --profile-ranks."""
-
-    memory_snapshot_path: str = "snapshot.pickle"
-    """Where --record-memory-history writes its snapshots (the rank is added to the name)."""
-
-    record_shapes: bool = False
-    """Record input shapes in the NVTX ranges of an nsys profile (torch.autograd.profiler.emit_nvtx)."""
-
-    nvtx_ranges: bool = False
-    """Mark the step's phases (forward-backward, optimizer) with NVTX ranges while profiling."""
-
-    def validate(self) -> None:
-        """The profiling flags' own checks; raises ``ValueError``."""
-        if not self.profile:
-            return
-        require(self.profile_step_start >= 0, f"--profile-step-start must be >= 0, got {self.profile_step_start}.")
-        require(
-            self.profile_step_end > self.profile_step_start,
-            f"--profile-step-end ({self.profile_step_end}) must be greater than --profile-step-start "
-            f"({self.profile_step_start}): iterations start + 1 to end are profiled.",
-        )
 
 
 @dataclasses.dataclass

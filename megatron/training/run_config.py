@@ -36,10 +36,10 @@ from megatron.training.config import (
     DDPConfig,
     LoggingConfig,
     PrecisionConfig,
-    ProfilingConfig,
     TrainingConfig,
 )
 from megatron.training.distillation import DistillationConfig
+from megatron.training.profiling import ProfilingConfig
 
 
 @dataclasses.dataclass

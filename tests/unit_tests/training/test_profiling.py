@@ -10,7 +10,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.training import profiling
 from megatron.training.arguments import parse_args
-from megatron.training.config import ProfilingConfig
+from megatron.training.profiling import ProfilingConfig
 
 
 def test_flags_parse_with_megatrons_defaults():
