@@ -95,7 +95,7 @@ def gpu_report(train_args, iters: int) -> report_lib.MemoryReport:
         argv += ["--train-iters", str(iters + 1)]
     trainer = build_trainer(argv, model_provider, forward_step)
     try:
-        it, _ = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0)
+        it = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0).train
         trainer.model.train()
         for _ in range(iters):
             trainer.train_step(it)

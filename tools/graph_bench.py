@@ -287,7 +287,7 @@ def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_p
             mgc_capture = time.perf_counter() - capture_start
         from megatron.training.data import build_data_iterators
 
-        it, _ = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0)
+        it = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0).train
         trainer.model.train()
         times, losses = [], []
         for i in range(iters):

@@ -155,7 +155,7 @@ def main():
 
     runner.GraphedRegion.capture_forward = note(runner.GraphedRegion.capture_forward, "forward")
     runner.GraphedRegion.capture_backward = note(runner.GraphedRegion.capture_backward, "backward")
-    it, _ = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0)
+    it = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0).train
     trainer.model.train()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     trainer.train_step(it)  # iteration 1: records, then captures every graph
@@ -263,7 +263,7 @@ def steady(trainer, args) -> None:
     from megatron.training.data import build_data_iterators
 
     device = torch.cuda.current_device()
-    it, _ = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0)
+    it = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0).train
     trainer.model.train()
     session = trainer.graphs
     phases = []  # (what ran, max reserved bytes, max allocated bytes)

@@ -307,7 +307,7 @@ def main():
 
     argv = build_argv(args)
     trainer = build_trainer(argv)
-    it, _ = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0)
+    it = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0).train
     trainer.model.train()
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -124,7 +124,7 @@ def main():
     trainer = build_trainer(argv)
     if args.mode == "mgc":
         wrap_with_make_graphed_callables(trainer)
-    it, _ = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0)
+    it = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0).train
     trainer.model.train()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(args.warmup):

@@ -69,7 +69,7 @@ MODEL, OPTIMIZER, SCHEDULER, TRAIN_STATE = "model", "optimizer", "opt_param_sche
 """Keys of the mapping given to ``save_checkpoint`` / ``load_checkpoint`` (and of the file)."""
 
 # Entries of the file that belong to the train state (top level, as Megatron).
-_TRAIN_STATE_KEYS = ("iteration", "consumed_samples", "skipped_iterations", "nan_iterations")
+_TRAIN_STATE_KEYS = ("iteration", "consumed_samples", "consumed_valid_samples", "skipped_iterations", "nan_iterations")
 
 
 class NonFiniteCheckpointError(RuntimeError):
@@ -562,7 +562,7 @@ def load_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> LoadedCheckpoint 
     if not weights_only:
         require_saved(contents, path, ckpt, [k for k in state if k not in (MODEL, TRAIN_STATE)])
     if weights_only:
-        train_state.iteration, train_state.consumed_samples = 0, 0
+        train_state.iteration, train_state.consumed_samples, train_state.consumed_valid_samples = 0, 0, 0
     else:
         train = {k: contents[k] for k in _TRAIN_STATE_KEYS if k in contents}
         if not ckpt.no_load_rng:

@@ -53,6 +53,13 @@ class TrainingConfig(Freezable):
     eval_global_batch_size: int | None = None
     """Global batch size of evaluation. Defaults to --global-batch-size."""
 
+    eval_micro_batch_size: int | None = None
+    """Micro batch size of evaluation. Defaults to --micro-batch-size."""
+
+    skip_train: bool = False
+    """Skip training: evaluate the validation and test splits at the loaded iteration and exit (implies
+    --no-load-optim)."""
+
     seed: int = 1234
     """Random seed for initialisation, data and dropout."""
 

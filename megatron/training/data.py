@@ -8,6 +8,7 @@ depend on ``--num-workers``, on when evaluation starts a pass, or on a resume.
 """
 
 from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -49,29 +50,58 @@ def repeat(loader: Iterable) -> Iterator:
             return
 
 
-def build_data_iterators(cfg, tokenizer, pg, consumed_samples: int) -> tuple[Iterator, Iterator | None]:
-    """Train (and valid, when evaluation is on) iterators of micro-batches for this rank."""
+class DataIterators(NamedTuple):
+    """This rank's micro-batch iterators; a split that is not read is None."""
+
+    train: Iterator | None
+    valid: Iterator | None
+    test: Iterator | None
+
+
+def eval_samples(t) -> tuple[int, int]:
+    """Samples the valid and test splits are built with (Megatron's counts, from ``TrainingConfig``).
+
+    Validation runs every --eval-interval iterations and once more at the end (once with --skip-train),
+    the test split once at the end; each run reads --eval-iters batches of --eval-global-batch-size.
+    """
+    if t.eval_iters == 0:
+        return 0, 0
+    runs = 1 if t.skip_train else t.train_iters // t.eval_interval + 1
+    per_run = t.eval_iters * t.eval_global_batch_size
+    return runs * per_run, per_run
+
+
+def build_data_iterators(cfg, tokenizer, pg, consumed_samples: int, consumed_valid_samples: int = 0) -> DataIterators:
+    """Train, valid and test iterators of micro-batches for this rank.
+
+    Training reads from ``consumed_samples`` and validation from ``consumed_valid_samples`` (both
+    restored from a checkpoint); the test split, and validation with --skip-train, from sample 0.
+    With --skip-train there is no train iterator.
+    """
     t = cfg.training
-    train_samples = cfg.batch_schedule.samples_after(0, t.train_iters)  # iterations x batch when it is constant
-    eval_runs = t.train_iters // t.eval_interval + 1 if t.eval_iters > 0 else 0
-    valid_samples = eval_runs * t.eval_iters * t.global_batch_size
-    train_ds, valid_ds, _ = build_train_valid_test_datasets(
+    train_samples = 0 if t.skip_train else cfg.batch_schedule.samples_after(0, t.train_iters)
+    valid_samples, test_samples = eval_samples(t)
+    datasets = build_train_valid_test_datasets(
         cfg.data,
         tokenizer,
         seq_length=cfg.model.seq_length,
         seed=t.seed,
-        num_samples=(train_samples, valid_samples, 0),
+        num_samples=(train_samples, valid_samples, test_samples),
         fim=FIMRewriter.from_config(cfg.data, tokenizer, t.seed),
     )
     d = cfg.data
     order = dict(num_workers=d.num_workers, dataloader_type=d.dataloader_type, data_sharding=d.data_sharding)
-    train = build_pretraining_data_loader(
-        train_ds, consumed_samples, t.micro_batch_size, pg.dp_rank, pg.dp_size, **order
-    )
-    train = _own_generator(train, t.seed)
-    valid = None
-    if valid_ds is not None and valid_samples:
-        valid = build_pretraining_data_loader(valid_ds, 0, t.micro_batch_size, pg.dp_rank, pg.dp_size, **order)
-        valid = repeat(_own_generator(valid, t.seed + 1))
-    # cyclic: each pass over the loader is the next epoch (Megatron's cyclic iterator)
-    return (repeat(train) if d.dataloader_type == "cyclic" else iter(train)), valid
+
+    def loader(dataset, consumed: int, micro_batch_size: int, seed: int):
+        if dataset is None:
+            return None
+        built = build_pretraining_data_loader(dataset, consumed, micro_batch_size, pg.dp_rank, pg.dp_size, **order)
+        return _own_generator(built, seed)
+
+    train_ds, valid_ds, test_ds = datasets
+    train = loader(train_ds, consumed_samples, t.micro_batch_size, t.seed)
+    valid = loader(valid_ds, 0 if t.skip_train else consumed_valid_samples, t.eval_micro_batch_size, t.seed + 1)
+    test = loader(test_ds, 0, t.eval_micro_batch_size, t.seed + 2)
+    if train is not None:  # cyclic: each pass over the loader is the next epoch (Megatron's cyclic iterator)
+        train = repeat(train) if d.dataloader_type == "cyclic" else iter(train)
+    return DataIterators(train, valid and repeat(valid), test and repeat(test))

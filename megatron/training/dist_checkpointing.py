@@ -162,6 +162,7 @@ def save(trainer) -> None:
         "checkpoint_version": ckpt.CHECKPOINT_VERSION,
         "iteration": iteration,
         "consumed_samples": trainer.consumed_samples,
+        "consumed_valid_samples": trainer.consumed_valid_samples,
     }
     if not c.no_save_optim:
         common["opt_param_scheduler"] = trainer.scheduler.state_dict()
@@ -393,10 +394,11 @@ def load(trainer, iteration_dir: str, iteration: int, release: bool) -> int:
             destination.copy_(source)
 
     if weights_only:
-        trainer.iteration, trainer.consumed_samples = 0, 0
+        trainer.iteration, trainer.consumed_samples, trainer.consumed_valid_samples = 0, 0, 0
     else:
         trainer.iteration = int(common["iteration"])
         trainer.consumed_samples = int(common["consumed_samples"])
+        trainer.consumed_valid_samples = int(common.get("consumed_valid_samples", 0))  # older saves: 0
     if with_optimizer:
         if not any(e.key in found for e in entries if e.key.startswith(_FP32_PREFIX)):
             trainer.optimizer.reload_model_params()  # no fp32 copies saved (a tolerated fp32 checkpoint)

@@ -237,6 +237,7 @@ class _WeightsOnly:
     device: torch.device
     iteration: int = 0
     consumed_samples: int = 0
+    consumed_valid_samples: int = 0
     last_checkpointed_iteration: int | None = None
 
     class _Nothing:

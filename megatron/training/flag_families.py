@@ -348,9 +348,9 @@ _NOT_YET = {
         --replication-factor --replication-jump
     """,
     ("these training-loop options", "drop the flag"): """
-        --check-for-large-grads --skip-train --full-validation --multiple-validation-sets --validation-set-names
+        --check-for-large-grads --full-validation --multiple-validation-sets --validation-set-names
         --start-eval-at-iter --iterations-to-skip --decrease-batch-size-if-needed --data-parallel-random-init
-        --eval-micro-batch-size --ddp-param-name-patterns-for-fp32-local-accumulation
+        --ddp-param-name-patterns-for-fp32-local-accumulation
         --dump-param-to-param-group-map --pipeline-model-parallel-comm-backend --exit-signal
         --exit-signal-handler-for-dataloader --exit-signal-handler-for-training
     """,

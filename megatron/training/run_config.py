@@ -109,6 +109,13 @@ class RunConfig(Freezable):
             t.global_batch_size = steps[-1][1]  # the batch the schedule ends with (eval, lr in iterations)
         if t.global_batch_size is None:
             t.global_batch_size = t.micro_batch_size * cfg.parallel.data_parallel_size
+        if t.eval_global_batch_size is None:
+            t.eval_global_batch_size = t.global_batch_size
+        if t.eval_micro_batch_size is None:
+            t.eval_micro_batch_size = t.micro_batch_size
+        if t.skip_train and not cfg.checkpoint.no_load_optim:  # Megatron's rule and warning
+            warnings.warn("enabling --no-load-optim when skipping training.", stacklevel=2)
+            cfg.checkpoint.no_load_optim = True
         require(  # the iteration count derives from one of them
             t.train_iters is None or t.train_samples is None,
             "--train-iters and --train-samples cannot both be set; pick one.",
@@ -240,12 +247,13 @@ class RunConfig(Freezable):
             "--lr-warmup-samples / --lr-decay-samples.",
         )
         require(t.manual_gc_interval >= 0, f"--manual-gc-interval must be >= 0, got {t.manual_gc_interval}.")
-        if t.eval_global_batch_size is not None:
-            require(
-                t.eval_global_batch_size % (t.micro_batch_size * dp) == 0,
-                f"--eval-global-batch-size ({t.eval_global_batch_size}) must be divisible by --micro-batch-size "
-                f"({t.micro_batch_size}) x data-parallel size ({dp}).",
-            )
+        require(t.eval_micro_batch_size >= 1, f"--eval-micro-batch-size must be >= 1, got {t.eval_micro_batch_size}.")
+        require(
+            t.eval_global_batch_size >= 1 and t.eval_global_batch_size % (t.eval_micro_batch_size * dp) == 0,
+            f"--eval-global-batch-size ({t.eval_global_batch_size}) must be a positive multiple of "
+            f"--eval-micro-batch-size ({t.eval_micro_batch_size}, default --micro-batch-size) x data-parallel "
+            f"size ({dp}).",
+        )
         require(
             t.exit_interval is None or t.exit_interval >= 1,
             f"--exit-interval must be >= 1, got {t.exit_interval}; drop it to train all --train-iters.",
@@ -411,6 +419,12 @@ class RunConfig(Freezable):
 
     @property
     def num_microbatches(self) -> int:
-        """Micro-batches per step at --global-batch-size (the batch after any ramp-up; evaluation's)."""
+        """Micro-batches per step at --global-batch-size (the batch after any ramp-up)."""
         t = self.training
         return t.global_batch_size // (t.micro_batch_size * self.parallel.data_parallel_size)
+
+    @property
+    def eval_num_microbatches(self) -> int:
+        """Micro-batches per evaluation batch (--eval-global-batch-size in --eval-micro-batch-size pieces)."""
+        t = self.training
+        return t.eval_global_batch_size // (t.eval_micro_batch_size * self.parallel.data_parallel_size)

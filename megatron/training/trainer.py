@@ -15,14 +15,14 @@ naming the iteration where it began. Saves refuse non-finite state, so the track
 only ever points at finite weights. ``--save`` is locked for the run
 (``save_lock.SaveLock``); ``exit_conditions.ExitConditions`` turns SIGTERM
 (``--exit-signal-handler``) or ``--exit-duration-in-mins`` into save-and-exit-0.
-The log line, TensorBoard scalars and memory line are ``training_log.py``'s.
+The log line, TensorBoard scalars and memory line are ``training_log.py``'s; evaluation
+is ``evaluation.py``'s.
 """
 
 import atexit
 import contextlib
 import functools
 import gc
-import math
 import time
 from collections.abc import Callable
 
@@ -52,6 +52,7 @@ from megatron.training import (
 from megatron.training import logging_utils as logs
 from megatron.training.batch_steps import StepBatches
 from megatron.training.data import build_data_iterators, setup_tokenizer
+from megatron.training.evaluation import Evaluation
 from megatron.training.exit_conditions import ExitConditions
 from megatron.training.profiling import StepProfiler
 from megatron.training.run_config import RunConfig
@@ -61,7 +62,7 @@ from megatron.training.train_state import TrainState
 from megatron.training.training_log import IterationLogging, LossWindow
 
 
-class Trainer(IterationLogging, StepBatches, StepChecks):
+class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation):
     """One training run. ``pretrain()`` builds it from flags and calls ``train()``.
 
     Args:
@@ -89,12 +90,14 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
         self.pg = pg
         self.device = pg.device
         self.forward_step = forward_step
-        self.schedule = self._schedule(cfg, pg)
+        t = cfg.training
+        self.schedule = self._schedule(cfg, pg, t.micro_batch_size)
+        same = t.eval_micro_batch_size == t.micro_batch_size
+        self.eval_schedule = self.schedule if same else self._schedule(cfg, pg, t.eval_micro_batch_size)
         # Before the model: --record-memory-history sees every allocation.
         self.profiler = StepProfiler(
             cfg.profiling, pg.rank, cfg.logging.tensorboard_dir, cuda=self.device.type == "cuda"
         )
-        t = cfg.training
         # The same seed on every rank (layers draw full weights and keep their shard);
         # the tracker's per-TP-rank streams serve dropout inside TP regions.
         model_parallel_manual_seed(t.seed, tp_rank=pg.tp_rank, device=self.device)
@@ -195,8 +198,9 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
             return None
 
     @staticmethod
-    def _schedule(cfg: RunConfig, pg: parallel_state.ProcessGroups) -> Callable:
-        """The schedule of this layout; a pipelined one knows its exchange shape and dtype."""
+    def _schedule(cfg: RunConfig, pg: parallel_state.ProcessGroups, micro_batch_size: int) -> Callable:
+        """The schedule of this layout; a pipelined one knows its exchange shape (at ``micro_batch_size``)
+        and dtype."""
         chunks = layout.num_chunks(cfg.parallel)
         schedule = schedules.get_forward_backward_func(pg.pp_size, chunks)
         if pg.pp_size == 1:
@@ -204,7 +208,7 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
         p2p_communication.warm_up_group(pg)
         shape = p2p_communication.tensor_shape(
             seq_length=cfg.model.seq_length,
-            micro_batch_size=cfg.training.micro_batch_size,
+            micro_batch_size=micro_batch_size,
             hidden_size=cfg.model.hidden_size,
             pg=pg,
         )
@@ -250,6 +254,10 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
     iteration = property(lambda self: self.state.iteration, lambda self, v: setattr(self.state, "iteration", v))
     consumed_samples = property(
         lambda self: self.state.consumed_samples, lambda self, v: setattr(self.state, "consumed_samples", v)
+    )
+    consumed_valid_samples = property(
+        lambda self: self.state.consumed_valid_samples,
+        lambda self, v: setattr(self.state, "consumed_valid_samples", v),
     )
     skipped_iters = property(
         lambda self: self.state.skipped_iters, lambda self, v: setattr(self.state, "skipped_iters", v)
@@ -443,8 +451,15 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
         # Building the data touches no global RNG stream (data.py gives each DataLoader a
         # generator of its own); the fork keeps it so for anything dataset code may draw.
         with torch.random.fork_rng(devices=[]):
-            train_iter, valid_iter = build_data_iterators(cfg, self.tokenizer, self.pg, self.consumed_samples)
+            train_iter, valid_iter, test_iter = build_data_iterators(
+                cfg, self.tokenizer, self.pg, self.consumed_samples, self.consumed_valid_samples
+            )
         self.model.train()
+        if t.skip_train:
+            logs.print_rank_0("skipping training (--skip-train is on) ...")
+            self.evaluate_at_end(valid_iter, test_iter)
+            self.close()
+            return []
         history = []
         self._window = LossWindow(self.device)
         exits = ExitConditions(t, self.pg, start_time=self.start_time)
@@ -456,6 +471,7 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
             gc.collect()
             gc.disable()
         first_iteration = self.iteration + 1  # 1, or the one after a loaded checkpoint
+        stopped = None  # why the loop ended before --train-iters, if it did
         self.profiler.start()
         with exits:
             while self.iteration < t.train_iters:
@@ -500,57 +516,25 @@ class Trainer(IterationLogging, StepBatches, StepChecks):
                 if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
                     self._save_checked()
                 if t.exit_interval and self.iteration % t.exit_interval == 0:
+                    stopped = "--exit-interval"
                     break
                 if t.manual_gc and t.manual_gc_interval and self.iteration % t.manual_gc_interval == 0:
                     gc.collect()
-                reason = exits.reason()
-                if reason is not None:
-                    logs.print_rank_0(f"> exiting after iteration {self.iteration}: {reason}")
+                stopped = exits.reason()
+                if stopped is not None:
+                    logs.print_rank_0(f"> exiting after iteration {self.iteration}: {stopped}")
                     break
         self._check_nan_window()  # iterations since the last log line
-        if valid_iter is not None and self.iteration % t.eval_interval != 0 and exits.reason() is None:
-            self.evaluate(valid_iter, "the end of training for val data")
         if cfg.checkpoint.save and self.iteration > 0 and self._save_attempted != self.iteration:
             self._save_checked()  # Megatron also saves at the end of training
+        if stopped is None:  # as Megatron, which exits the process when the loop stops early
+            self.evaluate_at_end(valid_iter, test_iter)
         dist_checkpointing.wait_for_pending_save()  # an --async-save in flight is on disk when train() returns
         self.retention.retire()  # what an --async-save in flight superseded
         if t.manual_gc:
             gc.enable()
         self.close()
         return history
-
-    def evaluate(self, data_iterator, where: str) -> float:
-        """Mean lm loss over --eval-iters global batches of validation data (no grad).
-
-        Graphed regions run eagerly here (the manager routes eval and no-grad calls
-        around the graphs), so evaluation never disturbs the replay order.
-        """
-        t = self.cfg.training
-        self.model.eval()
-        with self.on_stream(), torch.no_grad():
-            total, _metrics = self.schedule(
-                forward_step=self.forward_step,
-                next_batch=lambda: self._next_batch(data_iterator),
-                model=self.model,
-                num_microbatches=t.eval_iters * self.cfg.num_microbatches,
-                forward_only=True,
-            )
-            if self.pg.dp is not None:
-                dist.all_reduce(total, group=self.pg.dp)
-            loss = total.item() / self.pg.dp_size
-        self.model.train()
-        ppl = math.exp(min(20.0, loss))
-        line = f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
-        logs.print_last_rank("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
-        self.metrics.write(
-            self.iteration, {"lm loss validation": loss, "lm loss validation ppl": ppl}, samples=self.consumed_samples,
-            tensorboard=False,
-        )  # fmt: skip
-        tb = {"lm loss validation": loss}
-        if self.cfg.logging.log_validation_ppl_to_tensorboard:
-            tb["lm loss validation ppl"] = ppl
-        self.metrics.write(self.iteration, tb, samples=self.consumed_samples, jsonl=False)
-        return loss
 
     def _sync_time(self) -> float:
         if self.device.type == "cuda":

@@ -152,7 +152,8 @@ def _token_sum(loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> torch.Te
     """--calculate-per-token-loss: the micro-batch's loss summed over its tokens."""
     if NUM_TOKENS not in metrics:
         raise ValueError(
-            f"--calculate-per-token-loss needs forward_step to report the loss tokens as metrics[{NUM_TOKENS!r}]."
+            f"forward_step must report the loss tokens as metrics[{NUM_TOKENS!r}]: evaluation and "
+            "--calculate-per-token-loss weigh each micro-batch by its loss tokens."
         )
     return loss * metrics[NUM_TOKENS]
 
