@@ -413,6 +413,17 @@ class LoggingConfig(Freezable):
     log_validation_ppl_to_tensorboard: bool = False
     """Write the validation perplexity to TensorBoard."""
 
+    log_loss_scale_to_tensorboard: bool = flag_field(
+        True, flag="--no-log-loss-scale-to-tensorboard", aliases=("--disable-log-loss-scale-to-tensorboard",)
+    )
+    """Write the loss scale to TensorBoard with the per-iteration scalars."""
+
+    log_world_size_to_tensorboard: bool = False
+    """Write the world size to TensorBoard with the per-iteration scalars."""
+
+    log_device_memory_used: bool = False
+    """Add the device memory in use by every process (what nvidia-smi shows) to the memory line."""
+
     tensorboard_log_interval: int = 1
     """Iterations between TensorBoard writes of the per-iteration scalars."""
 

@@ -381,10 +381,6 @@ _NOT_YET = {
     ("object storage (Multi-Storage Client)", "read the data from local paths"): """
         --enable-msc
     """,
-    ("these logging options", "drop the flag"): """
-        --log-world-size-to-tensorboard --no-log-loss-scale-to-tensorboard
-        --disable-log-loss-scale-to-tensorboard --log-device-memory-used
-    """,
 }
 
 

@@ -43,8 +43,11 @@ class IterationLogging:
             "learning-rate": self._logged_lr(),
             "batch-size": self.step_batch,
             **({k: float(v) for k, v in reports.items()} if reports else {"lm loss": float(loss)}),
-            "loss-scale": float(self.optimizer.get_loss_scale()),
         }
+        if lg.log_loss_scale_to_tensorboard:
+            record["loss-scale"] = float(self.optimizer.get_loss_scale())
+        if lg.log_world_size_to_tensorboard:
+            record["world-size"] = self.pg.world_size
         if grad_norm is not None:
             record["grad-norm"] = float(grad_norm)
         self.metrics.write(self.iteration, record, samples=self.consumed_samples, jsonl=False)
@@ -157,9 +160,12 @@ class IterationLogging:
             return
         mem = logs.memory_stats_mb(self.device)
         extra = {}
+        if self.cfg.logging.log_device_memory_used:  # every process's, as the driver counts it
+            free, total = torch.cuda.mem_get_info(self.device)
+            extra["total device memory used"] = (total - free) / 2**20
         s = graph_stats(self)
         if s is not None:
-            extra = {
+            extra |= {
                 "graph pool reserved": s["pool_reserved_bytes"] / 2**20,
                 "graph pool live": s["pool_live_bytes"] / 2**20,
                 "graph buffers held": s["strong_bytes"] / 2**20,

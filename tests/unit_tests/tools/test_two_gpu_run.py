@@ -44,10 +44,11 @@ def _graph_stats(graphs=18):
     }
 
 
-def _trainer_like(rank, pp_rank, pp_size, iteration=30, graphs=18):
+def _trainer_like(rank, pp_rank, pp_size, iteration=30, graphs=18, device_memory_used=False):
     """What IterationLogging._log_memory / _memory_record read of a trainer, on a (pretend) GPU."""
     stats = _graph_stats(graphs)
     return types.SimpleNamespace(
+        cfg=types.SimpleNamespace(logging=types.SimpleNamespace(log_device_memory_used=device_memory_used)),
         device=torch.device("cuda"),
         pg=types.SimpleNamespace(dp_rank=0, rank=rank, pp_rank=pp_rank, pp_size=pp_size),
         graphs=types.SimpleNamespace(captured=True, stats=lambda: stats),
@@ -100,6 +101,17 @@ def test_memory_lines_of_each_rank_as_the_trainer_prints_them(fake_allocator):
         "pool_reserved_mb": 1304.0,
     }
     assert per_rank[1]["graphs"] == 10
+
+
+def test_memory_line_with_log_device_memory_used(fake_allocator, monkeypatch):
+    """--log-device-memory-used: Megatron's "total device memory used" right after "max reserved"."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1000 * MB, 5000 * MB))
+    out = io.StringIO()
+    with redirect_stdout(out):
+        IterationLogging._log_memory(_trainer_like(0, 0, 1, device_memory_used=True))
+    assert (
+        "| max reserved: 4520.25 | total device memory used: 4000.00 | graph pool reserved: 1304.00 |" in out.getvalue()
+    )
 
 
 def test_pool_line_as_the_session_prints_it():

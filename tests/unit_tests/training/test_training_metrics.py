@@ -119,3 +119,49 @@ def test_moe_per_layer_losses_in_tensorboard(tmp_path):
         assert all(len(v) == 2 for v in layers)
         means = [(a + b) / 2 for a, b in zip(*layers)]
         assert means == pytest.approx([r[name] for r in records], rel=1e-5)  # fp32 metric sums
+
+
+def _scalar_tags(tb) -> set:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    return events
+
+
+@pytest.mark.parametrize("off", ["--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard"])
+def test_tensorboard_world_size_and_no_loss_scale(tmp_path, off):
+    pytest.importorskip("tensorboard")
+    tb = tmp_path / "tb"
+    pretrain(FLAGS + ["--train-iters", "2", "--tensorboard-dir", str(tb), "--log-world-size-to-tensorboard", off])
+    events = _scalar_tags(tb)
+    tags = set(events.Tags()["scalars"])
+    assert "loss-scale" not in tags and "lm loss" in tags
+    assert [(s.step, s.value) for s in events.Scalars("world-size")] == [(1, 1.0), (2, 1.0)]
+    assert [s.step for s in events.Scalars("world-size vs samples")] == [4, 8]
+
+
+def test_tensorboard_validation_and_test_losses_as_megatron_tags_them(tmp_path):
+    """Megatron writes the test split's loss under "lm loss validation" too (the metrics file keeps
+    them apart); the evaluations after training come after the one at the last iteration."""
+    pytest.importorskip("tensorboard")
+    tb, path = tmp_path / "tb", tmp_path / "m.jsonl"
+    flags = ["--train-iters", "4", "--eval-iters", "1", "--eval-interval", "2", "--log-validation-ppl-to-tensorboard"]
+    pretrain(FLAGS + flags + ["--tensorboard-dir", str(tb), "--metrics-file", str(path)])
+    records = read_jsonl(path)
+    valid = [r["lm loss validation"] for r in records if "lm loss validation" in r]
+    test = [r["lm loss test"] for r in records if "lm loss test" in r]
+    events = _scalar_tags(tb)
+    scalars = events.Scalars("lm loss validation")
+    assert [s.step for s in scalars] == [2, 4, 4, 4]
+    assert [s.value for s in scalars] == pytest.approx(valid + test, rel=1e-6)
+    assert len(events.Scalars("lm loss validation ppl")) == 4
+
+
+@pytest.mark.gpu
+def test_memory_line_with_device_memory_used_gpu(capfd):
+    pretrain(FLAGS + ["--train-iters", "1", "--log-device-memory-used"])
+    line = next(x for x in capfd.readouterr().out.splitlines() if "memory (MB)" in x)
+    used = float(line.split("| total device memory used: ")[1].split(" ")[0])
+    allocated = float(line.split("| allocated: ")[1].split(" ")[0])
+    assert used >= allocated > 0  # the driver's count includes the CUDA context and the allocator's cache
