@@ -356,7 +356,8 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     """
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    namespace = parser.parse_args(_attach_dash_values(parser, _legacy_spellings(argv)))
+    argv = _legacy_spellings(argv)
+    namespace = parser.parse_args(_attach_dash_values(parser, argv))
     values = vars(namespace)
     _check_known_flags(values)
     config = RunConfig()
@@ -367,7 +368,14 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     for group, cls in _groups():
         setattr(config, group, cls(**by_group.get(group, {})))
     config.ignored_flags = _ignored_flags(values)
+    config.given_fields = _given_fields(argv)
     return config
+
+
+def _given_fields(argv: list[str]) -> list[str]:
+    """``group.field`` of every field a word of ``argv`` (legacy spellings already rewritten) names."""
+    words = {w.split("=", 1)[0] for w in argv if w.startswith("--")}
+    return [ff.dest for ff in field_flags() if words.intersection(ff.flags)]
 
 
 _MD_METAVARS = {int: "N", float: "X", str: "STR"}

@@ -407,6 +407,24 @@ def read_tracker(checkpoints_dir: str) -> tuple[int, bool]:
     return iteration, False
 
 
+def iteration_to_load(checkpoints_dir: str, ckpt_step: int | None) -> tuple[int, bool]:
+    """``(iteration, release)`` of the checkpoint to load: ``--ckpt-step``'s, else the tracker's.
+
+    Raises:
+        ValueError: ``--ckpt-step``'s folder is missing (the message lists the saved iterations),
+            or the tracker is missing or corrupt.
+    """
+    if ckpt_step is None:
+        return read_tracker(checkpoints_dir)
+    if not os.path.isdir(os.path.join(checkpoints_dir, iteration_dir_name(ckpt_step))):
+        found = sorted(int(os.path.basename(p)[5:]) for p in glob.glob(os.path.join(checkpoints_dir, "iter_???????")))
+        raise ValueError(
+            f"--ckpt-step {ckpt_step}: {checkpoints_dir} holds no {iteration_dir_name(ckpt_step)} folder "
+            f"(saved iterations: {', '.join(map(str, found)) or 'none'}); pick one of them or drop --ckpt-step."
+        )
+    return ckpt_step, False
+
+
 def has_checkpoint(checkpoints_dir: str) -> bool:
     """Whether ``checkpoints_dir`` holds a checkpoint (a tracker file or an ``iter_*`` folder)."""
     return os.path.isfile(tracker_path(checkpoints_dir)) or bool(
@@ -442,7 +460,7 @@ def find_checkpoint(cfg, pg, checkpoints_dir: str) -> tuple[str, int, bool] | No
             "folder written by --save, or drop --load to train from scratch"
             + (" (--exit-on-missing-checkpoint asks for one)." if cfg.checkpoint.exit_on_missing_checkpoint else ".")
         )
-    iteration, release = read_tracker(checkpoints_dir)
+    iteration, release = iteration_to_load(checkpoints_dir, cfg.checkpoint.ckpt_step)
     path = _rank_file(pg, checkpoints_dir, iteration, release)
     other_ep = _other_ep_files(pg, checkpoints_dir, iteration, release)
     if not os.path.isfile(path) and other_ep:

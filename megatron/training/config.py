@@ -490,6 +490,27 @@ class CheckpointConfig(Freezable):
     finetune: bool = False
     """Load model weights only and start from iteration 0."""
 
+    use_checkpoint_args: bool = False
+    """Take the model flags from the checkpoint to load (the sizes where the command line leaves them out,
+    the model's form always), as Megatron's load_args_from_checkpoint."""
+
+    use_mp_args_from_checkpoint_args: bool = False
+    """With --use-checkpoint-args: take the tensor, pipeline, virtual-pipeline and expert parallel sizes too."""
+
+    use_tokenizer_model_from_checkpoint_args: bool = flag_field(
+        True,
+        flag="--no-use-tokenizer-model-from-checkpoint-args",
+        aliases=("--disable-use-tokenizer-model-from-checkpoint-args",),
+    )
+    """With --use-checkpoint-args: take --tokenizer-type and --tokenizer-model from the checkpoint."""
+
+    ckpt_step: int | None = None
+    """Load the checkpoint of this iteration (its iter_XXXXXXX folder) instead of the one the tracker names."""
+
+    override_ckpt_iteration: int | None = None
+    """Continue from this iteration instead of the loaded one: the data loader starts at iteration x
+    --global-batch-size samples (the learning-rate schedule stays the checkpoint's)."""
+
     exit_on_missing_checkpoint: bool = False
     """With --load: stop with an error when it holds no checkpoint, instead of training from scratch."""
 
@@ -533,6 +554,16 @@ class CheckpointConfig(Freezable):
             not self.async_save or self.ckpt_format == "torch_dist",
             "--async-save needs --ckpt-format torch_dist (the torch format saves synchronously).",
         )
+        require(
+            not self.use_checkpoint_args or self.load or self.pretrained_checkpoint,
+            "--use-checkpoint-args needs --load or --pretrained-checkpoint (the checkpoint to read the flags from).",
+        )
+        for flag, value in (
+            ("--ckpt-step", self.ckpt_step),
+            ("--override-ckpt-iteration", self.override_ckpt_iteration),
+        ):
+            require(value is None or value >= 0, f"{flag} must be >= 0, got {value}.")
+            require(value is None or self.load, f"{flag} {value} needs --load (the checkpoint folder).")
         require(
             self.save_interval is None or self.save_interval >= 1,
             f"--save-interval must be >= 1, got {self.save_interval}; drop it to save only at the end of training.",

@@ -260,7 +260,7 @@ def _check_shapes(entries: list[sharded_state.Entry], metadata, path: str) -> No
             )
 
 
-def _read_common(path: str) -> dict[str, Any]:
+def read_common(path: str) -> dict[str, Any]:
     try:
         common = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - unpickling errors come in many types
@@ -298,13 +298,14 @@ def restore_scheduler(trainer, saved: dict[str, Any]) -> None:
     sched.load_state_dict(saved)
 
 
-def detect_format(load_dir: str) -> str | None:
-    """The format of the checkpoint ``load_dir``'s tracker points at (None: no readable checkpoint)."""
+def detect_format(load_dir: str, ckpt_step: int | None = None) -> str | None:
+    """The format of the checkpoint ``load_dir``'s tracker (or ``--ckpt-step``) points at (None: no
+    readable checkpoint)."""
     load_dir = os.path.abspath(load_dir)
-    if not os.path.isfile(ckpt.tracker_path(load_dir)):
+    if not os.path.isfile(ckpt.tracker_path(load_dir)) and ckpt_step is None:
         return None
     try:
-        iteration, release = ckpt.read_tracker(load_dir)
+        iteration, release = ckpt.iteration_to_load(load_dir, ckpt_step)
     except ValueError:
         return None  # the loader names the corrupt tracker
     iteration_dir = os.path.join(load_dir, ckpt.iteration_dir_name(iteration, release))
@@ -324,9 +325,9 @@ def maybe_load(trainer) -> int | None:
     """
     c = trainer.cfg.checkpoint
     load_dir = os.path.abspath(c.load)
-    if not os.path.isfile(ckpt.tracker_path(load_dir)):
+    if not os.path.isfile(ckpt.tracker_path(load_dir)) and c.ckpt_step is None:
         return None  # no checkpoint: the torch loader reports it (or starts fresh)
-    iteration, release = ckpt.read_tracker(load_dir)
+    iteration, release = ckpt.iteration_to_load(load_dir, c.ckpt_step)
     iteration_dir = os.path.join(load_dir, ckpt.iteration_dir_name(iteration, release))
     found = "torch_dist" if is_torch_dist_checkpoint(iteration_dir) else "torch"
     if found != c.ckpt_format:  # with --auto-detect-ckpt-format, RunConfig.resolve() already chose it
@@ -347,7 +348,7 @@ def load(trainer, iteration_dir: str, iteration: int, release: bool) -> int:
     wait_for_pending_save()
     c = trainer.cfg.checkpoint
     print_rank_0(f"loading checkpoint from {iteration_dir} (torch_dist)")
-    common = _read_common(os.path.join(iteration_dir, COMMON_FILENAME))
+    common = read_common(os.path.join(iteration_dir, COMMON_FILENAME))
     saved_config = dict(common.get("config", {}))
     saved_config.pop("parallel", None)  # layout-free: any TP x PP x DP reads it
     checkpoint_config.check_config(saved_config, trainer.cfg, iteration_dir)

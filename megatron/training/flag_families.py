@@ -161,9 +161,8 @@ _NOOPS = {
     "workarounds for the ONNX exporter; training is unchanged": """
         --onnx-safe
     """,
-    "checkpoints here keep no tokenizer files and read the tokenizer from the flags": """
-        --no-save-tokenizer-assets --disable-save-tokenizer-assets --no-use-tokenizer-model-from-checkpoint-args
-        --disable-use-tokenizer-model-from-checkpoint-args
+    "checkpoints here keep no tokenizer files": """
+        --no-save-tokenizer-assets --disable-save-tokenizer-assets
     """,
     "garbage collection around evaluation with --manual-gc; the same values": """
         --no-manual-gc-eval --disable-manual-gc-eval
@@ -340,9 +339,9 @@ _NOT_YET = {
         --gdp-num-chunk-states-to-recompute --gdp-num-householder
     """,
     ("these checkpoint options", "drop the flag"): """
-        --override-ckpt-iteration --ckpt-step --ckpt-convert-format
+        --ckpt-convert-format
         --ckpt-convert-save --ckpt-convert-update-legacy-dist-opt-format --dist-ckpt-save-pre-mcore-014
-        --load-main-params-from-ckpt --use-checkpoint-args --use-mp-args-from-checkpoint-args
+        --load-main-params-from-ckpt
         --non-persistent-ckpt-type --non-persistent-global-ckpt-dir --non-persistent-local-ckpt-algo
         --non-persistent-local-ckpt-dir --non-persistent-save-interval --persistent-save-interval --replication
         --replication-factor --replication-jump

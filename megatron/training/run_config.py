@@ -63,6 +63,8 @@ class RunConfig(Freezable):
     linear_attention: LinearAttentionConfig = dataclasses.field(default_factory=LinearAttentionConfig)
     ignored_flags: list[str] = dataclasses.field(default_factory=list)
     """Given Megatron flags that are accepted with no effect (speed and I/O knobs), for the start-up line."""
+    given_fields: list[str] = dataclasses.field(default_factory=list)
+    """The fields the command line set, as "group.field" (--use-checkpoint-args keeps their values)."""
 
     def resolve(self, world_size: int = 1) -> "RunConfig":
         """A copy of this config with every derived value computed, for a run of ``world_size`` processes.
@@ -78,6 +80,13 @@ class RunConfig(Freezable):
         cfg = copy.deepcopy(self)
         cfg._warn_ignored_flags()  # on the flags as given, before defaults fill them in
         cfg.data.read_path_files()  # --data-args-path, --per-split-data-args-path
+        c = cfg.checkpoint
+        if c.use_checkpoint_args and (c.load or c.pretrained_checkpoint):  # before anything derives from them
+            from megatron.training import checkpoint_args  # reads the checkpoint folder
+            from megatron.training.logging_utils import print_rank_0
+
+            for line in checkpoint_args.apply(cfg):
+                print_rank_0(line)
         cfg.model.moe = cfg.moe  # the model reads its MoE flags as config.moe
         cfg.model.linear_attention = cfg.linear_attention  # and its attention variant as config.linear_attention
         cfg.mamba.resolve(cfg.model, cfg.parallel)  # before finalize: the hybrid pattern sets --num-layers
@@ -161,7 +170,7 @@ class RunConfig(Freezable):
         if c.auto_detect_ckpt_format and c.load:
             from megatron.training.dist_checkpointing import detect_format  # reads the --load folder
 
-            c.ckpt_format = detect_format(c.load) or c.ckpt_format
+            c.ckpt_format = detect_format(c.load, c.ckpt_step) or c.ckpt_format
         object.__setattr__(cfg, "_resolved", True)
         return cfg
 

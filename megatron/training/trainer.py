@@ -286,14 +286,24 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation):
         return path
 
     def load_checkpoint(self) -> int:
-        """Loads ``--load``; returns the iteration training continues from."""
-        iteration = dist_checkpointing.maybe_load(self)  # a torch_dist checkpoint, or None
-        if iteration is not None:
+        """Loads ``--load`` (``--ckpt-step``'s iteration, if given); returns the iteration training
+        continues from (``--override-ckpt-iteration``'s, if given)."""
+        self._load_either_format()
+        n = self.cfg.checkpoint.override_ckpt_iteration
+        if n is not None:  # Megatron's: the data position of iteration n at this run's global batch size
+            self.iteration, self.consumed_samples = n, n * self.cfg.training.global_batch_size
+            logs.print_rank_0(
+                f"--override-ckpt-iteration: start at iteration {n} (consumed_train_samples {self.consumed_samples})"
+            )
+        return self.iteration
+
+    def _load_either_format(self) -> None:
+        if dist_checkpointing.maybe_load(self) is not None:  # a torch_dist checkpoint
             self._load_rerun_state()
-            return iteration
+            return
         loaded = checkpointing.load_checkpoint(self.checkpoint_state(), self.cfg, self.pg)
         if loaded is None:
-            return 0
+            return
         if checkpointing.OPTIMIZER not in loaded.loaded:
             self.optimizer.reload_model_params()  # fp32 main params from the loaded weights
         if checkpointing.SCHEDULER not in loaded.loaded:
@@ -302,7 +312,6 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation):
             self.scheduler.step(0)
         self.last_checkpointed_iteration = None if loaded.weights_only else self.iteration
         self._load_rerun_state()
-        return self.iteration
 
     # ------------------------------------------------------------------ one step
     def _next_batch(self, data_iterator) -> dict[str, torch.Tensor]:
