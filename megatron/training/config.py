@@ -81,6 +81,9 @@ class TrainingConfig(Freezable):
     eval_iters: int = 0
     """Global batches per evaluation (0 turns evaluation off)."""
 
+    start_eval_at_iter: int | None = None
+    """Evaluate during training only from this iteration on (the evaluations after training still run)."""
+
     use_cpu: bool = False
     """Train on the CPU even when CUDA is available."""
 

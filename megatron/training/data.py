@@ -58,15 +58,23 @@ class DataIterators(NamedTuple):
     test: Iterator | None
 
 
+def evaluations_until(t, iteration: int) -> int:
+    """Validations the training loop runs up to ``iteration``: at multiples of --eval-interval from
+    --start-eval-at-iter on (``TrainingConfig`` ``t``)."""
+    before_start = max(0, ((t.start_eval_at_iter or 0) - 1) // t.eval_interval)  # multiples < the start
+    return max(0, iteration // t.eval_interval - before_start)
+
+
 def eval_samples(t) -> tuple[int, int]:
     """Samples the valid and test splits are built with (Megatron's counts, from ``TrainingConfig``).
 
-    Validation runs every --eval-interval iterations and once more at the end (once with --skip-train),
-    the test split once at the end; each run reads --eval-iters batches of --eval-global-batch-size.
+    Validation runs every --eval-interval iterations (from --start-eval-at-iter on) and once more at the
+    end (once with --skip-train), the test split once at the end; each run reads --eval-iters batches of
+    --eval-global-batch-size.
     """
     if t.eval_iters == 0:
         return 0, 0
-    runs = 1 if t.skip_train else t.train_iters // t.eval_interval + 1
+    runs = 1 if t.skip_train else evaluations_until(t, t.train_iters) + 1
     per_run = t.eval_iters * t.eval_global_batch_size
     return runs * per_run, per_run
 

@@ -348,7 +348,7 @@ _NOT_YET = {
     """,
     ("these training-loop options", "drop the flag"): """
         --check-for-large-grads --full-validation --multiple-validation-sets --validation-set-names
-        --start-eval-at-iter --iterations-to-skip --decrease-batch-size-if-needed --data-parallel-random-init
+        --iterations-to-skip --decrease-batch-size-if-needed --data-parallel-random-init
         --ddp-param-name-patterns-for-fp32-local-accumulation
         --dump-param-to-param-group-map --pipeline-model-parallel-comm-backend --exit-signal
         --exit-signal-handler-for-dataloader --exit-signal-handler-for-training

@@ -51,7 +51,7 @@ from megatron.training import (
 )
 from megatron.training import logging_utils as logs
 from megatron.training.batch_steps import StepBatches
-from megatron.training.data import build_data_iterators, setup_tokenizer
+from megatron.training.data import build_data_iterators, evaluations_until, setup_tokenizer
 from megatron.training.evaluation import Evaluation
 from megatron.training.exit_conditions import ExitConditions
 from megatron.training.profiling import StepProfiler
@@ -459,6 +459,11 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation):
         t, lg = cfg.training, cfg.logging
         # Building the data touches no global RNG stream (data.py gives each DataLoader a
         # generator of its own); the fork keeps it so for anything dataset code may draw.
+        if self.iteration > 0 and self.consumed_valid_samples == 0 and t.train_samples is None:
+            # A checkpoint without the count (an older one): as Megatron, the validations up to its iteration.
+            per_run = t.eval_iters * t.eval_global_batch_size
+            self.consumed_valid_samples = evaluations_until(t, self.iteration) * per_run
+        start_eval = t.start_eval_at_iter or 0
         with torch.random.fork_rng(devices=[]):
             train_iter, valid_iter, test_iter = build_data_iterators(
                 cfg, self.tokenizer, self.pg, self.consumed_samples, self.consumed_valid_samples
@@ -519,7 +524,7 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation):
                     lg.log_memory_interval and self.iteration % lg.log_memory_interval == 0
                 ):
                     self._log_memory()
-                if valid_iter is not None and self.iteration % t.eval_interval == 0:
+                if valid_iter is not None and self.iteration % t.eval_interval == 0 and self.iteration >= start_eval:
                     self.evaluate(valid_iter, f"iteration {self.iteration}")
                 ck = cfg.checkpoint
                 if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:

@@ -201,3 +201,28 @@ def test_pipelined_evaluation_with_another_micro_batch_size_matches_one_process(
         assert [i for i, _ in got] == [i for i, _ in want]
         for (_, a), (_, b) in zip(got, want):
             assert math.isclose(a, b, rel_tol=1e-5), (name, a, b)
+
+
+@pytest.mark.parametrize("start, evaluated", [(3, [4, 6]), (4, [4, 6]), (5, [6]), (0, [2, 4, 6])])
+def test_start_eval_at_iter(tmp_path, start, evaluated):
+    metrics = tmp_path / "m.jsonl"
+    flags = f"--train-iters 6 --eval-iters 1 --eval-interval 2 --start-eval-at-iter {start} --metrics-file {metrics}"
+    trainer = pretrain(TINY + flags.split())
+    valid = [i for i, _ in _losses(_records(metrics), "lm loss validation")]
+    assert valid == evaluated + [6]  # the validation after training runs whatever the start
+    assert trainer.state.consumed_valid_samples == len(valid) * 4
+
+
+def test_a_checkpoint_without_the_validation_count_resumes_where_an_uninterrupted_run_reads(tmp_path):
+    """Checkpoints written before consumed_valid_samples was saved: Megatron's estimate, the validations
+    up to the loaded iteration, gives the same stream when the evaluation flags are unchanged."""
+    common = TINY + "--eval-iters 2 --eval-interval 2 --lr-decay-iters 6 --ckpt-format torch".split()
+    whole, resumed, save = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ckpt"
+    pretrain(common + f"--train-iters 6 --metrics-file {whole}".split())
+    pretrain(common + f"--train-iters 4 --save {save}".split())
+    (path,) = save.glob("iter_0000004/*/model_optim_rng.pt")
+    contents = torch.load(path, weights_only=True)
+    del contents["consumed_valid_samples"]
+    torch.save(contents, path)
+    pretrain(common + f"--train-iters 6 --load {save} --metrics-file {resumed}".split())
+    assert _losses(_records(resumed), "lm loss validation") == _losses(_records(whole), "lm loss validation")[2:]
