@@ -109,6 +109,9 @@ _NOOPS = {
     "skips the initial draw of weights a checkpoint then overwrites; here the draw is cheap and --load overwrites it the same way": """
         --no-initialization
     """,
+    "Megatron parses it but its core models never read it (a legacy-model switch): the same model": """
+        --openai-gelu --apply-residual-connection-post-layernorm
+    """,
     "deprecated in Megatron, where it has no effect either: --ckpt-format picks the format": """
         --use-dist-ckpt --dist-ckpt-format
     """,
@@ -316,7 +319,7 @@ _NOT_YET = {
         --reset-attention-mask --dataloader-inter-document-masking
     """,
     ("other activations and position encodings", "drop the flag"): """
-        --openai-gelu --no-rope-freq --apply-residual-connection-post-layernorm
+        --no-rope-freq
         --fp32-residual-connection --init-method-xavier-uniform --qk-clip --qk-clip-alpha --qk-clip-threshold
         --qk-l2-norm --enable-mhc-connections --mhc-init-gating-factor --mhc-num-residual-streams
         --mhc-recompute-layer-num --mhc-sinkhorn-iterations --flash-attention-version --mlp-chunks-for-training

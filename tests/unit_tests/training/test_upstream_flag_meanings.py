@@ -123,3 +123,13 @@ def test_reset_position_ids_reaches_the_dataset():
             assert positions[j + 1] == 0
             restarted += 1
     assert restarted > 0
+
+
+def test_legacy_model_switches_are_accepted_and_change_nothing():
+    """Megatron's core models never read --openai-gelu or --apply-residual-connection-post-layernorm."""
+    flags = ["--openai-gelu", "--apply-residual-connection-post-layernorm"]
+    with_them, without = parse_args(FLAGS.split() + flags), parse_args(FLAGS.split())
+    assert with_them.ignored_flags == flags
+    with_them.ignored_flags = without.ignored_flags = []
+    with_them.given_fields = without.given_fields = []
+    assert with_them == without
