@@ -9,10 +9,14 @@ bundles every concern and runs the rest.
 import dataclasses
 import json
 import os
+import signal
 
 import torch
 
 from megatron.core.config_utils import Freezable, flag_field, require
+
+# Signals a Python handler can catch (Megatron's --exit-signal takes any name; SIGKILL and SIGSTOP never arrive).
+CATCHABLE_SIGNALS = tuple(s.name for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP))
 
 
 @dataclasses.dataclass
@@ -73,7 +77,14 @@ class TrainingConfig(Freezable):
     """Save and exit once the run has trained this many minutes (checked after every iteration)."""
 
     exit_signal_handler: bool = False
-    """On SIGTERM, save a checkpoint at the end of the current iteration and exit with status 0."""
+    """On --exit-signal (SIGTERM), save a checkpoint at the end of the current iteration and exit with status 0."""
+
+    exit_signal: str = "SIGTERM"
+    """The signal --exit-signal-handler stops on, by name (SIGTERM, SIGINT, SIGUSR1, ...)."""
+
+    exit_signal_handler_for_training: bool = False
+    """On SIGINT or SIGTERM, end the run at once with status 0 and one line instead of a traceback (no
+    save; the signal of --exit-signal-handler still saves first)."""
 
     eval_interval: int = 1000
     """Iterations between evaluations on the validation split."""

@@ -7,6 +7,7 @@ dropout stream of the run. With a generator of its own the global stream does no
 depend on ``--num-workers``, on when evaluation starts a pass, or on a resume.
 """
 
+import signal
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
@@ -99,6 +100,8 @@ def build_data_iterators(cfg, tokenizer, pg, consumed_samples: int, consumed_val
     )
     d = cfg.data
     order = dict(num_workers=d.num_workers, dataloader_type=d.dataloader_type, data_sharding=d.data_sharding)
+    if t.exit_signal_handler:  # the workers outlive the signal that asks the trainer to save and stop
+        order["workers_ignore"] = signal.Signals[t.exit_signal]
 
     def loader(dataset, consumed: int, micro_batch_size: int, seed: int):
         if dataset is None:

@@ -109,6 +109,9 @@ _NOOPS = {
     "skips the initial draw of weights a checkpoint then overwrites; here the draw is cheap and --load overwrites it the same way": """
         --no-initialization
     """,
+    "Megatron never reads it: with --exit-signal-handler the data-loader workers ignore --exit-signal, there and here": """
+        --exit-signal-handler-for-dataloader
+    """,
     "Megatron parses it but its core models never read it (a legacy-model switch): the same model": """
         --openai-gelu --apply-residual-connection-post-layernorm
     """,
@@ -353,8 +356,7 @@ _NOT_YET = {
         --check-for-large-grads --full-validation --multiple-validation-sets --validation-set-names
         --iterations-to-skip --decrease-batch-size-if-needed --data-parallel-random-init
         --ddp-param-name-patterns-for-fp32-local-accumulation
-        --dump-param-to-param-group-map --pipeline-model-parallel-comm-backend --exit-signal
-        --exit-signal-handler-for-dataloader --exit-signal-handler-for-training
+        --dump-param-to-param-group-map --pipeline-model-parallel-comm-backend
     """,
     ("debug dumps of parameters, gradients and activations", "drop the flag"): """
         --save-activations-interval --save-dgrads-interval --save-params-interval

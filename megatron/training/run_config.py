@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training import full_iteration
 from megatron.training.batch_schedule import BatchSchedule, parse_step_schedule
 from megatron.training.config import (
+    CATCHABLE_SIGNALS,
     CheckpointConfig,
     DataConfig,
     DDPConfig,
@@ -254,6 +255,11 @@ class RunConfig(Freezable):
             not (t.train_samples is not None and (o.lr_warmup_iters or o.lr_decay_iters is not None)),
             "--lr-warmup-iters / --lr-decay-iters go with --train-iters; with --train-samples use "
             "--lr-warmup-samples / --lr-decay-samples.",
+        )
+        require(
+            t.exit_signal in CATCHABLE_SIGNALS,
+            f"--exit-signal {t.exit_signal} is not a signal a process can catch; give a name such as SIGTERM, "
+            "SIGINT or SIGUSR1.",
         )
         require(t.manual_gc_interval >= 0, f"--manual-gc-interval must be >= 0, got {t.manual_gc_interval}.")
         require(t.eval_micro_batch_size >= 1, f"--eval-micro-batch-size must be >= 1, got {t.eval_micro_batch_size}.")

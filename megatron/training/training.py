@@ -18,6 +18,7 @@ from megatron.core.pipeline_parallel import layout, schedules
 from megatron.training import determinism, distillation
 from megatron.training import logging_utils as logs
 from megatron.training.arguments import parse_args
+from megatron.training.exit_conditions import orderly_shutdown
 from megatron.training.run_config import RunConfig
 from megatron.training.trainer import Trainer
 
@@ -66,7 +67,10 @@ def build_trainer(
 
     The caller ends it: ``trainer.graphs.close()``, then ``parallel_state.destroy(trainer.pg)``.
     """
-    given = parse_args(argv)
+    return _build(parse_args(argv), model_provider, forward_step)
+
+
+def _build(given: RunConfig, model_provider: Callable, forward_step: schedules.ForwardStep) -> Trainer:
     cfg = given.resolve(parallel_state.world_size_from_env())
     cfg.validate()
     teacher_cfg = None
@@ -99,14 +103,16 @@ def pretrain(
     forward_step: schedules.ForwardStep = gpt_forward_step,
 ) -> Trainer:
     """Parses flags, builds everything and trains. Returns the finished ``Trainer``."""
-    trainer = build_trainer(argv, model_provider, forward_step)
-    try:
-        trainer.history = trainer.train()
-    except BaseException:
-        trainer.close()
-        trainer.graphs.close()
-        parallel_state.destroy(trainer.pg, failed=True)
-        raise
-    trainer.graphs.close()  # first: a collective captured in a graph must not outlive its communicator
-    parallel_state.destroy(trainer.pg)
+    given = parse_args(argv)
+    with orderly_shutdown(given.training.exit_signal_handler_for_training, logs.print_rank_0):
+        trainer = _build(given, model_provider, forward_step)
+        try:
+            trainer.history = trainer.train()
+        except BaseException:
+            trainer.close()
+            trainer.graphs.close()
+            parallel_state.destroy(trainer.pg, failed=True)
+            raise
+        trainer.graphs.close()  # first: a collective captured in a graph must not outlive its communicator
+        parallel_state.destroy(trainer.pg)
     return trainer

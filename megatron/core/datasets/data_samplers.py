@@ -181,13 +181,16 @@ def build_pretraining_data_loader(
     num_workers: int = 0,
     dataloader_type: str = "single",
     data_sharding: bool = True,
+    workers_ignore: int | None = None,
 ) -> Iterable[Batch] | None:
     """A DataLoader over ``dataset`` driven by ``MegatronPretrainingSampler`` (``--dataloader-type
     single``) or ``MegatronPretrainingRandomSampler`` (``cyclic``: iterate it again for the next epoch).
 
     Batches are dicts of stacked tensors ([micro_batch_size, seq_length] for GPT data),
     in pageable memory (module docstring). Workers persist across epochs when
-    ``num_workers > 0`` (``--num-workers``; 0 loads in the main process).
+    ``num_workers > 0`` (``--num-workers``; 0 loads in the main process). ``workers_ignore``: a
+    signal the workers ignore (the trainer's --exit-signal, so that a signal sent to the whole
+    process group leaves them to serve the rest of the iteration).
 
     Returns None for a None dataset (a split that was not built); with workers, an
     iterable over the DataLoader that turns the workers' numpy arrays back into tensors.
@@ -215,7 +218,7 @@ def build_pretraining_data_loader(
         num_workers=num_workers,
         persistent_workers=True,
         collate_fn=collate_to_numpy,
-        worker_init_fn=EndWithTrainer(),
+        worker_init_fn=EndWithTrainer(ignored_signal=workers_ignore),
     )
     return WorkerBatches(loader)
 
@@ -261,12 +264,15 @@ class EndWithTrainer:
     workers start; the object reaches them by fork or by pickle (spawn), so it is plain.
     """
 
-    def __init__(self, poll_s: float = PARENT_POLL_S):
+    def __init__(self, poll_s: float = PARENT_POLL_S, ignored_signal: int | None = None):
         self.trainer_pid = os.getpid()
         self.started_on_main_thread = True
         self.poll_s = poll_s
+        self.ignored_signal = ignored_signal
 
     def __call__(self, worker_id: int) -> None:
+        if self.ignored_signal is not None:
+            signal.signal(self.ignored_signal, signal.SIG_IGN)
         # PR_SET_PDEATHSIG fires when the *thread* that started the worker ends; only the
         # main thread lives as long as the process, so other threads rely on the poll alone.
         end_with_parent(self.trainer_pid, self.poll_s, use_pdeathsig=self.started_on_main_thread)

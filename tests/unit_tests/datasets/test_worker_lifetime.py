@@ -239,3 +239,33 @@ def test_workers_started_without_fork_keep_working(method):
     batches = WorkerBatches(loader)
     for _ in range(2):  # the second epoch reuses the same worker
         assert [b[0].tolist() for b in batches] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+
+
+class _SignalDisposition:
+    """Each item: whether this (worker) process ignores SIGUSR1."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return int(signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("ignored", [signal.SIGUSR1, None])
+def test_spawned_workers_ignore_the_trainers_exit_signal(ignored):
+    """With --exit-signal-handler the workers ignore --exit-signal, also when they are spawned (no handler
+    is inherited then), so a signal sent to the whole process group does not end them mid-iteration."""
+    import torch
+
+    from megatron.core.datasets.data_samplers import EndWithTrainer, WorkerBatches
+
+    loader = torch.utils.data.DataLoader(
+        _SignalDisposition(),
+        batch_size=2,
+        num_workers=1,
+        persistent_workers=True,
+        worker_init_fn=EndWithTrainer(ignored_signal=ignored),
+        multiprocessing_context="spawn",
+    )
+    (batch,) = list(WorkerBatches(loader))
+    assert batch.tolist() == ([1, 1] if ignored else [0, 0])

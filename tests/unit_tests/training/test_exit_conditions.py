@@ -41,3 +41,44 @@ def test_exit_duration_saves_and_exits_0(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert read_tracker(str(c)) == (1, False)
     assert "exiting after iteration 1: --exit-duration-in-mins 0.0001 reached" in proc.stdout
+
+
+def _run_until_iteration_2(argv, send, **popen):
+    proc = subprocess.Popen(
+        [sys.executable, PRETRAIN, *argv], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
+    )
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "iteration        2/" in line:
+            send(proc)
+            break
+    out = "".join(lines) + proc.stdout.read()
+    return proc.wait(timeout=120), out
+
+
+def test_exit_signal_sent_to_the_process_group_leaves_the_data_workers_serving(tmp_path):
+    """--exit-signal SIGUSR1 to the launcher's whole process group (as a scheduler sends it): the data-loader
+    workers outlive it (forked ones inherit the trainer's handler; spawned ones ignore it, see
+    test_worker_lifetime.py), the trainer saves and exits 0."""
+    c = tmp_path / "c"
+    argv = FLAGS + ["--train-iters", "1000", "--save", str(c), "--exit-signal-handler", "--exit-signal", "SIGUSR1",
+                    "--num-workers", "2", "--global-batch-size", "64"]  # fmt: skip
+    code, out = _run_until_iteration_2(argv, lambda p: os.killpg(p.pid, signal.SIGUSR1), start_new_session=True)
+    assert code == 0, out[-3000:]
+    iteration, _ = read_tracker(str(c))
+    assert f"exiting after iteration {iteration}: SIGUSR1 received (--exit-signal-handler)" in out
+
+
+def test_exit_signal_handler_for_training_ends_in_order_with_status_0(tmp_path):
+    argv = FLAGS + ["--train-iters", "1000", "--exit-signal-handler-for-training"]
+    code, out = _run_until_iteration_2(argv, lambda p: p.send_signal(signal.SIGINT))
+    assert code == 0, out[-3000:]
+    assert "Termination requested. Performing orderly shutdown." in out and "Traceback" not in out
+
+
+def test_exit_signal_must_be_catchable():
+    import pytest
+
+    with pytest.raises(ValueError, match="--exit-signal SIGKILL is not a signal a process can catch"):
+        build("--exit-signal", "SIGKILL")
