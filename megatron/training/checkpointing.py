@@ -69,7 +69,14 @@ MODEL, OPTIMIZER, SCHEDULER, TRAIN_STATE = "model", "optimizer", "opt_param_sche
 """Keys of the mapping given to ``save_checkpoint`` / ``load_checkpoint`` (and of the file)."""
 
 # Entries of the file that belong to the train state (top level, as Megatron).
-_TRAIN_STATE_KEYS = ("iteration", "consumed_samples", "consumed_valid_samples", "skipped_iterations", "nan_iterations")
+_TRAIN_STATE_KEYS = (
+    "iteration",
+    "consumed_samples",
+    "consumed_valid_samples",
+    "skipped_train_samples",
+    "skipped_iterations",
+    "nan_iterations",
+)
 
 
 class NonFiniteCheckpointError(RuntimeError):

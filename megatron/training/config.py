@@ -67,6 +67,10 @@ class TrainingConfig(Freezable):
     seed: int = 1234
     """Random seed for initialisation, data and dropout."""
 
+    data_parallel_random_init: bool = False
+    """Give each data-parallel rank random streams of its own after the weights are drawn (seed + 10 x DP
+    rank, Megatron's), so dropout differs across DP ranks; the weights are the same on every rank."""
+
     deterministic_mode: bool = False
     """Use deterministic kernels (torch.use_deterministic_algorithms) for bitwise-repeatable runs."""
 
@@ -91,6 +95,9 @@ class TrainingConfig(Freezable):
 
     eval_iters: int = 0
     """Global batches per evaluation (0 turns evaluation off)."""
+
+    iterations_to_skip: list[int] = flag_field(default_factory=list, nargs="+")
+    """Iterations (1-based) not trained: their batch is read and dropped, nothing else happens."""
 
     start_eval_at_iter: int | None = None
     """Evaluate during training only from this iteration on (the evaluations after training still run)."""

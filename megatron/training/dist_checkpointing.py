@@ -163,6 +163,7 @@ def save(trainer) -> None:
         "iteration": iteration,
         "consumed_samples": trainer.consumed_samples,
         "consumed_valid_samples": trainer.consumed_valid_samples,
+        "skipped_train_samples": trainer.state.skipped_train_samples,
     }
     if not c.no_save_optim:
         common["opt_param_scheduler"] = trainer.scheduler.state_dict()
@@ -400,6 +401,7 @@ def load(trainer, iteration_dir: str, iteration: int, release: bool) -> int:
         trainer.iteration = int(common["iteration"])
         trainer.consumed_samples = int(common["consumed_samples"])
         trainer.consumed_valid_samples = int(common.get("consumed_valid_samples", 0))  # older saves: 0
+        trainer.state.skipped_train_samples = int(common.get("skipped_train_samples", 0))
     if with_optimizer:
         if not any(e.key in found for e in entries if e.key.startswith(_FP32_PREFIX)):
             trainer.optimizer.reload_model_params()  # no fp32 copies saved (a tolerated fp32 checkpoint)

@@ -24,6 +24,7 @@ class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
     consumed_valid_samples: int = 0
+    skipped_train_samples: int = 0
     skipped_iters: int = 0
     nan_iters: int = 0
     include_cuda_rng: bool = False
@@ -33,6 +34,7 @@ class TrainState:
             "iteration": self.iteration,
             "consumed_samples": self.consumed_samples,
             "consumed_valid_samples": self.consumed_valid_samples,
+            "skipped_train_samples": self.skipped_train_samples,
             "skipped_iterations": self.skipped_iters,
             "nan_iterations": self.nan_iters,
             "rng_state": get_rng_state(self.include_cuda_rng),
@@ -43,6 +45,7 @@ class TrainState:
         self.consumed_samples = int(state["consumed_samples"])
         # Files written before the counters were saved lack them.
         self.consumed_valid_samples = int(state.get("consumed_valid_samples", 0))
+        self.skipped_train_samples = int(state.get("skipped_train_samples", 0))
         self.skipped_iters = int(state.get("skipped_iterations", 0))
         self.nan_iters = int(state.get("nan_iterations", 0))
         if state.get("rng_state") is not None:

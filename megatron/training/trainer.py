@@ -106,6 +106,10 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation):
         self.tokenizer = setup_tokenizer(cfg, pg)  # the padded vocabulary size: the last derived value
         cfg.freeze()  # from here on the config is read-only
         model = model_provider(cfg, cfg.model.vocab_size, pg, self.device)
+        if t.data_parallel_random_init and pg.dp_rank > 0:  # DP rank 0 keeps the stream it drew the weights from
+            model_parallel_manual_seed(t.seed + 10 * pg.dp_rank, tp_rank=pg.tp_rank, device=self.device)
+            if self.device.type == "cuda":
+                torch.cuda.manual_seed_all(t.seed + 10 * pg.dp_rank)
         self.model = DistributedDataParallel(
             model, config=cfg.ddp, pg=pg, grad_reduce_in_fp32=cfg.precision.grad_reduce_in_fp32
         )
@@ -490,6 +494,14 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation):
         with exits:
             while self.iteration < t.train_iters:
                 self._next_step_batch()
+                if self.iteration + 1 in t.iterations_to_skip:  # Megatron's: its batch read and dropped
+                    for _ in range(self.step_microbatches):
+                        self._next_batch(train_iter)
+                    self.iteration += 1
+                    self.consumed_samples += self.step_batch
+                    self.state.skipped_train_samples += self.step_batch
+                    first_iteration = max(first_iteration, self.iteration + 1)
+                    continue
                 self.profiler.before_iteration(self.iteration)
                 try:
                     loss, grad_norm, success, non_finite = self.train_step(train_iter)

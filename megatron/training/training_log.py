@@ -28,10 +28,9 @@ class IterationLogging:
     """The ``Trainer``'s log methods (see the module docstring for what they read)."""
 
     def _logged_lr(self) -> float:
-        """The learning rate after this iteration (in samples when the global batch changes)."""
-        if self.batches.varies:
-            return self.scheduler.get_lr(self.scheduler.num_steps)
-        return self.scheduler.get_lr(self.iteration)
+        """The learning rate the schedule is at (its steps count samples when the global batch changes);
+        behind the iteration after --iterations-to-skip or --override-ckpt-iteration, as Megatron logs it."""
+        return self.scheduler.get_lr(self.scheduler.num_steps)
 
     def _log_tensorboard_iteration(self, loss, grad_norm, reports=None) -> None:
         """Megatron's per-iteration TensorBoard (and W&B) scalars (every --tensorboard-log-interval);
@@ -46,6 +45,8 @@ class IterationLogging:
         }
         if lg.log_loss_scale_to_tensorboard:
             record["loss-scale"] = float(self.optimizer.get_loss_scale())
+        if self.state.skipped_train_samples:  # --iterations-to-skip
+            record["skipped-train-samples"] = self.state.skipped_train_samples
         if lg.log_world_size_to_tensorboard:
             record["world-size"] = self.pg.world_size
         if grad_norm is not None:

@@ -444,7 +444,8 @@ def test_save_and_load_any_stateful_objects(tmp_path):
     # Megatron's top-level keys, in Megatron's order; the counters follow.
     assert list(contents) == [
         "checkpoint_version", "iteration", "consumed_samples", "model", "optimizer", "opt_param_scheduler",
-        "rng_state", "config", "consumed_valid_samples", "skipped_iterations", "nan_iterations",
+        "rng_state", "config", "consumed_valid_samples", "skipped_train_samples", "skipped_iterations",
+        "nan_iterations",
     ]  # fmt: skip
     assert contents["optimizer"] == {"value": 3} and contents["opt_param_scheduler"] == {"value": 4}
 

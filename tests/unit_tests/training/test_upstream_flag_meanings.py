@@ -133,3 +133,56 @@ def test_legacy_model_switches_are_accepted_and_change_nothing():
     with_them.ignored_flags = without.ignored_flags = []
     with_them.given_fields = without.given_fields = []
     assert with_them == without
+
+
+def _jsonl(path) -> dict[int, dict]:
+    import json
+
+    return {r["iteration"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def test_iterations_to_skip_drop_their_batch_and_train_nothing(tmp_path):
+    """Megatron's --iterations-to-skip: the batch of a skipped iteration is read and dropped; no step, no LR
+    step, no log line. The next iteration trains on the batch after it, as the run without the skip does."""
+    common = FLAGS.split() + "--train-iters 5 --global-batch-size 4 --hidden-dropout 0 --attention-dropout 0".split()
+    plain, skipping = tmp_path / "plain.jsonl", tmp_path / "skip.jsonl"
+    whole = build_trainer(common + ["--metrics-file", str(plain)])
+    whole.history = whole.train()
+    parallel_state.destroy(whole.pg)
+    trainer = build_trainer(common + ["--iterations-to-skip", "2", "3", "--metrics-file", str(skipping)])
+    trainer.history = trainer.train()
+    parallel_state.destroy(trainer.pg)
+    got, want = _jsonl(skipping), _jsonl(plain)
+    assert sorted(got) == [1, 4, 5]
+    assert got[1]["lm loss"] == want[1]["lm loss"]
+    assert trainer.consumed_samples == 5 * 4 and trainer.state.skipped_train_samples == 2 * 4
+    assert trainer.scheduler.num_steps == 3  # the schedule moved on three steps, not five
+    assert got[4]["learning-rate"] == pytest.approx(trainer.scheduler.get_lr(2))  # as Megatron logs it
+    assert got[4]["lm loss"] != want[4]["lm loss"]  # the weights of one step on the batch of iteration 4
+
+
+def _dp_random_init_run(rank, world_size, argv):
+    trainer = build_trainer(argv)
+    weights = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+    gathered = [torch.empty_like(weights) for _ in range(world_size)]
+    torch.distributed.all_gather(gathered, weights)
+    trainer.history = trainer.train()
+    parallel_state.destroy(trainer.pg)
+    return all(torch.equal(g, gathered[0]) for g in gathered), [r["lm loss"] for r in trainer.history]
+
+
+def test_data_parallel_random_init_changes_dropout_per_rank_not_the_weights():
+    from tests.unit_tests.dist_utils import run_distributed
+
+    argv = FLAGS.split() + "--train-iters 3 --global-batch-size 4 --micro-batch-size 2 --attention-dropout 0".split()
+    (same_w, with_dropout), _ = run_distributed(_dp_random_init_run, 2, argv + ["--hidden-dropout", "0.5"])
+    (same_w2, per_rank), _ = run_distributed(
+        _dp_random_init_run, 2, argv + ["--hidden-dropout", "0.5", "--data-parallel-random-init"]
+    )
+    assert same_w and same_w2  # the initial weights are the same on both ranks
+    assert per_rank[0] != with_dropout[0]  # rank 1 drew other dropout masks
+    (_, no_dropout), _ = run_distributed(_dp_random_init_run, 2, argv + ["--hidden-dropout", "0"])
+    (_, no_dropout_flag), _ = run_distributed(
+        _dp_random_init_run, 2, argv + ["--hidden-dropout", "0", "--data-parallel-random-init"]
+    )
+    assert no_dropout_flag == no_dropout  # without random draws in the step, the flag changes nothing
