@@ -2,8 +2,8 @@
 
 Megatron's ``load_args_from_checkpoint`` sets two kinds of argument from the checkpoint:
 
-- the model's sizes (layers, hidden, FFN, heads, sequence length, ...), only where the command line
-  leaves them out;
+- the model's sizes (layers, hidden, FFN, heads, sequence length, the padded vocabulary, ...), only
+  where the command line leaves them out;
 - the model's form (attention groups, position embedding, bias, activation, normalisation, dropout,
   experts, Mamba sizes, the tokenizer), always.
 
@@ -120,6 +120,10 @@ def apply(cfg) -> list[str]:
     if saved.get("mamba", {}).get("hybrid_layer_pattern") is not None:
         names = [n for n in names if n != "model.num_layers"]  # the pattern gives the layer count
     lines = []
+    saved_vocab = saved.get("model", {}).get("vocab_size")
+    if "data.padded_vocab_size" not in given and saved_vocab is not None:  # Megatron's padded_vocab_size
+        saved.setdefault("data", {})["padded_vocab_size"] = saved_vocab
+        names.append("data.padded_vocab_size")
     for name in names:
         group, field = name.split(".")
         if field not in saved.get(group, {}):

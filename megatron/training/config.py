@@ -316,6 +316,19 @@ class DataConfig(Freezable):
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary so its size is divisible by this value (times TP)."""
 
+    padded_vocab_size: int | None = None
+    """The model's vocabulary size (embedding and output rows), instead of the padded tokenizer vocabulary."""
+
+    pad_vocab_size: bool = flag_field(True, flag="--no-pad-vocab-size", aliases=("--disable-pad-vocab-size",))
+    """Pad the tokenizer's vocabulary (--make-vocab-size-divisible-by x TP) when --padded-vocab-size is not
+    given; without padding the model has the tokenizer's vocabulary size."""
+
+    null_tokenizer_eod_id: int | None = None
+    """End-of-document id of NullTokenizer (default: --vocab-size - 1)."""
+
+    null_tokenizer_pad_id: int = -1
+    """Pad id of NullTokenizer, left out of the loss (-1: none)."""
+
     num_workers: int = 2
     """Data-loader worker processes."""
 

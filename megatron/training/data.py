@@ -26,10 +26,29 @@ def setup_tokenizer(cfg, pg):
     On a frozen config that already holds the same size nothing is written.
     """
     tokenizer = build_tokenizer(cfg.data)
-    padded = vocab_size_with_padding(tokenizer.vocab_size, cfg.data.make_vocab_size_divisible_by, pg.tp_size)
+    padded = model_vocab_size(cfg.data, tokenizer.vocab_size, pg.tp_size)
     if cfg.model.vocab_size != padded:
         cfg.model.vocab_size = padded
     return tokenizer
+
+
+def model_vocab_size(d, tokenizer_vocab_size: int, tp_size: int) -> int:
+    """The model's vocabulary: --padded-vocab-size, else the tokenizer's padded (Megatron's rule) or, with
+    --no-pad-vocab-size, as it is; raises ``ValueError`` when it is smaller or does not split over TP."""
+    if d.padded_vocab_size is not None:
+        size, flag = d.padded_vocab_size, f"--padded-vocab-size {d.padded_vocab_size}"
+    elif d.pad_vocab_size:
+        return vocab_size_with_padding(tokenizer_vocab_size, d.make_vocab_size_divisible_by, tp_size)
+    else:
+        size, flag = tokenizer_vocab_size, f"--no-pad-vocab-size (the tokenizer's {tokenizer_vocab_size})"
+    if size < tokenizer_vocab_size:
+        raise ValueError(f"{flag} is smaller than the tokenizer's vocabulary ({tokenizer_vocab_size}); raise it.")
+    if size % tp_size:
+        raise ValueError(
+            f"{flag} does not split over --tensor-model-parallel-size {tp_size}; give a multiple of it "
+            "(or let the vocabulary be padded)."
+        )
+    return size
 
 
 def _own_generator(loader: Iterable, seed: int) -> Iterable:

@@ -377,8 +377,7 @@ _NOT_YET = {
         --inprocess-termination-grace-time
     """,
     ("these tokenizer options", "drop the flag"): """
-        --padded-vocab-size --no-pad-vocab-size --disable-pad-vocab-size --null-tokenizer-eod-id
-        --null-tokenizer-pad-id --tiktoken-num-special-tokens --use-gigatoken
+        --tiktoken-num-special-tokens --use-gigatoken
         --tokenizer-hf-no-include-special-tokens --tokenizer-hf-no-use-fast --trust-remote-code
         --allow-ambiguous-pad-tokens
     """,

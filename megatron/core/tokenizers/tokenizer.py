@@ -36,12 +36,20 @@ class NullTokenizer:
 
     Args:
         vocab_size: Megatron's ``--vocab-size``: the whole vocabulary, end-of-document included.
+        eod_id: ``--null-tokenizer-eod-id`` (None: ``vocab_size - 1``).
+        pad_id: ``--null-tokenizer-pad-id`` (-1: no pad id).
     """
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, eod_id: int | None = None, pad_id: int = -1):
         if vocab_size is None or int(vocab_size) < 2:
             raise ValueError(f"--tokenizer-type NullTokenizer needs --vocab-size N with N >= 2, got {vocab_size}.")
         self._vocab_size = int(vocab_size)
+        self._eod = self._vocab_size - 1 if eod_id is None else int(eod_id)
+        if not 0 <= self._eod < self._vocab_size:
+            raise ValueError(f"--null-tokenizer-eod-id {eod_id} is outside [0, --vocab-size {vocab_size}).")
+        if not -1 <= pad_id < self._vocab_size:
+            raise ValueError(f"--null-tokenizer-pad-id {pad_id} is outside [0, --vocab-size {vocab_size}) (-1: none).")
+        self._pad = int(pad_id)
 
     @property
     def vocab_size(self) -> int:
@@ -49,11 +57,11 @@ class NullTokenizer:
 
     @property
     def eod(self) -> int:
-        return self._vocab_size - 1
+        return self._eod
 
     @property
     def pad(self) -> int:
-        return self.eod
+        return self._pad
 
     def tokenize(self, text: str) -> list[int]:
         """``"3 1 4"`` -> ``[3, 1, 4]``; any whitespace separates ids."""
@@ -230,7 +238,11 @@ def build_tokenizer(data_config):
     if data_config.tokenizer_metadata:
         check_tokenizer_type(read_metadata(data_config.tokenizer_metadata), kind)
     if kind == "NullTokenizer":
-        return NullTokenizer(data_config.vocab_size)
+        return NullTokenizer(
+            data_config.vocab_size,
+            eod_id=getattr(data_config, "null_tokenizer_eod_id", None),
+            pad_id=getattr(data_config, "null_tokenizer_pad_id", -1),
+        )
     if kind == "ByteLevelTokenizer":
         return ByteLevelTokenizer()
     if kind == "GPT2BPETokenizer":

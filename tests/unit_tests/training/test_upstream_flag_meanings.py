@@ -186,3 +186,36 @@ def test_data_parallel_random_init_changes_dropout_per_rank_not_the_weights():
         _dp_random_init_run, 2, argv + ["--hidden-dropout", "0", "--data-parallel-random-init"]
     )
     assert no_dropout_flag == no_dropout  # without random draws in the step, the flag changes nothing
+
+
+def test_padded_vocab_size_and_no_pad_vocab_size():
+    from megatron.training.data import model_vocab_size
+
+    def rows(extra):
+        model, _ = _model(extra)
+        return model.embedding.word_embeddings.weight.shape[0]
+
+    assert rows("") == 128  # --vocab-size 64 padded to --make-vocab-size-divisible-by 128
+    assert rows("--padded-vocab-size 100") == 100
+    assert rows("--no-pad-vocab-size") == rows("--disable-pad-vocab-size") == 64
+    with pytest.raises(ValueError, match=r"--padded-vocab-size 32 is smaller than the tokenizer's vocabulary \(64\)"):
+        _model("--padded-vocab-size 32")
+    d = parse_args(f"{FLAGS} --padded-vocab-size 101".split()).data
+    with pytest.raises(ValueError, match="--padded-vocab-size 101 does not split over --tensor-model-parallel-size 2"):
+        model_vocab_size(d, 64, 2)
+
+
+def test_null_tokenizer_eod_and_pad_ids():
+    cfg = parse_args(f"{FLAGS} --null-tokenizer-eod-id 0 --null-tokenizer-pad-id 5".split()).resolve()
+    _, trainer = _model("--null-tokenizer-eod-id 0 --null-tokenizer-pad-id 5")
+    assert (trainer.tokenizer.eod, trainer.tokenizer.pad) == (0, 5)
+    train, _, _ = build_train_valid_test_datasets(
+        cfg.data, trainer.tokenizer, seq_length=16, seed=1, num_samples=(40, 0, 0)
+    )
+    samples = [train[i] for i in range(40)]
+    assert any((s["tokens"] == 0).any() for s in samples)  # documents end with id 0
+    for s in samples:  # id 5 is padding: out of the loss, fed as 0
+        assert not (s["labels"] == 5).any() and not (s["tokens"] == 5).any()
+    assert any((s["loss_mask"] == 0).any() for s in samples)
+    with pytest.raises(ValueError, match=r"--null-tokenizer-eod-id 64 is outside \[0, --vocab-size 64\)"):
+        _model("--null-tokenizer-eod-id 64")
