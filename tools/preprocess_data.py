@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, optimal_dtype  # noqa: E402
 from megatron.core.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
-from megatron.training.config import DataConfig  # noqa: E402
+from megatron.training.data_config import DataConfig  # noqa: E402
 
 try:
     from tqdm import tqdm

@@ -33,12 +33,12 @@ from megatron.training.batch_schedule import BatchSchedule, parse_step_schedule
 from megatron.training.config import (
     CATCHABLE_SIGNALS,
     CheckpointConfig,
-    DataConfig,
     DDPConfig,
     LoggingConfig,
     PrecisionConfig,
     TrainingConfig,
 )
+from megatron.training.data_config import DataConfig
 from megatron.training.distillation import DistillationConfig
 from megatron.training.profiling import ProfilingConfig
 

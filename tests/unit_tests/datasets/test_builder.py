@@ -9,7 +9,7 @@ from megatron.core.datasets.builder import split_ranges
 from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from megatron.core.tokenizers import NullTokenizer
-from megatron.training.config import DataConfig
+from megatron.training.data_config import DataConfig
 
 TOK = NullTokenizer(50_000)
 

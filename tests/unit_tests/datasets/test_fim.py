@@ -15,7 +15,7 @@ from megatron.core.datasets.fim import FIMRewriter
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from megatron.core.tokenizers import build_tokenizer
 from megatron.training.arguments import parse_args
-from megatron.training.config import DataConfig
+from megatron.training.data_config import DataConfig
 from megatron.training.training import pretrain
 
 ASSETS = os.path.join(os.path.dirname(__file__), "..", "..", "assets", "tokenizer")

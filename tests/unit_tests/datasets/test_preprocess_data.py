@@ -12,7 +12,7 @@ import pytest
 from megatron.core.datasets import build_train_valid_test_datasets
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers import build_tokenizer
-from megatron.training.config import DataConfig
+from megatron.training.data_config import DataConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TOOL = os.path.join(REPO, "tools", "preprocess_data.py")

@@ -21,8 +21,8 @@ from megatron.core.tokenizers.metadata import (
     default_metadata_path,
 )
 from megatron.training.arguments import parse_args
-from megatron.training.config import DataConfig
 from megatron.training.data import setup_tokenizer
+from megatron.training.data_config import DataConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 ASSETS = os.path.join(REPO, "tests", "assets", "tokenizer")

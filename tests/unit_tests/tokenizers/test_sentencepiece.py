@@ -18,7 +18,7 @@ import torch
 
 from megatron.core.tokenizers import SENTENCEPIECE_TYPES, SentencePieceTokenizer, build_tokenizer
 from megatron.training.arguments import parse_args
-from megatron.training.config import DataConfig
+from megatron.training.data_config import DataConfig
 
 spm = pytest.importorskip("sentencepiece")
 

@@ -12,7 +12,7 @@ from megatron.core.tokenizers import (
     build_tokenizer,
     vocab_size_with_padding,
 )
-from megatron.training.config import DataConfig
+from megatron.training.data_config import DataConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 ASSETS = os.path.join(REPO, "tests", "assets", "tokenizer")
