@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.training.checkpoint_config import check_config, check_expert_form, config_to_dict
+from megatron.training.finite_state import refuse_non_finite
 from megatron.training.logging_utils import print_rank_0
 from megatron.training.save_lock import os_error_text, remove_leftovers
 from megatron.training.train_state import TrainState
@@ -77,10 +78,6 @@ _TRAIN_STATE_KEYS = (
     "skipped_iterations",
     "nan_iterations",
 )
-
-
-class NonFiniteCheckpointError(RuntimeError):
-    """A save refused because the state holds NaN or Inf values (nothing was written)."""
 
 
 @runtime_checkable
@@ -230,54 +227,8 @@ def _train_state(state: Mapping[str, Stateful]) -> TrainState:
 # ---------------------------------------------------------------------- save
 
 
-def _float_tensors(value: Any, where: str):
-    """(name, tensor) for every floating-point tensor in a nested state dict."""
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point():
-            yield where, value
-    elif isinstance(value, Mapping):
-        for k, v in value.items():
-            yield from _float_tensors(v, f"{where}.{k}")
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            yield from _float_tensors(v, f"{where}[{i}]")
-
-
-def refuse_non_finite(states: Mapping[str, Any], pg, iteration: int, save_dir: str) -> None:
-    """Raises ``NonFiniteCheckpointError`` on every rank if any rank's state is not finite.
-
-    One host read of one flag per tensor (stacked on the device), plus an all-reduce
-    of the verdict when there are several ranks.
-    """
-    named = [(n, t) for key, value in states.items() for n, t in _float_tensors(value, key) if t.numel()]
-    by_device: dict[torch.device, list[int]] = {}
-    for i, (_, t) in enumerate(named):
-        by_device.setdefault(t.device, []).append(i)
-    bad_flags = [False] * len(named)
-    for indices in by_device.values():
-        # max and min propagate NaN and Inf, and reduce without a tensor-sized temporary.
-        extremes = [torch.stack([named[i][1].detach().amax(), named[i][1].detach().amin()]) for i in indices]
-        flags = torch.stack([torch.isfinite(e).all().logical_not() for e in extremes]).tolist()
-        for i, flag in zip(indices, flags):
-            bad_flags[i] = bool(flag)
-    bad = [name for (name, _), flag in zip(named, bad_flags) if flag]
-    verdict = len(bad)
-    if _distributed(pg):
-        count = torch.tensor([verdict], dtype=torch.int64, device=pg.device)
-        dist.all_reduce(count, op=dist.ReduceOp.SUM)
-        verdict = int(count.item())
-    if verdict:
-        where = f"{len(bad)} of {len(named)} tensors on this rank, e.g. {', '.join(bad[:3])}" if bad else "other ranks"
-        tracker = tracker_path(save_dir)
-        current = read_tracker(save_dir)[0] if os.path.isfile(tracker) else None
-        kept = f"{tracker} still points at iteration {current}" if current is not None else "no checkpoint exists"
-        raise NonFiniteCheckpointError(
-            f"refusing to save iteration {iteration}: the state holds NaN or Inf values ({where}); "
-            f"nothing was written and {kept}"
-        )
-
-
-def _kept(save_dir: str) -> str:
+def kept_message(save_dir: str) -> str:
+    """What a failed or refused save leaves in place, for its message."""
     tracker = tracker_path(save_dir)
     if os.path.isfile(tracker):
         return f"{tracker} still points at iteration {read_tracker(save_dir)[0]}"
@@ -334,7 +285,7 @@ def save_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> str:
     path = os.path.join(tmp_dir, os.path.relpath(_rank_file(pg, save_dir, iteration), final_dir))
     skipped = {TRAIN_STATE} | ({OPTIMIZER, SCHEDULER} if cfg.checkpoint.no_save_optim else set())
     others = {key: obj.state_dict() for key, obj in state.items() if key not in skipped}
-    refuse_non_finite(others, pg, iteration, save_dir)
+    refuse_non_finite(others, pg, iteration, kept_message(save_dir))
     error = None
     if _writes_file(pg):
         # Megatron's order: version, counters, model, optimizer, scheduler, RNG, args.
@@ -352,7 +303,7 @@ def save_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> str:
             where = f" on rank {pg.rank}" if pg.world_size > 1 else ""
             error = RuntimeError(
                 f"saving iteration {iteration} failed{where}: {os_error_text(e, save_dir)}. The partial "
-                f"save was removed and {_kept(save_dir)}. Free space or point --save at another folder."
+                f"save was removed and {kept_message(save_dir)}. Free space or point --save at another folder."
             )
             error.__cause__ = e
     # Every rank's file is on disk, or every rank learns which rank failed (no one waits
@@ -365,7 +316,7 @@ def save_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> str:
             shutil.rmtree(tmp_dir, ignore_errors=True)
         raise RuntimeError(
             f"saving iteration {iteration} failed on rank {failed} (its log says why); the partial save was "
-            f"removed and {_kept(save_dir)}."
+            f"removed and {kept_message(save_dir)}."
         )
 
     if pg.rank == 0:

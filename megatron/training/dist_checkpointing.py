@@ -40,6 +40,7 @@ import torch.distributed.checkpoint as dcp
 
 from megatron.training import checkpoint_config, sharded_state
 from megatron.training import checkpointing as ckpt
+from megatron.training.finite_state import refuse_non_finite
 from megatron.training.logging_utils import print_rank_0
 from megatron.training.save_lock import remove_leftovers
 from megatron.training.train_state import get_rng_state, set_rng_state
@@ -92,7 +93,8 @@ def _written_copies(entries: list[sharded_state.Entry]) -> list[sharded_state.En
 def _check_finite(trainer, entries: list[sharded_state.Entry]) -> None:
     """Refuses (on every rank) to save non-finite state, as the torch format does."""
     written = {e.key + str(i): c.view for e in entries if e.write for i, c in enumerate(e.chunks)}
-    ckpt.refuse_non_finite({"state": written}, trainer.pg, trainer.iteration, trainer.cfg.checkpoint.save)
+    kept = ckpt.kept_message(trainer.cfg.checkpoint.save)
+    refuse_non_finite({"state": written}, trainer.pg, trainer.iteration, kept)
 
 
 class _AsyncSave:

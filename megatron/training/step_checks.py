@@ -18,6 +18,7 @@ from megatron.core import rerun_state_machine as rerun
 from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.training import checkpointing, dist_checkpointing
 from megatron.training import logging_utils as logs
+from megatron.training.finite_state import NonFiniteCheckpointError
 from megatron.training.train_state import get_rng_state, set_rng_state
 
 _STATIC_SCALE_WARN_AFTER = 10
@@ -151,7 +152,7 @@ class StepChecks:
         self._save_attempted = self.iteration
         try:
             self.save_checkpoint()
-        except checkpointing.NonFiniteCheckpointError as e:
+        except NonFiniteCheckpointError as e:
             if self.cfg.ddp.check_for_nan_in_loss_and_grad:
                 raise
             logs.print_rank_0(f"WARNING: {e}; training goes on (--no-check-for-nan-in-loss-and-grad).")

@@ -10,6 +10,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.cuda_graphs.session import GraphState
 from megatron.training import checkpointing
+from megatron.training.finite_state import NonFiniteCheckpointError
 from megatron.training.training import build_trainer
 from megatron.training.training_log import LossWindow
 
@@ -76,7 +77,7 @@ def test_guard_skips_the_update_and_a_save_refuses_non_finite_weights(tmp_path):
     with torch.no_grad():
         next(trainer.model.parameters()).view(-1)[0] = float("nan")
     trainer.iteration = 4
-    with pytest.raises(checkpointing.NonFiniteCheckpointError, match=r"refusing to save iteration 4: .*1 of \d+ "):
+    with pytest.raises(NonFiniteCheckpointError, match=r"refusing to save iteration 4: .*1 of \d+ "):
         trainer.save_checkpoint()
     assert checkpointing.read_tracker(str(save)) == (3, False)
     assert sorted(os.listdir(save)) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
