@@ -245,7 +245,7 @@ def _failed_rank(pg, failed_here: bool) -> int | None:
     return None if lowest == pg.world_size else lowest
 
 
-def save_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> str:
+def save_checkpoint(state: Mapping[str, Stateful], cfg, pg, save_dir: str | None = None) -> str:
     """Saves ``state`` at its train state's iteration into ``--save``. Call on every rank.
 
     Args:
@@ -253,6 +253,7 @@ def save_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> str:
             ``opt_param_scheduler``, ``train_state``; see the module docstring).
         cfg: The run's ``RunConfig`` (``--save``; written into the file as plain values).
         pg: This rank's process groups.
+        save_dir: The folder to save into instead of ``--save`` (non-persistent checkpoints).
 
     Data-parallel rank 0 of each model-parallel slice writes its file into a temporary
     folder named by global rank 0; rank 0 then renames the folder into place and
@@ -262,7 +263,7 @@ def save_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> str:
         The path of this rank's checkpoint file (written by its DP rank 0).
     """
     train_state = _train_state(state)
-    save_dir = os.path.abspath(cfg.checkpoint.save)
+    save_dir = os.path.abspath(save_dir or cfg.checkpoint.save)
     iteration = train_state.iteration
     start = time.perf_counter()
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in torch format")
@@ -493,8 +494,8 @@ def require_saved(contents: Mapping[str, Any], path: str, ckpt, optimizer_keys: 
 
 
 @torch.no_grad()
-def load_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> LoadedCheckpoint | None:
-    """Loads ``--load`` into the ``Stateful`` objects of ``state`` (keys as for saving).
+def load_checkpoint(state: Mapping[str, Stateful], cfg, pg, load_dir: str | None = None) -> LoadedCheckpoint | None:
+    """Loads ``load_dir`` (default ``--load``) into the ``Stateful`` objects of ``state`` (keys as for saving).
 
     Honours ``--no-load-optim`` (only ``model`` and ``train_state`` are loaded),
     ``--no-load-rng`` and ``--finetune`` (``model`` alone; the train state is reset to
@@ -511,7 +512,7 @@ def load_checkpoint(state: Mapping[str, Stateful], cfg, pg) -> LoadedCheckpoint 
     """
     train_state = _train_state(state)
     ckpt = cfg.checkpoint
-    load_dir = os.path.abspath(ckpt.load)
+    load_dir = os.path.abspath(load_dir or ckpt.load)
     found = find_checkpoint(cfg, pg, load_dir)
     if found is None:
         print_rank_0(f"> no checkpoint in {load_dir} (also the --save folder): training from scratch")

@@ -308,8 +308,8 @@ class CheckpointConfig(Freezable):
     load: str | None = None
     """Folder to load a checkpoint from."""
 
-    save_interval: int | None = None
-    """Iterations between checkpoint saves."""
+    save_interval: int | None = flag_field(None, aliases=("--persistent-save-interval",))
+    """Iterations between (persistent) checkpoint saves."""
 
     save_retain_interval: int | None = None
     """Keep the checkpoints of iterations that are multiples of this value; a save deletes the previous
@@ -359,6 +359,18 @@ class CheckpointConfig(Freezable):
     """Checkpoint folder to start from when --load holds none (or is unset): its weights only, from iteration 0,
     as --finetune; once --save has written a checkpoint into --load, runs resume from that."""
 
+    non_persistent_save_interval: int | None = None
+    """Iterations between non-persistent saves: checkpoints of their own folder, of which only the latest
+    is kept (with --non-persistent-ckpt-type global); a resume loads it when it is newer than --load's."""
+
+    non_persistent_ckpt_type: str | None = flag_field(None, choices=("global", "local", "in_memory"))
+    """Non-persistent checkpoints: global (--ckpt-format checkpoints in --non-persistent-global-ckpt-dir);
+    local and in_memory (nvidia-resiliency-ext's per-node checkpoints) are not supported yet."""
+
+    non_persistent_global_ckpt_dir: str | None = None
+    """Folder of the global non-persistent checkpoints (default: the non_persistent folder in --save, and
+    in --load when loading)."""
+
     ckpt_format: str = flag_field("torch_dist", choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"))
     """Checkpoint format: torch_dist (torch.distributed.checkpoint, sharded, layout-free keys) or
     torch (one model_optim_rng.pt per model-parallel rank)."""
@@ -395,6 +407,19 @@ class CheckpointConfig(Freezable):
             not self.async_save or self.ckpt_format == "torch_dist",
             "--async-save needs --ckpt-format torch_dist (the torch format saves synchronously).",
         )
+        if self.non_persistent_ckpt_type in ("local", "in_memory"):
+            raise ValueError(
+                f"--non-persistent-ckpt-type {self.non_persistent_ckpt_type} (nvidia-resiliency-ext's local "
+                "checkpoints) is not supported yet; use global (checkpoints in --non-persistent-global-ckpt-dir)."
+            )
+        if self.non_persistent_save_interval is not None:
+            n = self.non_persistent_save_interval
+            require(n >= 1, f"--non-persistent-save-interval must be >= 1, got {n}.")
+            require(self.save, f"--non-persistent-save-interval {n} needs --save.")
+            require(
+                self.non_persistent_ckpt_type == "global",
+                f"--non-persistent-save-interval {n} needs --non-persistent-ckpt-type global.",
+            )
         require(
             not self.use_checkpoint_args or self.load or self.pretrained_checkpoint,
             "--use-checkpoint-args needs --load or --pretrained-checkpoint (the checkpoint to read the flags from).",

@@ -90,11 +90,10 @@ def _written_copies(entries: list[sharded_state.Entry]) -> list[sharded_state.En
     return out
 
 
-def _check_finite(trainer, entries: list[sharded_state.Entry]) -> None:
+def _check_finite(trainer, entries: list[sharded_state.Entry], save_dir: str) -> None:
     """Refuses (on every rank) to save non-finite state, as the torch format does."""
     written = {e.key + str(i): c.view for e in entries if e.write for i, c in enumerate(e.chunks)}
-    kept = ckpt.kept_message(trainer.cfg.checkpoint.save)
-    refuse_non_finite({"state": written}, trainer.pg, trainer.iteration, kept)
+    refuse_non_finite({"state": written}, trainer.pg, trainer.iteration, ckpt.kept_message(save_dir))
 
 
 class _AsyncSave:
@@ -142,12 +141,13 @@ def _gathered_rng_states(trainer) -> list:
     return states
 
 
-def save(trainer) -> None:
-    """Saves ``trainer`` at its iteration in the torch_dist format (async with ``--async-save``)."""
+def save(trainer, save_dir: str | None = None) -> None:
+    """Saves ``trainer`` at its iteration in the torch_dist format (async with ``--async-save``) into
+    ``save_dir`` (default ``--save``)."""
     global _pending
     wait_for_pending_save()
     cfg = trainer.cfg
-    save_dir = os.path.abspath(cfg.checkpoint.save)
+    save_dir = os.path.abspath(save_dir or cfg.checkpoint.save)
     iteration = trainer.iteration
     start = time.perf_counter()
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in torch_dist format")
@@ -173,7 +173,7 @@ def save(trainer) -> None:
         common["rng_state"] = _gathered_rng_states(trainer)
     common["config"] = checkpoint_config.config_to_dict(cfg)
     entries = _entries(trainer, with_optimizer=not c.no_save_optim)
-    _check_finite(trainer, entries)
+    _check_finite(trainer, entries, save_dir)
     if not c.no_save_optim:
         common["optimizer"] = {"grad_scaler": _grad_scaler_state(trainer.optimizer)}
     is_rank0 = trainer.pg.rank == 0
@@ -315,7 +315,7 @@ def detect_format(load_dir: str, ckpt_step: int | None = None) -> str | None:
     return "torch_dist" if is_torch_dist_checkpoint(iteration_dir) else "torch"
 
 
-def maybe_load(trainer) -> int | None:
+def maybe_load(trainer, load_dir: str | None = None) -> int | None:
     """``--load`` for torch_dist checkpoints, and the format check for both formats.
 
     Returns:
@@ -327,7 +327,7 @@ def maybe_load(trainer) -> int | None:
             --auto-detect-ckpt-format), or the checkpoint does not fit.
     """
     c = trainer.cfg.checkpoint
-    load_dir = os.path.abspath(c.load)
+    load_dir = os.path.abspath(load_dir or c.load)
     if not os.path.isfile(ckpt.tracker_path(load_dir)) and c.ckpt_step is None:
         return None  # no checkpoint: the torch loader reports it (or starts fresh)
     iteration, release = ckpt.iteration_to_load(load_dir, c.ckpt_step)

@@ -348,8 +348,7 @@ _NOT_YET = {
         --ckpt-convert-format
         --ckpt-convert-save --ckpt-convert-update-legacy-dist-opt-format --dist-ckpt-save-pre-mcore-014
         --load-main-params-from-ckpt
-        --non-persistent-ckpt-type --non-persistent-global-ckpt-dir --non-persistent-local-ckpt-algo
-        --non-persistent-local-ckpt-dir --non-persistent-save-interval --persistent-save-interval --replication
+        --non-persistent-local-ckpt-algo --non-persistent-local-ckpt-dir --replication
         --replication-factor --replication-jump
     """,
     ("these training-loop options", "drop the flag"): """

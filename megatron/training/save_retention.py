@@ -1,4 +1,5 @@
-"""``--save-retain-interval``: which older checkpoints a save deletes (Megatron's rule).
+"""``--save-retain-interval``: which older checkpoints a save deletes (Megatron's rule); and the folder of
+non-persistent checkpoints, where a save deletes every older one.
 
 Once a new checkpoint is in place (the tracker names it), the one the tracker named
 before is deleted unless its iteration is a multiple of ``--save-retain-interval`` (or
@@ -13,20 +14,29 @@ import shutil
 from megatron.training import checkpointing
 from megatron.training.logging_utils import print_rank_0
 
+NON_PERSISTENT_SUBDIR = "non_persistent"
+"""Megatron's folder of global non-persistent checkpoints inside --save (and --load)."""
+
+
+def non_persistent_dir(checkpoint_config, checkpoints_dir: str) -> str:
+    """Where global non-persistent checkpoints of ``checkpoints_dir`` (--save or --load) are."""
+    return checkpoint_config.non_persistent_global_ckpt_dir or os.path.join(checkpoints_dir, NON_PERSISTENT_SUBDIR)
+
 
 class SaveRetention:
     """Deletes superseded checkpoints of ``save_dir`` on the rank that manages the folder.
 
     Args:
-        save_dir: The ``--save`` folder.
+        save_dir: The ``--save`` folder (or the non-persistent checkpoints' folder).
         retain_interval: ``--save-retain-interval`` (None: keep every checkpoint).
         is_writer: Whether this rank deletes (global rank 0, which writes the tracker).
+        latest_only: Keep the latest checkpoint alone, whatever the interval (non-persistent ones).
     """
 
-    def __init__(self, save_dir: str | None, retain_interval: int | None, is_writer: bool):
+    def __init__(self, save_dir: str | None, retain_interval: int | None, is_writer: bool, latest_only: bool = False):
         self.save_dir = save_dir
-        self.retain_interval = retain_interval
-        self.enabled = bool(save_dir) and retain_interval is not None and is_writer
+        self.retain_interval = None if latest_only else retain_interval
+        self.enabled = bool(save_dir) and (retain_interval is not None or latest_only) and is_writer
         self._last: int | None = None  # the newest iteration saved (or found in the folder)
         self._pending: list[tuple[int, int]] = []  # (superseded iteration, the iteration superseding it)
 
@@ -62,7 +72,7 @@ class SaveRetention:
         for old, new in self._pending:
             if latest is None or latest < new:
                 keep.append((old, new))  # the new one is not in place yet
-            elif old > 0 and old % self.retain_interval != 0:
+            elif old > 0 and (self.retain_interval is None or old % self.retain_interval != 0):
                 self._delete(old)
         self._pending = keep
 

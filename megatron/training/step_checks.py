@@ -146,12 +146,13 @@ class StepChecks:
             "--no-check-for-nan-in-loss-and-grad to keep training through it."
         )
 
-    def _save_checked(self) -> None:
+    def _save_checked(self, non_persistent: bool = False) -> None:
         """Saves unless the NaN guard has something to report; never saves non-finite weights."""
         self._check_nan_window()
-        self._save_attempted = self.iteration
+        if not non_persistent:  # the save at the end of training is a persistent one in any case
+            self._save_attempted = self.iteration
         try:
-            self.save_checkpoint()
+            self.save_checkpoint(non_persistent)
         except NonFiniteCheckpointError as e:
             if self.cfg.ddp.check_for_nan_in_loss_and_grad:
                 raise

@@ -23,6 +23,7 @@ import atexit
 import contextlib
 import functools
 import gc
+import os
 import time
 from collections.abc import Callable
 
@@ -56,7 +57,7 @@ from megatron.training.evaluation import Evaluation
 from megatron.training.exit_conditions import ExitConditions
 from megatron.training.profiling import StepProfiler
 from megatron.training.run_config import RunConfig
-from megatron.training.save_retention import SaveRetention
+from megatron.training.save_retention import SaveRetention, non_persistent_dir
 from megatron.training.step_checks import StepChecks
 from megatron.training.train_state import TrainState
 from megatron.training.training_log import IterationLogging, LossWindow
@@ -159,6 +160,10 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation):
         self.last_checkpointed_iteration: int | None = None
         ck = cfg.checkpoint
         self.retention = SaveRetention(ck.save, ck.save_retain_interval, is_writer=pg.rank == 0)
+        self.non_persistent_dir = non_persistent_dir(ck, ck.save) if ck.non_persistent_save_interval else None
+        self.non_persistent_retention = SaveRetention(
+            self.non_persistent_dir, None, is_writer=pg.rank == 0, latest_only=True
+        )
         self.save_lock = self._lock_save_dir()
         try:
             if cfg.checkpoint.load:
@@ -277,16 +282,19 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation):
             checkpointing.TRAIN_STATE: self.state,
         }
 
-    def save_checkpoint(self) -> str | None:
-        """Saves the run at the current iteration into ``--save`` (``--ckpt-format``)."""
-        self.retention.before_save()
+    def save_checkpoint(self, non_persistent: bool = False) -> str | None:
+        """Saves the run at the current iteration into ``--save`` (``--ckpt-format``), or into the
+        non-persistent folder, where only the latest is kept."""
+        save_dir = self.non_persistent_dir if non_persistent else None
+        retention = self.non_persistent_retention if non_persistent else self.retention
+        retention.before_save()
         if self.cfg.checkpoint.ckpt_format == "torch_dist":  # sharded: dist_checkpointing.py (refuses NaN too)
-            dist_checkpointing.save(self)
-            self.retention.after_save(self.iteration)
+            dist_checkpointing.save(self, save_dir)
+            retention.after_save(self.iteration)
             return None
-        path = checkpointing.save_checkpoint(self.checkpoint_state(), self.cfg, self.pg)
+        path = checkpointing.save_checkpoint(self.checkpoint_state(), self.cfg, self.pg, save_dir)
         self.last_checkpointed_iteration = self.iteration
-        self.retention.after_save(self.iteration)
+        retention.after_save(self.iteration)
         return path
 
     def load_checkpoint(self) -> int:
@@ -301,11 +309,27 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation):
             )
         return self.iteration
 
+    def _load_dir(self) -> str:
+        """``--load``, or its non-persistent folder when that holds a checkpoint as new or newer (Megatron's)."""
+        ck = self.cfg.checkpoint
+        if ck.non_persistent_ckpt_type != "global" or ck.ckpt_step is not None:
+            return ck.load
+        folder = non_persistent_dir(ck, ck.load)
+        if not os.path.isfile(checkpointing.tracker_path(folder)):
+            return ck.load
+        newest = checkpointing.read_tracker(folder)[0]
+        persistent = checkpointing.read_tracker(ck.load)[0] if checkpointing.has_checkpoint(ck.load) else -1
+        if newest < persistent:
+            return ck.load
+        logs.print_rank_0(f"> loading the non-persistent checkpoint of iteration {newest} from {folder}")
+        return folder
+
     def _load_either_format(self) -> None:
-        if dist_checkpointing.maybe_load(self) is not None:  # a torch_dist checkpoint
+        load_dir = self._load_dir()
+        if dist_checkpointing.maybe_load(self, load_dir) is not None:  # a torch_dist checkpoint
             self._load_rerun_state()
             return
-        loaded = checkpointing.load_checkpoint(self.checkpoint_state(), self.cfg, self.pg)
+        loaded = checkpointing.load_checkpoint(self.checkpoint_state(), self.cfg, self.pg, load_dir)
         if loaded is None:
             return
         if checkpointing.OPTIMIZER not in loaded.loaded:
@@ -541,6 +565,8 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation):
                 ck = cfg.checkpoint
                 if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
                     self._save_checked()
+                elif self.non_persistent_dir and self.iteration % ck.non_persistent_save_interval == 0:
+                    self._save_checked(non_persistent=True)
                 if t.exit_interval and self.iteration % t.exit_interval == 0:
                     stopped = "--exit-interval"
                     break
@@ -557,6 +583,7 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation):
             self.evaluate_at_end(valid_iter, test_iter)
         dist_checkpointing.wait_for_pending_save()  # an --async-save in flight is on disk when train() returns
         self.retention.retire()  # what an --async-save in flight superseded
+        self.non_persistent_retention.retire()
         if t.manual_gc:
             gc.enable()
         self.close()
