@@ -68,6 +68,8 @@ CHECKPOINT_FILENAME = "model_optim_rng.pt"
 
 MODEL, OPTIMIZER, SCHEDULER, TRAIN_STATE = "model", "optimizer", "opt_param_scheduler", "train_state"
 """Keys of the mapping given to ``save_checkpoint`` / ``load_checkpoint`` (and of the file)."""
+MAIN_PARAMS = "main_params"
+"""In ``LoadedCheckpoint.loaded``: the optimizer's fp32 main params alone (--load-main-params-from-ckpt)."""
 
 # Entries of the file that belong to the train state (top level, as Megatron).
 _TRAIN_STATE_KEYS = (
@@ -553,6 +555,14 @@ def load_checkpoint(state: Mapping[str, Stateful], cfg, pg, load_dir: str | None
                 if key not in (MODEL, TRAIN_STATE):
                     obj.load_state_dict(contents[key])
                     loaded.add(key)
+    if ckpt.load_main_params_from_ckpt and OPTIMIZER in state:
+        if "main_params" not in contents.get(OPTIMIZER, {}):
+            raise ValueError(
+                f"checkpoint {path} holds no optimizer state (saved with --no-save-optim), so no fp32 main params "
+                "for --load-main-params-from-ckpt; drop the flag."
+            )
+        state[OPTIMIZER].load_main_params(contents[OPTIMIZER]["main_params"], path)
+        loaded.add(MAIN_PARAMS)
 
     print_rank_0(
         f"  successfully loaded checkpoint from {load_dir} at iteration {iteration}"

@@ -328,6 +328,10 @@ class CheckpointConfig(Freezable):
     no_load_rng: bool = False
     """Do not load RNG state."""
 
+    load_main_params_from_ckpt: bool = False
+    """With --no-load-optim: take the fp32 main params from the checkpoint's optimizer state (not the moments),
+    instead of rebuilding them from the bf16/fp16 weights."""
+
     finetune: bool = False
     """Load model weights only and start from iteration 0."""
 
@@ -406,6 +410,10 @@ class CheckpointConfig(Freezable):
         require(
             not self.async_save or self.ckpt_format == "torch_dist",
             "--async-save needs --ckpt-format torch_dist (the torch format saves synchronously).",
+        )
+        require(
+            not self.load_main_params_from_ckpt or self.no_load_optim,
+            "--load-main-params-from-ckpt needs --no-load-optim (a loaded optimizer brings its fp32 params anyway).",
         )
         if self.non_persistent_ckpt_type in ("local", "in_memory"):
             raise ValueError(

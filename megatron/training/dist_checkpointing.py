@@ -67,7 +67,7 @@ def _model_chunks(trainer):
     return list(model) if isinstance(model, torch.nn.ModuleList) else model  # virtual-pipeline chunks
 
 
-def _entries(trainer, *, with_optimizer: bool) -> list[sharded_state.Entry]:
+def _entries(trainer, *, with_optimizer: bool, main_params_only: bool = False) -> list[sharded_state.Entry]:
     chunks = _model_chunks(trainer)
     if isinstance(trainer.model, (list, tuple)):
         for m in trainer.model:
@@ -75,8 +75,9 @@ def _entries(trainer, *, with_optimizer: bool) -> list[sharded_state.Entry]:
     else:
         trainer.model.finish_param_sync()  # a parameter gather in flight would race the read
     entries = sharded_state.model_entries(chunks, trainer.pg)
-    if with_optimizer:
-        entries += sharded_state.optimizer_entries(trainer.optimizer, chunks, trainer.pg)
+    if with_optimizer or main_params_only:
+        optimizer = sharded_state.optimizer_entries(trainer.optimizer, chunks, trainer.pg)
+        entries += optimizer if with_optimizer else [e for e in optimizer if e.key.startswith(_FP32_PREFIX)]
     return entries
 
 
@@ -357,6 +358,7 @@ def load(trainer, iteration_dir: str, iteration: int, release: bool) -> int:
     checkpoint_config.check_config(saved_config, trainer.cfg, iteration_dir)
     weights_only = c.finetune or release
     with_optimizer = not weights_only and not c.no_load_optim
+    main_params_only = c.load_main_params_from_ckpt  # --no-load-optim: the fp32 params alone
     if not weights_only:
         ckpt.require_saved(common, iteration_dir, c, ["opt_param_scheduler"])
     reader = dcp.FileSystemReader(iteration_dir)
@@ -369,11 +371,17 @@ def load(trainer, iteration_dir: str, iteration: int, release: bool) -> int:
                 "trainer); load it with --no-load-optim (weights only), or with the trainer that saved it."
             )
         trainer.optimizer.allocate_state(trainer.optimizer.state_names())  # DCP reads in place
+    if main_params_only and not any(k.startswith(_FP32_PREFIX) for k in found):
+        raise ValueError(
+            f"checkpoint {iteration_dir} holds no fp32 main params (saved with --no-save-optim, or in fp32) for "
+            "--load-main-params-from-ckpt; drop the flag."
+        )
     entries, step_copies = sharded_state.entries_in_stored_form(
-        _entries(trainer, with_optimizer=with_optimizer), metadata
+        _entries(trainer, with_optimizer=with_optimizer, main_params_only=main_params_only), metadata
     )
     expected = {e.key for e in entries}
-    relevant = found if with_optimizer else {k for k in found if k.startswith(sharded_state.MODEL_PREFIX)}
+    kept = (sharded_state.MODEL_PREFIX, _FP32_PREFIX) if main_params_only else (sharded_state.MODEL_PREFIX,)
+    relevant = found if with_optimizer else {k for k in found if k.startswith(kept)}
     _check_keys(c.dist_ckpt_strictness, _all_keys(trainer, expected), relevant, iteration_dir)
     missing = sorted(expected - found)
     tolerate = c.dist_ckpt_strictness in ("log_all", "return_all", "ignore_all")
@@ -413,6 +421,8 @@ def load(trainer, iteration_dir: str, iteration: int, release: bool) -> int:
         if scaler is not None and saved_scaler is not None:
             scaler.load_state_dict(saved_scaler)
         restore_scheduler(trainer, common["opt_param_scheduler"])
+    elif main_params_only:
+        trainer.optimizer.after_state_load()  # the loaded fp32 main params into the model params
     else:
         trainer.optimizer.reload_model_params()  # fp32 main params from the loaded weights
         # The LR schedule stays at the loaded iteration (in samples when the batch changes).

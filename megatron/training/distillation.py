@@ -221,7 +221,7 @@ def teacher_run_config(given, world_size: int):
     c.load, c.save, c.pretrained_checkpoint = distill.export_kd_teacher_load, None, None
     c.finetune, c.no_load_optim, c.no_load_rng = True, True, True
     c.ckpt_step = c.override_ckpt_iteration = None  # the student's: the teacher loads its folder's latest
-    c.use_checkpoint_args = False  # the teacher's model flags are the student's and its model config's
+    c.use_checkpoint_args = c.load_main_params_from_ckpt = False  # the student's; the teacher has no optimizer
     fmt = distill.export_kd_teacher_ckpt_format
     c.ckpt_format, c.auto_detect_ckpt_format = (fmt, False) if fmt else (c.ckpt_format, True)
     cfg.distill = type(distill)()  # the teacher distils nothing

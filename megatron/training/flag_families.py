@@ -347,7 +347,6 @@ _NOT_YET = {
     ("these checkpoint options", "drop the flag"): """
         --ckpt-convert-format
         --ckpt-convert-save --ckpt-convert-update-legacy-dist-opt-format --dist-ckpt-save-pre-mcore-014
-        --load-main-params-from-ckpt
         --non-persistent-local-ckpt-algo --non-persistent-local-ckpt-dir --replication
         --replication-factor --replication-jump
     """,

@@ -332,7 +332,7 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation):
         loaded = checkpointing.load_checkpoint(self.checkpoint_state(), self.cfg, self.pg, load_dir)
         if loaded is None:
             return
-        if checkpointing.OPTIMIZER not in loaded.loaded:
+        if not {checkpointing.OPTIMIZER, checkpointing.MAIN_PARAMS} & loaded.loaded:
             self.optimizer.reload_model_params()  # fp32 main params from the loaded weights
         if checkpointing.SCHEDULER not in loaded.loaded:
             # The LR schedule stays at the loaded iteration (in samples when the batch changes).

@@ -216,6 +216,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         params = dict.fromkeys(p for p in self.ddp.module.parameters() if p.requires_grad)
         return [p for p in params if p.dtype in (torch.bfloat16, torch.float16)]
 
+    def _main_params_order(self) -> list[torch.Tensor]:
+        return self._lowp_order()
+
     def _buffer_of(self, param: torch.nn.Parameter):
         """The gradient buffer holding ``param`` (expert parameters: the expert-DP buffer)."""
         expert = self.ddp.expert_grad_buffer

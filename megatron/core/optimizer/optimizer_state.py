@@ -116,6 +116,27 @@ class OptimizerState:
         for param, main in zip(self._lowp_model, self._lowp_main):
             param.copy_(main)
 
+    def _main_params_order(self) -> list[torch.Tensor]:
+        """The low-precision params in the order of ``state_dict()['main_params']``."""
+        return self._lowp_model
+
+    @torch.no_grad()
+    def load_main_params(self, saved: list[torch.Tensor], where: str) -> None:
+        """``--load-main-params-from-ckpt``: the fp32 copies of the low-precision params alone, from a
+        saved ``state_dict()['main_params']`` (no moments), and from them the model params."""
+        order = self._main_params_order()
+        if len(saved) != len(order):
+            raise ValueError(
+                f"{where} holds {len(saved)} fp32 main params but this model has {len(order)} bf16/fp16 params: "
+                "it was saved with another model or precision; drop --load-main-params-from-ckpt."
+            )
+        index = {id(p): i for i, p in enumerate(order)}
+        for piece in self.state_pieces():
+            if piece.fp32_copy:
+                value = torch.as_tensor(saved[index[id(piece.param)]]).reshape(-1)[piece.start : piece.end]
+                piece.main.view(-1).copy_(value)
+        self.after_state_load()
+
     @torch.no_grad()
     def reload_model_params(self) -> None:
         """Copies model params into the fp32 main params (after loading model weights alone)."""

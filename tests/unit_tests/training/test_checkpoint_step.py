@@ -4,6 +4,7 @@ iteration's data position), in both checkpoint formats, on the CPU."""
 import json
 
 import pytest
+import torch
 
 from megatron.training.training import build_trainer, pretrain
 
@@ -71,3 +72,32 @@ def test_override_ckpt_iteration_moves_the_counter_and_the_data_not_the_schedule
 def test_checkpoint_selection_flags_are_checked(flags, match):
     with pytest.raises(ValueError, match=match):
         build_trainer(TINY + flags.split())
+
+
+@pytest.mark.parametrize("optimizer", [[], ["--use-distributed-optimizer"]], ids=["optimizer", "distributed"])
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_load_main_params_from_ckpt_keeps_the_fp32_weights_without_the_moments(tmp_path, fmt, optimizer):
+    """--no-load-optim rebuilds the fp32 main params from the bf16 weights (rounded); with
+    --load-main-params-from-ckpt they are the checkpoint's, bit for bit, and the moments start afresh."""
+    from megatron.core import parallel_state
+
+    save = tmp_path / "ckpt"
+    common = TINY + ["--bf16", "--ckpt-format", fmt] + optimizer
+    saved = pretrain(common + f"--train-iters 2 --save {save}".split())
+    want = [m.clone() for m in saved.optimizer._lowp_main]
+
+    def main_params(*extra):
+        trainer = build_trainer(common + f"--train-iters 4 --load {save} --no-load-optim".split() + list(extra))
+        got = [m.clone() for m in trainer.optimizer._lowp_main]
+        moments = [s for s in trainer.optimizer.optimizer.state.values() if s]
+        trainer.graphs.close()
+        parallel_state.destroy(trainer.pg)
+        return got, moments
+
+    exact, moments = main_params("--load-main-params-from-ckpt")
+    assert len(exact) == len(want) > 0 and all(torch.equal(a, b) for a, b in zip(exact, want))
+    assert not moments  # no optimizer state was loaded
+    rounded, _ = main_params()
+    assert not all(torch.equal(a, b) for a, b in zip(rounded, want))  # bf16 weights lose the fp32 bits
+    with pytest.raises(ValueError, match="--load-main-params-from-ckpt needs --no-load-optim"):
+        build_trainer(common + f"--load {save} --load-main-params-from-ckpt".split())
