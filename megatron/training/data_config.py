@@ -50,6 +50,10 @@ class DataConfig(Freezable):
     eod_mask_loss: bool = False
     """Mask the loss at end-of-document tokens (the next-token target after one is not counted)."""
 
+    mid_level_dataset_surplus: float = 0.005
+    """Extra share of samples each dataset of a blend builds beyond its weight's (a blend that reads past
+    one names this flag)."""
+
     split: str = "969,30,1"
     """Train/valid/test split of each dataset, as weights."""
 

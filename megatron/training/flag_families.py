@@ -315,8 +315,8 @@ _NOT_YET = {
     ("a YAML file of arguments", "pass the flags on the command line"): """
         --yaml-cfg
     """,
-    ("data phases and the blended datasets' sample surplus", "drop the flag"): """
-        --phase-transition-iterations --mid-level-dataset-surplus
+    ("data phases", "drop the flag"): """
+        --phase-transition-iterations
     """,
     ("document-boundary attention and position resets", "drop the flag"): """
         --reset-attention-mask --dataloader-inter-document-masking

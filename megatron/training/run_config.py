@@ -295,6 +295,10 @@ class RunConfig(Freezable):
         o.validate(p)
         d = self.data
         require(
+            d.mid_level_dataset_surplus >= 0,
+            f"--mid-level-dataset-surplus must be >= 0, got {d.mid_level_dataset_surplus}.",
+        )
+        require(
             d.mock_data or d.data_path or d.per_split,
             "no training data: pass --mock-data for synthetic documents, or --data-path PREFIX.",
         )

@@ -52,7 +52,8 @@ class BlendedDataset(torch.utils.data.Dataset):
     """Mixes datasets by weight.
 
     Args:
-        datasets: The component datasets (each long enough for its share).
+        datasets: The component datasets (each long enough for its share, with the builder's surplus;
+            a ``ValueError`` names --mid-level-dataset-surplus otherwise).
         weights: Non-negative weights (normalised here).
         size: Number of samples of the blend.
         description: What the datasets are (for the cache key); None disables caching.
@@ -97,8 +98,11 @@ class BlendedDataset(torch.utils.data.Dataset):
         self.dataset_sample_index = arrays["dataset_sample_index"]
         for d, dataset in enumerate(datasets):
             used = self.dataset_sample_index[self.dataset_index == d]
-            # The builder sizes each dataset for its share; running short is a bug, not a user error.
-            assert used.size == 0 or int(used.max()) < len(dataset), (d, int(used.max()), len(dataset))
+            if used.size and int(used.max()) >= len(dataset):  # the builder's surplus was too small
+                raise ValueError(
+                    f"blend component {d} has {len(dataset)} samples but the blend reads {int(used.max()) + 1}: "
+                    "raise --mid-level-dataset-surplus (e.g. ten-fold)."
+                )
 
     def __len__(self) -> int:
         return self.size

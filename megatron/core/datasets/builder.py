@@ -32,8 +32,6 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset, exists
 logger = logging.getLogger(__name__)
 
 SPLIT_NAMES = ("train", "valid", "test")
-# Spare samples each blend component builds beyond its share (Megatron's mid-level surplus).
-BLEND_SURPLUS = 0.005
 
 
 def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float]]:
@@ -106,8 +104,9 @@ def split_ranges(split: Sequence[float], num_documents: int) -> list[tuple[int, 
     return ranges
 
 
-def _blend_sizes(weights: Sequence[float], target: int) -> list[int]:
-    return [int(math.ceil(math.ceil(target * w) * (1 + BLEND_SURPLUS))) for w in weights]
+def _blend_sizes(weights: Sequence[float], target: int, surplus: float) -> list[int]:
+    """Samples each blend component builds: its share and ``surplus`` (--mid-level-dataset-surplus) more."""
+    return [int(math.ceil(math.ceil(target * w) * (1 + surplus))) for w in weights]
 
 
 def _kept_blend(data_path: Sequence[str]) -> tuple[list[str], list[float]]:
@@ -193,7 +192,8 @@ def build_train_valid_test_datasets(
         if not prefixes or (not own_blends and split[s] == 0) or n == 0:
             out.append(None)
             continue
-        sizes = [n] if len(prefixes) == 1 else _blend_sizes(weights, n)
+        surplus = getattr(data_config, "mid_level_dataset_surplus", 0.005)
+        sizes = [n] if len(prefixes) == 1 else _blend_sizes(weights, n, surplus)
         parts = []
         for prefix, size in zip(prefixes, sizes):
             if prefix not in opened:

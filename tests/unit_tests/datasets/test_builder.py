@@ -191,3 +191,27 @@ def test_data_args_files(tmp_path):
     with pytest.raises(ValueError, match="--eval-iters 5 needs validation data: add --valid-data-path"):
         bad = parse_args(["--train-data-path", a, "--vocab-size", "64", "--eval-iters", "5", "--eval-interval", "2"])
         bad.resolve().validate()
+
+
+def test_mid_level_dataset_surplus(tmp_path):
+    """--mid-level-dataset-surplus: how much more than its share each blend component builds; a blend that
+    reads past a component's end names the flag."""
+    import pytest
+    import torch
+
+    a = write(str(tmp_path / "a"), 200, 0)
+    b = write(str(tmp_path / "b"), 200, 10_000)
+
+    def lengths(surplus):
+        cfg = DataConfig(
+            data_path=["0.25", a, "0.75", b], split="1,0,0", data_cache_path=str(tmp_path / "cache"),
+            mid_level_dataset_surplus=surplus,
+        )  # fmt: skip
+        train = build_train_valid_test_datasets(cfg, TOK, seq_length=16, seed=3, num_samples=(4000, 0, 0))[0]
+        return [len(d) for d in train.datasets]
+
+    assert all(n >= need for n, need in zip(lengths(1.0), (2000, 6000)))  # ceil(n * w) * (1 + 1.0)
+    assert all(n < need for n, need in zip(lengths(0.005), (2000, 6000)))  # Megatron's default: ~1005, ~3015
+    short = [torch.utils.data.TensorDataset(torch.arange(10)), torch.utils.data.TensorDataset(torch.arange(10))]
+    with pytest.raises(ValueError, match="raise --mid-level-dataset-surplus"):
+        BlendedDataset(short, [0.5, 0.5], 40)
