@@ -9,6 +9,7 @@ parsed with ``ast`` and only list literals, integers, ``+`` and ``*`` are evalua
 
 import ast
 import dataclasses
+import warnings
 
 from megatron.core.config_utils import Freezable, flag_field, require
 
@@ -137,6 +138,14 @@ class MoEConfig(Freezable):
     """Benchmarks only: route by random logits (a standard normal per token and expert)
     instead of the router's, so every expert gets about as many tokens; gradients flow to
     the router as if its own logits had been used (straight-through)."""
+
+    moe_layer_recompute: bool = False
+    """Megatron's deprecated switch for --recompute-granularity selective --recompute-modules moe (added to
+    the given or default modules), with its warning."""
+
+    moe_input_jitter_eps: float | None = None
+    """Multiply the router's input by noise drawn uniformly from [1 - eps, 1 + eps] (Switch Transformer's
+    jitter; the default generator, as Megatron, which jitters evaluation too)."""
 
     moe_router_enable_expert_bias: bool = False
     """Aux-loss-free load balancing: a per-expert bias, updated from the token counts after each
@@ -307,6 +316,8 @@ class MoEConfig(Freezable):
 
     def finalize(self, model) -> "MoEConfig":
         """Fills derived fields from the model config. Idempotent; returns self."""
+        if self.moe_layer_recompute:
+            self._recompute_moe_layers(model)
         if not self.enabled:
             return self
         if self.moe_ffn_hidden_size is None:
@@ -318,9 +329,27 @@ class MoEConfig(Freezable):
             self.moe_layer_pattern = pattern
         return self
 
+    @staticmethod
+    def _recompute_moe_layers(model) -> None:
+        """``--moe-layer-recompute``, Megatron's deprecated spelling of selective recompute of ``moe``."""
+        modules = list(model.recompute_modules or ["core_attn"])  # core_attn: the default modules
+        if model.recompute_granularity == "selective" and "moe" in modules:
+            return  # done (a second call writes nothing: the config may be frozen)
+        if model.recompute_granularity == "full":
+            raise ValueError("Do not set --moe-layer-recompute with --recompute-granularity full.")
+        warnings.warn(
+            "--moe-layer-recompute is deprecated. Use --recompute-granularity selective --recompute-modules moe "
+            "instead.",
+            stacklevel=3,
+        )
+        model.recompute_granularity = "selective"
+        model.recompute_modules = [*modules, "moe"] if "moe" not in modules else modules
+
     def validate(self, model, expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int = 1) -> None:
         """Raises ``ValueError`` for inconsistent MoE flags (call after ``finalize``)."""
         self._validate_flex_flags()
+        eps = self.moe_input_jitter_eps
+        require(eps is None or 0 <= eps < 1, f"--moe-input-jitter-eps must be in [0, 1), got {eps}.")
         if not self.enabled:
             require(
                 self.moe_ffn_hidden_size is None and self.moe_shared_expert_intermediate_size is None,

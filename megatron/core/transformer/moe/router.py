@@ -105,8 +105,11 @@ class TopKRouter(torch.nn.Module):
             tokens routed to each expert.
         """
         seq_len = hidden_states.shape[0]
-        logits = self.gating(hidden_states)
         moe = self.moe
+        if moe.moe_input_jitter_eps is not None:
+            eps = moe.moe_input_jitter_eps
+            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(1.0 - eps, 1.0 + eps)
+        logits = self.gating(hidden_states)
         if moe.moe_router_force_load_balancing:
             logits = moe_utils.random_logits(logits)
         losses = []

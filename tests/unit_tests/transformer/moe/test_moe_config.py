@@ -214,3 +214,21 @@ def test_overlap_switches_are_accepted_with_no_effect_and_named_in_the_log():
 def test_overlap_switches_keep_megatrons_rules(extra, world, message):
     with pytest.raises(ValueError, match=message):
         _overlap_run(*extra.split(), world=world)
+
+
+def test_moe_layer_recompute_is_selective_recompute_of_moe():
+    """Megatron's deprecated --moe-layer-recompute: selective recompute with moe added to the modules."""
+    import warnings
+
+    base = "--mock-data --vocab-size 64 --num-experts 4 --moe-layer-recompute".split()
+    with pytest.warns(UserWarning, match="--moe-layer-recompute is deprecated"):
+        model = parse_args(base).resolve().model
+    assert (model.recompute_granularity, model.recompute_modules) == ("selective", ["core_attn", "moe"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        given = parse_args(base + ["--recompute-granularity", "selective", "--recompute-modules", "mlp"]).resolve()
+        assert given.model.recompute_modules == ["mlp", "moe"]
+        given.model.finalize()  # again, as model builders do: nothing changes
+        assert given.model.recompute_modules == ["mlp", "moe"]
+        with pytest.raises(ValueError, match="Do not set --moe-layer-recompute with --recompute-granularity full"):
+            parse_args(base + ["--recompute-granularity", "full"]).resolve()

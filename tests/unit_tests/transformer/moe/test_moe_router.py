@@ -267,3 +267,20 @@ def test_force_load_balancing_routes_by_random_logits_straight_through():
     straight = (logits + (noise - logits).detach()).gather(1, chosen)
     loss = (torch.softmax(straight, -1) * target.gather(1, chosen)).sum()
     torch.testing.assert_close(router.weight.grad, torch.autograd.grad(loss, router.weight)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_input_jitter_multiplies_the_router_input_by_uniform_noise():
+    """--moe-input-jitter-eps: the route of ``x * u``, u drawn uniformly from [1 - eps, 1 + eps] by the
+    default generator (Megatron's Switch-Transformer jitter)."""
+    router, _ = _router(num_moe_experts=8, moe_router_topk=2, moe_input_jitter_eps=0.1)
+    plain, _ = _router(num_moe_experts=8, moe_router_topk=2)
+    x = torch.randn(16, 2, 8, dtype=torch.float64)
+    torch.manual_seed(3)
+    probs, routing_map, _ = router(x)
+    torch.manual_seed(3)
+    noise = torch.empty_like(x).uniform_(0.9, 1.1)
+    want_probs, want_map, _ = plain(x * noise)
+    assert torch.equal(probs, want_probs) and torch.equal(routing_map, want_map)
+    assert 0.9 <= float(noise.min()) and float(noise.max()) <= 1.1 and not torch.equal(probs, plain(x)[0])
+    with pytest.raises(ValueError, match=r"--moe-input-jitter-eps must be in \[0, 1\), got 1.5"):
+        make_config(num_moe_experts=8, moe_input_jitter_eps=1.5).moe.validate(make_config())
