@@ -329,7 +329,7 @@ _NOT_YET = {
         --fp16-lm-cross-entropy --output-logit-dtype --log-max-attention-logit
     """,
     ("these MoE options", "drop the flag"): """
-        --moe-apply-probs-on-input --moe-latent-size
+        --moe-latent-size
         --moe-mlp-glu-interleave-size --moe-shared-expert-glu-interleave-size --moe-paged-stash
         --moe-paged-stash-buffer-size-factor-cpu --moe-paged-stash-buffer-size-factor-cuda
         --moe-paged-stash-page-size --moe-router-force-biased --moe-router-quantile-balancing-ema

@@ -271,6 +271,12 @@ def expert_config(config, ffn_hidden_size: int):
     return dataclasses.replace(config, ffn_hidden_size=ffn_hidden_size)
 
 
+def probs_on_input(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``--moe-apply-probs-on-input``: each token's input scaled by its probability (in the tokens' dtype),
+    and probabilities of 1 for the activation, which the probability scales otherwise (Megatron's)."""
+    return (probs.unsqueeze(-1) * tokens).to(tokens.dtype), torch.ones_like(probs)
+
+
 class SequentialMLP(torch.nn.Module):
     """The local experts as a list of MLPs run one after the other.
 
@@ -302,6 +308,7 @@ class SequentialMLP(torch.nn.Module):
     ):
         super().__init__()
         self.num_local_experts = num_local_experts
+        self.probs_on_input = config.moe.moe_apply_probs_on_input
         self.activation = MLPActivation.from_config(config)
         self.gated = self.activation.gated
         cfg = expert_config(config, config.moe.moe_ffn_hidden_size)
@@ -345,6 +352,8 @@ class SequentialMLP(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert, probs: torch.Tensor) -> torch.Tensor:
         """``tokens [N, h]`` (expert-major), ``tokens_per_expert`` (list or tensor), ``probs [N]`` -> ``[N, h]``."""
+        if self.probs_on_input:
+            tokens, probs = probs_on_input(tokens, probs)
         multiple = self.row_multiple or expert_row_multiple(tokens.device)
         rows = _RowPadding(_as_host_counts(tokens_per_expert), multiple)
         weights = self._fused_weights()
@@ -453,6 +462,7 @@ class GroupedMLP(torch.nn.Module):
         super().__init__()
         device = resolve_device(device)
         self.num_local_experts = num_local_experts
+        self.probs_on_input = config.moe.moe_apply_probs_on_input
         self.recompute_activation = recomputes(config, "moe_act")
         self.offload = offloader_for(config)  # --offload-modules expert_fc1 moe_act
         self.activation = MLPActivation.from_config(config)
@@ -486,6 +496,8 @@ class GroupedMLP(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert, probs: torch.Tensor) -> torch.Tensor:
         """``tokens [N, h]`` (expert-major), ``tokens_per_expert`` (list or tensor), ``probs [N]`` -> ``[N, h]``."""
+        if self.probs_on_input:
+            tokens, probs = probs_on_input(tokens, probs)
         if self.uses_grouped_mm(tokens):
             self.last_path = "grouped"
             return self._grouped(tokens, tokens_per_expert, probs)

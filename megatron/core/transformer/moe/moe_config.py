@@ -143,6 +143,9 @@ class MoEConfig(Freezable):
     """Megatron's deprecated switch for --recompute-granularity selective --recompute-modules moe (added to
     the given or default modules), with its warning."""
 
+    moe_apply_probs_on_input: bool = False
+    """Scale each expert's input by the token's routing probability instead of the activation (top-1 routing)."""
+
     moe_input_jitter_eps: float | None = None
     """Multiply the router's input by noise drawn uniformly from [1 - eps, 1 + eps] (Switch Transformer's
     jitter; the default generator, as Megatron, which jitters evaluation too)."""
@@ -350,6 +353,10 @@ class MoEConfig(Freezable):
         self._validate_flex_flags()
         eps = self.moe_input_jitter_eps
         require(eps is None or 0 <= eps < 1, f"--moe-input-jitter-eps must be in [0, 1), got {eps}.")
+        require(
+            not self.moe_apply_probs_on_input or self.moe_router_topk == 1,
+            f"--moe-apply-probs-on-input needs --moe-router-topk 1 (Megatron's rule), got {self.moe_router_topk}.",
+        )
         if not self.enabled:
             require(
                 self.moe_ffn_hidden_size is None and self.moe_shared_expert_intermediate_size is None,

@@ -51,16 +51,19 @@ def expert_weights(experts, e):
 
 def reference_moe(layer, x2d, probs, routing_map):
     """Token-by-token MoE output: ``sum_e fc2_e(act(fc1_e(x)) * p_e)`` over the routed experts
-    (+ shared experts), written as plain loops in float64."""
+    (``fc2_e(act(fc1_e(p_e x)))`` with --moe-apply-probs-on-input) (+ shared experts), written as plain
+    loops in float64."""
     gated = layer.config.gated_linear_unit
+    on_input = layer.config.moe.moe_apply_probs_on_input
     out = torch.zeros_like(x2d, dtype=torch.float64)
     for t in range(x2d.shape[0]):
         for e in range(routing_map.shape[1]):
             if not bool(routing_map[t, e]):
                 continue
             w1, b1, w2, b2 = (None if w is None else w.double() for w in expert_weights(layer.experts, e))
-            h = x2d[t].double() @ w1.t() + (0 if b1 is None else b1)
-            h = _act(h, gated) * probs[t, e].double()
+            p = probs[t, e].double()
+            h = (x2d[t].double() * (p if on_input else 1.0)) @ w1.t() + (0 if b1 is None else b1)
+            h = _act(h, gated) * (1.0 if on_input else p)
             out[t] += h @ w2.t() + (0 if b2 is None else b2)
     if layer.shared_experts is not None:
         se = layer.shared_experts

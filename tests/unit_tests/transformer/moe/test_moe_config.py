@@ -232,3 +232,10 @@ def test_moe_layer_recompute_is_selective_recompute_of_moe():
         assert given.model.recompute_modules == ["mlp", "moe"]
         with pytest.raises(ValueError, match="Do not set --moe-layer-recompute with --recompute-granularity full"):
             parse_args(base + ["--recompute-granularity", "full"]).resolve()
+
+
+def test_apply_probs_on_input_needs_top1():
+    argv = "--mock-data --vocab-size 64 --num-experts 4 --moe-router-topk 2 --moe-apply-probs-on-input".split()
+    cfg = parse_args(argv).resolve()
+    with pytest.raises(ValueError, match="--moe-apply-probs-on-input needs --moe-router-topk 1"):
+        cfg.validate()

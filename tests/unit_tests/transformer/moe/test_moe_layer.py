@@ -32,6 +32,12 @@ CASES = {
     "drop-position": dict(moe_expert_capacity_factor=0.75, moe_token_drop_policy="position"),
     "drop-and-pad": dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
     "pad-big-capacity": dict(moe_expert_capacity_factor=4.0, moe_pad_expert_input_to_capacity=True),
+    "probs-on-input": dict(
+        moe_router_topk=1, moe_router_pre_softmax=True, moe_apply_probs_on_input=True, gated_linear_unit=True
+    ),
+    "probs-on-input-grouped": dict(
+        moe_router_topk=1, moe_router_pre_softmax=True, moe_apply_probs_on_input=True, moe_grouped_gemm=True
+    ),
 }
 
 
