@@ -335,9 +335,6 @@ _NOT_YET = {
         --moe-paged-stash-page-size --moe-router-force-biased --moe-router-quantile-balancing-ema
         --moe-routing-trace-capture-hidden-states --moe-routing-trace-capture-logits
         --moe-routing-trace-dump-weights --moe-routing-trace-max-training-iters --moe-routing-trace-path
-        --moe-single-grouped-bias --moe-single-grouped-weight --moe-use-grouped-tensor
-        --use-grouped-gemm-for-dense-mlp --use-grouped-gemm-for-shared-expert
-        --overlap-dispatch-backward-with-experts-wgrad --ep-overlap-early-attn-memory-release
     """,
     ("generalized tensor parallelism (weight re-materialization)", "drop the flag"): """
         --gtp-expert-remat-nccl-ub --gtp-remat-nccl-ub --gtp-remat-opt-in-modules

@@ -263,6 +263,26 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
         SWITCH,
         "delays expert weight gradients to overlap the all-to-all; the same gradients (Megatron's rules checked)",
     ),
+    "--overlap-dispatch-backward-with-experts-wgrad": noop(
+        SWITCH, "overlaps the experts' weight gradients with the dispatch backward; the same gradients (rules checked)"
+    ),
+    "--ep-overlap-early-attn-memory-release": noop(
+        SWITCH,
+        "reorders the attention backward under --overlap-moe-expert-parallel-comm; the same values (rules checked)",
+    ),
+    "--moe-use-grouped-tensor": noop(
+        SWITCH, "TE's GroupedTensor kernels for the grouped expert GEMMs; the same products (needs --moe-grouped-gemm)"
+    ),
+    "--moe-single-grouped-weight": noop(
+        SWITCH, "TE stores the experts' weights as one tensor, as they are here anyway (needs --moe-grouped-gemm)"
+    ),
+    "--moe-single-grouped-bias": noop(
+        SWITCH, "TE stores the experts' biases as one tensor, as they are here anyway (needs --moe-grouped-gemm)"
+    ),
+    "--use-grouped-gemm-for-dense-mlp": noop(SWITCH, "a TE fusion path (a grouped GEMM of one group); the same MLP"),
+    "--use-grouped-gemm-for-shared-expert": noop(
+        SWITCH, "a TE fusion path (a grouped GEMM of one group) for the shared experts; the same products"
+    ),
     "--tiktoken-pattern": noop(
         VALUE, "read only by --tokenizer-type TikTokenizer, which this trainer refuses; other tokenizers ignore it"
     ),

@@ -473,7 +473,7 @@ expert-parallel all-to-all (the same values), so they are accepted with no effec
 
 
 def validate_overlap_switches(given, moe: MoEConfig, model, parallel, half_precision: bool) -> None:
-    """Megatron's rules for the MoE overlap switches, on the ones ``given``.
+    """Megatron's rules for the MoE overlap and kernel switches (accepted, no effect), on the ones ``given``.
 
     Args:
         given: Flags given on the command line (``RunConfig.ignored_flags``).
@@ -496,6 +496,19 @@ def validate_overlap_switches(given, moe: MoEConfig, model, parallel, half_preci
         require(
             "--overlap-moe-expert-parallel-comm" in given,
             "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (as in Megatron).",
+        )
+    for kernel in ("--moe-use-grouped-tensor", "--moe-single-grouped-weight", "--moe-single-grouped-bias"):
+        require(kernel not in given or moe.moe_grouped_gemm, f"{kernel} needs --moe-grouped-gemm (as in Megatron).")
+    if "--overlap-dispatch-backward-with-experts-wgrad" in given:
+        for other in ("--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"):
+            require(
+                other not in given,
+                f"--overlap-dispatch-backward-with-experts-wgrad and {other} cannot be combined (as in Megatron).",
+            )
+    if "--ep-overlap-early-attn-memory-release" in given:
+        require(
+            "--overlap-moe-expert-parallel-comm" in given,
+            "--ep-overlap-early-attn-memory-release needs --overlap-moe-expert-parallel-comm (as in Megatron).",
         )
     if "--overlap-moe-expert-parallel-comm" not in given:
         return

@@ -209,11 +209,21 @@ def test_overlap_switches_are_accepted_with_no_effect_and_named_in_the_log():
             1,
             "--moe-shared-expert-overlap only works with --moe-token-dispatcher-type alltoall",
         ),
+        ("--moe-use-grouped-tensor", 1, "--moe-use-grouped-tensor needs --moe-grouped-gemm"),
+        ("--moe-single-grouped-weight", 1, "--moe-single-grouped-weight needs --moe-grouped-gemm"),
+        ("--moe-single-grouped-bias", 1, "--moe-single-grouped-bias needs --moe-grouped-gemm"),
+        (f"{EP_OVERLAP} --overlap-dispatch-backward-with-experts-wgrad", 2, "and --overlap-moe-expert-parallel-comm"),
+        ("--ep-overlap-early-attn-memory-release", 1, "needs --overlap-moe-expert-parallel-comm"),
     ],
 )
 def test_overlap_switches_keep_megatrons_rules(extra, world, message):
     with pytest.raises(ValueError, match=message):
         _overlap_run(*extra.split(), world=world)
+
+
+def test_moe_kernel_switches_are_accepted_with_their_rules():
+    cfg = _overlap_run(*"--moe-grouped-gemm --moe-use-grouped-tensor --moe-single-grouped-weight".split(), world=1)
+    assert cfg.ignored_flags == ["--moe-use-grouped-tensor", "--moe-single-grouped-weight"]
 
 
 def test_moe_layer_recompute_is_selective_recompute_of_moe():
