@@ -31,6 +31,10 @@ class TrainingConfig(Freezable):
     """Batch-size ramp-up: START INCREMENT SAMPLES grows the global batch from START by INCREMENT
     over SAMPLES samples, in equal steps, then holds --global-batch-size."""
 
+    decrease_batch_size_if_needed: bool = False
+    """Round --global-batch-size down to a multiple of --micro-batch-size x data-parallel size instead of
+    refusing it (a run resumed on fewer ranks), with Megatron's line saying so."""
+
     step_batch_size_schedule: list[str] | None = flag_field(None, nargs="+")
     """Step-wise global batch size: "THRESHOLD:BATCH ..." (e.g. "0:384 200B:768"; quoted as one word or given
     as several), thresholds in tokens (K/M/B/T suffixes) from which the batch applies; replaces

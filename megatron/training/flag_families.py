@@ -349,7 +349,6 @@ _NOT_YET = {
     """,
     ("these training-loop options", "drop the flag"): """
         --check-for-large-grads --full-validation --multiple-validation-sets --validation-set-names
-        --decrease-batch-size-if-needed
         --ddp-param-name-patterns-for-fp32-local-accumulation
         --dump-param-to-param-group-map --pipeline-model-parallel-comm-backend
     """,

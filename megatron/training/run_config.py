@@ -119,6 +119,8 @@ class RunConfig(Freezable):
             t.global_batch_size = steps[-1][1]  # the batch the schedule ends with (eval, lr in iterations)
         if t.global_batch_size is None:
             t.global_batch_size = t.micro_batch_size * cfg.parallel.data_parallel_size
+        if t.decrease_batch_size_if_needed:
+            cfg._decrease_batch_size()
         if t.eval_global_batch_size is None:
             t.eval_global_batch_size = t.global_batch_size
         if t.eval_micro_batch_size is None:
@@ -375,6 +377,29 @@ class RunConfig(Freezable):
                 "--export-kd-teacher-load with --cuda-graph-impl is not supported yet (the distillation loss reads "
                 "layer outputs through hooks, which a graph replay does not run); drop --cuda-graph-impl.",
             )
+
+    def _decrease_batch_size(self) -> None:
+        """--decrease-batch-size-if-needed: the global batch rounded down to whole micro-batches per DP rank."""
+        t = self.training
+        require(
+            t.step_batch_size_schedule is None,
+            "Cannot specify both --step-batch-size-schedule and --decrease-batch-size-if-needed",  # Megatron's
+        )
+        require(
+            t.rampup_batch_size is None,
+            "--decrease-batch-size-if-needed with --rampup-batch-size is not supported yet; drop one of them.",
+        )
+        step = t.micro_batch_size * self.parallel.data_parallel_size
+        if step < 1 or t.global_batch_size % step == 0:
+            return
+        rounded = t.global_batch_size // step * step
+        require(
+            rounded > 0,
+            f"--decrease-batch-size-if-needed: --global-batch-size {t.global_batch_size} is smaller than one "
+            f"micro-batch per data-parallel rank ({step}).",
+        )
+        warnings.warn(f"decreasing batch size from {t.global_batch_size} to {rounded}", stacklevel=3)
+        t.global_batch_size = rounded
 
     def _split_weights(self) -> list[float]:
         return parse_split(self.data.split)  # the data code owns the format

@@ -219,3 +219,15 @@ def test_null_tokenizer_eod_and_pad_ids():
     assert any((s["loss_mask"] == 0).any() for s in samples)
     with pytest.raises(ValueError, match=r"--null-tokenizer-eod-id 64 is outside \[0, --vocab-size 64\)"):
         _model("--null-tokenizer-eod-id 64")
+
+
+def test_decrease_batch_size_if_needed():
+    argv = FLAGS.split() + "--micro-batch-size 2 --global-batch-size 10".split()
+    with pytest.warns(UserWarning, match="decreasing batch size from 10 to 8"):
+        cfg = parse_args(argv + ["--decrease-batch-size-if-needed"]).resolve(world_size=4)  # 2 x 4 per step
+    cfg.validate()
+    assert cfg.training.global_batch_size == 8 and cfg.num_microbatches == 1
+    with pytest.raises(ValueError, match=r"--global-batch-size \(10\) must be divisible"):
+        parse_args(argv).resolve(world_size=4).validate()
+    with pytest.raises(ValueError, match="Cannot specify both --step-batch-size-schedule"):
+        parse_args(argv + "--decrease-batch-size-if-needed --step-batch-size-schedule 0:10".split()).resolve()
