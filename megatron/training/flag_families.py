@@ -325,7 +325,7 @@ _NOT_YET = {
         --no-rope-freq
         --fp32-residual-connection --init-method-xavier-uniform --qk-clip --qk-clip-alpha --qk-clip-threshold
         --qk-l2-norm --enable-mhc-connections --mhc-init-gating-factor --mhc-num-residual-streams
-        --mhc-recompute-layer-num --mhc-sinkhorn-iterations --flash-attention-version --mlp-chunks-for-training
+        --mhc-recompute-layer-num --mhc-sinkhorn-iterations --mlp-chunks-for-training
         --fp16-lm-cross-entropy --output-logit-dtype --log-max-attention-logit
     """,
     ("these MoE options", "drop the flag"): """
@@ -350,7 +350,7 @@ _NOT_YET = {
     ("these training-loop options", "drop the flag"): """
         --check-for-large-grads --full-validation --multiple-validation-sets --validation-set-names
         --ddp-param-name-patterns-for-fp32-local-accumulation
-        --dump-param-to-param-group-map --pipeline-model-parallel-comm-backend
+        --dump-param-to-param-group-map
     """,
     ("debug dumps of parameters, gradients and activations", "drop the flag"): """
         --save-activations-interval --save-dgrads-interval --save-params-interval

@@ -340,6 +340,16 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
         accepted_values=("bf16",),
         note="bf16, Megatron's default, sends the gradients unquantized, as here",
     ),
+    "--pipeline-model-parallel-comm-backend": KnownFlag(
+        VALUE,
+        "--pipeline-model-parallel-comm-backend {value} is not supported: pipeline sends and receives here go "
+        "through the run's process groups (NCCL on GPUs); drop the flag.",
+        accepted_values=("nccl",),
+        note="nccl is the backend pipeline exchanges use here on GPUs",
+    ),
+    "--flash-attention-version": noop(
+        VALUE, "pins FlashAttention 2, 3 or 4 in TE; attention here is SDPA's, which picks its own kernel"
+    ),
     "--rope-type": KnownFlag(
         VALUE,
         "--rope-type {value} is not supported: Megatron's standard attention takes only --rope-type rope (yarn goes "

@@ -231,3 +231,10 @@ def test_decrease_batch_size_if_needed():
         parse_args(argv).resolve(world_size=4).validate()
     with pytest.raises(ValueError, match="Cannot specify both --step-batch-size-schedule"):
         parse_args(argv + "--decrease-batch-size-if-needed --step-batch-size-schedule 0:10".split()).resolve()
+
+
+def test_pipeline_comm_backend_nccl_is_accepted_other_backends_not():
+    cfg = parse_args(FLAGS.split() + ["--pipeline-model-parallel-comm-backend", "nccl"])
+    assert cfg.ignored_flags == ["--pipeline-model-parallel-comm-backend"]
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-comm-backend ucc is not supported"):
+        parse_args(FLAGS.split() + ["--pipeline-model-parallel-comm-backend", "ucc"])
