@@ -322,9 +322,8 @@ _NOT_YET = {
         --reset-attention-mask --dataloader-inter-document-masking
     """,
     ("other activations and position encodings", "drop the flag"): """
-        --no-rope-freq
         --fp32-residual-connection --init-method-xavier-uniform --qk-clip --qk-clip-alpha --qk-clip-threshold
-        --qk-l2-norm --enable-mhc-connections --mhc-init-gating-factor --mhc-num-residual-streams
+        --enable-mhc-connections --mhc-init-gating-factor --mhc-num-residual-streams
         --mhc-recompute-layer-num --mhc-sinkhorn-iterations --mlp-chunks-for-training
         --fp16-lm-cross-entropy --output-logit-dtype --log-max-attention-logit
     """,

@@ -42,7 +42,7 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.tensor_parallel.random import fork_if
 from megatron.core.transformer.attention_variants import SoftmaxOffset, sink_attention, window_mask
-from megatron.core.transformer.norm import build_norm
+from megatron.core.transformer.norm import L2Norm, build_norm
 from megatron.core.transformer.offload import offloader_for
 from megatron.core.transformer.recompute import recomputes
 
@@ -99,6 +99,7 @@ class SelfAttention(torch.nn.Module):
         window = getattr(config, "window", None)
         # Keys i - left .. i on the layers --window-attn-skip-freq picks; -1 is no limit (plain causal).
         self.window_left = window[0] if window is not None and config.uses_window(layer_number) else None
+        self.skips_rope = config.skips_rope(layer_number)  # --no-rope-freq
         if self.window_left == -1:
             self.window_left = None
         self._masks: dict = {}  # (seq, device) -> window mask
@@ -113,7 +114,9 @@ class SelfAttention(torch.nn.Module):
                 dtype=config.params_dtype,
             )
         self.q_layernorm = self.k_layernorm = None
-        if getattr(config, "qk_layernorm", False):
+        if getattr(config, "qk_l2_norm", False):  # wins over --qk-layernorm, as in Megatron's layer spec
+            self.q_layernorm, self.k_layernorm = L2Norm(), L2Norm()
+        elif getattr(config, "qk_layernorm", False):
             self.q_layernorm = build_norm(config, kv, device=device)
             self.k_layernorm = build_norm(config, kv, device=device)
         self.linear_qkv = ColumnParallelLinear(
@@ -153,6 +156,8 @@ class SelfAttention(torch.nn.Module):
         """
         g, hpg, d = self.num_groups, self.heads_per_group, self.kv_channels
         n = self.num_heads
+        if self.skips_rope:
+            rotary_pos_emb = None
         with self.offload.scope("qkv_linear", self.training):
             qkv, _ = self.linear_qkv(hidden_states)  # [s, b, g * parts * d]: local groups, whole sequence
         s, b = qkv.shape[0], qkv.shape[1]  # with sequence parallelism the input held s / TP rows

@@ -39,6 +39,19 @@ class _RMSNorm1P(torch.nn.RMSNorm):
         return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
 
 
+class L2Norm(torch.nn.Module):
+    """``--qk-l2-norm`` (Llama 4): each vector scaled to a mean square of 1 over the last dimension, computed
+    in float32 or wider, no weight (Megatron's ``L2Norm``, eps 1e-6)."""
+
+    def __init__(self, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+
 def build_norm(config, hidden_size: int, device=None) -> torch.nn.Module:
     """Builds the normalization layer the config asks for.
 

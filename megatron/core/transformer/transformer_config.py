@@ -84,6 +84,17 @@ class TransformerConfig(Freezable):
     qk_layernorm: bool = False
     """Normalize each query and key head (the --normalization type) before attention."""
 
+    qk_l2_norm: bool = False
+    """Llama 4's query-key L2 norm: each query and key head scaled to a mean square of 1 (no weight) before
+    RoPE, instead of --qk-layernorm."""
+
+    no_rope_freq: str | None = None
+    """Layers that skip RoPE (Llama 4): N skips every N-th layer (N, 2N, ...), or a list expression with one
+    1 (skip) or 0 (apply) per layer, e.g. "([0]*3+[1])*2"."""
+
+    no_rope_layers: list[int] | None = flag_field(None, no_flag=True)
+    """``--no-rope-freq`` as one 0/1 per layer (set by ``finalize``)."""
+
     attention_output_gate: bool = False
     """Gate each softmax attention head's output by the sigmoid of a learned projection of the layer input
     (a fourth part of the fused QKV projection), before the output projection."""
@@ -274,6 +285,8 @@ class TransformerConfig(Freezable):
             self.recompute_granularity = "selective"  # Megatron's rule: the old switch wins
         self._finalize_activation()
         self._finalize_window()
+        if self.no_rope_freq is not None and self.no_rope_layers is None:
+            self.no_rope_layers = self._no_rope_pattern()
         if self.use_mup:
             self._finalize_mup()
         self.moe.finalize(self)
@@ -326,6 +339,34 @@ class TransformerConfig(Freezable):
             require(n >= 1, f"--window-attn-skip-freq must be >= 1, got {n}.")
             pattern = [0 if layer % n == 0 else 1 for layer in range(1, self.num_layers + 1)]
         self.window, self.window_layer_pattern = window, pattern
+
+    def _no_rope_pattern(self) -> list[int] | None:
+        """--no-rope-freq as one 0/1 per layer (Megatron's forms; ValueError naming the flag otherwise)."""
+        text = str(self.no_rope_freq).strip()
+        if "[" in text:
+            pattern = eval_list_expression(text, "--no-rope-freq")
+            require(
+                len(pattern) == self.num_layers,
+                f"--no-rope-freq {text!r} gives {len(pattern)} layers; the model has {self.num_layers}.",
+            )
+            return pattern
+        try:
+            n = int(text)
+        except ValueError:
+            raise ValueError(
+                f"--no-rope-freq {text!r}: expected an int N or a list expression such as ([0]*3+[1])."
+            ) from None
+        if n == 0:
+            return None  # Megatron: 0 skips nothing
+        require(
+            n > 0 and self.num_layers % n == 0,
+            f"--no-rope-freq {n} must divide --num-layers ({self.num_layers}): every {n}-th layer skips RoPE.",
+        )
+        return ([0] * (n - 1) + [1]) * (self.num_layers // n)
+
+    def skips_rope(self, layer_number: int) -> bool:
+        """Whether 1-based layer ``layer_number`` attends without RoPE (--no-rope-freq, after ``finalize``)."""
+        return self.no_rope_layers is not None and bool(self.no_rope_layers[layer_number - 1])
 
     def uses_window(self, layer_number: int) -> bool:
         """Whether the attention of 1-based layer ``layer_number`` is a sliding window (after ``finalize``)."""

@@ -2,6 +2,7 @@
 --add-qkv-bias, --embedding-init-method-std, --eod-mask-loss, --exit-on-missing-checkpoint,
 --encoder-num-layers, and the deprecated spellings Megatron still rewrites."""
 
+import math
 import warnings
 
 import pytest
@@ -238,3 +239,12 @@ def test_pipeline_comm_backend_nccl_is_accepted_other_backends_not():
     assert cfg.ignored_flags == ["--pipeline-model-parallel-comm-backend"]
     with pytest.raises(ValueError, match="--pipeline-model-parallel-comm-backend ucc is not supported"):
         parse_args(FLAGS.split() + ["--pipeline-model-parallel-comm-backend", "ucc"])
+
+
+def test_llama4_attention_flags_train():
+    from megatron.training.training import pretrain
+
+    trainer = pretrain(FLAGS.split() + "--position-embedding-type rope --qk-l2-norm --no-rope-freq 2".split())
+    assert all(math.isfinite(r["lm loss"]) for r in trainer.history)
+    layers = trainer.model.module.decoder.layers
+    assert [layer.self_attention.skips_rope for layer in layers] == [False, True]

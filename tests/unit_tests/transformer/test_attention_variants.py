@@ -154,3 +154,39 @@ def test_megatron_spellings_accepted():
         assert _cfg("--window-size", "8,4").model.window == [8, 4]
     with pytest.warns(UserWarning, match="has no effect without --window-size"):
         _cfg("--window-attn-skip-freq", "2")
+
+
+def test_qk_l2_norm_scales_each_query_and_key_head_to_unit_mean_square():
+    """--qk-l2-norm (Llama 4): weightless; replaces --qk-layernorm as in Megatron's layer spec."""
+    from megatron.core.models.common.rotary import RotaryEmbedding
+    from megatron.core.transformer.norm import L2Norm
+
+    cfg, attn = make(qk_l2_norm=True, qk_layernorm=True, position_embedding_type="rope")
+    assert isinstance(attn.q_layernorm, L2Norm) and isinstance(attn.k_layernorm, L2Norm)
+    assert not [n for n, _ in attn.named_parameters() if "layernorm" in n]
+    x = torch.randn(5, 2, 32, dtype=torch.float64)
+    torch.testing.assert_close(attn.q_layernorm(x), x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt(), **TOL)
+    seen = {}
+    attn.q_layernorm.register_forward_hook(lambda m, i, o: seen.setdefault("q", o))
+    freqs = RotaryEmbedding(cfg.kv_channels).forward(5, torch.device("cpu")).to(torch.float64)
+    attn(x, freqs)
+    q = seen["q"]  # before RoPE, one vector per head
+    torch.testing.assert_close(q.pow(2).mean(-1), torch.ones_like(q[..., 0]), rtol=0, atol=1e-3)  # ms / (ms + eps)
+
+
+def test_no_rope_freq_leaves_those_layers_without_rope():
+    from megatron.core.models.common.rotary import RotaryEmbedding
+
+    x = torch.randn(5, 2, 32, dtype=torch.float64)
+    for layer, skips in ((3, False), (4, True)):
+        cfg, attn = make(layer_number=layer, no_rope_freq="4", position_embedding_type="rope")
+        assert cfg.no_rope_layers == [0, 0, 0, 1] and attn.skips_rope is skips
+        freqs = RotaryEmbedding(cfg.kv_channels).forward(5, torch.device("cpu")).to(torch.float64)
+        same = torch.equal(attn(x, freqs)[0], attn(x, None)[0])
+        assert same is skips
+    cfg, _ = make(no_rope_freq="([1]+[0]*3)", position_embedding_type="rope")
+    assert cfg.no_rope_layers == [1, 0, 0, 0]
+    with pytest.raises(ValueError, match=r"--no-rope-freq 3 must divide --num-layers \(4\)"):
+        make(no_rope_freq="3")
+    with pytest.raises(ValueError, match="gives 2 layers; the model has 4"):
+        make(no_rope_freq="[0,1]")
