@@ -485,13 +485,13 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation):
     def train(self) -> list[dict]:
         cfg = self.cfg
         t, lg = cfg.training, cfg.logging
-        # Building the data touches no global RNG stream (data.py gives each DataLoader a
-        # generator of its own); the fork keeps it so for anything dataset code may draw.
         if self.iteration > 0 and self.consumed_valid_samples == 0 and t.train_samples is None:
             # A checkpoint without the count (an older one): as Megatron, the validations up to its iteration.
             per_run = t.eval_iters * t.eval_global_batch_size
             self.consumed_valid_samples = evaluations_until(t, self.iteration) * per_run
         start_eval = t.start_eval_at_iter or 0
+        # Building the data touches no global RNG stream (data.py gives each DataLoader a
+        # generator of its own); the fork keeps it so for anything dataset code may draw.
         with torch.random.fork_rng(devices=[]):
             train_iter, valid_iter, test_iter = build_data_iterators(
                 cfg, self.tokenizer, self.pg, self.consumed_samples, self.consumed_valid_samples
