@@ -120,6 +120,14 @@ class DataConfig(Freezable):
     """Pad the tokenizer's vocabulary (--make-vocab-size-divisible-by x TP) when --padded-vocab-size is not
     given; without padding the model has the tokenizer's vocabulary size."""
 
+    tokenizer_hf_no_include_special_tokens: bool = False
+    """HuggingFaceTokenizer: encode without the special tokens its template adds (a BOS, say) and decode
+    without special tokens."""
+
+    allow_ambiguous_pad_tokens: bool = False
+    """Mask the tokenizer's pad id out of the loss even when it is also its end of document or sentence (by
+    default such a pad id masks nothing, as Megatron)."""
+
     null_tokenizer_eod_id: int | None = None
     """End-of-document id of NullTokenizer (default: --vocab-size - 1)."""
 

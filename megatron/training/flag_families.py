@@ -167,6 +167,9 @@ _NOOPS = {
     "workarounds for the ONNX exporter; training is unchanged": """
         --onnx-safe
     """,
+    "lets transformers run a Hub tokenizer's own code; this trainer reads a local tokenizer.json and runs none": """
+        --trust-remote-code
+    """,
     "checkpoints here keep no tokenizer files": """
         --no-save-tokenizer-assets --disable-save-tokenizer-assets
     """,
@@ -370,9 +373,7 @@ _NOT_YET = {
         --inprocess-termination-grace-time
     """,
     ("these tokenizer options", "drop the flag"): """
-        --tiktoken-num-special-tokens --use-gigatoken
-        --tokenizer-hf-no-include-special-tokens --tokenizer-hf-no-use-fast --trust-remote-code
-        --allow-ambiguous-pad-tokens
+        --tiktoken-num-special-tokens --use-gigatoken --tokenizer-hf-no-use-fast
     """,
     ("object storage (Multi-Storage Client)", "read the data from local paths"): """
         --enable-msc

@@ -163,7 +163,7 @@ def build_train_valid_test_datasets(
         eod_mask_loss=eod_mask_loss,
         vocab_size=tokenizer.vocab_size,
         fim=fim,
-        pad=pad_id_to_mask(tokenizer),
+        pad=pad_id_to_mask(tokenizer, bool(getattr(data_config, "allow_ambiguous_pad_tokens", False))),
         reset_position_ids=bool(getattr(data_config, "reset_position_ids", False)),
     )
     wanted = [n if n else 0 for n in num_samples]

@@ -280,13 +280,14 @@ def _md5(array: np.ndarray) -> str:
     return hashlib.md5(np.ascontiguousarray(array).tobytes()).hexdigest()
 
 
-def pad_id_to_mask(tokenizer) -> int | None:
+def pad_id_to_mask(tokenizer, allow_ambiguous: bool = False) -> int | None:
     """Megatron's pad rule: the tokenizer's ``pad`` id, unless it has none (or -1) or the id is also
-    its end of document or sentence (then no id is masked)."""
+    its end of document or sentence (then no id is masked, unless ``allow_ambiguous``:
+    ``--allow-ambiguous-pad-tokens``, which masks that id, ends of documents included)."""
     pad = getattr(tokenizer, "pad", None)
     if pad is None or pad < 0:
         return None
-    if pad in (getattr(tokenizer, "eod", None), getattr(tokenizer, "eos", None)):
+    if pad in (getattr(tokenizer, "eod", None), getattr(tokenizer, "eos", None)) and not allow_ambiguous:
         return None
     return int(pad)
 

@@ -142,9 +142,13 @@ class HuggingFaceTokenizer:
 
     Args:
         path: Path to tokenizer.json (or a folder holding one).
+        include_special_tokens: Encode with the special tokens the tokenizer's template adds (a BOS,
+            say) and decode keeping special tokens, as Megatron's default; False is
+            ``--tokenizer-hf-no-include-special-tokens``.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, include_special_tokens: bool = True):
+        self.include_special_tokens = include_special_tokens
         try:
             from tokenizers import Tokenizer
         except ImportError:
@@ -195,14 +199,14 @@ class HuggingFaceTokenizer:
         return self._eod
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        return list(self._tok.encode(text, add_special_tokens=self.include_special_tokens).ids)
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a vocabulary (or added) token, None when there is none."""
         return self._tok.token_to_id(token)
 
     def detokenize(self, ids: Iterable[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=not self.include_special_tokens)
 
 
 def _looks_like_hub_name(path: str) -> bool:
@@ -260,7 +264,8 @@ def build_tokenizer(data_config):
                 "tokenizer_config.json --local-dir DIR) and pass DIR; or, for mock or pretokenized data, use "
                 "--tokenizer-type NullTokenizer --vocab-size N."
             )
-        return HuggingFaceTokenizer(_require_file(path, "--tokenizer-model", kind))
+        include = not getattr(data_config, "tokenizer_hf_no_include_special_tokens", False)
+        return HuggingFaceTokenizer(_require_file(path, "--tokenizer-model", kind), include_special_tokens=include)
     if kind in SENTENCEPIECE_TYPES:
         return SentencePieceTokenizer(
             _require_file(data_config.tokenizer_model, "--tokenizer-model", kind),

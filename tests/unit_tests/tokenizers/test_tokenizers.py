@@ -171,3 +171,46 @@ def test_vocab_size_with_padding():
     assert vocab_size_with_padding(7, 1) == 7
     with pytest.raises(ValueError, match="--make-vocab-size-divisible-by"):
         vocab_size_with_padding(10, 0)
+
+
+def test_hugging_face_special_tokens_of_the_template(tmp_path):
+    """Megatron encodes with the tokenizer's special-token template by default (Llama's BOS, say) and keeps
+    special tokens when decoding; --tokenizer-hf-no-include-special-tokens does neither."""
+    tokenizers = hf_tokenizers()
+    tok = tokenizers.Tokenizer.from_file(HF_JSON)
+    bos = "<|endoftext|>"  # the asset's only special token stands in for a BOS
+    bos_id = tok.token_to_id(bos)
+    tok.post_processor = tokenizers.processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, bos_id)])
+    path = str(tmp_path / "tokenizer.json")
+    tok.save(path)
+    default = build_tokenizer(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=path))
+    plain = build_tokenizer(
+        DataConfig(
+            tokenizer_type="HuggingFaceTokenizer", tokenizer_model=path, tokenizer_hf_no_include_special_tokens=True
+        )
+    )
+    ids = default.tokenize("Hello world")
+    assert ids[0] == bos_id and ids[1:] == plain.tokenize("Hello world")
+    assert default.detokenize(ids) == bos + "Hello world" and plain.detokenize(ids) == "Hello world"
+
+
+def test_allow_ambiguous_pad_tokens():
+    from types import SimpleNamespace
+
+    from megatron.core.datasets.gpt_dataset import pad_id_to_mask
+
+    colliding = SimpleNamespace(pad=7, eod=7)
+    assert pad_id_to_mask(colliding) is None  # Megatron's default: such a pad id masks nothing
+    assert pad_id_to_mask(colliding, allow_ambiguous=True) == 7  # --allow-ambiguous-pad-tokens
+    assert pad_id_to_mask(SimpleNamespace(pad=3, eod=7)) == 3
+    from megatron.core.datasets.builder import build_train_valid_test_datasets
+    from megatron.core.tokenizers import NullTokenizer
+
+    tok = NullTokenizer(64, pad_id=63)  # the pad id is the end of document (63)
+
+    def masked(**flags):
+        cfg = DataConfig(mock_data=True, split="1,0,0", **flags)
+        train = build_train_valid_test_datasets(cfg, tok, seq_length=16, seed=1, num_samples=(40, 0, 0))[0]
+        return sum(int((train[i]["loss_mask"] == 0).sum()) for i in range(40))
+
+    assert masked() == 0 and masked(allow_ambiguous_pad_tokens=True) > 0  # ends of documents leave the loss
