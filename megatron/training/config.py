@@ -98,6 +98,10 @@ class TrainingConfig(Freezable):
     eval_iters: int = 0
     """Global batches per evaluation (0 turns evaluation off)."""
 
+    phase_transition_iterations: str | None = None
+    """Comma-separated iterations where a data phase ends: the run saves and stops there, and each phase
+    (relaunched, e.g. with another --data-path) builds its own training data from its first sample."""
+
     iterations_to_skip: list[int] = flag_field(default_factory=list, nargs="+")
     """Iterations (1-based) not trained: their batch is read and dropped, nothing else happens."""
 
@@ -125,6 +129,26 @@ class TrainingConfig(Freezable):
     check_for_spiky_loss: bool = False
     """Validate the loss against 10x the largest of its first 100 values (re-run with --rerun-mode
     validate_results; training continues whatever the re-run shows)."""
+
+    def phase_transitions(self) -> list[int]:
+        """--phase-transition-iterations as sorted iterations (ValueError naming the flag)."""
+        if not self.phase_transition_iterations:
+            return []
+        try:
+            found = sorted(int(x) for x in str(self.phase_transition_iterations).split(",") if x.strip())
+        except ValueError:
+            raise ValueError(
+                f"--phase-transition-iterations {self.phase_transition_iterations!r}: expected iterations "
+                "separated by commas, e.g. 1000,5000."
+            ) from None
+        require(all(i >= 1 for i in found), "--phase-transition-iterations must be positive iterations.")
+        return found
+
+    def phase_of(self, iteration: int) -> tuple[int, int]:
+        """``(first, end)`` iterations of the data phase that trains iteration ``iteration + 1``."""
+        bounds = [0, *self.phase_transitions(), self.train_iters]
+        first = max(b for b in bounds if b <= iteration)
+        return first, min(b for b in bounds if b > first) if first < self.train_iters else self.train_iters
 
 
 @dataclasses.dataclass

@@ -104,10 +104,15 @@ def build_data_iterators(cfg, tokenizer, pg, consumed_samples: int, consumed_val
 
     Training reads from ``consumed_samples`` and validation from ``consumed_valid_samples`` (both
     restored from a checkpoint); the test split, and validation with --skip-train, from sample 0.
-    With --skip-train there is no train iterator.
+    With --skip-train there is no train iterator; with --phase-transition-iterations the training
+    data is the current phase's, read from its first sample at the phase's first iteration.
     """
     t = cfg.training
     train_samples = 0 if t.skip_train else cfg.batch_schedule.samples_after(0, t.train_iters)
+    if t.phase_transition_iterations:  # this data phase's own samples (the global batch is fixed then)
+        first, end = t.phase_of(consumed_samples // t.global_batch_size)
+        train_samples = 0 if t.skip_train else (end - first) * t.global_batch_size
+        consumed_samples -= first * t.global_batch_size
     valid_samples, test_samples = eval_samples(t)
     datasets = build_train_valid_test_datasets(
         cfg.data,

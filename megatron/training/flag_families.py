@@ -318,9 +318,6 @@ _NOT_YET = {
     ("a YAML file of arguments", "pass the flags on the command line"): """
         --yaml-cfg
     """,
-    ("data phases", "drop the flag"): """
-        --phase-transition-iterations
-    """,
     ("document-boundary attention and position resets", "drop the flag"): """
         --reset-attention-mask --dataloader-inter-document-masking
     """,

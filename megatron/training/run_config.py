@@ -263,6 +263,13 @@ class RunConfig(Freezable):
             f"--exit-signal {t.exit_signal} is not a signal a process can catch; give a name such as SIGTERM, "
             "SIGINT or SIGUSR1.",
         )
+        if t.phase_transition_iterations:
+            t.phase_transitions()  # the text parses
+            require(
+                t.rampup_batch_size is None and t.step_batch_size_schedule is None,
+                "--phase-transition-iterations needs a fixed global batch size (no --rampup-batch-size or "
+                "--step-batch-size-schedule), as in Megatron.",
+            )
         require(t.manual_gc_interval >= 0, f"--manual-gc-interval must be >= 0, got {t.manual_gc_interval}.")
         require(t.eval_micro_batch_size >= 1, f"--eval-micro-batch-size must be >= 1, got {t.eval_micro_batch_size}.")
         require(

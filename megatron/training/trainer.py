@@ -402,6 +402,7 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation, RunCheckpoi
             per_run = t.eval_iters * t.eval_global_batch_size
             self.consumed_valid_samples = evaluations_until(t, self.iteration) * per_run
         start_eval = t.start_eval_at_iter or 0
+        phase_ends = set(t.phase_transitions())
         # Building the data touches no global RNG stream (data.py gives each DataLoader a
         # generator of its own); the fork keeps it so for anything dataset code may draw.
         with torch.random.fork_rng(devices=[]):
@@ -481,6 +482,10 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation, RunCheckpoi
                     self._save_checked(non_persistent=True)
                 if t.exit_interval and self.iteration % t.exit_interval == 0:
                     stopped = "--exit-interval"
+                    break
+                if self.iteration in phase_ends:  # Megatron saves and exits: the next phase is a new launch
+                    stopped = "--phase-transition-iterations"
+                    logs.print_rank_0(f"> exiting at iteration {self.iteration}: the end of a data phase")
                     break
                 if t.manual_gc and t.manual_gc_interval and self.iteration % t.manual_gc_interval == 0:
                     gc.collect()

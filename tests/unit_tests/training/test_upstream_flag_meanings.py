@@ -248,3 +248,33 @@ def test_llama4_attention_flags_train():
     assert all(math.isfinite(r["lm loss"]) for r in trainer.history)
     layers = trainer.model.module.decoder.layers
     assert [layer.self_attention.skips_rope for layer in layers] == [False, True]
+
+
+def test_phase_transition_iterations(tmp_path, capsys):
+    """A data phase ends with a save and a stop; the next launch builds its own training data and reads it
+    from the first sample (Megatron's --phase-transition-iterations)."""
+    import json
+
+    from megatron.training.data import build_data_iterators
+    from megatron.training.training import pretrain
+
+    save, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    flags = FLAGS.split() + "--train-iters 4 --phase-transition-iterations 2".split()  # the last --train-iters wins
+    first = pretrain(flags + ["--save", str(save), "--metrics-file", str(metrics)])
+    assert first.iteration == 2 and "exiting at iteration 2: the end of a data phase" in capsys.readouterr().out
+    second = pretrain(flags + ["--save", str(save), "--load", str(save), "--metrics-file", str(metrics)])
+    assert second.iteration == 4
+    assert [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4]
+
+    trainer = build_trainer(flags)
+    try:
+        cfg, gbs = trainer.cfg, trainer.cfg.training.global_batch_size
+        phase = build_data_iterators(cfg, trainer.tokenizer, trainer.pg, 2 * gbs).train
+        own = build_train_valid_test_datasets(
+            cfg.data, trainer.tokenizer, seq_length=16, seed=cfg.training.seed, num_samples=(2 * gbs, 0, 0)
+        )[0]
+        assert torch.equal(next(phase)["tokens"], torch.stack([own[i]["tokens"] for i in range(2)]))
+    finally:
+        parallel_state.destroy(trainer.pg)
+    with pytest.raises(ValueError, match="--phase-transition-iterations 'a,b': expected iterations"):
+        _model("--phase-transition-iterations a,b")
