@@ -31,7 +31,7 @@ def forward_step(batch, model):
     """One micro-batch: ``(loss, metrics)``, the mean next-token loss over unmasked tokens."""
     per_token = model(batch["tokens"], batch["position_ids"], batch["labels"])
     loss, num_tokens = masked_mean_loss(per_token, batch["loss_mask"])
-    return loss, {"num_tokens": num_tokens}  # the token count is for --calculate-per-token-loss
+    return loss, {"num_tokens": num_tokens}  # the token count weighs micro-batches (evaluation, per-token loss)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from megatron.core.pipeline_parallel.slots import SlotAllocator
 
 ForwardStep = Callable[[dict, torch.nn.Module], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 NUM_TOKENS = "num_tokens"
-"""The metric a ``forward_step`` reports its loss tokens under (``--calculate-per-token-loss``)."""
+"""The metric a ``forward_step`` reports its loss tokens under (evaluation and ``--calculate-per-token-loss``)."""
 Step = tuple[str, int]  # ("F" | "B", micro-batch)
 ChunkStep = tuple[str, int, int]  # ("F" | "B", model chunk, micro-batch)
 
@@ -149,7 +149,7 @@ def _sum_into(total: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor], 
 
 
 def _token_sum(loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> torch.Tensor:
-    """--calculate-per-token-loss: the micro-batch's loss summed over its tokens."""
+    """The micro-batch's loss summed over its tokens (evaluation and --calculate-per-token-loss)."""
     if NUM_TOKENS not in metrics:
         raise ValueError(
             f"forward_step must report the loss tokens as metrics[{NUM_TOKENS!r}]: evaluation and "
