@@ -54,29 +54,28 @@ def is_torch_dist_checkpoint(iteration_dir: str) -> bool:
     return os.path.isfile(os.path.join(iteration_dir, METADATA_FILENAME))
 
 
-def _distributed(trainer) -> bool:
-    return trainer.pg.world_size > 1 and dist.is_available() and dist.is_initialized()
+def _distributed(pg) -> bool:
+    return pg.world_size > 1 and dist.is_available() and dist.is_initialized()
 
 
-def _model_chunks(trainer):
+def _model_chunks(model):
     """The unwrapped model (or its virtual-pipeline chunks) whose names the keys use."""
-    model = trainer.model
     if isinstance(model, (list, tuple)):
         return [getattr(m, "module", m) for m in model]
     model = getattr(model, "module", model)
     return list(model) if isinstance(model, torch.nn.ModuleList) else model  # virtual-pipeline chunks
 
 
-def _entries(trainer, *, with_optimizer: bool, main_params_only: bool = False) -> list[sharded_state.Entry]:
-    chunks = _model_chunks(trainer)
-    if isinstance(trainer.model, (list, tuple)):
-        for m in trainer.model:
-            m.finish_param_sync()
-    else:
-        trainer.model.finish_param_sync()  # a parameter gather in flight would race the read
-    entries = sharded_state.model_entries(chunks, trainer.pg)
+def _entries(
+    model, optimizer, pg, *, with_optimizer: bool, main_params_only: bool = False
+) -> list[sharded_state.Entry]:
+    """The model's entries (and the optimizer's, or its fp32 params alone) of this rank."""
+    chunks = _model_chunks(model)
+    for m in model if isinstance(model, (list, tuple)) else [model]:
+        m.finish_param_sync()  # a parameter gather in flight would race the read
+    entries = sharded_state.model_entries(chunks, pg)
     if with_optimizer or main_params_only:
-        optimizer = sharded_state.optimizer_entries(trainer.optimizer, chunks, trainer.pg)
+        optimizer = sharded_state.optimizer_entries(optimizer, chunks, pg)
         entries += optimizer if with_optimizer else [e for e in optimizer if e.key.startswith(_FP32_PREFIX)]
     return entries
 
@@ -110,7 +109,7 @@ _pending: _AsyncSave | None = None
 
 def _async_group(trainer):
     global _ckpt_group
-    if _ckpt_group is None and _distributed(trainer):
+    if _ckpt_group is None and _distributed(trainer.pg):
         _ckpt_group = dist.new_group(backend="gloo")
     return _ckpt_group
 
@@ -156,7 +155,7 @@ def save(trainer, save_dir: str | None = None) -> None:
     tmp_name = [f"{ckpt.iteration_dir_name(iteration)}.tmp-{os.getpid()}"]
     if trainer.pg.rank == 0:
         os.makedirs(save_dir, exist_ok=True)
-    if _distributed(trainer):
+    if _distributed(trainer.pg):
         dist.broadcast_object_list(tmp_name, src=0)
     tmp_dir = os.path.join(save_dir, tmp_name[0])
 
@@ -173,12 +172,12 @@ def save(trainer, save_dir: str | None = None) -> None:
     if not c.no_save_rng:
         common["rng_state"] = _gathered_rng_states(trainer)
     common["config"] = checkpoint_config.config_to_dict(cfg)
-    entries = _entries(trainer, with_optimizer=not c.no_save_optim)
+    entries = _entries(trainer.model, trainer.optimizer, trainer.pg, with_optimizer=not c.no_save_optim)
     _check_finite(trainer, entries, save_dir)
     if not c.no_save_optim:
         common["optimizer"] = {"grad_scaler": _grad_scaler_state(trainer.optimizer)}
     is_rank0 = trainer.pg.rank == 0
-    distributed = _distributed(trainer)
+    distributed = _distributed(trainer.pg)
 
     def write(entries, group):
         planner = sharded_state.ChunkSavePlanner(entries)
@@ -244,9 +243,9 @@ def _grad_scaler_state(optimizer):
     return None if scaler is None else scaler.state_dict()
 
 
-def _all_keys(trainer, keys: set[str]) -> set[str]:
+def _all_keys(pg, keys: set[str]) -> set[str]:
     """The union of every rank's keys (pipeline stages hold different ones)."""
-    if not _distributed(trainer):
+    if not _distributed(pg):
         return keys
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, sorted(keys))
@@ -346,6 +345,50 @@ def maybe_load(trainer, load_dir: str | None = None) -> int | None:
     return load(trainer, iteration_dir, iteration, release)
 
 
+def _read(entries, reader, metadata, prefixes, c, pg, iteration_dir: str) -> list[sharded_state.Entry]:
+    """Reads ``entries`` (this run's tensors) from a torch_dist checkpoint, in place; returns them in the
+    stored form. ``prefixes``: the checkpoint keys the strictness check compares (None: all)."""
+    found = set(metadata.state_dict_metadata)
+    entries, step_copies = sharded_state.entries_in_stored_form(entries, metadata)
+    expected = {e.key for e in entries}
+    relevant = found if prefixes is None else {k for k in found if k.startswith(prefixes)}
+    _check_keys(c.dist_ckpt_strictness, _all_keys(pg, expected), relevant, iteration_dir)
+    missing = sorted(expected - found)
+    tolerate = c.dist_ckpt_strictness in ("log_all", "return_all", "ignore_all")
+    if missing and not tolerate:
+        raise ValueError(
+            f"checkpoint {iteration_dir} lacks {missing[:8]}: it was saved for another model or optimizer; "
+            "pass the saving run's flags, --no-load-optim for weights only, or --dist-ckpt-strictness log_all "
+            "to keep this run's values where the checkpoint has none."
+        )
+    present = [e for e in entries if e.key in found]
+    _check_shapes(present, metadata, iteration_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(
+            {}, storage_reader=reader, planner=sharded_state.ChunkLoadPlanner(present), no_dist=not _distributed(pg)
+        )
+    with torch.no_grad():
+        for destination, source in step_copies:
+            destination.copy_(source)
+    return entries
+
+
+@torch.no_grad()
+def load_model_weights(model, cfg, pg, iteration_dir: str) -> None:
+    """The weights alone of a torch_dist checkpoint folder into ``model`` (a distillation teacher): no
+    optimizer, schedule, counters or RNG; the model shape is checked against ``cfg`` first."""
+    wait_for_pending_save()
+    print_rank_0(f"loading the weights of {iteration_dir} (torch_dist)")
+    common = read_common(os.path.join(iteration_dir, COMMON_FILENAME))
+    saved_config = dict(common.get("config", {}))
+    saved_config.pop("parallel", None)  # layout-free: any TP x PP x DP reads it
+    checkpoint_config.check_config(saved_config, cfg, iteration_dir)
+    reader = dcp.FileSystemReader(iteration_dir)
+    entries = _entries(model, None, pg, with_optimizer=False)
+    _read(entries, reader, reader.read_metadata(), (sharded_state.MODEL_PREFIX,), cfg.checkpoint, pg, iteration_dir)
+
+
 @torch.no_grad()
 def load(trainer, iteration_dir: str, iteration: int, release: bool) -> int:
     """Loads a torch_dist checkpoint folder into ``trainer`` (same options as the torch format)."""
@@ -376,34 +419,11 @@ def load(trainer, iteration_dir: str, iteration: int, release: bool) -> int:
             f"checkpoint {iteration_dir} holds no fp32 main params (saved with --no-save-optim, or in fp32) for "
             "--load-main-params-from-ckpt; drop the flag."
         )
-    entries, step_copies = sharded_state.entries_in_stored_form(
-        _entries(trainer, with_optimizer=with_optimizer, main_params_only=main_params_only), metadata
+    entries = _entries(
+        trainer.model, trainer.optimizer, trainer.pg, with_optimizer=with_optimizer, main_params_only=main_params_only
     )
-    expected = {e.key for e in entries}
     kept = (sharded_state.MODEL_PREFIX, _FP32_PREFIX) if main_params_only else (sharded_state.MODEL_PREFIX,)
-    relevant = found if with_optimizer else {k for k in found if k.startswith(kept)}
-    _check_keys(c.dist_ckpt_strictness, _all_keys(trainer, expected), relevant, iteration_dir)
-    missing = sorted(expected - found)
-    tolerate = c.dist_ckpt_strictness in ("log_all", "return_all", "ignore_all")
-    if missing and not tolerate:
-        raise ValueError(
-            f"checkpoint {iteration_dir} lacks {missing[:8]}: it was saved for another model or optimizer; "
-            "pass the saving run's flags, --no-load-optim for weights only, or --dist-ckpt-strictness log_all "
-            "to keep this run's values where the checkpoint has none."
-        )
-    present = [e for e in entries if e.key in found]
-    _check_shapes(present, metadata, iteration_dir)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(
-            {},
-            storage_reader=reader,
-            planner=sharded_state.ChunkLoadPlanner(present),
-            no_dist=not _distributed(trainer),
-        )
-    with torch.no_grad():
-        for destination, source in step_copies:
-            destination.copy_(source)
+    entries = _read(entries, reader, metadata, None if with_optimizer else kept, c, trainer.pg, iteration_dir)
 
     if weights_only:
         trainer.iteration, trainer.consumed_samples, trainer.consumed_valid_samples = 0, 0, 0

@@ -228,32 +228,6 @@ def teacher_run_config(given, world_size: int):
     return cfg.resolve(world_size)
 
 
-@dataclasses.dataclass
-class _WeightsOnly:
-    """What the checkpoint loaders read of a trainer when they load model weights only
-    (``--finetune``): the teacher has no optimizer, schedule or counters to restore."""
-
-    cfg: Any
-    model: Any
-    pg: Any
-    device: torch.device
-    iteration: int = 0
-    consumed_samples: int = 0
-    consumed_valid_samples: int = 0
-    last_checkpointed_iteration: int | None = None
-
-    class _Nothing:
-        varies, num_steps = False, 0
-
-        def reload_model_params(self):
-            pass
-
-        def step(self, *_):
-            pass
-
-    optimizer = scheduler = batches = _Nothing()
-
-
 class _Wrapped(torch.nn.Module):
     """The teacher as the loaders expect a model: ``.module`` and ``finish_param_sync``."""
 
@@ -293,11 +267,10 @@ def load_teacher(model_provider: Callable, teacher_cfg, vocab_size: int, pg, dev
             f"--export-kd-teacher-load {c.load} is a {found} checkpoint but --export-kd-teacher-ckpt-format is "
             f"{c.ckpt_format}; pass --export-kd-teacher-ckpt-format {found} or drop it."
         )
-    slot = _WeightsOnly(cfg, wrapped, pg, device)
     if found == "torch_dist":
         iteration, release = checkpointing.read_tracker(os.path.abspath(c.load))
         iteration_dir = os.path.join(os.path.abspath(c.load), checkpointing.iteration_dir_name(iteration, release))
-        dist_checkpointing.load(slot, iteration_dir, iteration, release)
+        dist_checkpointing.load_model_weights(wrapped, cfg, pg, iteration_dir)
     else:
         state = {checkpointing.MODEL: wrapped, checkpointing.TRAIN_STATE: TrainState()}
         checkpointing.load_checkpoint(state, cfg, pg)
