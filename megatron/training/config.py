@@ -339,6 +339,14 @@ class CheckpointConfig(Freezable):
     save_interval: int | None = flag_field(None, aliases=("--persistent-save-interval",))
     """Iterations between (persistent) checkpoint saves."""
 
+    save_params_interval: int | None = None
+    """Every this many iterations, write every parameter by name after the optimizer step (a debug dump:
+    <--save>/params/iter_XXXXXXX/mp_rank_*.pth, Megatron's layout)."""
+
+    save_wgrads_interval: int | None = None
+    """Every this many iterations, write every main gradient by name, reduced, before the optimizer step
+    (<--save>/wgrads/iter_XXXXXXX/mp_rank_*.pth)."""
+
     save_retain_interval: int | None = None
     """Keep the checkpoints of iterations that are multiples of this value; a save deletes the previous
     checkpoint otherwise (the latest is always kept). A multiple of --save-interval."""
@@ -439,6 +447,12 @@ class CheckpointConfig(Freezable):
             not self.async_save or self.ckpt_format == "torch_dist",
             "--async-save needs --ckpt-format torch_dist (the torch format saves synchronously).",
         )
+        for flag, value in (
+            ("--save-params-interval", self.save_params_interval),
+            ("--save-wgrads-interval", self.save_wgrads_interval),
+        ):
+            require(value is None or value >= 1, f"{flag} must be >= 1, got {value}.")
+            require(value is None or self.save, f"{flag} {value} needs --save (the dumps go into it).")
         require(
             not self.load_main_params_from_ckpt or self.no_load_optim,
             "--load-main-params-from-ckpt needs --no-load-optim (a loaded optimizer brings its fp32 params anyway).",

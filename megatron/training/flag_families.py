@@ -351,9 +351,8 @@ _NOT_YET = {
         --ddp-param-name-patterns-for-fp32-local-accumulation
         --dump-param-to-param-group-map
     """,
-    ("debug dumps of parameters, gradients and activations", "drop the flag"): """
-        --save-activations-interval --save-dgrads-interval --save-params-interval
-        --save-tokens-per-expert-interval --save-wgrads-interval
+    ("debug dumps of activations, data gradients and routing", "drop the flag"): """
+        --save-activations-interval --save-dgrads-interval --save-tokens-per-expert-interval
     """,
     (
         "fault injection and in-process restart (nvidia-resiliency-ext)",

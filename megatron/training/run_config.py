@@ -295,6 +295,16 @@ class RunConfig(Freezable):
             not self.ddp.overlap_param_gather or self.ddp.use_distributed_optimizer,
             "--overlap-param-gather needs --use-distributed-optimizer; add it or drop --overlap-param-gather.",
         )
+        ck = self.checkpoint
+        require(
+            ck.save_params_interval is None or not self.ddp.overlap_param_gather,
+            "--save-params-interval cannot be combined with --overlap-param-gather (as in Megatron).",
+        )
+        require(
+            ck.save_wgrads_interval is None or not self.ddp.use_distributed_optimizer,
+            "--save-wgrads-interval with --use-distributed-optimizer is not supported yet (each rank holds its "
+            "shard of the reduced gradients); drop one of them.",
+        )
         instances = self.parallel.num_distributed_optimizer_instances
         require(
             instances == 1 or self.ddp.use_distributed_optimizer,

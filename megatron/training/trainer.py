@@ -45,6 +45,7 @@ from megatron.training import (
     dist_checkpointing,
     distillation,
     full_iteration,
+    tensor_dumps,
 )
 from megatron.training import logging_utils as logs
 from megatron.training.batch_steps import StepBatches
@@ -352,8 +353,13 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation, RunCheckpoi
                 else:
                     loss, _ = self._gradients(data_iterator)
             bad_loss = torch.logical_not(torch.isfinite(loss))
+            ck, n = self.cfg.checkpoint, self.iteration + 1
+            if ck.save_wgrads_interval and n % ck.save_wgrads_interval == 0:  # reduced, before the step
+                tensor_dumps.dump(self.model, self.pg, ck.save, tensor_dumps.WGRADS, n)
             with self.profiler.range("optimizer"):
                 success, grad_norm, num_zeros = self.optimizer.step(skip=bad_loss)
+            if ck.save_params_interval and n % ck.save_params_interval == 0:
+                tensor_dumps.dump(self.model, self.pg, ck.save, tensor_dumps.PARAMS, n)
             if self.has_moe:  # expert-bias update from this step's token counts
                 moe_hooks.moe_after_optimizer_step(self.model, self.pg.dp)
             self._prefetch(data_iterator)

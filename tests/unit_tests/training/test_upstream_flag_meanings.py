@@ -278,3 +278,32 @@ def test_phase_transition_iterations(tmp_path, capsys):
         parallel_state.destroy(trainer.pg)
     with pytest.raises(ValueError, match="--phase-transition-iterations 'a,b': expected iterations"):
         _model("--phase-transition-iterations a,b")
+
+
+def test_save_params_and_wgrads_intervals(tmp_path):
+    """Megatron's debug dumps: every parameter after the step and every reduced main gradient before it.
+    With plain SGD (no momentum, decay or clipping) the dumps must satisfy p_n = p_(n-1) - lr * g_n."""
+    from types import SimpleNamespace
+
+    from megatron.training.tensor_dumps import dump_name
+    from megatron.training.training import pretrain
+
+    save = tmp_path / "ckpt"
+    sgd = "--optimizer sgd --sgd-momentum 0 --weight-decay 0 --clip-grad 0 --lr 0.1 --lr-decay-style constant"
+    flags = f"{FLAGS} {sgd} --train-iters 3 --save {save} --save-params-interval 1 --save-wgrads-interval 1"
+    trainer = pretrain(flags.split())
+
+    def load(label, n):
+        return torch.load(save / label / f"iter_{n:07d}" / "mp_rank_00.pth", weights_only=True)["model_chunk0"]
+
+    final = dict(trainer.model.module.named_parameters())
+    assert set(load("params", 3)) == set(final)
+    assert all(torch.equal(load("params", 3)[k], final[k].detach()) for k in final)
+    for n in (2, 3):
+        before, after, grads = load("params", n - 1), load("params", n), load("wgrads", n)
+        for k in final:
+            torch.testing.assert_close(after[k], before[k] - 0.1 * grads[k], rtol=1e-5, atol=1e-7)
+    pg = SimpleNamespace(tp_rank=1, pp_rank=2, pp_size=4, ep_rank=3, ep_size=8)
+    assert dump_name(pg) == "mp_rank_01_002_003.pth"
+    with pytest.raises(ValueError, match="--save-params-interval 2 needs --save"):
+        _model("--save-params-interval 2")
