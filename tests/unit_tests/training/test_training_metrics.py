@@ -160,7 +160,7 @@ def test_tensorboard_validation_and_test_losses_as_megatron_tags_them(tmp_path):
 
 @pytest.mark.gpu
 def test_memory_line_with_device_memory_used_gpu(capfd):
-    pretrain(FLAGS + ["--train-iters", "1", "--log-device-memory-used"])
+    pretrain(FLAGS + ["--train-iters", "2", "--log-device-memory-used"])  # FLAGS warm up for one iteration
     line = next(x for x in capfd.readouterr().out.splitlines() if "memory (MB)" in x)
     used = float(line.split("| total device memory used: ")[1].split(" ")[0])
     allocated = float(line.split("| allocated: ")[1].split(" ")[0])
