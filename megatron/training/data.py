@@ -108,11 +108,14 @@ def build_data_iterators(cfg, tokenizer, pg, consumed_samples: int, consumed_val
     data is the current phase's, read from its first sample at the phase's first iteration.
     """
     t = cfg.training
-    train_samples = 0 if t.skip_train else cfg.batch_schedule.samples_after(0, t.train_iters)
     if t.phase_transition_iterations:  # this data phase's own samples (the global batch is fixed then)
         first, end = t.phase_of(consumed_samples // t.global_batch_size)
-        train_samples = 0 if t.skip_train else (end - first) * t.global_batch_size
+        train_samples = (end - first) * t.global_batch_size
         consumed_samples -= first * t.global_batch_size
+    else:
+        train_samples = cfg.batch_schedule.samples_after(0, t.train_iters)
+    if t.skip_train:
+        train_samples = 0  # no train iterator
     valid_samples, test_samples = eval_samples(t)
     datasets = build_train_valid_test_datasets(
         cfg.data,

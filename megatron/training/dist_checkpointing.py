@@ -58,8 +58,8 @@ def _distributed(pg) -> bool:
     return pg.world_size > 1 and dist.is_available() and dist.is_initialized()
 
 
-def _model_chunks(model):
-    """The unwrapped model (or its virtual-pipeline chunks) whose names the keys use."""
+def unwrapped_model(model):
+    """The unwrapped model (or a list of its virtual-pipeline chunks) whose parameter names the keys use."""
     if isinstance(model, (list, tuple)):
         return [getattr(m, "module", m) for m in model]
     model = getattr(model, "module", model)
@@ -70,7 +70,7 @@ def _entries(
     model, optimizer, pg, *, with_optimizer: bool, main_params_only: bool = False
 ) -> list[sharded_state.Entry]:
     """The model's entries (and the optimizer's, or its fp32 params alone) of this rank."""
-    chunks = _model_chunks(model)
+    chunks = unwrapped_model(model)
     for m in model if isinstance(model, (list, tuple)) else [model]:
         m.finish_param_sync()  # a parameter gather in flight would race the read
     entries = sharded_state.model_entries(chunks, pg)

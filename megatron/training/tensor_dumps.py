@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from megatron.training.dist_checkpointing import unwrapped_model
 from megatron.training.logging_utils import print_rank_0
 
 PARAMS, WGRADS = "params", "wgrads"
@@ -25,18 +26,14 @@ def dump_name(pg) -> str:
     return name + ".pth"
 
 
-def _chunks(model) -> list[torch.nn.Module]:
-    inner = getattr(model, "module", model)
-    return list(inner) if isinstance(inner, torch.nn.ModuleList) else [inner]
-
-
 def dump(model, pg, save_dir: str, label: str, iteration: int) -> None:
     """Writes the parameters (``label`` ``params``) or their ``main_grad`` (``wgrads``) of ``model``."""
     print_rank_0(f"  saving {label} from iteration {iteration:7d}")
     if pg.expt_dp_rank != 0:
         return
     state = {}
-    for k, chunk in enumerate(_chunks(model)):
+    chunks = unwrapped_model(model)  # the names the checkpoints use
+    for k, chunk in enumerate(chunks if isinstance(chunks, list) else [chunks]):
         tensors = {}
         for name, param in chunk.named_parameters():
             value = param.detach() if label == PARAMS else getattr(param, "main_grad", None)
