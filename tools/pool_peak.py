@@ -129,6 +129,7 @@ def main():
     parser.add_argument("--steady", action="store_true", help="the device peak of iteration 3 (see the docstring)")
     parser.add_argument("--vpp-rank", type=int, choices=(0, 1), help="two chunks in rank R's interleaved order")
     parser.add_argument("--all-pools", action="store_true", help="every slot's pool and the shared backward pool")
+    parser.add_argument("--dump", help="write the first pool's capture trace here (gzipped JSON) for offline study")
     args = parser.parse_args()
 
     argv = f"{CONFIGS[args.config]} {COMMON} --train-iters 10 {mode_flags(args.mode)} {args.extra}".split()
@@ -167,6 +168,8 @@ def main():
     pools = {f"slot {s}": p for s, p in session.pools.items()}
     if session.backward_pool is not None:
         pools["shared backward"] = session.backward_pool
+    if args.dump:
+        dump_trace(snapshot, next(iter(pools.values())).handle, device, captures, args.dump)
     for name in pools if args.all_pools else list(pools)[:1]:
         handle = pools[name].handle
         peak, at, blocks = pool_peak(snapshot, handle, device)
@@ -182,6 +185,46 @@ def main():
         for total, live, stream in segments_at_peak(snapshot, handle, device, blocks):
             print(f"  {total / 2**20:9.1f} MiB reserved {live / 2**20:9.1f} MiB live  stream {stream:#x}")
     parallel_state.destroy(trainer.pg)
+
+
+def dump_trace(snapshot: dict, pool_id, device: int, captures: list, path: str) -> None:
+    """Writes one pool's segments and its alloc/free trace, each entry with its allocation site,
+    and the captures' start indices, as gzipped JSON (small enough to copy off the GPU machine)."""
+    import gzip
+    import json
+
+    want = _pool_id(pool_id)
+    segments = [
+        {"address": s["address"], "total_size": s["total_size"], "stream": s.get("stream", 0)}
+        for s in snapshot["segments"]
+        if s.get("device", device) == device and _pool_id(s.get("segment_pool_id", (0, 0))) == want
+    ]
+    ranges = [(s["address"], s["address"] + s["total_size"]) for s in segments]
+    trace = [
+        [i, e["action"], e["addr"], e["size"], allocation_site(e, depth=4)]
+        for i, e in enumerate(snapshot["device_traces"][device])
+        if e.get("addr") is not None and any(lo <= e["addr"] < hi for lo, hi in ranges)
+    ]
+    with gzip.open(path, "wt") as f:
+        json.dump({"segments": segments, "captures": captures, "trace": trace}, f)
+
+
+def dump_steady(snapshot: dict, device: int, path: str) -> None:
+    """Writes the measured iteration's whole alloc/free trace and the segments (gzipped JSON)."""
+    import gzip
+    import json
+
+    segments = [
+        {k: s.get(k) for k in ("address", "total_size", "stream", "segment_pool_id", "allocated_size")}
+        for s in snapshot["segments"]
+        if s.get("device", device) == device
+    ]
+    trace = [
+        [i, e["action"], e.get("addr"), e.get("size"), allocation_site(e, depth=4)]
+        for i, e in enumerate(snapshot["device_traces"][device])
+    ]
+    with gzip.open(path, "wt") as f:
+        json.dump({"segments": segments, "trace": trace}, f, default=str)
 
 
 def with_schedule(trainer, vpp_rank: int | None):
@@ -306,6 +349,8 @@ def steady(trainer, args) -> None:
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     peak, blocks = outside_peak(snapshot, pools, device)
+    if args.dump:
+        dump_steady(snapshot, device, args.dump)
     outside_before = before - sum(  # live pool blocks are counted in memory_allocated too
         int(s["allocated_size"])
         for s in snapshot["segments"]

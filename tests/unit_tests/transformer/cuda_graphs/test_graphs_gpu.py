@@ -136,6 +136,21 @@ def test_rope_gqa_swiglu_graphed_equals_eager():
         assert_same(eager, graphed, f"rope/gqa/swiglu scope {scope}")
 
 
+@pytest.mark.parametrize(
+    "variant",
+    ["--qk-l2-norm", "--no-rope-freq 3", "--qk-layernorm --no-rope-freq [0,1,0]"],
+    ids=["l2", "no-rope", "ln"],
+)
+def test_query_key_variants_graphed_equals_eager(variant):
+    """Llama-4's query/key L2 norm and layers without RoPE (every 3rd; a list), inside graphed attention."""
+    flags = f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 --position-embedding-type rope --normalization RMSNorm {variant}"
+    eager = train(flags, 6)
+    for scope in ("layer", "attn"):
+        graphed = train(f"{flags} {graph_flags(scope)}", 6)
+        assert graphed[2].graphs.captured
+        assert_same(eager, graphed, f"{variant} scope {scope}")
+
+
 def test_dropout_masks_change_between_replays():
     flags = (
         f"{SMALL} {COMMON} --bf16 --hidden-dropout 0.1 --attention-dropout 0.1 --lr 0 --min-lr 0 {graph_flags('layer')}"

@@ -162,3 +162,15 @@ def test_force_load_balancing_graphed_equals_eager(scope):
     graphed = train(f"{flags} --cuda-graph-impl local --cuda-graph-scope {scope}", 6)
     assert graphed["captured"]
     assert_same(eager, graphed, f"force load balancing, scope {scope!r}")
+
+
+@pytest.mark.parametrize("scope", ["moe_router moe_preprocess", "moe"])
+def test_input_jitter_graphed_equals_eager(scope):
+    """--moe-input-jitter-eps draws the router input's jitter inside the captured router: each
+    replay draws anew from the default generator, in the eager step's order."""
+    pad, _, _ = SCOPES[scope]
+    flags = f"{SMALL} {COMMON} --moe-input-jitter-eps 0.1" + (f" {DROP_AND_PAD}" if pad else "")
+    eager = train(flags, 6)
+    graphed = train(f"{flags} --cuda-graph-impl local --cuda-graph-scope {scope}", 6)
+    assert graphed["captured"]
+    assert_same(eager, graphed, f"input jitter, scope {scope!r}")
