@@ -75,13 +75,52 @@ class GroupedRMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
-        dtype = x.dtype
-        x = _at_least_fp32(x)
+        return GatedGroupRMSNorm.apply(x, z, self.weight, self.group_size, self.eps)
+
+
+class GatedGroupRMSNorm(torch.autograd.Function):
+    """``norm(x * silu(z)) * weight`` per group, computed in at least float32, with a written-out backward.
+
+    Autograd would keep four float32 copies of ``x``'s size for backward; this keeps ``x``,
+    ``z`` and one ``rsqrt`` per group, and recomputes the rest in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x, z, weight, group_size: int, eps: float):
+        ctx.group_size = group_size
+        u = x.to(torch.promote_types(x.dtype, torch.float32), copy=True)  # ours: modified in place below
         if z is not None:
-            x = x * F.silu(_at_least_fp32(z))
-        grouped = rearrange(x, "... (g c) -> ... g c", c=self.group_size)
-        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (rearrange(grouped, "... g c -> ... (g c)") * _at_least_fp32(self.weight)).to(dtype)
+            u.mul_(F.silu(z.to(u.dtype, copy=True), inplace=True))
+        grouped = rearrange(u, "... (g c) -> ... g c", c=group_size)
+        rstd = torch.rsqrt(grouped.pow(2).mean(dim=-1, keepdim=True) + eps)
+        # z is a slice of the in-projection's output: keep a copy, not that whole output.
+        ctx.save_for_backward(x, None if z is None else z.contiguous(), weight, rstd)
+        return rearrange(grouped.mul_(rstd), "... g c -> ... (g c)").mul_(_at_least_fp32(weight)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        # Written for few float32 temporaries alive at once: the float32 copies of x and z are
+        # remade where needed, and the in-place ops work on buffers made here.
+        x, z, weight, rstd = ctx.saved_tensors
+        c = ctx.group_size
+        u = _at_least_fp32(x) if z is None else _at_least_fp32(x) * F.silu(_at_least_fp32(z))
+        normed = rearrange(u, "... (g c) -> ... g c", c=c) * rstd
+        del u
+        dout = _at_least_fp32(dout)
+        lead = tuple(range(dout.dim() - 1))
+        dweight = (dout * rearrange(normed, "... g c -> ... (g c)")).sum(dim=lead).to(weight.dtype)
+        dnormed = rearrange(dout * _at_least_fp32(weight), "... (g c) -> ... g c", c=c)
+        del dout
+        # d/du of u * rstd(u) over each group: rstd * (dn - n * mean(dn * n)).
+        dot = (dnormed * normed).mean(dim=-1, keepdim=True)
+        du = rearrange(dnormed.sub_(normed.mul_(dot)).mul_(rstd), "... g c -> ... (g c)")
+        del dnormed, normed
+        if z is None:
+            return du.to(x.dtype), None, dweight, None, None
+        zf = z.to(du.dtype, copy=True)
+        dx = F.silu(zf).mul_(du).to(x.dtype)
+        dz = torch.ops.aten.silu_backward(du.mul_(_at_least_fp32(x)), zf).to(z.dtype)  # autograd's own kernel
+        return dx, dz, dweight, None, None
 
 
 class ConvWeights(torch.nn.Module):

@@ -77,6 +77,10 @@ def ssd_chunked_scan(
 ):
     """The SSD chunked scan.
 
+    When a gradient is wanted (and no states go in or out) it runs as
+    :class:`GroupSlicedScan`: it keeps only its inputs for backward and recomputes one
+    slice of groups at a time there.
+
     Args:
         x: ``[b, l, h, p]`` inputs per head.
         dt: ``[b, l, h]`` positive step sizes (softplus and bias already applied).
@@ -93,12 +97,22 @@ def ssd_chunked_scan(
         ``y [b, l, h, p]`` in ``x.dtype``; with ``return_final_states`` the tuple
         ``(y, final_states [b, h, p, n])`` (final states in the compute dtype).
     """
-    g = _check_shapes(x, dt, A, B, C)
+    _check_shapes(x, dt, A, B, C)
+    assert chunk_size > 0, "chunk_size must be positive"
+    tensors = (x, dt, A, B, C) if D is None else (x, dt, A, B, C, D)
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if wants_grad and initial_states is None and not return_final_states:
+        return GroupSlicedScan.apply(x, dt, A, B, C, D, chunk_size, state_dtype)
+    return _chunked_scan(x, dt, A, B, C, chunk_size, D, initial_states, return_final_states, state_dtype)
+
+
+def _chunked_scan(x, dt, A, B, C, chunk_size, D=None, initial_states=None, return_final_states=False, state_dtype=None):
+    """The scan itself, differentiable by autograd (``ssd_chunked_scan``'s arguments)."""
+    g = B.shape[2]
     length = x.shape[1]
     out_dtype = x.dtype
     cdt = _compute_dtype(x.dtype)
     state_dtype = out_dtype if state_dtype is None else state_dtype
-    assert chunk_size > 0, "chunk_size must be positive"
     q = min(int(chunk_size), length)  # a sequence shorter than a chunk is one chunk, unpadded
     pad = (-length) % q
     x_, dt_, B_, C_ = (t.to(cdt) for t in (x, dt, B, C))
@@ -148,6 +162,87 @@ def ssd_chunked_scan(
     if return_final_states:
         return y, rearrange(final, "b g r p n -> b (g r) p n")
     return y
+
+
+SLICE_BYTES = 8 * 2**20
+"""Budget of one ``[batch, heads, chunks, chunk, chunk]`` decay matrix in :class:`GroupSlicedScan`:
+as many groups go into one slice as fit in it (at least one)."""
+
+
+def _group_slices(x: torch.Tensor, B: torch.Tensor, chunk_size: int) -> list[tuple[slice, slice]]:
+    """``(heads, groups)`` index slices of whole groups, each slice's decay matrix within SLICE_BYTES."""
+    b, length, h, _ = x.shape
+    g = B.shape[2]
+    q = min(int(chunk_size), length)
+    chunks = -(-length // q)
+    per_group = b * (h // g) * chunks * q * q * torch.empty((), dtype=_compute_dtype(x.dtype)).element_size()
+    step = max(1, min(g, SLICE_BYTES // per_group))
+    r = h // g
+    return [(slice(k * r, min(k + step, g) * r), slice(k, min(k + step, g))) for k in range(0, g, step)]
+
+
+class GroupSlicedScan(torch.autograd.Function):
+    """``_chunked_scan`` that saves only its inputs and works on a few groups at a time.
+
+    Groups are independent (a head reads its own ``x``, ``dt``, ``A``, ``D`` and its
+    group's ``B``, ``C``), so the output is computed slice by slice of whole groups, and
+    backward recomputes each slice under autograd and takes its gradients before the next.
+    The plain scan keeps about 20 float32 copies of ``x``'s size for backward (the decay
+    matrices above all); this keeps the inputs, and its transient memory is one slice's.
+    Same shapes on every call and no host syncs: capturable in a CUDA graph.
+    """
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, chunk_size, state_dtype):
+        ctx.slices = _group_slices(x, B, chunk_size)
+        ctx.chunk_size, ctx.state_dtype = chunk_size, state_dtype
+        ctx.save_for_backward(x, dt, A, B, C, D)
+        y = torch.empty_like(x)
+        for heads, groups in ctx.slices:
+            pieces = _slice(x, dt, A, B, C, D, heads, groups)
+            y[:, :, heads] = _chunked_scan(*pieces[:5], chunk_size, D=pieces[5], state_dtype=state_dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, dt, A, B, C, D = ctx.saved_tensors
+        wanted = ctx.needs_input_grad[:6]
+        grads = [
+            torch.zeros_like(t) if t is not None and need else None for t, need in zip((x, dt, A, B, C, D), wanted)
+        ]
+        for heads, groups in ctx.slices:
+            pieces = _slice(x, dt, A, B, C, D, heads, groups)
+            leaves = [p.detach().requires_grad_(need) if p is not None else None for p, need in zip(pieces, wanted)]
+            with torch.enable_grad():
+                y = _chunked_scan(*leaves[:5], ctx.chunk_size, D=leaves[5], state_dtype=ctx.state_dtype)
+            inputs = [leaf for leaf in leaves if leaf is not None and leaf.requires_grad]
+            found = iter(torch.autograd.grad(y, inputs, dy[:, :, heads]))
+            for k, leaf in enumerate(leaves):
+                if leaf is not None and leaf.requires_grad:
+                    _slice_of(grads[k], k, heads, groups).copy_(next(found))
+            del y, found, leaves
+        return (*grads, None, None)
+
+
+def _slice(x, dt, A, B, C, D, heads: slice, groups: slice):
+    """The scan's inputs for one slice of whole groups (views)."""
+    return (
+        x[:, :, heads],
+        dt[:, :, heads],
+        A[heads],
+        B[:, :, groups],
+        C[:, :, groups],
+        None if D is None else D[heads],
+    )
+
+
+def _slice_of(t: torch.Tensor, k: int, heads: slice, groups: slice) -> torch.Tensor:
+    """The view of input ``k``'s gradient ``t`` (``x, dt, A, B, C, D`` order) that one slice fills."""
+    if k in (0, 1):
+        return t[:, :, heads]
+    if k in (3, 4):
+        return t[:, :, groups]
+    return t[heads]
 
 
 def ssd_sequential_scan(

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.ssm.mamba_config import MambaConfig
-from megatron.core.ssm.mamba_mixer import MambaMixer
+from megatron.core.ssm.mamba_mixer import GatedGroupRMSNorm, MambaMixer
 from megatron.core.ssm.ssd import ssd_sequential_scan
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.ssm.sequence_mixer_checks import assert_causal_and_every_parameter_learns
@@ -103,3 +103,56 @@ def test_mixer_rejects_sizes_that_do_not_divide():
         make_mixer(mamba_num_groups=3)
     with pytest.raises(ValueError, match="--mamba-head-dim"):
         make_mixer(mamba_head_dim=7)
+
+
+def plain_gated_norm(x, z, weight, group_size, eps=1e-5):
+    """``norm(x * silu(z)) * weight`` per group, for autograd (in x's dtype)."""
+    u = x if z is None else x * F.silu(z)
+    grouped = u.unflatten(-1, (-1, group_size))
+    normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+    return normed.flatten(-2) * weight
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_gated_group_norm_backward_equals_autograd(gated):
+    gen = torch.Generator().manual_seed(3)
+    x, z = (torch.randn(3, 5, 24, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(24, generator=gen, dtype=torch.float64)).requires_grad_()
+    z_or_none = z if gated else None
+    cotangent = torch.randn(3, 5, 24, generator=gen, dtype=torch.float64)
+    out = GatedGroupRMSNorm.apply(x, z_or_none, weight, 8, 1e-5)
+    ref = plain_gated_norm(x, z_or_none, weight, 8)
+    leaves = [x, weight] + ([z] if gated else [])
+    grads = torch.autograd.grad(out, leaves, cotangent)
+    ref_grads = torch.autograd.grad(ref, leaves, cotangent)
+    assert torch.allclose(out, ref, rtol=1e-12, atol=0)
+    for name, g, r in zip(["x", "weight", "z"], grads, ref_grads):
+        assert torch.allclose(g, r, rtol=1e-10, atol=1e-12), name
+
+
+def test_gated_group_norm_in_bf16_keeps_its_inputs_and_one_scale_per_group():
+    gen = torch.Generator().manual_seed(4)
+    x, z = (torch.randn(2, 7, 64, generator=gen).bfloat16().requires_grad_() for _ in range(2))
+    weight = torch.ones(64, dtype=torch.bfloat16, requires_grad=True)
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = (t.dtype, t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = GatedGroupRMSNorm.apply(x, z, weight, 16, 1e-5)
+    assert out.dtype == torch.bfloat16
+    assert sorted(kept.values(), key=str) == sorted(
+        [(torch.bfloat16, x.numel()), (torch.bfloat16, z.numel()), (torch.bfloat16, 64), (torch.float32, 2 * 7 * 4)],
+        key=str,
+    )
+    # Against float64 autograd of the same formula, from the same bf16 values.
+    wide = [t.detach().double().requires_grad_() for t in (x, z, weight)]
+    ref = plain_gated_norm(wide[0], wide[1], wide[2], 16)
+    cotangent = torch.randn(2, 7, 64, generator=gen)
+    grads = torch.autograd.grad(out, (x, z, weight), cotangent.bfloat16())
+    ref_grads = torch.autograd.grad(ref, wide, cotangent.bfloat16().double())
+    assert (out.double() - ref).abs().max() < 2e-2
+    for name, g, r in zip(["x", "z", "weight"], grads, ref_grads):
+        assert ((g.double() - r).norm() / r.norm()).item() < 1e-2, name

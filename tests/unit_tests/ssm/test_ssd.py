@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.core.ssm import ssd
 from megatron.core.ssm.ssd import ssd_chunked_scan, ssd_sequential_scan
 
 # (batch, length, heads, head dim, groups, state dim, chunk): lengths mostly not multiples of the chunk.
@@ -106,3 +107,68 @@ def test_low_precision_inputs_compute_in_fp32_and_states_dtype_rounds():
     exact = ssd_chunked_scan(x32, dt.float(), A.float(), B32, C32, 16, D=D.float())
     rounded = ssd_chunked_scan(x32, dt.float(), A.float(), B32, C32, 16, D=D.float(), state_dtype=torch.bfloat16)
     assert 0 < rel(rounded, exact) < 2e-2
+
+
+def saved_bytes(fn):
+    """``(result, bytes of distinct storages autograd keeps for backward while fn runs)``."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(storages.values())
+
+
+@pytest.mark.parametrize("per_channel_D", [False, True, None], ids=["D", "D-per-channel", "no-D"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[5]], ids=["l37q8", "l100q32", "l50q7"])
+def test_sliced_scan_gradients_match_the_sequential_recurrence(case, per_channel_D, monkeypatch):
+    """With a gradient wanted the scan runs as GroupSlicedScan; one group per slice here."""
+    monkeypatch.setattr(ssd, "SLICE_BYTES", 1)
+    *shape, chunk = case
+    x, dt, A, B, C, D = inputs(*shape)
+    if per_channel_D:
+        D = D[:, None].repeat(1, x.shape[-1]) * torch.linspace(0.5, 1.5, x.shape[-1], dtype=torch.float64)
+    elif per_channel_D is None:
+        D = None
+    leaves = [t.requires_grad_() for t in (x, dt, A, B, C, D) if t is not None]
+    assert len(ssd._group_slices(x, B, chunk)) == B.shape[2]
+    cotangent = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = ssd_chunked_scan(x, dt, A, B, C, chunk, D=D)
+    assert type(y.grad_fn).__name__ == "GroupSlicedScanBackward"
+    grads = torch.autograd.grad((y * cotangent).sum(), leaves)
+    ref_y = ssd_sequential_scan(x, dt, A, B, C, D=D)
+    ref_grads = torch.autograd.grad((ref_y * cotangent).sum(), leaves)
+    assert rel(y, ref_y) < 1e-10
+    for name, g, ref in zip("x dt A B C D".split(), grads, ref_grads):
+        assert rel(g, ref) < 1e-10, name
+
+
+@pytest.mark.parametrize("slice_bytes", [1, 2**40], ids=["one-group-per-slice", "one-slice"])
+def test_sliced_scan_equals_the_autograd_scan_and_keeps_only_its_inputs(slice_bytes, monkeypatch):
+    """bf16 inputs as the mixer gives them: the same values and gradients as autograd through the plain
+    scan (up to float32 rounding), and nothing kept for backward beyond the inputs."""
+    monkeypatch.setattr(ssd, "SLICE_BYTES", slice_bytes)
+    x, dt, A, B, C, D = inputs(2, 100, 8, 8, 4, 16)
+    args = [x.bfloat16(), dt.float(), A.float(), B.bfloat16(), C.bfloat16(), D.float()]
+    leaves = [t.requires_grad_() for t in args]
+    cotangent = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).bfloat16()
+    y, kept = saved_bytes(lambda: ssd_chunked_scan(*leaves[:5], 32, D=leaves[5], state_dtype=torch.bfloat16))
+    grads = torch.autograd.grad(y, leaves, cotangent)
+    ref, ref_kept = saved_bytes(lambda: ssd._chunked_scan(*leaves[:5], 32, D=leaves[5], state_dtype=torch.bfloat16))
+    ref_grads = torch.autograd.grad(ref, leaves, cotangent)
+    assert y.dtype == torch.bfloat16 and rel(y, ref) < 1e-2  # bf16 outputs: one rounding apart at most
+    for name, g, r in zip("x dt A B C D".split(), grads, ref_grads):
+        assert g.dtype == r.dtype and rel(g, r) < 1e-4, name
+    assert kept == sum(t.untyped_storage().nbytes() for t in leaves)
+    assert ref_kept > 10 * kept
+
+
+def test_scan_without_gradient_or_with_states_runs_the_plain_scan():
+    x, dt, A, B, C, D = inputs(1, 20, 4, 4, 2, 4)
+    with torch.no_grad():
+        assert ssd_chunked_scan(x.requires_grad_(), dt, A, B, C, 8, D=D).grad_fn is None
+    y, _ = ssd_chunked_scan(x, dt, A, B, C, 8, D=D, return_final_states=True)
+    assert type(y.grad_fn).__name__ != "GroupSlicedScanBackward"
