@@ -19,9 +19,9 @@ What is unusual here:
   at hand, so the formulas stay pure arithmetic.
 * **Counted once per storage**: views (q, k, v of the fused QKV output) share one
   buffer. Parameters are not activations and are never counted.
-* Mamba's PyTorch chunked scan saves many fp32 intermediates; its formula counts them
-  by the shapes they have (``T * d_inner`` terms and the chunk-square decay terms). With
-  the fused mamba-ssm kernels it is an estimate (those kernels recompute internally).
+* Mamba's PyTorch path keeps the scan's and the gated norm's inputs (both recompute in
+  backward), so its formula is exact. With the fused mamba-ssm kernels it is an estimate
+  (what those kernels keep is theirs).
 * Small integer tensors of the MoE router (top-k indices, routing map) are counted
   too: they are what keeps router-only graphs honest when the hidden size is small.
 """
@@ -295,14 +295,12 @@ def _mamba(sh: Shapes, k: Kernels) -> int:
     if k.fused_mamba:  # in-projection output, conv output, scan output, gated norm input
         width = 2 * d_in + 2 * g * n + heads
         return total + b * s * (width + conv + 2 * d_in) * e + b * s * heads * _F32
-    q = min(sh.mamba_chunk, s)
-    length = math.ceil(s / q) * q
-    chunks = length // q
     total += b * conv * (s + sh.mamba_conv - 1) * e + b * conv * s * e  # conv input (padded), output
-    total += 12 * b * length * d_in * _F32  # x, dt * x, z, y, the gated norm: fp32 [b, l, d_in] each
-    total += (2 * heads + g) * b * length * q * _F32  # decay (2 uses) and C.B within chunks
-    total += 2 * b * length * g * n * _F32 + b * chunks * heads * p * n * _F32  # B, C; chunk states
-    return total + 3 * b * length * heads * _F32  # dt, a, cumulative a
+    total += b * conv * s * e  # its SiLU: x, B and C, which the scan keeps (GroupSlicedScan keeps its inputs)
+    total += 2 * b * s * heads * _F32  # dt before and after the softplus
+    total += 3 * heads * _F32  # exp(A_log), A = -exp(A_log) and D in float32
+    total += 2 * b * s * d_in * e + b * s * g * _F32  # the gated norm: scan output, a copy of z, 1/rms per group
+    return total
 
 
 _FORMULAS = {
