@@ -119,8 +119,10 @@ class GatedGroupRMSNorm(torch.autograd.Function):
             return du.to(x.dtype), None, dweight, None, None
         zf = z.to(du.dtype, copy=True)
         dx = F.silu(zf).mul_(du).to(x.dtype)
-        dz = torch.ops.aten.silu_backward(du.mul_(_at_least_fp32(x)), zf).to(z.dtype)  # autograd's own kernel
-        return dx, dz, dweight, None, None
+        du.mul_(_at_least_fp32(x))
+        torch.ops.aten.silu_backward.grad_input(du, zf, grad_input=du)  # autograd's own kernel, in place
+        del zf
+        return dx, du.to(z.dtype), dweight, None, None
 
 
 class ConvWeights(torch.nn.Module):
