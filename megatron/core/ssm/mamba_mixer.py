@@ -309,20 +309,28 @@ class MambaMixer(torch.nn.Module):
         if self._fused(hidden_states):
             y = self._fused_ssm(zxbcdt, A)
         else:
-            y = self._ssm(zxbcdt, A)
+            pieces = self._pieces(zxbcdt)
+            del zxbcdt  # nothing keeps it for backward: its memory goes before the scan runs
+            y = self._ssm(pieces, A)
         y = rearrange(y, "b s d -> s b d")
         out, _ = self.out_proj(y)
         return out, None
 
-    def _ssm(self, zxbcdt: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
-        """PyTorch path: ``[b, s, in_proj width] -> [b, s, d_inner]`` (gated and normalised)."""
+    def _pieces(self, zxbcdt: torch.Tensor) -> list[torch.Tensor]:
+        """``[z, x|B|C, dt]`` of the in-projection output, each in storage of its own (dt in float32)."""
         z, x, B, C, dt = torch.split(zxbcdt, self._split_sizes(), dim=-1)
-        xbc = torch.cat([x, B, C], dim=-1)
+        return [z.contiguous(), torch.cat([x, B, C], dim=-1), dt.to(_at_least_fp32(dt).dtype, copy=True)]
+
+    def _ssm(self, pieces: list[torch.Tensor], A: torch.Tensor) -> torch.Tensor:
+        """PyTorch path: ``_pieces``' list (emptied here, so each piece is freed once used) ->
+        ``[b, s, d_inner]`` (gated and normalised)."""
+        z, xbc, dt = pieces
+        pieces.clear()
         xbc = causal_conv1d(
             rearrange(xbc, "b s d -> b d s"), self.conv1d.weight, self.conv1d.bias, activation="silu", use_fused=False
         )
         x, B, C = torch.split(rearrange(xbc, "b d s -> b s d"), self._split_sizes()[1:4], dim=-1)
-        dt = F.softplus(_at_least_fp32(dt) + _at_least_fp32(self.dt_bias))  # [b, s, heads]
+        dt = F.softplus(dt + _at_least_fp32(self.dt_bias))  # [b, s, heads]
         D = _at_least_fp32(self.D)
         if self.D_has_hdim:
             D = rearrange(D, "(h p) -> h p", p=self.headdim)
