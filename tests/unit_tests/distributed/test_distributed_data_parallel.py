@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron.core.distributed import distributed_data_parallel as ddp_module
+from megatron.core.distributed import grad_fold
 from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel, default_bucket_size
 from megatron.core.parallel_state import ProcessGroups
 from megatron.training.config import DDPConfig
@@ -318,16 +319,19 @@ def test_cuda_event_from_side_stream_is_waited():
         assert torch.all(snapshot[start:end] == 3.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fusion", [True, False])
-def test_tied_gpt_with_fused_wgrads_overlap_equals_no_overlap(fusion):
+def test_tied_gpt_with_fused_wgrads_overlap_equals_no_overlap(fusion, dtype):
     """Fused wgrads mark weights ready through our hook; the tied embedding weight gets
     its output-layer part fused and its lookup part through autograd, and must not be
-    declared ready (and its bucket launched) before the second part has arrived."""
+    declared ready (and its bucket launched) before the second part has arrived. Folding
+    each gradient as it arrives (fold_grads_on_arrival, for the CUDA graphs' eager turn)
+    gives the same bits as folding after each backward."""
     from megatron.core.models.gpt.gpt_model import build_gpt_model
     from megatron.core.models.gpt.loss import masked_mean_loss
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    def run(overlap):
+    def run(mode):
         config = TransformerConfig(
             num_layers=2,
             hidden_size=32,
@@ -338,10 +342,14 @@ def test_tied_gpt_with_fused_wgrads_overlap_equals_no_overlap(fusion):
             gradient_accumulation_fusion=fusion,
         ).finalize()
         torch.manual_seed(0)
-        model = build_gpt_model(config, 64)
+        model = build_gpt_model(config, 64).to(dtype)
         ddp = DistributedDataParallel(
-            model, config=DDPConfig(overlap_grad_reduce=overlap, ddp_bucket_size=3000), pg=ProcessGroups.single()
+            model,
+            config=DDPConfig(overlap_grad_reduce=mode == "overlap", ddp_bucket_size=3000),
+            pg=ProcessGroups.single(),
         )
+        if mode == "on arrival":
+            ddp.fold_grads_on_arrival()
         tokens = torch.randint(0, 64, (2, 2, 16))
         for mb in range(2):
             ctx = ddp.no_sync() if mb == 0 else contextlib.nullcontext()
@@ -351,8 +359,10 @@ def test_tied_gpt_with_fused_wgrads_overlap_equals_no_overlap(fusion):
         assert all(p.grad is None for p in model.parameters())
         return [p.main_grad.clone() for p in model.parameters()]
 
-    for a, b in zip(run(False), run(True)):
-        assert torch.equal(a, b)
+    after = run("after backward")
+    for mode in ("overlap", "on arrival"):
+        for a, b in zip(after, run(mode)):
+            assert torch.equal(a, b), mode
 
 
 @pytest.mark.parametrize("scratch_max_numel", [1 << 16, 20])
@@ -360,7 +370,7 @@ def test_bf16_grads_fold_into_fp32_main_grad_like_a_mixed_add(monkeypatch, scrat
     # The fold upcasts small bf16 grads into scratch tensors and adds fp32 to fp32, and
     # adds larger ones directly (20: fc1's and fc2's weights take that path); the
     # reference is the per-tensor mixed-dtype add, over 3 micro-batches.
-    monkeypatch.setattr(ddp_module, "_FOLD_SCRATCH_MAX_NUMEL", scratch_max_numel)
+    monkeypatch.setattr(grad_fold, "_FOLD_SCRATCH_MAX_NUMEL", scratch_max_numel)
     torch.manual_seed(0)
     net = _Net().to(torch.bfloat16)
     ref = copy.deepcopy(net)
