@@ -16,8 +16,9 @@ import torch
 from megatron.core.transformer.cuda_graphs import regions as regions_lib
 from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
 from megatron.core.transformer.cuda_graphs.session import GradSink, GraphSession, GraphState
+from megatron.core.transformer.cuda_graphs.turn import enabled as eager_turn_enabled
 
-__all__ = ["attach", "CudaGraphConfig", "GraphSession", "GraphState", "GradSink"]
+__all__ = ["attach", "CudaGraphConfig", "GraphSession", "GraphState", "GradSink", "eager_turn_enabled"]
 
 
 def attach(
@@ -64,6 +65,7 @@ def attach(
         session.start_recording()
     if not session.active:
         return session
+    session.watch_model_output(model)
     names = {m: n for n, m in model.named_modules()}
     for layer in layers:
         for spec in selected[type(layer)]:

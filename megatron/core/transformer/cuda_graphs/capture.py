@@ -66,11 +66,13 @@ def capture_all(
     warmup_steps: int,
     share_backward: bool = False,
     forwards_in_backward_pool: frozenset[int] = frozenset(),
+    keep: frozenset = frozenset(),
 ) -> tuple[dict[int, GraphPool], GraphPool | None, dict[int, Buffers]]:
     """Captures every slot's cycle; returns each slot's pool, the shared backward pool
     (None unless ``share_backward``) and each slot's static buffers. Regions in
     ``forwards_in_backward_pool`` capture their forward where backwards go: the shared
-    backward pool, or without one the slot's own pool like any forward."""
+    backward pool, or without one the slot's own pool like any forward. Buffers in
+    ``keep`` (owner keys) are held for good instead of released."""
     fwd_order = [regions[r] for r in warmup_order(cycles)]
     pools: dict[int, GraphPool] = {}
     all_buffers: dict[int, Buffers] = {}
@@ -119,6 +121,7 @@ def capture_all(
                 stream,
                 backward_pool or pools[slot],
                 forwards_in_backward_pool,
+                keep,
             )
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
@@ -143,6 +146,7 @@ def _capture_slot(
     stream,
     backward_pool: GraphPool,
     forwards_in_backward_pool: frozenset[int] = frozenset(),
+    keep: frozenset = frozenset(),
 ) -> Buffers:
     """Captures one slot's cycle: forwards into ``pool``, backwards into ``backward_pool``
     (the same pool unless the slots share one for their backward graphs), and so are the
@@ -193,6 +197,8 @@ def _capture_slot(
             buffers.update(zip(keys, dgrads))
             del grad_outputs, dgrads
         for key in plan.releases_at(position):
+            if key in keep:
+                continue
             t = buffers.get(key)
             if t is not None:
                 buffers[key] = make_weak_ref(t)

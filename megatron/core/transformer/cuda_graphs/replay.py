@@ -27,7 +27,7 @@ class RecordBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.on_backward()
+        ctx.on_backward(grads)
         return (None,) + grads
 
 

@@ -70,6 +70,7 @@ from megatron.core.transformer.cuda_graphs.pool import format_pool_summary
 from megatron.core.transformer.cuda_graphs.recorder import Recorder
 from megatron.core.transformer.cuda_graphs.region import GraphedRegion, arg_metadata
 from megatron.core.transformer.cuda_graphs.replay import GraphReplay, RecordBackward
+from megatron.core.transformer.cuda_graphs.turn import TurnHooks, TurnRouter, enabled
 from megatron.core.transformer.cuda_graphs.weak import is_weak_ref
 
 NEXT_EVENT = "next event"
@@ -117,7 +118,7 @@ class RoutedMethod:
         return types.MethodType(self.func, copy)  # the copy runs its own weights, eagerly
 
 
-class GraphSession(PipelineHooks):
+class GraphSession(PipelineHooks, TurnHooks):
     """Owns the regions, the pools, the recorded order, the replay cursor and teardown.
 
     Args:
@@ -133,6 +134,7 @@ class GraphSession(PipelineHooks):
         if config.enabled:
             if torch.cuda.is_available():
                 self.state = GraphState.RECORD
+                self.captures_next = enabled()  # the eager turn's watch runs while recording
             else:
                 warnings.warn(
                     f"--cuda-graph-impl {config.cuda_graph_impl}: CUDA is not available, so CUDA graphs are off and "
@@ -213,6 +215,7 @@ class GraphSession(PipelineHooks):
             if isinstance(routed, RoutedMethod) and routed.session is self:
                 del region.module.__dict__[region.method_name]
             region.slots.clear()
+        self._close_turn()
         self.buffers.clear()
         self._poison.clear()
         self._ready.clear()
@@ -330,6 +333,7 @@ class GraphSession(PipelineHooks):
             )
         outs = region.note_call(args, region.fn(*args))
         self.recorder.event(Event(FWD, region.index, slot))
+        self._watch_forward_done()
         if region.has_backward:
             idx = [j for j, rg in enumerate(region.output_requires_grad) if rg]
             wrapped = RecordBackward.apply(
@@ -342,13 +346,13 @@ class GraphSession(PipelineHooks):
             self.recorder.note_output(o, region.index, slot, j)
         return region.join_outputs(outs)
 
-    def _recorded_backward(self, event: Event) -> None:
-        """Notes a backward of the recording iteration, and hands the memory that eager
-        freed up to here back to the device. Under an interleaved order the recording
-        iteration otherwise leaves blocks freed by one micro-batch (the loss head's logits)
-        cached in pieces that later allocations of other sizes cannot reuse, and reserves
-        about that much more than it holds; the pools captured next would then start
-        above eager's peak. One device sync per region, in this one iteration."""
+    def _recorded_backward(self, event: Event, grads: tuple = ()) -> None:
+        """Notes a backward of the recording iteration (``grads``: its incoming gradients), and hands the
+        memory eager freed up to here back to the device. Under an interleaved order the recording iteration
+        otherwise leaves blocks freed by one micro-batch (the loss head's logits) cached in pieces that later
+        allocations of other sizes cannot reuse, and reserves about that much more than it holds; the pools
+        captured next would then start above eager's peak. One device sync per region, in this one iteration."""
+        self._watch_backward_next(grads)
         self.recorder.event(event)
         torch.cuda.empty_cache()  # a no-op until CUDA is initialised (CPU recording)
 
@@ -357,10 +361,12 @@ class GraphSession(PipelineHooks):
         self._advance(Event(FWD, region.index, slot), region)
         outs = region.replay_forward(slot, args)
         self._after_replay()
+        self._turn_after_forward(self._positions[self.cursor - 1][1])
         return outs
 
     def replay_backward(self, region: GraphedRegion, slot: int, grads) -> tuple[torch.Tensor | None, ...]:
         self._advance(Event(BWD, region.index, slot), region)
+        self._turn_before_backward(self._positions[self.cursor - 1][1])
         dgrads = region.replay_backward(slot, grads)
         self._after_replay()
         event = region.slots[slot].wgrad_event
@@ -403,6 +409,8 @@ class GraphSession(PipelineHooks):
         if self.state is GraphState.RECORD and self.recorder.order:
             self.capture()
         elif self.state is GraphState.CAPTURED:
+            if self._turn is not None:
+                self._turn.close()  # normally closed by the first backward replay
             if self.cursor not in (0, len(self.order)):
                 raise RuntimeError(
                     f"CUDA graphs: the iteration ended after {self.cursor} of the {len(self.order)} recorded graph "
@@ -444,6 +452,7 @@ class GraphSession(PipelineHooks):
 
     def capture(self) -> None:
         start = time.perf_counter()
+        watch = self._end_watch()
         plans = self.make_plans()
         self.recorder.clear_identities()
         share = backward_runs_alone(self.order, self.runs) and not any(
@@ -454,6 +463,14 @@ class GraphSession(PipelineHooks):
         self.forwards_in_backward_pool = (
             frozenset(forwards_next_to_backward(self.order, communicating)) if share else frozenset()
         )
+        turn = self._decide_turn(watch, self.cycles, self.recorded_schedule is None and not communicating)
+        keep = frozenset()
+        if turn is not None:  # the turn's gradient is copied into the first backward's static inputs
+            share, self.forwards_in_backward_pool = True, frozenset()
+            ((slot, cycle),) = self.cycles.items()
+            first = self.regions[cycle[turn[1]].region]
+            keys = [("grad_output", first.index, j) for j in range(first.num_outputs)]
+            keep = frozenset(plans[slot].owner(k) for k in keys if k in plans[slot].buffers)
         self.pools, self.backward_pool, self.buffers = capture_lib.capture_all(
             self.regions,
             self.cycles,
@@ -461,7 +478,10 @@ class GraphSession(PipelineHooks):
             self.config.cuda_graph_warmup_steps,
             share_backward=share,
             forwards_in_backward_pool=self.forwards_in_backward_pool,
+            keep=keep,
         )
+        if turn is not None:
+            self._turn = TurnRouter(self.backward_pool, *turn)
         if self.config.cuda_graph_debug:
             for slot, plan in plans.items():
                 for position, tensors in capture_lib.poison_plan(plan, self.buffers[slot]).items():
@@ -525,6 +545,7 @@ class GraphSession(PipelineHooks):
             "graphs": self.num_graphs(),
             "slots": len(self.pools),
             "backward_pool_shared": self.backward_pool is not None,
+            "eager_turn": self._turn is not None,
             "pool_reserved_bytes": int(reserved),
             "pool_live_bytes": int(live),
             "strong_bytes": int(self.strong_bytes()),
@@ -553,10 +574,10 @@ class GraphSession(PipelineHooks):
         line = format_pool_summary(self.num_graphs(), reserved, live, self.strong_bytes(), self.capture_seconds)
         if stage is not None and stage[1] > 1:
             line = line.replace("graph pool |", f"graph pool | pipeline rank: {stage[0]} of {stage[1]} |", 1)
-        if len(self.pools) <= 1:
-            return line
+        if self._turn is not None:
+            return f"{line} | eager turn in the backward pool"
         shared = " (backward pool shared)" if self.backward_pool is not None else ""
-        return f"{line} | slots: {len(self.pools)}{shared}"
+        return line if len(self.pools) <= 1 else f"{line} | slots: {len(self.pools)}{shared}"
 
     # ------------------------------------------------------------------ debug
     def _debug_compare(self, region: GraphedRegion, args, outs) -> None:

@@ -1,0 +1,282 @@
+"""The eager turn: the eager work between a micro-batch's last forward graph and its first
+backward graph, allocated in the pool of the backward graphs.
+
+With a partial scope, eager code runs after the last graphed region: the layers after it
+and the loss head, then their backward, before the first backward graph. Eagerly, the loss
+head's logits die just before the first backward's temporaries are born, and the two share
+memory. With graphs the pool reserves those temporaries for good while the logits need the
+eager cache on top of it: most of a partial scope's memory over eager. The turn routes the
+eager work's allocations into the backward graphs' pool, whose memory holds nothing at that
+time:
+
+* Only with one micro-batch in flight and no pipeline schedule (every forward, then every
+  backward). The backward graphs get a pool of their own (``share_backward``); the forward
+  pool keeps the saved activations, which live across the turn.
+* Routing is per thread (the caching allocator's thread filter): the main thread from the
+  last forward replay to the end of the model's forward; autograd's device thread from
+  when the gradient of the model's output arrives to the first backward replay. The loss
+  and what the schedule sums in between (logged values) are not routed, and the model's
+  output is cloned out of the pool.
+* Nothing born in the turn may outlive it, since the first backward graph writes over its
+  memory. The recording iteration checks that with :class:`TurnWatch` and leaves the turn
+  off, with a warning naming the ops, if anything does (a ``param.grad`` waiting for DDP's
+  fold is the usual one: DDP folds on arrival while graphs are on). The first backward
+  graph's static gradient inputs stay held: the turn's gradient is copied into them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from megatron.core.transformer.cuda_graphs.plan import BWD, FWD
+from megatron.core.transformer.cuda_graphs.pool import GraphPool, _private_api
+
+ENV_SWITCH = "MEGATRON_CG_EAGER_TURN"
+"""``1`` turns the eager turn on. Off by default until its GPU tests (graphed == eager, bitwise, in
+every partial scope, and the memory tests) have run on a GPU: it routes eager allocations into
+graph memory, where a wrong lifetime would corrupt silently."""
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "0") == "1"
+
+
+MIN_TURN_BYTES = 16 * 2**20
+"""The turn opens when its eager work holds at least this much at once (in the recording
+iteration): below it, what the forward and backward graphs lose by not sharing one pool
+outweighs what the turn saves."""
+
+
+class TurnWatch(TorchDispatchMode):
+    """Notes the storages ops create during a turn; at its end, reports those still alive.
+
+    Pushed for the whole recording iteration (autograd's threads run the backward under the
+    modes active when it started); only ``tracking`` spans record anything.
+
+    Args:
+        device_type: Storages of this device type count (the pool's memory).
+    """
+
+    def __init__(self, device_type: str):
+        super().__init__()
+        self.device_type = device_type
+        self.tracking = False
+        self.in_turn = False
+        self.alive: dict[int, tuple[str, int]] = {}  # storage data_ptr -> (what made it, bytes)
+        self.live_bytes = 0
+        self.peak_bytes = 0  # the largest turn, over the iteration
+        self.turns = 0
+        self.escaped: list[str] = []
+        self.resumed = False  # the turn's backward half has begun
+        self.seen_after_resume = 0  # ops seen in it: none means the mode did not reach autograd's thread
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.tracking:
+            self.seen_after_resume += self.resumed
+            self._note(func, (args, kwargs), out)
+        return out
+
+    def _note(self, func, inputs, out) -> None:
+        read = {t.untyped_storage().data_ptr() for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
+                continue
+            storage = t.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0 or ptr in read or ptr in self.alive:  # a view or an in-place result
+                continue
+            self.alive[ptr] = (f"{func} -> {tuple(t.shape)} {t.dtype}", nbytes)
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            weakref.finalize(storage, self._died, ptr)
+
+    def _died(self, ptr: int) -> None:
+        entry = self.alive.pop(ptr, None)
+        if entry is not None:
+            self.live_bytes -= entry[1]
+
+    def start(self) -> None:
+        """A forward graph ran: the turn, if this was the micro-batch's last, starts here."""
+        self.alive.clear()
+        self.live_bytes = 0
+        self.in_turn = self.tracking = True
+
+    def pause(self) -> None:
+        """The model's output is out: the loss is not part of the turn."""
+        self.tracking = False
+
+    def resume(self) -> None:
+        """The gradient of the model's output has arrived."""
+        self.tracking = self.resumed = self.in_turn
+        self.seen_after_resume = 0
+
+    def finish(self, inputs: tuple) -> None:
+        """The first backward graph is next: whatever the turn made and is still alive
+        (but the gradients handed to that graph, ``inputs``) escaped."""
+        if not self.in_turn:
+            return
+        handed = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+        self.escaped += [what for ptr, (what, _) in self.alive.items() if ptr not in handed]
+        if self.resumed and not self.seen_after_resume:
+            self.escaped.append("unseen: the backward ran without this watch")
+        self.turns += 1
+        self.alive.clear()
+        self.live_bytes = 0
+        self.in_turn = self.tracking = self.resumed = False
+
+    def verdict(self) -> tuple[bool, str | None]:
+        """``(open the turn, why not)`` after the recording iteration."""
+        if self.escaped:
+            listed = "; ".join(dict.fromkeys(self.escaped))
+            return False, (
+                "CUDA graphs: the eager work between the last forward graph and the first backward graph leaves "
+                f"tensors alive past it ({listed}), so it keeps the eager cache: the graphed run needs about its "
+                "size more memory than eager."
+            )
+        return self.turns > 0 and self.peak_bytes >= MIN_TURN_BYTES, None
+
+
+class TurnRouter:
+    """Routes one thread's allocations into the backward pool during the turn of each micro-batch.
+
+    Args:
+        pool: The backward graphs' pool.
+        last_forward: Cycle position of the micro-batch's last forward graph.
+        first_backward: Cycle position of its first backward graph.
+    """
+
+    def __init__(self, pool: GraphPool, last_forward: int, first_backward: int):
+        self.pool = pool
+        self.last_forward = last_forward
+        self.first_backward = first_backward
+        self._thread: int | None = None  # the thread whose allocations go to the pool
+
+    @property
+    def routing(self) -> bool:
+        return self._thread is not None
+
+    def open(self) -> None:
+        """This thread's allocations go to the pool from now on."""
+        if self._thread is not None:
+            raise RuntimeError("CUDA graphs: the eager turn is already routed for another thread")
+        _private_api("_cuda_beginAllocateCurrentThreadToPool")(self.pool.device, self.pool.handle)
+        self._thread = threading.get_ident()
+
+    def close(self) -> bool:
+        """Stops the routing; returns whether there was one."""
+        if self._thread is None:
+            return False
+        self._thread = None
+        _private_api("_cuda_endAllocateToPool")(self.pool.device, self.pool.handle)
+        _private_api("_cuda_releasePool")(self.pool.device, self.pool.handle)
+        return True
+
+    def routing_here(self) -> bool:
+        return self._thread == threading.get_ident()
+
+
+class TurnHooks:
+    """The eager turn's side of a graph session (a mixin of ``GraphSession``, whose state it uses)."""
+
+    _watch: TurnWatch | None = None
+    _turn: TurnRouter | None = None
+    _output_hook = None
+    captures_next = False  # recording on CUDA, to capture after (not a CPU recording for tests)
+
+    def watch_model_output(self, model: torch.nn.Module) -> None:
+        """Marks where ``model``'s forward ends: the turn pauses there until its output's gradient arrives."""
+        if enabled():
+            self._output_hook = model.register_forward_hook(_OutputHook(self))
+
+    def _watch_forward_done(self) -> None:
+        """Recording before a capture: a forward region ran (the watch is pushed on the first,
+        and popped by the capture)."""
+        if not self.captures_next:
+            return
+        if self._watch is None:
+            self._watch = TurnWatch("cuda")
+            self._watch.__enter__()
+        self._watch.start()
+
+    def _watch_backward_next(self, grads: tuple) -> None:
+        if self._watch is not None:
+            self._watch.finish(grads)
+
+    def _model_output(self, module, args, output):
+        if not isinstance(output, torch.Tensor) or output.grad_fn is None:
+            return None
+        if self._watch is not None and self._watch.in_turn:
+            self._watch.pause()
+            output.grad_fn.register_prehook(lambda grads: self._watch.resume() if self._watch else None)
+        elif self._turn is not None and self._turn.routing_here():
+            self._turn.close()
+            output.grad_fn.register_prehook(lambda grads: self._turn.open() if self._turn else None)
+        else:
+            return None
+        return output.clone()  # out of the turn's memory: the loss and the schedule read it later
+
+    def _end_watch(self) -> TurnWatch | None:
+        """Pops the watch after the recording iteration and returns it."""
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.__exit__(None, None, None)
+        return watch
+
+    def _decide_turn(self, watch: TurnWatch | None, cycles: dict, single_schedule: bool):
+        """``(last forward, first backward)`` cycle positions when the turn opens, else None."""
+        if watch is None or len(cycles) != 1 or not single_schedule:
+            return None
+        ((_, cycle),) = cycles.items()
+        forwards = [i for i, e in enumerate(cycle) if e.phase == FWD]
+        last = forwards[-1] if forwards else None
+        if last is None or last + 1 >= len(cycle) or cycle[last + 1].phase != BWD:
+            return None
+        opens, why = watch.verdict()
+        if why is not None:
+            warnings.warn(why, stacklevel=4)
+        return (last, last + 1) if opens else None
+
+    def _turn_after_forward(self, position: int) -> None:
+        if self._turn is not None and position == self._turn.last_forward:
+            self._turn.open()
+
+    def _turn_before_backward(self, position: int) -> None:
+        if self._turn is not None and position == self._turn.first_backward:
+            self._turn.close()
+
+    def _close_turn(self) -> None:
+        if self._turn is not None:
+            self._turn.close()
+        self._turn = None
+        if self._output_hook is not None:
+            self._output_hook.remove()
+            self._output_hook = None
+        try:
+            self._end_watch()
+        except RuntimeError:  # not on top of the mode stack any more (an error in the recording)
+            pass
+
+
+class _OutputHook:
+    """The model's forward hook; a deep copy of the model gets none (the copy is not attached)."""
+
+    def __init__(self, hooks: TurnHooks):
+        self.hooks = hooks
+
+    def __call__(self, module, args, output):
+        return self.hooks._model_output(module, args, output)
+
+    def __deepcopy__(self, memo):
+        return _no_hook
+
+
+def _no_hook(module, args, output):
+    return None

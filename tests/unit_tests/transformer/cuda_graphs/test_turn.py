@@ -1,0 +1,120 @@
+"""The eager turn's CPU parts: the watch of what the turn leaves alive, and when the turn opens.
+
+Routing into the pool needs CUDA; the graphed runs that use it are compared with eager,
+bitwise, by the GPU tests (test_graphs_gpu.py, the hybrid and MoE ones) with
+MEGATRON_CG_EAGER_TURN=1.
+"""
+
+import pytest
+import torch
+
+from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+from megatron.core.parallel_state import ProcessGroups
+from megatron.core.transformer.cuda_graphs import turn
+from megatron.core.transformer.cuda_graphs.plan import BWD, FWD, Event
+from megatron.core.transformer.cuda_graphs.turn import TurnHooks, TurnWatch
+from megatron.training.config import DDPConfig
+
+
+def test_watch_reports_what_outlives_the_turn():
+    x = torch.randn(64, 64)
+    with TurnWatch("cpu") as watch:
+        watch.start()
+        gone = x * 2  # born and dead inside the turn
+        kept = gone.exp()  # still alive at the end: escapes
+        kept.view(-1).add_(1)  # a view and an in-place op make no storage
+        del gone
+        watch.pause()
+        loss = kept.sum()  # the loss: not part of the turn
+        watch.resume()
+        handed = torch.ones(64, 64)  # the gradient handed to the first backward graph
+        watch.finish((handed,))
+        after = x + 1  # outside a turn
+    assert len(watch.escaped) == 1 and watch.escaped[0].startswith("aten.exp")
+    assert watch.turns == 1 and watch.peak_bytes == 2 * 64 * 64 * 4  # two at once: gone and kept, then kept and handed
+    assert not watch.alive and loss.ndim == 0 and after.shape == x.shape
+    opens, why = watch.verdict()
+    assert not opens and "aten.exp" in why and "alive" in why
+
+
+def test_watch_sees_a_waiting_param_grad_unless_ddp_folds_on_arrival():
+    """The backward half of a turn: a gradient that waits in param.grad for DDP's fold after the
+    backward outlives the turn; folded on arrival, nothing does."""
+
+    def turn_of(fold: bool):
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(
+            torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.LayerNorm(32)),
+            config=DDPConfig(),
+            pg=ProcessGroups.single(),
+        )
+        if fold:
+            ddp.fold_grads_on_arrival()
+        x = torch.randn(8, 32)
+        with TurnWatch("cpu") as watch:
+            watch.start()
+            made = ddp(x)
+            watch.pause()  # as the session's hook on the model output: pause, clone it out
+            made.grad_fn.register_prehook(lambda grads: watch.resume())
+            out = made.clone()
+            del made
+            loss = out.square().mean()
+            loss.backward()
+            watch.finish(())
+        ddp.finish_grad_sync()
+        return watch, [p.main_grad.clone() for p in ddp.module.parameters()]
+
+    waiting, folded_after = turn_of(False)
+    assert waiting.escaped and not waiting.verdict()[0]
+    clean, folded_on_arrival = turn_of(True)
+    assert clean.escaped == [] and clean.turns == 1
+    for a, b in zip(folded_after, folded_on_arrival):
+        assert torch.equal(a, b)
+
+
+class FakeSession(TurnHooks):
+    pass
+
+
+CYCLE = [Event(FWD, 0), Event(FWD, 1), Event(BWD, 1), Event(BWD, 0)]
+
+
+def watch_with(peak_bytes: int, escaped=(), turns: int = 1) -> TurnWatch:
+    watch = TurnWatch("cpu")
+    watch.peak_bytes, watch.escaped, watch.turns = peak_bytes, list(escaped), turns
+    return watch
+
+
+def test_turn_opens_after_the_last_forward_when_clean_and_large_enough():
+    big = turn.MIN_TURN_BYTES
+    assert FakeSession()._decide_turn(watch_with(big), {0: CYCLE}, True) == (1, 2)
+    assert FakeSession()._decide_turn(watch_with(big - 1), {0: CYCLE}, True) is None  # the head is graphed
+    assert FakeSession()._decide_turn(watch_with(big, turns=0), {0: CYCLE}, True) is None
+    assert FakeSession()._decide_turn(None, {0: CYCLE}, True) is None
+    assert FakeSession()._decide_turn(watch_with(big), {0: CYCLE, 1: CYCLE}, True) is None  # two slots
+    assert FakeSession()._decide_turn(watch_with(big), {0: CYCLE}, False) is None  # a pipeline schedule
+    with pytest.warns(UserWarning, match="tensors alive past it"):
+        assert FakeSession()._decide_turn(watch_with(big, ["aten.mm -> (4, 4)"]), {0: CYCLE}, True) is None
+
+
+def test_the_turn_is_off_unless_switched_on(monkeypatch):
+    """Off by default until the GPU tests have run with it; the switch is an environment variable."""
+    model = torch.nn.Linear(4, 4)
+    monkeypatch.delenv(turn.ENV_SWITCH, raising=False)
+    assert not turn.enabled()
+    FakeSession().watch_model_output(model)
+    assert not model._forward_hooks
+
+
+def test_a_copied_model_carries_no_turn_hook(monkeypatch):
+    import copy
+
+    monkeypatch.setenv(turn.ENV_SWITCH, "1")
+    model = torch.nn.Linear(4, 4)
+    session = FakeSession()
+    session.watch_model_output(model)
+    twin = copy.deepcopy(model)
+    assert twin(torch.ones(1, 4)).shape == (1, 4)  # the copy's hook is a no-op: no session is reached
+    assert len(model._forward_hooks) == 1
+    session._close_turn()
+    assert not model._forward_hooks
