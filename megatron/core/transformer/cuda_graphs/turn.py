@@ -235,10 +235,10 @@ class TurnHooks:
         if watch is None or len(cycles) != 1 or not single_schedule:
             return None
         ((_, cycle),) = cycles.items()
-        forwards = [i for i, e in enumerate(cycle) if e.phase == FWD]
-        last = forwards[-1] if forwards else None
-        if last is None or last + 1 >= len(cycle) or cycle[last + 1].phase != BWD:
-            return None
+        phases = [e.phase for e in cycle]
+        if FWD not in phases or BWD not in phases or FWD in phases[phases.index(BWD) :]:
+            return None  # not every forward, then every backward (a forward runs inside the backward)
+        last = phases.index(BWD) - 1
         opens, why = watch.verdict()
         if why is not None:
             warnings.warn(why, stacklevel=4)

@@ -93,6 +93,9 @@ def test_turn_opens_after_the_last_forward_when_clean_and_large_enough():
     assert FakeSession()._decide_turn(None, {0: CYCLE}, True) is None
     assert FakeSession()._decide_turn(watch_with(big), {0: CYCLE, 1: CYCLE}, True) is None  # two slots
     assert FakeSession()._decide_turn(watch_with(big), {0: CYCLE}, False) is None  # a pipeline schedule
+    inside = CYCLE[:3] + [Event(FWD, 0)] + CYCLE[3:]  # a forward again during the backward
+    assert FakeSession()._decide_turn(watch_with(big), {0: inside}, True) is None
+    assert FakeSession()._decide_turn(watch_with(big), {0: CYCLE[:2]}, True) is None  # no backward
     with pytest.warns(UserWarning, match="tensors alive past it"):
         assert FakeSession()._decide_turn(watch_with(big, ["aten.mm -> (4, 4)"]), {0: CYCLE}, True) is None
 
