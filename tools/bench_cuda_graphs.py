@@ -38,7 +38,8 @@ CONFIGS = {
 CONFIGS["launch"] = CONFIGS["launch16"]
 
 DENSE_MODES = [
-    "eager", "eager:expandable", "lean", "local:layer", "local:attn", "local:mlp", "local:attn+mlp", "full", "mgc"
+    "eager", "eager:expandable", "lean", "local:layer", "local:attn", "turn:attn", "local:mlp", "local:attn+mlp",
+    "full", "mgc",
 ]  # fmt: skip
 MODES = {
     "small": DENSE_MODES,
@@ -56,7 +57,7 @@ MODES = {
         "eager:drop-and-pad",
         "local:moe",
     ],
-    "hybrid": ["eager", "local:mamba", "local:attn", "local:mlp", "local:layer", "mgc"],
+    "hybrid": ["eager", "local:mamba", "turn:mamba", "local:attn", "local:mlp", "local:layer", "mgc"],
 }
 DROP_AND_PAD = "--moe-expert-capacity-factor 1 --moe-pad-expert-input-to-capacity"
 MODE_FLAGS = {("moe", "local:moe"): DROP_AND_PAD, ("moe", "eager:drop-and-pad"): DROP_AND_PAD}

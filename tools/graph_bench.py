@@ -63,6 +63,9 @@ def pipelined_ms(step) -> float:
     return (time.perf_counter() - start) * 1000 / PIPELINED
 
 
+EAGER_TURN_SWITCH = "MEGATRON_CG_EAGER_TURN"  # megatron/core/transformer/cuda_graphs/turn.py
+
+
 def mode_flags(mode: str) -> str:
     if mode.startswith("eager") or mode in ("mgc", "lean"):
         return ""
@@ -517,6 +520,8 @@ def run_child(config: str, mode: str, args, stem: str):
     env = dict(os.environ)
     if mode == "eager:expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if mode.startswith("turn:"):  # our partial graphs with the eager turn switched on
+        env[EAGER_TURN_SWITCH] = "1"
     with open(log, "w") as f:
         rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     if rc != 0:

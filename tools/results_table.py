@@ -43,6 +43,8 @@ MODE_NAMES = {
     "local:attn+moe_router+moe_preprocess": "graphs, `attn moe_router moe_preprocess`",
     "local:moe_router+moe_preprocess": "graphs, `moe_router moe_preprocess`",
     "local:mamba": "graphs, `mamba`",
+    "turn:attn": "graphs, `attn`, eager turn in the backward pool",
+    "turn:mamba": "graphs, `mamba`, eager turn in the backward pool",
 }
 
 

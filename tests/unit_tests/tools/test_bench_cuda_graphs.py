@@ -1,6 +1,7 @@
 """tools/bench_cuda_graphs.py: configs, plan, FLOPs, MFU; graph_bench's table and dry run (CPU)."""
 
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ def test_every_config_parses_with_every_mode_flag():
         for mode in bcg.MODES[config]:
             argv = f"{flags} {graph_bench.COMMON} {graph_bench.mode_flags(mode)} {bcg.mode_extra(config, mode)}"
             cfg = parse_args(argv.split())
-            impl = "local" if mode.startswith("local:") else "full_iteration" if mode == "full" else "none"
+            impl = "local" if mode.startswith(("local:", "turn:")) else "full_iteration" if mode == "full" else "none"
             assert cfg.cuda_graph.cuda_graph_impl == impl, (config, mode)
     medium = parse_args(f"{bcg.CONFIGS['medium']} {graph_bench.COMMON}".split())
     m = medium.model
@@ -25,6 +26,22 @@ def test_every_config_parses_with_every_mode_flag():
     assert m.position_embedding_type == "rope" and m.gated_linear_unit and m.normalization == "RMSNorm"
     assert bcg.CONFIGS["launch"] == bcg.CONFIGS["launch16"]
     assert parse_args(f"{bcg.CONFIGS['moe']} {graph_bench.COMMON} {bcg.DROP_AND_PAD}".split()).moe.drop_and_pad
+
+
+def test_turn_modes_run_their_child_with_the_eager_turn_switched_on(monkeypatch, tmp_path):
+    seen = {}
+
+    def call(cmd, stdout, stderr, env):
+        seen[cmd[cmd.index("--mode") + 1]] = env.get(graph_bench.EAGER_TURN_SWITCH)
+        return 1  # a failed child: run_child prints its log's tail and returns None
+
+    monkeypatch.setattr(graph_bench.subprocess, "call", call)
+    monkeypatch.delenv(graph_bench.EAGER_TURN_SWITCH, raising=False)
+    args = types.SimpleNamespace(iters=5, skip=1, extra="")
+    for mode in ("local:attn", "turn:attn"):
+        graph_bench.run_child("dense8", mode, args, str(tmp_path / mode.replace(":", "_")))
+    assert seen == {"local:attn": None, "turn:attn": "1"}
+    assert graph_bench.mode_flags("turn:attn") == graph_bench.mode_flags("local:attn")
 
 
 def test_plan_round_robin_filters_and_estimate():

@@ -122,6 +122,7 @@ def test_pool_line_as_the_session_prints_it():
         capture_seconds=0.25,
         pools={0: None, 1: None},
         backward_pool=object(),
+        _turn=None,
     )
     text = "> " + GraphSession.summary_line(session, stage=(1, 2)) + "\n> " + GraphSession.summary_line(session)
     assert two_gpu_logs.parse_pool_lines(text) == [
