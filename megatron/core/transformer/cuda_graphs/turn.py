@@ -10,8 +10,10 @@ eager work's allocations into the backward graphs' pool, whose memory holds noth
 time:
 
 * Only with one micro-batch in flight and no pipeline schedule (every forward, then every
-  backward). The backward graphs get a pool of their own (``share_backward``); the forward
-  pool keeps the saved activations, which live across the turn.
+  backward), and not for MoE models (their eager layers keep statistics on logging
+  iterations, which the check below could miss). The backward graphs get a pool of their
+  own (``share_backward``); the forward pool keeps the saved activations, which live across
+  the turn.
 * Routing is per thread (the caching allocator's thread filter): the main thread from the
   last forward replay to the end of the model's forward; autograd's device thread from
   when the gradient of the model's output arrives to the first backward replay. The loss
@@ -190,6 +192,9 @@ class TurnHooks:
     _turn: TurnRouter | None = None
     _output_hook = None
     captures_next = False  # recording on CUDA, to capture after (not a CPU recording for tests)
+    eager_turn_allowed = True
+    """The trainer's say: False for MoE models, whose eager layers record per-layer statistics
+    on logging iterations only (the recording iteration's watch could miss them)."""
 
     def watch_model_output(self, model: torch.nn.Module) -> None:
         """Marks where ``model``'s forward ends: the turn pauses there until its output's gradient arrives."""
@@ -232,7 +237,7 @@ class TurnHooks:
 
     def _decide_turn(self, watch: TurnWatch | None, cycles: dict, single_schedule: bool):
         """``(last forward, first backward)`` cycle positions when the turn opens, else None."""
-        if watch is None or len(cycles) != 1 or not single_schedule:
+        if watch is None or len(cycles) != 1 or not single_schedule or not self.eager_turn_allowed:
             return None
         ((_, cycle),) = cycles.items()
         phases = [e.phase for e in cycle]

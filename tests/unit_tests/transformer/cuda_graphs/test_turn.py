@@ -96,6 +96,9 @@ def test_turn_opens_after_the_last_forward_when_clean_and_large_enough():
     inside = CYCLE[:3] + [Event(FWD, 0)] + CYCLE[3:]  # a forward again during the backward
     assert FakeSession()._decide_turn(watch_with(big), {0: inside}, True) is None
     assert FakeSession()._decide_turn(watch_with(big), {0: CYCLE[:2]}, True) is None  # no backward
+    moe = FakeSession()
+    moe.eager_turn_allowed = False  # the trainer's say for MoE models
+    assert moe._decide_turn(watch_with(big), {0: CYCLE}, True) is None
     with pytest.warns(UserWarning, match="tensors alive past it"):
         assert FakeSession()._decide_turn(watch_with(big, ["aten.mm -> (4, 4)"]), {0: CYCLE}, True) is None
 
