@@ -152,25 +152,15 @@ def test_issue_config_50_iterations_bitwise_and_peak_memory_within_2_percent():
     run_scopes(ISSUE, 8, 50, memory_margin=0.02)
 
 
+@pytest.mark.parametrize("draw", ["--moe-router-force-load-balancing", "--moe-input-jitter-eps 0.1"])
 @pytest.mark.parametrize("scope", ["moe_router moe_preprocess", "moe"])
-def test_force_load_balancing_graphed_equals_eager(scope):
-    """--moe-router-force-load-balancing draws the router's logits inside the captured router:
-    each replay draws anew from the default generator, as the eager step does."""
+def test_random_draws_in_the_router_graphed_equal_eager(scope, draw):
+    """--moe-router-force-load-balancing draws the router's logits, --moe-input-jitter-eps the
+    jitter of its input, inside the captured router: each replay draws anew from the default
+    generator, in the eager step's order."""
     pad, _, _ = SCOPES[scope]
-    flags = f"{SMALL} {COMMON} --moe-router-force-load-balancing" + (f" {DROP_AND_PAD}" if pad else "")
+    flags = f"{SMALL} {COMMON} {draw}" + (f" {DROP_AND_PAD}" if pad else "")
     eager = train(flags, 6)
     graphed = train(f"{flags} --cuda-graph-impl local --cuda-graph-scope {scope}", 6)
     assert graphed["captured"]
-    assert_same(eager, graphed, f"force load balancing, scope {scope!r}")
-
-
-@pytest.mark.parametrize("scope", ["moe_router moe_preprocess", "moe"])
-def test_input_jitter_graphed_equals_eager(scope):
-    """--moe-input-jitter-eps draws the router input's jitter inside the captured router: each
-    replay draws anew from the default generator, in the eager step's order."""
-    pad, _, _ = SCOPES[scope]
-    flags = f"{SMALL} {COMMON} --moe-input-jitter-eps 0.1" + (f" {DROP_AND_PAD}" if pad else "")
-    eager = train(flags, 6)
-    graphed = train(f"{flags} --cuda-graph-impl local --cuda-graph-scope {scope}", 6)
-    assert graphed["captured"]
-    assert_same(eager, graphed, f"input jitter, scope {scope!r}")
+    assert_same(eager, graphed, f"{draw}, scope {scope!r}")
