@@ -22,7 +22,7 @@ time:
 * Nothing born in the turn may outlive it, since the first backward graph writes over its
   memory. The recording iteration checks that with :class:`TurnWatch` and leaves the turn
   off, with a warning naming the ops, if anything does (a ``param.grad`` waiting for DDP's
-  fold is the usual one: DDP folds on arrival while graphs are on). The first backward
+  fold is the usual one: DDP folds on arrival while the turn is switched on). The first backward
   graph's static gradient inputs stay held: the turn's gradient is copied into them.
 """
 
