@@ -106,7 +106,9 @@ def _eager_stand_ins(session):
             idx = [j for j, o in enumerate(outs) if o.requires_grad]
             if idx:
                 backward = Event(BWD, region.index, slot)
-                wrapped = RecordBackward.apply(lambda: session._advance(backward, region), *[outs[j] for j in idx])
+                wrapped = RecordBackward.apply(
+                    lambda grads: session._advance(backward, region), *[outs[j] for j in idx]
+                )
                 for j, w in zip(idx, wrapped):
                     outs[j] = w
             return region.join_outputs(outs)
