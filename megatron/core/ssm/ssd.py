@@ -199,50 +199,41 @@ class GroupSlicedScan(torch.autograd.Function):
         ctx.save_for_backward(x, dt, A, B, C, D)
         y = torch.empty_like(x)
         for heads, groups in ctx.slices:
-            pieces = _slice(x, dt, A, B, C, D, heads, groups)
+            pieces = _slice((x, dt, A, B, C, D), heads, groups)
             y[:, :, heads] = _chunked_scan(*pieces[:5], chunk_size, D=pieces[5], state_dtype=state_dtype)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, dt, A, B, C, D = ctx.saved_tensors
+        inputs = ctx.saved_tensors  # x, dt, A, B, C, D
         wanted = ctx.needs_input_grad[:6]
-        grads = [
-            torch.zeros_like(t) if t is not None and need else None for t, need in zip((x, dt, A, B, C, D), wanted)
-        ]
+        # The slices cover every head and group once, so each gradient is written whole.
+        grads = [torch.empty_like(t) if t is not None and need else None for t, need in zip(inputs, wanted)]
         for heads, groups in ctx.slices:
-            pieces = _slice(x, dt, A, B, C, D, heads, groups)
+            pieces = _slice(inputs, heads, groups)
             leaves = [p.detach().requires_grad_(need) if p is not None else None for p, need in zip(pieces, wanted)]
             with torch.enable_grad():
                 y = _chunked_scan(*leaves[:5], ctx.chunk_size, D=leaves[5], state_dtype=ctx.state_dtype)
-            inputs = [leaf for leaf in leaves if leaf is not None and leaf.requires_grad]
-            found = iter(torch.autograd.grad(y, inputs, dy[:, :, heads]))
-            for k, leaf in enumerate(leaves):
+            differentiable = [leaf for leaf in leaves if leaf is not None and leaf.requires_grad]
+            found = iter(torch.autograd.grad(y, differentiable, dy[:, :, heads]))
+            for part, leaf in zip(_slice(grads, heads, groups), leaves):
                 if leaf is not None and leaf.requires_grad:
-                    _slice_of(grads[k], k, heads, groups).copy_(next(found))
+                    part.copy_(next(found))
             del y, found, leaves
         return (*grads, None, None)
 
 
-def _slice(x, dt, A, B, C, D, heads: slice, groups: slice):
-    """The scan's inputs for one slice of whole groups (views)."""
-    return (
-        x[:, :, heads],
-        dt[:, :, heads],
-        A[heads],
-        B[:, :, groups],
-        C[:, :, groups],
-        None if D is None else D[heads],
+def _slice(tensors, heads: slice, groups: slice) -> tuple:
+    """Views of one slice of whole groups of ``x, dt, A, B, C, D`` (or of their gradients; None stays None)."""
+    index = (
+        (slice(None), slice(None), heads),  # x [b, l, h, p]
+        (slice(None), slice(None), heads),  # dt [b, l, h]
+        (heads,),  # A [h]
+        (slice(None), slice(None), groups),  # B [b, l, g, n]
+        (slice(None), slice(None), groups),  # C
+        (heads,),  # D [h] or [h, p]
     )
-
-
-def _slice_of(t: torch.Tensor, k: int, heads: slice, groups: slice) -> torch.Tensor:
-    """The view of input ``k``'s gradient ``t`` (``x, dt, A, B, C, D`` order) that one slice fills."""
-    if k in (0, 1):
-        return t[:, :, heads]
-    if k in (3, 4):
-        return t[:, :, groups]
-    return t[heads]
+    return tuple(None if t is None else t[i] for t, i in zip(tensors, index))
 
 
 def ssd_sequential_scan(
