@@ -319,7 +319,11 @@ class MambaMixer(torch.nn.Module):
     def _pieces(self, zxbcdt: torch.Tensor) -> list[torch.Tensor]:
         """``[z, x|B|C, dt]`` of the in-projection output, each in storage of its own (dt in float32)."""
         z, x, B, C, dt = torch.split(zxbcdt, self._split_sizes(), dim=-1)
-        return [z.contiguous(), torch.cat([x, B, C], dim=-1), dt.to(_at_least_fp32(dt).dtype, copy=True)]
+        return [
+            z.contiguous(),
+            torch.cat([x, B, C], dim=-1),
+            dt.to(torch.promote_types(dt.dtype, torch.float32), copy=True),
+        ]
 
     def _ssm(self, pieces: list[torch.Tensor], A: torch.Tensor) -> torch.Tensor:
         """PyTorch path: ``_pieces``' list (emptied here, so each piece is freed once used) ->
