@@ -34,7 +34,7 @@ import warnings
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
 from megatron.core.transformer.cuda_graphs.plan import BWD, FWD
@@ -73,16 +73,15 @@ class TurnWatch(TorchDispatchMode):
         self.in_turn = False
         self.alive: dict[int, tuple[str, int]] = {}  # storage data_ptr -> (what made it, bytes)
         self.live_bytes = 0
-        self.peak_bytes = 0  # the largest turn, over the iteration
+        self.turn_peak = 0  # since the last forward graph
+        self.peak_bytes = 0  # the largest turn (up to a backward graph), over the iteration
         self.turns = 0
         self.escaped: list[str] = []
-        self.resumed = False  # the turn's backward half has begun
-        self.seen_after_resume = 0  # ops seen in it: none means the mode did not reach autograd's thread
+        self.blind = False  # the turn's backward half ran on a thread this mode did not reach
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self.tracking:
-            self.seen_after_resume += self.resumed
             self._note(func, (args, kwargs), out)
         return out
 
@@ -97,7 +96,7 @@ class TurnWatch(TorchDispatchMode):
                 continue
             self.alive[ptr] = (f"{func} -> {tuple(t.shape)} {t.dtype}", nbytes)
             self.live_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            self.turn_peak = max(self.turn_peak, self.live_bytes)
             weakref.finalize(storage, self._died, ptr)
 
     def _died(self, ptr: int) -> None:
@@ -108,7 +107,7 @@ class TurnWatch(TorchDispatchMode):
     def start(self) -> None:
         """A forward graph ran: the turn, if this was the micro-batch's last, starts here."""
         self.alive.clear()
-        self.live_bytes = 0
+        self.live_bytes = self.turn_peak = 0
         self.in_turn = self.tracking = True
 
     def pause(self) -> None:
@@ -116,9 +115,10 @@ class TurnWatch(TorchDispatchMode):
         self.tracking = False
 
     def resume(self) -> None:
-        """The gradient of the model's output has arrived."""
-        self.tracking = self.resumed = self.in_turn
-        self.seen_after_resume = 0
+        """The gradient of the model's output has arrived (on the thread that runs the backward)."""
+        self.tracking = self.in_turn
+        if self.in_turn and self not in _get_current_dispatch_mode_stack():
+            self.blind = True
 
     def finish(self, inputs: tuple) -> None:
         """The first backward graph is next: whatever the turn made and is still alive
@@ -127,12 +127,13 @@ class TurnWatch(TorchDispatchMode):
             return
         handed = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
         self.escaped += [what for ptr, (what, _) in self.alive.items() if ptr not in handed]
-        if self.resumed and not self.seen_after_resume:
-            self.escaped.append("unseen: the backward ran without this watch")
+        if self.blind:
+            self.escaped.append("unseen: the backward ran on a thread without this watch")
         self.turns += 1
+        self.peak_bytes = max(self.peak_bytes, self.turn_peak)
         self.alive.clear()
         self.live_bytes = 0
-        self.in_turn = self.tracking = self.resumed = False
+        self.in_turn = self.tracking = self.blind = False
 
     def verdict(self) -> tuple[bool, str | None]:
         """``(open the turn, why not)`` after the recording iteration."""

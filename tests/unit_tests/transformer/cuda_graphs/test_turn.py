@@ -37,6 +37,19 @@ def test_watch_reports_what_outlives_the_turn():
     assert not opens and "aten.exp" in why and "alive" in why
 
 
+def test_a_backward_on_a_thread_the_watch_does_not_reach_keeps_the_turn_off():
+    import threading
+
+    with TurnWatch("cpu") as watch:
+        watch.start()
+        watch.pause()
+        elsewhere = threading.Thread(target=watch.resume)  # no dispatch mode is active on that thread
+        elsewhere.start()
+        elsewhere.join()
+        watch.finish(())
+    assert watch.escaped == ["unseen: the backward ran on a thread without this watch"]
+
+
 def test_watch_sees_a_waiting_param_grad_unless_ddp_folds_on_arrival():
     """The backward half of a turn: a gradient that waits in param.grad for DDP's fold after the
     backward outlives the turn; folded on arrival, nothing does."""
@@ -124,3 +137,61 @@ def test_a_copied_model_carries_no_turn_hook(monkeypatch):
     assert len(model._forward_hooks) == 1
     session._close_turn()
     assert not model._forward_hooks
+
+
+@pytest.mark.parametrize("fold", [True, False], ids=["folded-on-arrival", "folded-after"])
+@pytest.mark.parametrize("scope", [["attn"], []], ids=["attn", "layer"])
+def test_recording_watches_the_turn_of_a_real_session(scope, fold, monkeypatch):
+    """A tiny GPT recorded on the CPU, the watch driven by the session itself (as before a capture):
+    with `attn` the loss head is eager and its logits make the turn; with whole layers the head is
+    graphed and the turn holds the loss only. A waiting param.grad (no fold on arrival) escapes."""
+    from megatron.core.models.gpt.gpt_model import build_gpt_model
+    from megatron.core.models.gpt.loss import masked_mean_loss
+    from megatron.core.transformer import cuda_graphs
+    from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    monkeypatch.setenv(turn.ENV_SWITCH, "1")
+    monkeypatch.setattr(turn.TurnHooks, "captures_next", True)
+    monkeypatch.setattr(turn, "TurnWatch", CpuWatch)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, hidden_dropout=0.0, attention_dropout=0.0
+    ).finalize()
+    torch.manual_seed(0)
+    model = build_gpt_model(config, 64)
+    ddp = DistributedDataParallel(model, config=DDPConfig(), pg=ProcessGroups.single())
+    if fold:
+        ddp.fold_grads_on_arrival()
+    session = cuda_graphs.attach(
+        model,
+        CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=scope),
+        grad_sinks=[ddp],
+        record_without_cuda=True,
+    )
+    try:
+        tokens = torch.randint(0, 64, (2, 16))
+        for _ in range(2):  # two micro-batches: two turns
+            loss, _ = masked_mean_loss(ddp(tokens, None, tokens), torch.ones(2, 16))
+            loss.backward()
+        ddp.finish_grad_sync()
+        watch = session._end_watch()
+    finally:
+        session.close()
+    assert watch.turns == 2
+    head_eager = scope == ["attn"]
+    logits = 2 * 16 * 64 * 4  # the head's fp32 logits, the largest tensor of the turn
+    assert (watch.peak_bytes >= logits) == head_eager
+    if fold or not head_eager:  # with the head graphed, its weights' gradients arrive in the graphs
+        assert watch.escaped == []
+        cycles = {0: session.make_plans() and session.cycles[0]}
+        monkeypatch.setattr(turn, "MIN_TURN_BYTES", logits)
+        assert (session._decide_turn(watch, cycles, True) is not None) == head_eager
+    else:
+        assert watch.escaped and not watch.verdict()[0]
+
+
+class CpuWatch(TurnWatch):
+    """The session's watch counts CUDA storages; on the CPU, the CPU's."""
+
+    def __init__(self, device_type: str):
+        super().__init__("cpu")
