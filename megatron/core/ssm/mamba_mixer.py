@@ -78,51 +78,82 @@ class GroupedRMSNorm(torch.nn.Module):
         return GatedGroupRMSNorm.apply(x, z, self.weight, self.group_size, self.eps)
 
 
+NORM_CHUNK_BYTES = 8 * 2**20
+"""GatedGroupRMSNorm works on this many bytes of float32 rows at a time (at least one row)."""
+
+
 class GatedGroupRMSNorm(torch.autograd.Function):
     """``norm(x * silu(z)) * weight`` per group, computed in at least float32, with a written-out backward.
 
     Autograd would keep four float32 copies of ``x``'s size for backward; this keeps ``x``,
-    ``z`` and one ``rsqrt`` per group, and recomputes the rest in backward.
+    ``z`` and one ``rsqrt`` per group, and recomputes the rest in backward. Both directions
+    run over chunks of rows (tokens), so their float32 temporaries are a chunk's, not ``x``'s.
     """
 
     @staticmethod
     def forward(ctx, x, z, weight, group_size: int, eps: float):
         ctx.group_size = group_size
-        u = x.to(torch.promote_types(x.dtype, torch.float32), copy=True)  # ours: modified in place below
-        if z is not None:
-            u.mul_(F.silu(z.to(u.dtype, copy=True), inplace=True))
-        grouped = rearrange(u, "... (g c) -> ... g c", c=group_size)
-        rstd = torch.rsqrt(grouped.pow(2).mean(dim=-1, keepdim=True) + eps)
+        d = x.shape[-1]
+        rows, zrows = x.reshape(-1, d), None if z is None else z.reshape(-1, d)
+        out = torch.empty_like(rows)
+        rstd = torch.empty(rows.shape[0], d // group_size, 1, dtype=_at_least_fp32(weight).dtype, device=x.device)
+        for part in _row_chunks(rows):
+            u = rows[part].to(rstd.dtype, copy=True)  # ours: modified in place below
+            if zrows is not None:
+                u.mul_(F.silu(zrows[part].to(u.dtype, copy=True), inplace=True))
+            grouped = rearrange(u, "r (g c) -> r g c", c=group_size)
+            rstd[part] = torch.rsqrt(grouped.pow(2).mean(dim=-1, keepdim=True) + eps)
+            out[part] = rearrange(grouped.mul_(rstd[part]), "r g c -> r (g c)").mul_(_at_least_fp32(weight))
         # z is a slice of the in-projection's output: keep a copy, not that whole output.
         ctx.save_for_backward(x, None if z is None else z.contiguous(), weight, rstd)
-        return rearrange(grouped.mul_(rstd), "... g c -> ... (g c)").mul_(_at_least_fp32(weight)).to(x.dtype)
+        return out.view(x.shape)
 
     @staticmethod
     def backward(ctx, dout):
-        # Written for few float32 temporaries alive at once: the float32 copies of x and z are
-        # remade where needed, and the in-place ops work on buffers made here.
         x, z, weight, rstd = ctx.saved_tensors
-        c = ctx.group_size
-        u = _at_least_fp32(x) if z is None else _at_least_fp32(x) * F.silu(_at_least_fp32(z))
-        normed = rearrange(u, "... (g c) -> ... g c", c=c) * rstd
-        del u
-        dout = _at_least_fp32(dout)
-        lead = tuple(range(dout.dim() - 1))
-        dweight = (dout * rearrange(normed, "... g c -> ... (g c)")).sum(dim=lead).to(weight.dtype)
-        dnormed = rearrange(dout * _at_least_fp32(weight), "... (g c) -> ... g c", c=c)
-        del dout
-        # d/du of u * rstd(u) over each group: rstd * (dn - n * mean(dn * n)).
-        dot = (dnormed * normed).mean(dim=-1, keepdim=True)
-        du = rearrange(dnormed.sub_(normed.mul_(dot)).mul_(rstd), "... g c -> ... (g c)")
-        del dnormed, normed
-        if z is None:
-            return du.to(x.dtype), None, dweight, None, None
-        zf = z.to(du.dtype, copy=True)
-        dx = F.silu(zf).mul_(du).to(x.dtype)
-        du.mul_(_at_least_fp32(x))
-        torch.ops.aten.silu_backward.grad_input(du, zf, grad_input=du)  # autograd's own kernel, in place
-        del zf
-        return dx, du.to(z.dtype), dweight, None, None
+        d = x.shape[-1]
+        rows, zrows, drows = x.reshape(-1, d), None if z is None else z.reshape(-1, d), dout.reshape(-1, d)
+        dx = torch.empty_like(rows)
+        dz = None if z is None else torch.empty_like(zrows)
+        dweight = torch.zeros(d, dtype=rstd.dtype, device=x.device)
+        for part in _row_chunks(rows):
+            dx_part, dz_part = _norm_backward_rows(
+                rows[part], None if z is None else zrows[part], weight, rstd[part], drows[part], ctx.group_size, dweight
+            )
+            dx[part] = dx_part
+            if dz is not None:
+                dz[part] = dz_part
+        return dx.view(x.shape), None if dz is None else dz.view(z.shape), dweight.to(weight.dtype), None, None
+
+
+def _row_chunks(rows: torch.Tensor) -> list[slice]:
+    """Slices of ``rows`` ([tokens, channels]) of at most NORM_CHUNK_BYTES as float32."""
+    step = max(1, NORM_CHUNK_BYTES // (4 * rows.shape[-1]))
+    return [slice(lo, lo + step) for lo in range(0, rows.shape[0], step)]
+
+
+def _norm_backward_rows(x, z, weight, rstd, dout, c: int, dweight: torch.Tensor):
+    """GatedGroupRMSNorm's backward on a chunk of rows: ``(dx, dz)``; adds the weight's gradient into
+    ``dweight``. The float32 copies of x and z are remade where needed, and the in-place ops work
+    on buffers made here, so few temporaries are alive at once."""
+    u = _at_least_fp32(x) if z is None else _at_least_fp32(x) * F.silu(_at_least_fp32(z))
+    normed = rearrange(u, "r (g c) -> r g c", c=c) * rstd
+    del u
+    dout = _at_least_fp32(dout)
+    dweight += (dout * rearrange(normed, "r g c -> r (g c)")).sum(dim=0)
+    dnormed = rearrange(dout * _at_least_fp32(weight), "r (g c) -> r g c", c=c)
+    del dout
+    # d/du of u * rstd(u) over each group: rstd * (dn - n * mean(dn * n)).
+    dot = (dnormed * normed).mean(dim=-1, keepdim=True)
+    du = rearrange(dnormed.sub_(normed.mul_(dot)).mul_(rstd), "r g c -> r (g c)")
+    del dnormed, normed
+    if z is None:
+        return du, None
+    zf = z.to(du.dtype, copy=True)
+    dx = F.silu(zf).mul_(du)
+    du.mul_(_at_least_fp32(x))
+    torch.ops.aten.silu_backward.grad_input(du, zf, grad_input=du)  # autograd's own kernel, in place
+    return dx, du
 
 
 class ConvWeights(torch.nn.Module):
