@@ -6,6 +6,9 @@ records and captures, replays the trace of the pool's segments, finds that momen
 prints what was live then: bytes and block count per allocation site (the innermost
 frames in this repository), and which capture (region, forward or backward) was running.
 
+``--dump FILE`` writes the trace read (with allocation sites) as gzipped JSON, small enough
+to copy off the GPU machine and study there.
+
 With ``--steady`` it looks at a steady-state iteration instead (the third): the pools no
 longer allocate then, so the device's peak is the pools' reserved bytes plus the peak of
 everything else; it prints that peak and what was live at it, grouped the same way. Run
@@ -129,7 +132,10 @@ def main():
     parser.add_argument("--steady", action="store_true", help="the device peak of iteration 3 (see the docstring)")
     parser.add_argument("--vpp-rank", type=int, choices=(0, 1), help="two chunks in rank R's interleaved order")
     parser.add_argument("--all-pools", action="store_true", help="every slot's pool and the shared backward pool")
-    parser.add_argument("--dump", help="write the first pool's capture trace here (gzipped JSON) for offline study")
+    parser.add_argument(
+        "--dump",
+        help="gzipped JSON for offline study: the first pool's capture trace (with --steady: the measured iteration's)",
+    )
     args = parser.parse_args()
 
     argv = f"{CONFIGS[args.config]} {COMMON} --train-iters 10 {mode_flags(args.mode)} {args.extra}".split()
