@@ -47,6 +47,8 @@ __all__ = [
     "PoolStats",
     "GraphPool",
     "allocate_into_pool",
+    "begin_allocating_into",
+    "end_allocating_into",
     "device_memory_used",
     "pool_stats_from_segments",
     "format_pool_summary",
@@ -289,18 +291,26 @@ def allocate_into_pool(pool: GraphPool) -> Iterator[None]:
         RuntimeError: The pool is closed, or this torch lacks the private
             routing calls.
     """
-    handle = pool.handle  # raises if closed
-    begin = _private_api("_cuda_beginAllocateCurrentThreadToPool")
-    end = _private_api("_cuda_endAllocateToPool")
-    release = _private_api("_cuda_releasePool")
-    # begin adds a user to the pool and release removes it; GraphPool's own
-    # reference keeps the count above zero in between.
-    begin(pool.device, handle)
+    begin_allocating_into(pool)
     try:
         yield
     finally:
-        end(pool.device, handle)
-        release(pool.device, handle)
+        end_allocating_into(pool)
+
+
+def begin_allocating_into(pool: GraphPool) -> None:
+    """From now on this thread's CUDA allocations on the pool's device go to ``pool``, until
+    :func:`end_allocating_into` (called on any thread: it ends the routing into ``pool``).
+    :func:`allocate_into_pool` is the scoped form; the two calls are for routing that starts
+    and ends in different places. Adds a user to the pool; ending removes it, and
+    GraphPool's own reference keeps the count above zero in between."""
+    _private_api("_cuda_beginAllocateCurrentThreadToPool")(pool.device, pool.handle)  # handle raises if closed
+
+
+def end_allocating_into(pool: GraphPool) -> None:
+    """Ends :func:`begin_allocating_into`'s routing into ``pool`` and removes its user."""
+    _private_api("_cuda_endAllocateToPool")(pool.device, pool.handle)
+    _private_api("_cuda_releasePool")(pool.device, pool.handle)
 
 
 def device_memory_used(empty_cache: bool = False, device: None | int | str | torch.device = None) -> int:

@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_flatten
 
 from megatron.core.transformer.cuda_graphs.plan import BWD, FWD
-from megatron.core.transformer.cuda_graphs.pool import GraphPool, _private_api
+from megatron.core.transformer.cuda_graphs.pool import GraphPool, begin_allocating_into, end_allocating_into
 
 ENV_SWITCH = "MEGATRON_CG_EAGER_TURN"
 """``1`` turns the eager turn on. Off by default until its GPU tests (graphed == eager, bitwise, in
@@ -162,15 +162,11 @@ class TurnRouter:
         self.first_backward = first_backward
         self._thread: int | None = None  # the thread whose allocations go to the pool
 
-    @property
-    def routing(self) -> bool:
-        return self._thread is not None
-
     def open(self) -> None:
         """This thread's allocations go to the pool from now on."""
         if self._thread is not None:
             raise RuntimeError("CUDA graphs: the eager turn is already routed for another thread")
-        _private_api("_cuda_beginAllocateCurrentThreadToPool")(self.pool.device, self.pool.handle)
+        begin_allocating_into(self.pool)
         self._thread = threading.get_ident()
 
     def close(self) -> bool:
@@ -178,8 +174,7 @@ class TurnRouter:
         if self._thread is None:
             return False
         self._thread = None
-        _private_api("_cuda_endAllocateToPool")(self.pool.device, self.pool.handle)
-        _private_api("_cuda_releasePool")(self.pool.device, self.pool.handle)
+        end_allocating_into(self.pool)
         return True
 
     def routing_here(self) -> bool:
@@ -194,8 +189,9 @@ class TurnHooks:
     _output_hook = None
     captures_next = False  # recording on CUDA, to capture after (not a CPU recording for tests)
     eager_turn_allowed = True
-    """The trainer's say: False for MoE models, whose eager layers record per-layer statistics
-    on logging iterations only (the recording iteration's watch could miss them)."""
+    """The trainer's say: False for pipelines (no turn there) and MoE models, whose eager layers
+    record per-layer statistics on logging iterations only (the recording iteration's watch could
+    miss them)."""
 
     def watch_model_output(self, model: torch.nn.Module) -> None:
         """Marks where ``model``'s forward ends: the turn pauses there until its output's gradient arrives."""
