@@ -52,9 +52,9 @@ except ImportError:  # pragma: no cover - depends on the environment
     HAVE_MAMBA_SSM = False
 
 
-def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
-    """bf16/fp16 -> float32; float32 and float64 unchanged."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+def _at_least_fp32(t: torch.Tensor, copy: bool = False) -> torch.Tensor:
+    """bf16/fp16 -> float32; float32 and float64 unchanged (``copy``: in new storage even then)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32), copy=copy)
 
 
 class GroupedRMSNorm(torch.nn.Module):
@@ -96,14 +96,16 @@ class GatedGroupRMSNorm(torch.autograd.Function):
         d = x.shape[-1]
         rows, zrows = x.reshape(-1, d), None if z is None else z.reshape(-1, d)
         out = torch.empty_like(rows)
-        rstd = torch.empty(rows.shape[0], d // group_size, 1, dtype=_at_least_fp32(weight).dtype, device=x.device)
+        wf = _at_least_fp32(weight)
+        compute = torch.promote_types(x.dtype, torch.float32)
+        rstd = torch.empty(rows.shape[0], d // group_size, 1, dtype=compute, device=x.device)
         for part in _row_chunks(rows):
-            u = rows[part].to(rstd.dtype, copy=True)  # ours: modified in place below
+            u = _at_least_fp32(rows[part], copy=True)  # ours: modified in place below
             if zrows is not None:
-                u.mul_(F.silu(zrows[part].to(u.dtype, copy=True), inplace=True))
+                u.mul_(F.silu(_at_least_fp32(zrows[part], copy=True), inplace=True))
             grouped = rearrange(u, "r (g c) -> r g c", c=group_size)
             rstd[part] = torch.rsqrt(grouped.pow(2).mean(dim=-1, keepdim=True) + eps)
-            out[part] = rearrange(grouped.mul_(rstd[part]), "r g c -> r (g c)").mul_(_at_least_fp32(weight))
+            out[part] = rearrange(grouped.mul_(rstd[part]), "r g c -> r (g c)").mul_(wf)
         # z is a slice of the in-projection's output: keep a copy, not that whole output.
         ctx.save_for_backward(x, None if z is None else z.contiguous(), weight, rstd)
         return out.view(x.shape)
@@ -116,9 +118,10 @@ class GatedGroupRMSNorm(torch.autograd.Function):
         dx = torch.empty_like(rows)
         dz = None if z is None else torch.empty_like(zrows)
         dweight = torch.zeros(d, dtype=rstd.dtype, device=x.device)
+        wf = _at_least_fp32(weight)
         for part in _row_chunks(rows):
             dx_part, dz_part = _norm_backward_rows(
-                rows[part], None if z is None else zrows[part], weight, rstd[part], drows[part], ctx.group_size, dweight
+                rows[part], None if z is None else zrows[part], wf, rstd[part], drows[part], ctx.group_size, dweight
             )
             dx[part] = dx_part
             if dz is not None:
@@ -132,7 +135,7 @@ def _row_chunks(rows: torch.Tensor) -> list[slice]:
     return [slice(lo, lo + step) for lo in range(0, rows.shape[0], step)]
 
 
-def _norm_backward_rows(x, z, weight, rstd, dout, c: int, dweight: torch.Tensor):
+def _norm_backward_rows(x, z, weight_fp32, rstd, dout, c: int, dweight: torch.Tensor):
     """GatedGroupRMSNorm's backward on a chunk of rows: ``(dx, dz)``; adds the weight's gradient into
     ``dweight``. The float32 copies of x and z are remade where needed, and the in-place ops work
     on buffers made here, so few temporaries are alive at once."""
@@ -141,7 +144,7 @@ def _norm_backward_rows(x, z, weight, rstd, dout, c: int, dweight: torch.Tensor)
     del u
     dout = _at_least_fp32(dout)
     dweight += (dout * rearrange(normed, "r g c -> r (g c)")).sum(dim=0)
-    dnormed = rearrange(dout * _at_least_fp32(weight), "r (g c) -> r g c", c=c)
+    dnormed = rearrange(dout * weight_fp32, "r (g c) -> r g c", c=c)
     del dout
     # d/du of u * rstd(u) over each group: rstd * (dn - n * mean(dn * n)).
     dot = (dnormed * normed).mean(dim=-1, keepdim=True)
@@ -149,7 +152,7 @@ def _norm_backward_rows(x, z, weight, rstd, dout, c: int, dweight: torch.Tensor)
     del dnormed, normed
     if z is None:
         return du, None
-    zf = z.to(du.dtype, copy=True)
+    zf = _at_least_fp32(z, copy=True)
     dx = F.silu(zf).mul_(du)
     du.mul_(_at_least_fp32(x))
     torch.ops.aten.silu_backward.grad_input(du, zf, grad_input=du)  # autograd's own kernel, in place
@@ -353,7 +356,7 @@ class MambaMixer(torch.nn.Module):
         return [
             z.contiguous(),
             torch.cat([x, B, C], dim=-1),
-            dt.to(torch.promote_types(dt.dtype, torch.float32), copy=True),
+            _at_least_fp32(dt, copy=True),
         ]
 
     def _ssm(self, pieces: list[torch.Tensor], A: torch.Tensor) -> torch.Tensor:
