@@ -194,11 +194,7 @@ def main():
 
 
 def dump_trace(snapshot: dict, pool_id, device: int, captures: list, path: str) -> None:
-    """Writes one pool's segments and its alloc/free trace, each entry with its allocation site,
-    and the captures' start indices, as gzipped JSON (small enough to copy off the GPU machine)."""
-    import gzip
-    import json
-
+    """Writes one pool's segments and its alloc/free trace and the captures' start indices (see ``_dump``)."""
     want = _pool_id(pool_id)
     segments = [
         {"address": s["address"], "total_size": s["total_size"], "stream": s.get("stream", 0)}
@@ -206,31 +202,36 @@ def dump_trace(snapshot: dict, pool_id, device: int, captures: list, path: str) 
         if s.get("device", device) == device and _pool_id(s.get("segment_pool_id", (0, 0))) == want
     ]
     ranges = [(s["address"], s["address"] + s["total_size"]) for s in segments]
-    trace = [
-        [i, e["action"], e["addr"], e["size"], allocation_site(e, depth=4)]
-        for i, e in enumerate(snapshot["device_traces"][device])
-        if e.get("addr") is not None and any(lo <= e["addr"] < hi for lo, hi in ranges)
-    ]
-    with gzip.open(path, "wt") as f:
-        json.dump({"segments": segments, "captures": captures, "trace": trace}, f)
+
+    def in_pool(e: dict) -> bool:
+        return e.get("addr") is not None and any(lo <= e["addr"] < hi for lo, hi in ranges)
+
+    _dump(path, snapshot, device, segments, in_pool, captures=captures)
 
 
 def dump_steady(snapshot: dict, device: int, path: str) -> None:
-    """Writes the measured iteration's whole alloc/free trace and the segments (gzipped JSON)."""
-    import gzip
-    import json
-
+    """Writes the measured iteration's whole alloc/free trace and every segment of the device (see ``_dump``)."""
     segments = [
         {k: s.get(k) for k in ("address", "total_size", "stream", "segment_pool_id", "allocated_size")}
         for s in snapshot["segments"]
         if s.get("device", device) == device
     ]
+    _dump(path, snapshot, device, segments, lambda e: True)
+
+
+def _dump(path: str, snapshot: dict, device: int, segments: list, keep, **extra) -> None:
+    """Gzipped JSON of ``segments`` and the trace entries ``keep`` accepts, each as
+    ``[index, action, address, size, allocation site]``: small enough to copy off the GPU machine."""
+    import gzip
+    import json
+
     trace = [
         [i, e["action"], e.get("addr"), e.get("size"), allocation_site(e, depth=4)]
         for i, e in enumerate(snapshot["device_traces"][device])
+        if keep(e)
     ]
     with gzip.open(path, "wt") as f:
-        json.dump({"segments": segments, "trace": trace}, f, default=str)
+        json.dump({"segments": segments, "trace": trace, **extra}, f, default=str)
 
 
 def with_schedule(trainer, vpp_rank: int | None):
