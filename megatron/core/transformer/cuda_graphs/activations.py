@@ -135,7 +135,6 @@ class Shapes:
     mamba_head_dim: int = 0
     mamba_groups: int = 0
     mamba_state: int = 0
-    mamba_chunk: int = 128
     mamba_conv: int = 4
 
     @property
@@ -169,7 +168,6 @@ class Shapes:
                 mamba_head_dim=mamba.mamba_head_dim,
                 mamba_groups=mamba.mamba_num_groups // tp,
                 mamba_state=mamba.mamba_state_dim,
-                mamba_chunk=getattr(mamba, "mamba_chunk_size", 128) or 128,
             )
         return cls(
             seq=m.seq_length // cp,
