@@ -361,12 +361,12 @@ class GraphSession(PipelineHooks, TurnHooks):
         self._advance(Event(FWD, region.index, slot), region)
         outs = region.replay_forward(slot, args)
         self._after_replay()
-        self._turn_after_forward(self._positions[self.cursor - 1][1])
+        self._turn_after_forward()
         return outs
 
     def replay_backward(self, region: GraphedRegion, slot: int, grads) -> tuple[torch.Tensor | None, ...]:
         self._advance(Event(BWD, region.index, slot), region)
-        self._turn_before_backward(self._positions[self.cursor - 1][1])
+        self._turn_before_backward()
         dgrads = region.replay_backward(slot, grads)
         self._after_replay()
         event = region.slots[slot].wgrad_event

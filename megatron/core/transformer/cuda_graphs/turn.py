@@ -246,12 +246,14 @@ class TurnHooks:
             warnings.warn(why, stacklevel=4)
         return (last, last + 1) if opens else None
 
-    def _turn_after_forward(self, position: int) -> None:
-        if self._turn is not None and position == self._turn.last_forward:
+    def _turn_after_forward(self) -> None:
+        """A forward graph just replayed (the session's cursor is past it)."""
+        if self._turn is not None and self._positions[self.cursor - 1][1] == self._turn.last_forward:
             self._turn.open()
 
-    def _turn_before_backward(self, position: int) -> None:
-        if self._turn is not None and position == self._turn.first_backward:
+    def _turn_before_backward(self) -> None:
+        """A backward graph replays next (the session's cursor is past it)."""
+        if self._turn is not None and self._positions[self.cursor - 1][1] == self._turn.first_backward:
             self._turn.close()
 
     def _close_turn(self) -> None:
