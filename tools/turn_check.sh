@@ -10,20 +10,22 @@ mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 SWITCH=MEGATRON_CG_EAGER_TURN  # megatron/core/transformer/cuda_graphs/turn.py
 
-python3 -m pytest -m gpu -q -rfE tests/unit_tests/transformer/cuda_graphs/test_graphs_gpu.py -k eager_turn \
+python3 -m pytest -m gpu -q -rfE --tb=short tests/unit_tests/transformer/cuda_graphs/test_graphs_gpu.py -k eager_turn \
     > "$OUT/turn_tests.log" 2>&1
 turn_rc=$?
-python3 -m pytest -m gpu -q -rfE tests/unit_tests/models/hybrid tests/unit_tests/ssm > "$OUT/hybrid_tests.log" 2>&1
+python3 -m pytest -m gpu -q -rfE --tb=short tests/unit_tests/models/hybrid tests/unit_tests/ssm > "$OUT/hybrid_tests.log" 2>&1
 hybrid_rc=$?
 
-peak() {  # config mode turn(0/1) -> the steady-peak line of tools/pool_peak.py
+peak() {  # config mode turn(0/1) -> the steady-peak line of tools/pool_peak.py (its whole log: peaks.log)
     env "$SWITCH=$3" python3 tools/pool_peak.py --config "$1" --mode "$2" --extra=--deterministic-mode --steady \
-        > "$OUT/peak_$1_${2/:/_}_turn$3.log" 2>&1
-    grep -h "steady peak" "$OUT/peak_$1_${2/:/_}_turn$3.log"
+        > "$OUT/peak.log" 2>&1
+    { echo "=== $*"; cat "$OUT/peak.log"; } >> "$OUT/peaks.log"
+    grep -h "steady peak" "$OUT/peak.log"
+    rm -f "$OUT/peak.log"
 }
 {
-    for run in "dense8 eager 0" "dense8 local:attn 0" "dense8 local:attn 1" \
-               "hybrid eager 0" "hybrid local:mamba 0" "hybrid local:mamba 1"; do
+    for run in "dense8 eager 0" "dense8 local:attn 0" "dense8 local:attn 1" "dense8 local:mlp 1" \
+               "hybrid eager 0" "hybrid local:layer 0" "hybrid local:mamba 0" "hybrid local:mamba 1"; do
         set -- $run
         echo "$1 $2 turn=$3: $(peak "$1" "$2" "$3")"
     done
@@ -33,7 +35,9 @@ bench_rc=$?
 
 echo
 echo "== eager turn GPU tests: $(tail -n 1 "$OUT/turn_tests.log")"
+grep -hE "^E  +AssertionError" "$OUT/turn_tests.log" | cut -c1-400
 echo "== hybrid and SSM GPU tests: $(tail -n 1 "$OUT/hybrid_tests.log")"
+grep -hE "^E  +AssertionError" "$OUT/hybrid_tests.log" | cut -c1-600
 echo "== steady peaks (deterministic mode):"
 cat "$OUT/peaks.txt"
 echo "== Mamba mixer and scan (tools/bench_mamba.py):"

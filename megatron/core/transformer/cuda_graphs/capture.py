@@ -34,6 +34,7 @@ from megatron.core.transformer.cuda_graphs.plan import FWD, Event, Plan, in_back
 from megatron.core.transformer.cuda_graphs.pool import GraphPool, allocate_into_pool
 from megatron.core.transformer.cuda_graphs.region import GraphedRegion, TensorMeta, ValueArg
 from megatron.core.transformer.cuda_graphs.streams import side_stream
+from megatron.core.transformer.cuda_graphs.turn import shape_pool
 from megatron.core.transformer.cuda_graphs.weak import make_weak_ref
 
 Buffers = dict[Any, torch.Tensor | None]
@@ -67,12 +68,15 @@ def capture_all(
     share_backward: bool = False,
     forwards_in_backward_pool: frozenset[int] = frozenset(),
     keep: frozenset = frozenset(),
+    turn_pattern: list[int] | None = None,
 ) -> tuple[dict[int, GraphPool], GraphPool | None, dict[int, Buffers]]:
     """Captures every slot's cycle; returns each slot's pool, the shared backward pool
     (None unless ``share_backward``) and each slot's static buffers. Regions in
     ``forwards_in_backward_pool`` capture their forward where backwards go: the shared
     backward pool, or without one the slot's own pool like any forward. Buffers in
-    ``keep`` (owner keys) are held for good instead of released."""
+    ``keep`` (owner keys) are held for good instead of released. ``turn_pattern``: the
+    eager turn's allocations (``turn.shape_pool``), made and freed in the backward pool
+    before the first backward graph when the training runs on the capture stream."""
     fwd_order = [regions[r] for r in warmup_order(cycles)]
     pools: dict[int, GraphPool] = {}
     all_buffers: dict[int, Buffers] = {}
@@ -122,6 +126,7 @@ def capture_all(
                 backward_pool or pools[slot],
                 forwards_in_backward_pool,
                 keep,
+                turn_pattern if shared_stream else None,
             )
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
@@ -147,10 +152,12 @@ def _capture_slot(
     backward_pool: GraphPool,
     forwards_in_backward_pool: frozenset[int] = frozenset(),
     keep: frozenset = frozenset(),
+    turn_pattern: list[int] | None = None,
 ) -> Buffers:
     """Captures one slot's cycle: forwards into ``pool``, backwards into ``backward_pool``
     (the same pool unless the slots share one for their backward graphs), and so are the
-    forwards of ``forwards_in_backward_pool``."""
+    forwards of ``forwards_in_backward_pool``. ``turn_pattern`` shapes the backward pool
+    once the first backward graph's static inputs are there."""
     buffers: Buffers = {}
     shared = backward_pool is not pool
     persistent = set(plan.persistent()) if shared else set()
@@ -193,6 +200,9 @@ def _capture_slot(
                 static(key, meta, torch.Tensor.zero_, pool) if key in persistent else None
                 for key, meta in zip(keys, metas)
             ]
+            if turn_pattern is not None:  # the first backward: the turn runs just before it
+                shape_pool(turn_pattern, backward_pool, stream)
+                turn_pattern = None
             dgrads = region.capture_backward(slot, grad_outputs, backward_pool, stream, copy_into)
             buffers.update(zip(keys, dgrads))
             del grad_outputs, dgrads

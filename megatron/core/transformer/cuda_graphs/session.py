@@ -479,6 +479,7 @@ class GraphSession(PipelineHooks, TurnHooks):
             share_backward=share,
             forwards_in_backward_pool=self.forwards_in_backward_pool,
             keep=keep,
+            turn_pattern=watch.pattern if turn is not None else None,
         )
         if turn is not None:
             self._turn = TurnRouter(self.backward_pool, *turn)

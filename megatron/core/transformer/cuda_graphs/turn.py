@@ -24,6 +24,13 @@ time:
   off, with a warning naming the ops, if anything does (a ``param.grad`` waiting for DDP's
   fold is the usual one: DDP folds on arrival while the turn is switched on). The first backward
   graph's static gradient inputs stay held: the turn's gradient is copied into them.
+* The pool's memory is shared only if the turn's tensors fit in the blocks the backward graphs
+  freed: a private pool's blocks are segments of their own, and the turn's (the logits) are
+  larger than the graphs' temporaries. So the watch also notes the order in which the turn
+  allocated and freed (:attr:`TurnWatch.pattern`), and the capture allocates and frees the same
+  sizes in the backward pool, on the training stream, just before the first backward graph
+  (:func:`shape_pool`): the graphs' temporaries are then cut from the turn's segments, and each
+  replayed turn finds them free again.
 """
 
 from __future__ import annotations
@@ -38,7 +45,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_flatten
 
 from megatron.core.transformer.cuda_graphs.plan import BWD, FWD
-from megatron.core.transformer.cuda_graphs.pool import GraphPool, begin_allocating_into, end_allocating_into
+from megatron.core.transformer.cuda_graphs.pool import (
+    GraphPool,
+    allocate_into_pool,
+    begin_allocating_into,
+    end_allocating_into,
+)
 
 ENV_SWITCH = "MEGATRON_CG_EAGER_TURN"
 """``1`` turns the eager turn on. Off by default until its GPU tests (graphed == eager, bitwise, in
@@ -78,6 +90,10 @@ class TurnWatch(TorchDispatchMode):
         self.turns = 0
         self.escaped: list[str] = []
         self.blind = False  # the turn's backward half ran on a thread this mode did not reach
+        self.pattern: list[int] = []  # of the largest turn: see shape_pool
+        self._steps: list[int] = []  # of the turn in progress
+        self._index: dict[int, int] = {}  # storage data_ptr -> its allocation's number (live ones)
+        self._freed = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -95,6 +111,8 @@ class TurnWatch(TorchDispatchMode):
             if nbytes == 0 or ptr in read or ptr in self.alive:  # a view or an in-place result
                 continue
             self.alive[ptr] = (f"{func} -> {tuple(t.shape)} {t.dtype}", nbytes)
+            self._index[ptr] = len(self._index) + self._freed
+            self._steps.append(nbytes)
             self.live_bytes += nbytes
             self.turn_peak = max(self.turn_peak, self.live_bytes)
             weakref.finalize(storage, self._died, ptr)
@@ -103,10 +121,13 @@ class TurnWatch(TorchDispatchMode):
         entry = self.alive.pop(ptr, None)
         if entry is not None:
             self.live_bytes -= entry[1]
+            self._steps.append(-1 - self._index.pop(ptr))
+            self._freed += 1
 
     def start(self) -> None:
         """A forward graph ran: the turn, if this was the micro-batch's last, starts here."""
         self.alive.clear()
+        self._steps, self._index, self._freed = [], {}, 0
         self.live_bytes = self.turn_peak = 0
         self.in_turn = self.tracking = True
 
@@ -130,7 +151,9 @@ class TurnWatch(TorchDispatchMode):
         if self.blind:
             self.escaped.append("unseen: the backward ran on a thread without this watch")
         self.turns += 1
-        self.peak_bytes = max(self.peak_bytes, self.turn_peak)
+        if self.turn_peak > self.peak_bytes:
+            self.peak_bytes, self.pattern = self.turn_peak, self._steps
+        self._steps, self._index, self._freed = [], {}, 0
         self.alive.clear()
         self.live_bytes = 0
         self.in_turn = self.tracking = self.blind = False
@@ -145,6 +168,24 @@ class TurnWatch(TorchDispatchMode):
                 "size more memory than eager."
             )
         return self.turns > 0 and self.peak_bytes >= MIN_TURN_BYTES, None
+
+
+def shape_pool(pattern: list[int], pool: GraphPool, stream: torch.cuda.Stream) -> None:
+    """Allocates and frees in ``pool``, on ``stream``, what a turn did (:attr:`TurnWatch.pattern`:
+    ``n >= 0`` allocates n bytes, ``n < 0`` frees allocation number ``-1 - n``), then frees what
+    is left. The caching allocator cuts the same segments as the turn will, and leaves them free
+    for the backward graphs' temporaries; blocks serve only the stream they were made on, so
+    ``stream`` must be the one the turn runs on."""
+    held: dict[int, torch.Tensor] = {}
+    made = 0
+    with torch.cuda.stream(stream), allocate_into_pool(pool):
+        for step in pattern:
+            if step >= 0:
+                held[made] = torch.empty(step, dtype=torch.uint8, device=stream.device)
+                made += 1
+            else:
+                del held[-1 - step]
+        held.clear()
 
 
 class TurnRouter:

@@ -15,6 +15,7 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules, simulate
+from megatron.core.transformer.cuda_graphs.plan import BWD
 from megatron.core.transformer.cuda_graphs.pool import use_expandable_segments
 from megatron.training.data import build_data_iterators
 from megatron.training.training import build_trainer
@@ -374,6 +375,10 @@ def test_eager_turn_graphed_equals_eager_and_peak_within_2_percent(scope, head, 
     head_graphed = any(r.name.endswith("postprocess") for r in session.regions)
     assert (session._turn is not None) == (not head_graphed and "fusion" not in head), session.summary_line()
     assert_same(eager, graphed, f"eager turn, scope {scope} {head}")
+    if session._turn is not None:  # the turns replayed found the segments the capture shaped for them
+        captured = max(r.slots[0].pool_reserved_after.get(BWD, 0) for r in session.regions)
+        grown = session.backward_pool.stats().reserved_bytes - captured
+        assert grown == 0, f"scope {scope} {head}: the turns grew the backward pool by {grown / 2**20:.0f} MiB"
     assert graphed_peak <= eager_peak * 1.02, (
         f"scope {scope} {head}: graphed peak reserved {graphed_peak / 2**20:.0f} MiB > eager "
         f"{eager_peak / 2**20:.0f} MiB + 2%; {session.summary_line()}"

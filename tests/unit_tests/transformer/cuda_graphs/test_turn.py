@@ -33,8 +33,35 @@ def test_watch_reports_what_outlives_the_turn():
     assert len(watch.escaped) == 1 and watch.escaped[0].startswith("aten.exp")
     assert watch.turns == 1 and watch.peak_bytes == 2 * 64 * 64 * 4  # two at once: gone and kept, then kept and handed
     assert not watch.alive and loss.ndim == 0 and after.shape == x.shape
+    n = 64 * 64 * 4
+    assert watch.pattern == [n, n, -1, n]  # made gone, made kept, freed gone (number 0), made handed
     opens, why = watch.verdict()
     assert not opens and "aten.exp" in why and "alive" in why
+
+
+def test_watch_keeps_the_allocation_order_of_the_largest_turn():
+    """What the capture replays into the backward pool (turn.shape_pool): allocation sizes and
+    frees by allocation number, of the turn that held the most; a tensor of another turn that
+    dies during this one is not part of it."""
+    x = torch.randn(16, 16)
+    with TurnWatch("cpu") as watch:
+        watch.start()
+        small = x + 1
+        watch.finish(())
+        watch.start()
+        a = torch.cat([x, x])  # 2 KiB, number 0
+        b = a * 2  # number 1
+        del small, a  # small is the first turn's: no step
+        c = torch.cat([b, b])  # 4 KiB, number 2
+        del b
+        watch.finish((c,))
+        watch.start()
+        d = x * 3
+        del d
+        watch.finish(())
+    k = 16 * 16 * 4
+    assert watch.turns == 3 and watch.peak_bytes == 2 * k + 4 * k
+    assert watch.pattern == [2 * k, 2 * k, -1, 4 * k, -2]
 
 
 def test_a_backward_on_a_thread_the_watch_does_not_reach_keeps_the_turn_off():
