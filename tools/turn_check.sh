@@ -16,9 +16,9 @@ turn_rc=$?
 python3 -m pytest -m gpu -q -rfE --tb=short tests/unit_tests/models/hybrid tests/unit_tests/ssm > "$OUT/hybrid_tests.log" 2>&1
 hybrid_rc=$?
 
-peak() {  # config mode turn(0/1) -> the steady-peak line of tools/pool_peak.py (its whole log: peaks.log)
-    env "$SWITCH=$3" python3 tools/pool_peak.py --config "$1" --mode "$2" --extra=--deterministic-mode --steady \
-        > "$OUT/peak.log" 2>&1
+peak() {  # config mode turn(0/1) [more pool_peak args] -> its steady-peak line (whole logs: peaks.log)
+    env "$SWITCH=$3" python3 tools/pool_peak.py --config "$1" --mode "$2" --steady "${@:4}" \
+        --extra="--deterministic-mode $VPP_EXTRA" > "$OUT/peak.log" 2>&1
     { echo "=== $*"; cat "$OUT/peak.log"; } >> "$OUT/peaks.log"
     grep -h "steady peak" "$OUT/peak.log"
     rm -f "$OUT/peak.log"
@@ -27,7 +27,12 @@ peak() {  # config mode turn(0/1) -> the steady-peak line of tools/pool_peak.py 
     for run in "dense8 eager 0" "dense8 local:attn 0" "dense8 local:attn 1" "dense8 local:mlp 1" \
                "hybrid eager 0" "hybrid local:layer 0" "hybrid local:mamba 0" "hybrid local:mamba 1"; do
         set -- $run
-        echo "$1 $2 turn=$3: $(peak "$1" "$2" "$3")"
+        VPP_EXTRA= ; echo "$1 $2 turn=$3: $(peak "$1" "$2" "$3")"
+    done
+    # The interleaved (VPP 2) order of pipeline rank 0 in one process, as the VPP memory test (issue 17).
+    for mode in eager local:layer; do
+        VPP_EXTRA="--global-batch-size 8 --untie-embeddings-and-output-weights"
+        echo "dense8 $mode vpp rank 0: $(peak dense8 "$mode" 0 --vpp-rank 0)"
     done
 } > "$OUT/peaks.txt"
 python3 tools/bench_mamba.py --skip-sequential > "$OUT/bench_mamba.log" 2>&1
