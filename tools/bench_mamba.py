@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from megatron.core.ssm import ssd  # noqa: E402
 from megatron.core.ssm.mamba_config import MambaConfig  # noqa: E402
 from megatron.core.ssm.mamba_mixer import HAVE_MAMBA_SSM, MambaMixer, mamba_chunk_scan_combined  # noqa: E402
 from megatron.core.ssm.ssd import ssd_chunked_scan, ssd_sequential_scan  # noqa: E402
@@ -55,6 +56,12 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda")
     p.add_argument("--skip-sequential", action="store_true", help="leave out the naive recurrence")
     p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument(
+        "--slice-mib",
+        type=float,
+        default=None,
+        help="GroupSlicedScan's budget per slice (ssd.SLICE_BYTES, in MiB): fewer slices launch fewer kernels",
+    )
     return p.parse_args(argv)
 
 
@@ -138,6 +145,8 @@ def optional(name, fn, leaves, timer, args, device, reference):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.slice_mib is not None:
+        ssd.SLICE_BYTES = int(args.slice_mib * 2**20)
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     timer = Timer(device)
