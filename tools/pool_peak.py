@@ -134,7 +134,8 @@ def main():
     parser.add_argument("--all-pools", action="store_true", help="every slot's pool and the shared backward pool")
     parser.add_argument(
         "--dump",
-        help="gzipped JSON for offline study: the first pool's capture trace (with --steady: the measured iteration's)",
+        help="gzipped JSON for offline study: the first pool's capture trace (with --all-pools one file per pool, "
+        "the pool's name before .json; with --steady: the measured iteration's)",
     )
     args = parser.parse_args()
 
@@ -174,10 +175,11 @@ def main():
     pools = {f"slot {s}": p for s, p in session.pools.items()}
     if session.backward_pool is not None:
         pools["shared backward"] = session.backward_pool
-    if args.dump:
-        dump_trace(snapshot, next(iter(pools.values())).handle, device, captures, args.dump)
     for name in pools if args.all_pools else list(pools)[:1]:
         handle = pools[name].handle
+        if args.dump:  # with --all-pools one file per pool: FILE with the pool's name before the suffix
+            path = args.dump if not args.all_pools else args.dump.replace(".json", f".{name.replace(' ', '_')}.json")
+            dump_trace(snapshot, handle, device, captures, path)
         peak, at, blocks = pool_peak(snapshot, handle, device)
         during = [c for c in captures if c[0] <= at][-1:]
         print(
