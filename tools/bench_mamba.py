@@ -60,7 +60,7 @@ def parse_args(argv=None):
         "--slice-mib",
         type=float,
         default=None,
-        help="GroupSlicedScan's budget per slice (ssd.SLICE_BYTES, in MiB): fewer slices launch fewer kernels",
+        help="GroupSlicedScan's eager budget per slice (ssd.EAGER_SLICE_BYTES, in MiB): fewer slices launch fewer kernels",
     )
     return p.parse_args(argv)
 
@@ -146,7 +146,7 @@ def optional(name, fn, leaves, timer, args, device, reference):
 def main(argv=None):
     args = parse_args(argv)
     if args.slice_mib is not None:
-        ssd.SLICE_BYTES = int(args.slice_mib * 2**20)
+        ssd.EAGER_SLICE_BYTES = int(args.slice_mib * 2**20)
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     timer = Timer(device)

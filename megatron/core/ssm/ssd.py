@@ -34,18 +34,16 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _segsum(a: torch.Tensor) -> torch.Tensor:
-    """``[..., T] -> [..., T, T]``: ``out[..., i, j] = sum_{k=j+1..i} a[k]`` for ``i >= j``, ``-inf`` above.
+def _decay(a: torch.Tensor) -> torch.Tensor:
+    """``[..., T] -> [..., T, T]``: ``out[..., i, j] = exp(a[j+1] + ... + a[i])`` for ``i >= j``, 0 above.
 
-    Built as a cumulative sum of the strictly-lower-triangular repetition of ``a``, so
-    every entry is a sum of the increments it spans (no difference of two prefix sums).
+    The exponent is a cumulative sum of the strictly-lower-triangular repetition of
+    ``a``, so every entry is a sum of the increments it spans (no difference of two
+    prefix sums); ``tril`` stands in for masks (no mask tensors to build).
     """
     t = a.shape[-1]
-    rows = a.unsqueeze(-1).expand(*a.shape, t)  # rows[..., i, j] = a[i]
-    strictly_lower = torch.ones(t, t, dtype=torch.bool, device=a.device).tril(-1)
-    sums = rows.masked_fill(~strictly_lower, 0.0).cumsum(dim=-2)
-    lower = torch.ones(t, t, dtype=torch.bool, device=a.device).tril(0)
-    return sums.masked_fill(~lower, float("-inf"))
+    sums = a.unsqueeze(-1).expand(*a.shape, t).tril(-1).cumsum(dim=-2)  # rows[..., i, j] = a[i] for i > j
+    return torch.exp(sums).tril()
 
 
 def _check_shapes(x, dt, A, B, C):
@@ -107,7 +105,13 @@ def ssd_chunked_scan(
 
 
 def _chunked_scan(x, dt, A, B, C, chunk_size, D=None, initial_states=None, return_final_states=False, state_dtype=None):
-    """The scan itself, differentiable by autograd (``ssd_chunked_scan``'s arguments)."""
+    """The scan itself, differentiable by autograd (``ssd_chunked_scan``'s arguments).
+
+    Everything runs in one layout, heads split into ``g`` groups of ``r = h / g`` and the
+    sequence into ``c`` chunks of ``q``: ``x [b, g, r, c, q, p]``, ``B``/``C [b, g, c, q, n]``,
+    so that each step is one batched matmul or one elementwise op (few kernels: in eager
+    mode the host launching them is what the scan's time is).
+    """
     g = B.shape[2]
     length = x.shape[1]
     out_dtype = x.dtype
@@ -115,68 +119,85 @@ def _chunked_scan(x, dt, A, B, C, chunk_size, D=None, initial_states=None, retur
     state_dtype = out_dtype if state_dtype is None else state_dtype
     q = min(int(chunk_size), length)  # a sequence shorter than a chunk is one chunk, unpadded
     pad = (-length) % q
-    x_, dt_, B_, C_ = (t.to(cdt) for t in (x, dt, B, C))
+    per_position_A = A.dim() == 3  # [b, l, h] (GroupSlicedScan's backward) instead of [h]
     if pad:
-        x_ = F.pad(x_, (0, 0, 0, 0, 0, pad))
-        dt_ = F.pad(dt_, (0, 0, 0, pad))
-        B_ = F.pad(B_, (0, 0, 0, 0, 0, pad))
-        C_ = F.pad(C_, (0, 0, 0, 0, 0, pad))
-    # Chunked, heads split into g groups of r = h / g heads: x [b, c, q, g, r, p], B/C [b, c, q, g, n].
-    x_ = rearrange(x_, "b (c q) (g r) p -> b c q g r p", q=q, g=g)
-    dt_ = rearrange(dt_, "b (c q) (g r) -> b g r c q", q=q, g=g)
-    B_ = rearrange(B_, "b (c q) g n -> b c q g n", q=q)
-    C_ = rearrange(C_, "b (c q) g n -> b c q g n", q=q)
-    a = dt_ * rearrange(A.to(cdt), "(g r) -> g r 1 1", g=g)  # [b, g, r, c, q] (<= 0)
-    xdt = x_ * rearrange(dt_, "b g r c q -> b c q g r 1")
+        x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
+        dt = F.pad(dt, (0, 0, 0, pad))
+        A = F.pad(A, (0, 0, 0, pad)) if per_position_A else A
+
+    def laid_out(t, pattern, **sizes):  # one copy: to the compute dtype and contiguous in the layout above
+        return rearrange(t, pattern, q=q, **sizes).to(cdt, memory_format=torch.contiguous_format)
+
+    xs = laid_out(x, "b (c q) (g r) p -> b g r c q p", g=g)
+    dts = laid_out(dt, "b (c q) (g r) -> b g r c q", g=g)
+    Bs = laid_out(B, "b (c q) g n -> b g c q n")
+    Cs = laid_out(C, "b (c q) g n -> b g c q n")
+    As = laid_out(A, "b (c q) (g r) -> b g r c q", g=g) if per_position_A else A.to(cdt).view(g, -1, 1, 1)
+    a = dts * As  # [b, g, r, c, q] (<= 0)
+    xdt = xs * dts.unsqueeze(-1)
 
     # 1. Within each chunk: y_i += sum_{j <= i} (C_i . B_j) exp(a_{j+1} + ... + a_i) dt_j x_j.
-    decay = torch.exp(_segsum(a))  # [b, g, r, c, q(i), q(j)]
-    cb = torch.einsum("bcign,bcjgn->bgcij", C_, B_)  # shared by the heads of a group
-    y = torch.einsum("bgcij,bgrcij,bcjgrp->bcigrp", cb, decay, xdt)
+    decay = _decay(a)  # [b, g, r, c, q(i), q(j)]
+    cb = Cs @ Bs.transpose(-1, -2)  # [b, g, c, i, j], shared by the heads of a group
+    y = (cb.unsqueeze(2) * decay) @ xdt  # [b, g, r, c, q, p]
 
     # 2. The state each chunk produces on its own: sum_j exp(a_{j+1} + ... + a_last) dt_j x_j B_j^T.
-    to_end = decay[..., -1, :]  # [b, g, r, c, q]: the last row of the decay matrix
-    states = torch.einsum("bcjgn,bgrcj,bcjgrp->bcgrpn", B_, to_end, xdt)
+    to_end = decay[..., -1, :].unsqueeze(-1)  # [b, g, r, c, q, 1]: the last row of the decay matrix
+    states = (xdt * to_end).transpose(-1, -2) @ Bs.unsqueeze(2)  # [b, g, r, c, p, n]
 
     # 3. Pass states along the chunks: S_c = exp(sum of chunk c's a) S_{c-1} + states_c.
     if initial_states is None:
-        first = torch.zeros_like(states[:, :1])
+        first = torch.zeros_like(states[:, :, :, :1])
     else:
-        first = rearrange(initial_states.to(cdt), "b (g r) p n -> b 1 g r p n", g=g)
-    states = torch.cat([first, states], dim=1)  # [b, c + 1, g, r, p, n]
-    chunk_a = F.pad(a.sum(dim=-1), (1, 0))  # [b, g, r, c + 1]
-    chunk_decay = torch.exp(_segsum(chunk_a))  # [b, g, r, c + 1, c + 1]
-    passed = torch.einsum("bgrzc,bcgrpn->bzgrpn", chunk_decay, states)
-    entering, final = passed[:, :-1], passed[:, -1]  # state entering each chunk; after the last
+        first = rearrange(initial_states.to(cdt), "b (g r) p n -> b g r 1 p n", g=g)
+    states = torch.cat([first, states], dim=3)  # [b, g, r, c + 1, p, n]
+    chunk_decay = _decay(F.pad(a.sum(dim=-1), (1, 0)))  # [b, g, r, c + 1, c + 1]
+    passed = (chunk_decay @ states.flatten(-2)).unflatten(-1, states.shape[-2:])
+    entering, final = passed[:, :, :, :-1], passed[:, :, :, -1]  # state entering each chunk; after the last
     if state_dtype != cdt:  # the materialized inter-chunk states (the passing itself runs in cdt)
         entering = entering.to(state_dtype).to(cdt)
 
     # 4. What the entering state contributes inside each chunk: C_i . (exp(a_0 + ... + a_i) S).
-    from_start = torch.exp(a.cumsum(dim=-1))  # [b, g, r, c, q]
-    y = y + torch.einsum("bcign,bcgrpn,bgrci->bcigrp", C_, entering, from_start)
+    from_start = torch.exp(a.cumsum(dim=-1)).unsqueeze(-1)  # [b, g, r, c, q, 1]
+    y = y + from_start * (Cs.unsqueeze(2) @ entering.transpose(-1, -2))
+    if D is not None:  # D [h] or [h, p]
+        y = y + xs * D.to(cdt).view(g, -1, 1, 1, 1 if D.dim() == 1 else D.shape[-1])
 
-    y = rearrange(y, "b c q g r p -> b (c q) (g r) p")[:, :length]
-    if D is not None:
-        y = y + _skip(x.to(cdt), D.to(cdt))
-    y = y.to(out_dtype)
+    y = rearrange(y, "b g r c q p -> b (c q) (g r) p")[:, :length].to(out_dtype)
     if return_final_states:
         return y, rearrange(final, "b g r p n -> b (g r) p n")
     return y
 
 
 SLICE_BYTES = 8 * 2**20
-"""Budget of one ``[batch, heads, chunks, chunk, chunk]`` decay matrix in :class:`GroupSlicedScan`:
-as many groups go into one slice as fit in it (at least one)."""
+"""Budget of one ``[batch, heads, chunks, chunk, chunk]`` decay matrix in :class:`GroupSlicedScan`'s
+backward while a CUDA graph captures it: as many groups go into one slice as fit (at least one). A
+graph keeps its transients reserved in the graph pool, so its slices are small; replaying costs
+no host time per slice."""
+EAGER_SLICE_BYTES = 256 * 2**20
+"""The same budget when the scan runs eagerly. The host launches some 250 kernels per slice, and
+eagerly that is the scan's time (H200, the hybrid benchmark: 142-168 ms per step with 8 MiB
+slices, 43-51 ms with the unsliced scan), while the transient of one layer's backward comes and
+goes in the caching allocator like any other. Slicing changes no bit of the result (groups are
+independent), so graphed and eager steps stay equal."""
+FORWARD_SLICES = 2
+"""Forward, which holds about a third of the matrices backward does (no autograd), fits this many
+times the budget."""
 
 
-def _group_slices(x: torch.Tensor, B: torch.Tensor, chunk_size: int) -> list[tuple[slice, slice]]:
-    """``(heads, groups)`` index slices of whole groups, each slice's decay matrix within SLICE_BYTES."""
+def _slice_budget() -> int:
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return SLICE_BYTES if capturing else EAGER_SLICE_BYTES
+
+
+def _group_slices(x: torch.Tensor, B: torch.Tensor, chunk_size: int, budget: int) -> list[tuple[slice, slice]]:
+    """``(heads, groups)`` index slices of whole groups, each slice's decay matrix within ``budget`` bytes."""
     b, length, h, _ = x.shape
     g = B.shape[2]
     q = min(int(chunk_size), length)
     chunks = -(-length // q)
     per_group = b * (h // g) * chunks * q * q * torch.empty((), dtype=_compute_dtype(x.dtype)).element_size()
-    step = max(1, min(g, SLICE_BYTES // per_group))
+    step = max(1, min(g, budget // per_group))
     r = h // g
     return [(slice(k * r, min(k + step, g) * r), slice(k, min(k + step, g))) for k in range(0, g, step)]
 
@@ -194,22 +215,28 @@ class GroupSlicedScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, chunk_size, state_dtype):
-        ctx.slices = _group_slices(x, B, chunk_size)
         ctx.chunk_size, ctx.state_dtype = chunk_size, state_dtype
         ctx.save_for_backward(x, dt, A, B, C, D)
         y = torch.empty_like(x)
-        for heads, groups in ctx.slices:
+        for heads, groups in _group_slices(x, B, chunk_size, FORWARD_SLICES * _slice_budget()):
             pieces = _slice((x, dt, A, B, C, D), heads, groups)
             y[:, :, heads] = _chunked_scan(*pieces[:5], chunk_size, D=pieces[5], state_dtype=state_dtype)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        inputs = ctx.saved_tensors  # x, dt, A, B, C, D
-        wanted = ctx.needs_input_grad[:6]
+        x, dt, A, B, C, D = ctx.saved_tensors
+        need_x, need_dt, need_A, need_B, need_C, need_D = ctx.needs_input_grad[:6]
+        b, length, h = dt.shape
+        # A's and D's gradients are sums over the whole sequence per head. Summed inside each
+        # slice, their order would follow the slicing, which differs between a captured and an
+        # eager step; so A goes in per position (its gradient is then elementwise) and D not at
+        # all, and both are summed whole below, in one order whatever the slicing.
+        inputs = (x, dt, A.expand(b, length, h), B, C, None if D is None else D.detach())
+        wanted = (need_x, need_dt, need_A, need_B, need_C, False)
         # The slices cover every head and group once, so each gradient is written whole.
-        grads = [torch.empty_like(t) if t is not None and need else None for t, need in zip(inputs, wanted)]
-        for heads, groups in ctx.slices:
+        grads = [torch.empty_like(t) if need else None for t, need in zip(inputs, wanted)]
+        for heads, groups in _group_slices(x, B, ctx.chunk_size, _slice_budget()):
             pieces = _slice(inputs, heads, groups)
             leaves = [p.detach().requires_grad_(need) if p is not None else None for p, need in zip(pieces, wanted)]
             with torch.enable_grad():
@@ -220,7 +247,12 @@ class GroupSlicedScan(torch.autograd.Function):
                 if leaf is not None and leaf.requires_grad:
                     part.copy_(next(found))
             del y, found, leaves
-        return (*grads, None, None)
+        dA = grads[2].sum(dim=(0, 1)) if need_A else None
+        dD = None
+        if need_D:  # y = ... + D x: dD sums dy x over the sequence (and the head dim for D [h])
+            cdt = _compute_dtype(x.dtype)
+            dD = (dy.to(cdt) * x.to(cdt)).sum(dim=(0, 1) if D.dim() == 2 else (0, 1, 3)).to(D.dtype)
+        return grads[0], grads[1], dA, grads[3], grads[4], dD, None, None
 
 
 def _slice(tensors, heads: slice, groups: slice) -> tuple:
@@ -228,7 +260,7 @@ def _slice(tensors, heads: slice, groups: slice) -> tuple:
     index = (
         (slice(None), slice(None), heads),  # x [b, l, h, p]
         (slice(None), slice(None), heads),  # dt [b, l, h]
-        (heads,),  # A [h]
+        (..., heads),  # A [h] or [b, l, h]
         (slice(None), slice(None), groups),  # B [b, l, g, n]
         (slice(None), slice(None), groups),  # C
         (heads,),  # D [h] or [h, p]

@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 
+from megatron.core.ssm import ssd
 from megatron.core.ssm.mamba_config import MambaConfig
 from megatron.core.ssm.mamba_mixer import HAVE_MAMBA_SSM, MambaMixer
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -20,6 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 pytestmark = pytest.mark.gpu
 
 FWD_TOL, GRAD_TOL = 1.5e-2, 3e-2
+GROUPS = 4  # the test mixers' Mamba groups
 
 
 def rel(a, b):
@@ -29,7 +31,7 @@ def rel(a, b):
 
 def mixers(hidden=256, chunk_size=64, fused=False):
     cfg = TransformerConfig(hidden_size=hidden, num_attention_heads=4, num_layers=4).finalize()
-    mc = MambaConfig(mamba_state_dim=64, mamba_head_dim=32, mamba_num_groups=4)
+    mc = MambaConfig(mamba_state_dim=64, mamba_head_dim=32, mamba_num_groups=GROUPS)
     torch.manual_seed(0)
     cfg.params_dtype = torch.bfloat16
     gpu = MambaMixer(cfg, mc, chunk_size=chunk_size, device="cuda", use_fused_kernels=fused)
@@ -74,8 +76,19 @@ class OutputOnly(torch.nn.Module):
         return self.mixer(x)[0]
 
 
-def test_forward_and_backward_are_capturable_and_replay_like_eager():
-    """No host sync and static shapes: torch's graph capture of forward + backward succeeds and replays."""
+def test_forward_and_backward_are_capturable_and_replay_like_eager(monkeypatch):
+    """No host sync and static shapes: torch's graph capture of forward + backward succeeds and replays.
+    The capture slices the scan finer (one group a slice here) than eager (one slice): the same bits."""
+    monkeypatch.setattr(ssd, "SLICE_BYTES", 1)
+    slices = []  # (capturing, number of slices) of each sliced pass, forward or backward
+    group_slices = ssd._group_slices
+
+    def recording(*args):
+        found = group_slices(*args)
+        slices.append((torch.cuda.is_current_stream_capturing(), len(found)))
+        return found
+
+    monkeypatch.setattr(ssd, "_group_slices", recording)
     gpu, _ = mixers()
     sample = torch.randn(128, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     graphed = torch.cuda.make_graphed_callables(OutputOnly(copy.deepcopy(gpu)), (sample,), num_warmup_iters=2)
@@ -87,3 +100,34 @@ def test_forward_and_backward_are_capturable_and_replay_like_eager():
     (dx_eager,) = torch.autograd.grad(out_eager, x, cotangent)
     assert torch.equal(out_graph, out_eager)  # the same kernels: bitwise
     assert torch.equal(dx_graph, dx_eager)
+    assert [n for capturing, n in slices if capturing] == [GROUPS, GROUPS]  # forward and backward captured
+    assert {n for capturing, n in slices if not capturing} == {1}
+
+
+def test_slicing_changes_no_bit_on_the_gpu(monkeypatch):
+    """The scan at the hybrid benchmark's mixer shapes (bf16), deterministic: the captured budget's slices
+    (SLICE_BYTES) and one group a slice give exactly the values and gradients of one slice (eager)."""
+    torch.use_deterministic_algorithms(True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, length, h, p, g, n = 2, 2048, 32, 64, 8, 128
+    x = torch.randn(b, length, h, p, device="cuda", generator=gen).bfloat16()
+    dt = torch.rand(b, length, h, device="cuda", generator=gen) * 0.1
+    A = -torch.rand(h, device="cuda", generator=gen)
+    B, C = (torch.randn(b, length, g, n, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    D = torch.rand(h, device="cuda", generator=gen)
+    cotangent = torch.randn(x.shape, device="cuda", generator=gen).bfloat16()
+
+    def values_and_gradients(budget):
+        leaves = [t.detach().requires_grad_() for t in (x, dt, A, B, C, D)]
+        monkeypatch.setattr(ssd, "EAGER_SLICE_BYTES", budget)
+        y = ssd.ssd_chunked_scan(*leaves[:5], 128, D=leaves[5])
+        return [y, *torch.autograd.grad(y, leaves, cotangent)]
+
+    one_slice = values_and_gradients(2**40)
+    differ = [
+        f"{name} at {budget} bytes a slice"
+        for budget in (ssd.SLICE_BYTES, 1)
+        for name, got, want in zip("y x dt A B C D".split(), values_and_gradients(budget), one_slice)
+        if not torch.equal(got, want)
+    ]
+    assert not differ, differ

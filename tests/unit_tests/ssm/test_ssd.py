@@ -122,11 +122,17 @@ def saved_bytes(fn):
     return out, sum(storages.values())
 
 
+def slice_budget(monkeypatch, nbytes: int):
+    """GroupSlicedScan's budget, captured or eager (the CPU runs eagerly)."""
+    monkeypatch.setattr(ssd, "SLICE_BYTES", nbytes)
+    monkeypatch.setattr(ssd, "EAGER_SLICE_BYTES", nbytes)
+
+
 @pytest.mark.parametrize("per_channel_D", [False, True, None], ids=["D", "D-per-channel", "no-D"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[5]], ids=["l37q8", "l100q32", "l50q7"])
 def test_sliced_scan_gradients_match_the_sequential_recurrence(case, per_channel_D, monkeypatch):
     """With a gradient wanted the scan runs as GroupSlicedScan; one group per slice here."""
-    monkeypatch.setattr(ssd, "SLICE_BYTES", 1)
+    slice_budget(monkeypatch, 1)
     *shape, chunk = case
     x, dt, A, B, C, D = inputs(*shape)
     if per_channel_D:
@@ -134,7 +140,7 @@ def test_sliced_scan_gradients_match_the_sequential_recurrence(case, per_channel
     elif per_channel_D is None:
         D = None
     leaves = [t.requires_grad_() for t in (x, dt, A, B, C, D) if t is not None]
-    assert len(ssd._group_slices(x, B, chunk)) == B.shape[2]
+    assert len(ssd._group_slices(x, B, chunk, ssd.FORWARD_SLICES * ssd.SLICE_BYTES)) == B.shape[2]
     cotangent = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     y = ssd_chunked_scan(x, dt, A, B, C, chunk, D=D)
     assert type(y.grad_fn).__name__ == "GroupSlicedScanBackward"
@@ -150,7 +156,7 @@ def test_sliced_scan_gradients_match_the_sequential_recurrence(case, per_channel
 def test_sliced_scan_equals_the_autograd_scan_and_keeps_only_its_inputs(slice_bytes, monkeypatch):
     """bf16 inputs as the mixer gives them: the same values and gradients as autograd through the plain
     scan (up to float32 rounding), and nothing kept for backward beyond the inputs."""
-    monkeypatch.setattr(ssd, "SLICE_BYTES", slice_bytes)
+    slice_budget(monkeypatch, slice_bytes)
     x, dt, A, B, C, D = inputs(2, 100, 8, 8, 4, 16)
     args = [x.bfloat16(), dt.float(), A.float(), B.bfloat16(), C.bfloat16(), D.float()]
     leaves = [t.requires_grad_() for t in args]
@@ -164,6 +170,30 @@ def test_sliced_scan_equals_the_autograd_scan_and_keeps_only_its_inputs(slice_by
         assert g.dtype == r.dtype and rel(g, r) < 1e-4, name
     assert kept == sum(t.untyped_storage().nbytes() for t in leaves)
     assert ref_kept > 10 * kept
+
+
+def sliced_scan_values_and_gradients(budget: int, monkeypatch, device="cpu") -> list[torch.Tensor]:
+    """y and the six gradients of GroupSlicedScan with bf16 inputs (as the mixer gives them), at ``budget``."""
+    slice_budget(monkeypatch, budget)
+    x, dt, A, B, C, D = inputs(2, 150, 12, 8, 4, 16)  # 3 heads a group, 150 = 4 chunks of 32 + 22
+    args = [x.bfloat16(), dt.float(), A.float(), B.bfloat16(), C.bfloat16(), D.float()]
+    leaves = [t.to(device).requires_grad_() for t in args]
+    cotangent = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).bfloat16().to(device)
+    y = ssd_chunked_scan(*leaves[:5], 32, D=leaves[5])
+    return [y, *torch.autograd.grad(y, leaves, cotangent)]
+
+
+def test_slicing_changes_no_bit(monkeypatch):
+    """Graphed steps slice finer than eager ones (SLICE_BYTES vs EAGER_SLICE_BYTES); both must agree bit for bit."""
+    one_slice = sliced_scan_values_and_gradients(2**40, monkeypatch)
+    per_group = 2 * 3 * 5 * 32 * 32 * 4  # batch x heads a group x chunks x chunk^2 x float32
+    x, B = torch.empty(2, 150, 12, 8), torch.empty(2, 150, 4, 16)
+    assert [len(ssd._group_slices(x, B, 32, n)) for n in (1, 2 * per_group, 2**40)] == [4, 2, 1]
+    for budget in (1, per_group, 2 * per_group):  # backward slices of 1, 1, 2 groups; forward 1, 2, 4
+        for name, got, want in zip(
+            "y x dt A B C D".split(), sliced_scan_values_and_gradients(budget, monkeypatch), one_slice
+        ):
+            assert torch.equal(got, want), (budget, name)
 
 
 def test_scan_without_gradient_or_with_states_runs_the_plain_scan():
