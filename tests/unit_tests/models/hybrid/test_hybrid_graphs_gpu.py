@@ -102,6 +102,10 @@ def run_scopes(size: str, iters: int, memory_margin: float | None):
         assert_same(eager, graphed, f"scope {scope!r}")
         if memory_margin is not None:
             (e_alloc, e_reserved), (g_alloc, g_reserved) = eager[3], graphed[3]
+            print(  # shown with pytest -rP: the numbers behind a pass
+                f"scope {scope!r}: peak reserved {g_reserved / 2**20:.0f} vs eager {e_reserved / 2**20:.0f} MiB, "
+                f"allocated {g_alloc / 2**20:.0f} vs {e_alloc / 2**20:.0f} MiB"
+            )
             if g_reserved > e_reserved * (1 + memory_margin):
                 over.append(
                     f"scope {scope!r}: peak reserved {g_reserved / 2**20:.0f} MiB > eager {e_reserved / 2**20:.0f} "
