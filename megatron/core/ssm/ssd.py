@@ -179,7 +179,8 @@ EAGER_SLICE_BYTES = 256 * 2**20
 eagerly that is the scan's time (H200, the hybrid benchmark: 142-168 ms per step with 8 MiB
 slices, 43-51 ms with the unsliced scan), while the transient of one layer's backward comes and
 goes in the caching allocator like any other. Slicing changes no bit of the result (groups are
-independent), so graphed and eager steps stay equal."""
+independent, and backward takes the per-head sums over the sequence whole), so graphed and eager
+steps stay equal."""
 FORWARD_SLICES = 2
 """Forward, which holds about a third of the matrices backward does (no autograd), fits this many
 times the budget."""
