@@ -172,13 +172,13 @@ def test_sliced_scan_equals_the_autograd_scan_and_keeps_only_its_inputs(slice_by
     assert ref_kept > 10 * kept
 
 
-def sliced_scan_values_and_gradients(budget: int, monkeypatch, device="cpu") -> list[torch.Tensor]:
+def sliced_scan_values_and_gradients(budget: int, monkeypatch) -> list[torch.Tensor]:
     """y and the six gradients of GroupSlicedScan with bf16 inputs (as the mixer gives them), at ``budget``."""
     slice_budget(monkeypatch, budget)
     x, dt, A, B, C, D = inputs(2, 150, 12, 8, 4, 16)  # 3 heads a group, 150 = 4 chunks of 32 + 22
     args = [x.bfloat16(), dt.float(), A.float(), B.bfloat16(), C.bfloat16(), D.float()]
-    leaves = [t.to(device).requires_grad_() for t in args]
-    cotangent = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).bfloat16().to(device)
+    leaves = [t.requires_grad_() for t in args]
+    cotangent = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).bfloat16()
     y = ssd_chunked_scan(*leaves[:5], 32, D=leaves[5])
     return [y, *torch.autograd.grad(y, leaves, cotangent)]
 
