@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from megatron.core.transformer.recompute import capturing
+
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -176,19 +178,17 @@ graph keeps its transients reserved in the graph pool, so its slices are small; 
 no host time per slice."""
 EAGER_SLICE_BYTES = 256 * 2**20
 """The same budget when the scan runs eagerly. The host launches some 250 kernels per slice, and
-eagerly that is the scan's time (H200, the hybrid benchmark: 142-168 ms per step with 8 MiB
-slices, 43-51 ms with the unsliced scan), while the transient of one layer's backward comes and
-goes in the caching allocator like any other. Slicing changes no bit of the result (groups are
-independent, and backward takes the per-head sums over the sequence whole), so graphed and eager
-steps stay equal."""
+eagerly that launching is the scan's time, while the transient of one layer's backward comes and
+goes in the caching allocator like any other: so eager slices are large. Slicing changes no bit of
+the result (groups are independent, and backward takes the per-head sums over the sequence whole),
+so graphed and eager steps stay equal."""
 FORWARD_SLICES = 2
 """Forward, which holds about a third of the matrices backward does (no autograd), fits this many
 times the budget."""
 
 
 def _slice_budget() -> int:
-    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-    return SLICE_BYTES if capturing else EAGER_SLICE_BYTES
+    return SLICE_BYTES if capturing() else EAGER_SLICE_BYTES
 
 
 def _group_slices(x: torch.Tensor, B: torch.Tensor, chunk_size: int, budget: int) -> list[tuple[slice, slice]]:
@@ -233,7 +233,7 @@ class GroupSlicedScan(torch.autograd.Function):
         # slice, their order would follow the slicing, which differs between a captured and an
         # eager step; so A goes in per position (its gradient is then elementwise) and D not at
         # all, and both are summed whole below, in one order whatever the slicing.
-        inputs = (x, dt, A.expand(b, length, h), B, C, None if D is None else D.detach())
+        inputs = (x, dt, A.expand(b, length, h), B, C, D)
         wanted = (need_x, need_dt, need_A, need_B, need_C, False)
         # The slices cover every head and group once, so each gradient is written whole.
         grads = [torch.empty_like(t) if need else None for t, need in zip(inputs, wanted)]

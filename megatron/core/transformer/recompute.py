@@ -123,7 +123,8 @@ def recomputes(config, module: str) -> bool:
     return module in (("core_attn",) if modules is None else modules)  # unset: Megatron's default
 
 
-def _capturing() -> bool:
+def capturing() -> bool:
+    """Whether a CUDA graph is capturing on the current stream (False without CUDA)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
@@ -135,7 +136,7 @@ def checkpointed(fn: Callable, *args):
     graph draws no random numbers (``check_recompute_with_graphs``), so none is replayed."""
     if not torch.is_grad_enabled():
         return fn(*args)
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=not _capturing())
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=not capturing())
 
 
 def _identity(tensor: torch.Tensor) -> tuple:

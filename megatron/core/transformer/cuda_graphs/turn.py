@@ -24,9 +24,9 @@ time:
   off, with a warning naming the ops, if anything does (a ``param.grad`` waiting for DDP's
   fold is the usual one: DDP folds on arrival while the turn is switched on). The first backward
   graph's static gradient inputs stay held: the turn's gradient is copied into them.
-* The pool's memory is shared only if the turn's tensors fit in the blocks the backward graphs
-  freed: a private pool's blocks are segments of their own, and the turn's (the logits) are
-  larger than the graphs' temporaries. So the watch also notes the order in which the turn
+* The pool's memory is shared only if the backward graphs' temporaries are cut from the memory
+  the turn uses; captured first, they are not, and the turn's tensors (the logits) grow the pool
+  beside them. So the watch also notes the order in which the turn
   allocated and freed (:attr:`TurnWatch.pattern`), and the capture allocates and frees the same
   sizes in the backward pool, on the training stream, just before the first backward graph
   (:func:`shape_pool`): the graphs' temporaries are then cut from the turn's segments, and each
@@ -93,7 +93,7 @@ class TurnWatch(TorchDispatchMode):
         self.pattern: list[int] = []  # of the largest turn: see shape_pool
         self._steps: list[int] = []  # of the turn in progress
         self._index: dict[int, int] = {}  # storage data_ptr -> its allocation's number (live ones)
-        self._freed = 0
+        self._made = 0  # allocations in the turn in progress
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -111,7 +111,8 @@ class TurnWatch(TorchDispatchMode):
             if nbytes == 0 or ptr in read or ptr in self.alive:  # a view or an in-place result
                 continue
             self.alive[ptr] = (f"{func} -> {tuple(t.shape)} {t.dtype}", nbytes)
-            self._index[ptr] = len(self._index) + self._freed
+            self._index[ptr] = self._made
+            self._made += 1
             self._steps.append(nbytes)
             self.live_bytes += nbytes
             self.turn_peak = max(self.turn_peak, self.live_bytes)
@@ -122,12 +123,11 @@ class TurnWatch(TorchDispatchMode):
         if entry is not None:
             self.live_bytes -= entry[1]
             self._steps.append(-1 - self._index.pop(ptr))
-            self._freed += 1
 
     def start(self) -> None:
         """A forward graph ran: the turn, if this was the micro-batch's last, starts here."""
         self.alive.clear()
-        self._steps, self._index, self._freed = [], {}, 0
+        self._steps, self._index, self._made = [], {}, 0
         self.live_bytes = self.turn_peak = 0
         self.in_turn = self.tracking = True
 
@@ -153,7 +153,6 @@ class TurnWatch(TorchDispatchMode):
         self.turns += 1
         if self.turn_peak > self.peak_bytes:
             self.peak_bytes, self.pattern = self.turn_peak, self._steps
-        self._steps, self._index, self._freed = [], {}, 0
         self.alive.clear()
         self.live_bytes = 0
         self.in_turn = self.tracking = self.blind = False
