@@ -186,6 +186,23 @@ class Plan:
         """Position of ``phase`` of ``region`` in the cycle."""
         return next(i for i, e in enumerate(self.cycle) if e.phase == phase and e.region == region)
 
+    def released_across(self, position: int, kinds: Iterable[str]) -> list[BufferKey]:
+        """Released buffers of ``kinds`` whose memory holds data over the gap right after
+        ``position``: written by then, read by a graph after it. The allocator sees their
+        blocks as free, so eager code allocating in their pool there would overwrite them.
+        A buffer is written by its region's event of its phase (a grad_output by the copy
+        just before its backward, an input by the copy just before its forward)."""
+        kinds = set(kinds)
+        phase = {"output": FWD, "input": FWD, "grad_output": BWD, "grad_input": BWD}
+        found = []
+        for key, spec in self.buffers.items():
+            if key[0] not in kinds or spec.alias_of is not None or spec.release_after is None:
+                continue
+            written = self.position(phase[key[0]], key[1]) if key[0] in phase else min(spec.readers)
+            if written <= position < spec.dead_after:
+                found.append(key)
+        return found
+
     def persistent(self) -> list[BufferKey]:
         """Dgrads read after the cycle's backward run has ended: kept for good (a send
         waited on before the slot's next micro-batch). With a shared backward pool they

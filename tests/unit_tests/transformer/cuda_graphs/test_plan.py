@@ -178,3 +178,21 @@ def test_handoff_from_later_region_rejected():
     regions = [RegionIO("a", [Source("handoff", 1, 0)], [True], [True]), RegionIO("b", [OWN], [True], [True])]
     with pytest.raises(ValueError, match="runs later"):
         build_plan(cycle, regions)
+
+
+def test_released_across_names_backward_buffers_that_hold_data_over_a_gap():
+    """Eager code between two backward graphs may allocate in their pool only where no released
+    buffer holds data: a dgrad handed from one backward graph to the next does, a dgrad
+    copied out to eager code (regions separated by eager layers) does not."""
+    cycle = stack_cycle(3)
+    grads = ("grad_input", "grad_output")
+    handed = build_plan(cycle, layer_stack(3))
+    assert handed.released_across(pos(cycle, BWD, 2), grads) == [("grad_input", 2, 0)]
+    assert handed.released_across(pos(cycle, BWD, 1), grads) == [("grad_input", 1, 0)]
+    assert handed.released_across(pos(cycle, BWD, 0), grads) == []
+    # Forward outputs saved for backward are live over the backward gaps too (another pool here).
+    assert ("output", 0, 0) in handed.released_across(pos(cycle, BWD, 2), ["output"])
+    separated = [RegionIO(f"attn{i}", [OWN], [True], [True]) for i in range(3)]
+    plan = build_plan(cycle, separated)
+    for r in range(3):
+        assert plan.released_across(pos(cycle, BWD, r), grads) == []
