@@ -44,7 +44,10 @@ MODE_NAMES = {
     "local:moe_router+moe_preprocess": "graphs, `moe_router moe_preprocess`",
     "local:mamba": "graphs, `mamba`",
     "turn:attn": "graphs, `attn`, eager turn in the backward pool",
+    "turns:attn": "graphs, `attn`, eager turns between backward graphs too",
+    "turns:mlp": "graphs, `mlp`, eager turns between backward graphs too",
     "turn:mamba": "graphs, `mamba`, eager turn in the backward pool",
+    "turns:mamba": "graphs, `mamba`, eager turns between backward graphs too",
 }
 
 

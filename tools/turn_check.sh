@@ -10,13 +10,13 @@ mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 SWITCH=MEGATRON_CG_EAGER_TURN  # megatron/core/transformer/cuda_graphs/turn.py
 
-python3 -m pytest -m gpu -q -rfE --tb=short tests/unit_tests/transformer/cuda_graphs/test_graphs_gpu.py -k eager_turn \
+python3 -m pytest -m gpu -q -rfEP --tb=short tests/unit_tests/transformer/cuda_graphs/test_graphs_gpu.py -k eager_turn \
     > "$OUT/turn_tests.log" 2>&1
 turn_rc=$?
 python3 -m pytest -m gpu -q -rfE --tb=short tests/unit_tests/models/hybrid tests/unit_tests/ssm > "$OUT/hybrid_tests.log" 2>&1
 hybrid_rc=$?
 
-peak() {  # config mode turn(0/1) [more pool_peak args] -> its steady-peak line (whole logs: peaks.log)
+peak() {  # config mode turn(0/1/all) [more pool_peak args] -> its steady-peak line (whole logs: peaks.log)
     env "$SWITCH=$3" python3 tools/pool_peak.py --config "$1" --mode "$2" --steady "${@:4}" \
         --extra="--deterministic-mode $VPP_EXTRA" > "$OUT/peak.log" 2>&1
     { echo "=== $*"; cat "$OUT/peak.log"; } >> "$OUT/peaks.log"
@@ -24,8 +24,9 @@ peak() {  # config mode turn(0/1) [more pool_peak args] -> its steady-peak line 
     rm -f "$OUT/peak.log"
 }
 {
-    for run in "dense8 eager 0" "dense8 local:attn 0" "dense8 local:attn 1" "dense8 local:mlp 1" \
-               "hybrid eager 0" "hybrid local:layer 0" "hybrid local:mamba 0" "hybrid local:mamba 1"; do
+    for run in "dense8 eager 0" "dense8 local:attn 0" "dense8 local:attn 1" "dense8 local:attn all" \
+               "dense8 local:mlp 1" "dense8 local:mlp all" "hybrid eager 0" "hybrid local:layer 0" \
+               "hybrid local:mamba 0" "hybrid local:mamba 1" "hybrid local:mamba all"; do
         set -- $run
         VPP_EXTRA= ; echo "$1 $2 turn=$3: $(peak "$1" "$2" "$3")"
     done
@@ -41,6 +42,7 @@ bench_rc=$?
 echo
 echo "== eager turn GPU tests: $(tail -n 1 "$OUT/turn_tests.log")"
 grep -hE "^E  +AssertionError" "$OUT/turn_tests.log" | cut -c1-400
+grep -hE "^(1|all) .*peak reserved" "$OUT/turn_tests.log"  # each case's peaks (the tests print them)
 echo "== hybrid and SSM GPU tests: $(tail -n 1 "$OUT/hybrid_tests.log")"
 grep -hE "^E  +AssertionError" "$OUT/hybrid_tests.log" | cut -c1-600
 echo "== steady peaks (deterministic mode):"

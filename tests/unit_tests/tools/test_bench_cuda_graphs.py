@@ -18,7 +18,13 @@ def test_every_config_parses_with_every_mode_flag():
         for mode in bcg.MODES[config]:
             argv = f"{flags} {graph_bench.COMMON} {graph_bench.mode_flags(mode)} {bcg.mode_extra(config, mode)}"
             cfg = parse_args(argv.split())
-            impl = "local" if mode.startswith(("local:", "turn:")) else "full_iteration" if mode == "full" else "none"
+            impl = (
+                "local"
+                if mode.startswith(("local:", "turn:", "turns:"))
+                else "full_iteration"
+                if mode == "full"
+                else "none"
+            )
             assert cfg.cuda_graph.cuda_graph_impl == impl, (config, mode)
     medium = parse_args(f"{bcg.CONFIGS['medium']} {graph_bench.COMMON}".split())
     m = medium.model
@@ -38,10 +44,14 @@ def test_turn_modes_run_their_child_with_the_eager_turn_switched_on(monkeypatch,
     monkeypatch.setattr(graph_bench.subprocess, "call", call)
     monkeypatch.delenv(graph_bench.EAGER_TURN_SWITCH, raising=False)
     args = types.SimpleNamespace(iters=5, skip=1, extra="")
-    for mode in ("local:attn", "turn:attn"):
+    for mode in ("local:attn", "turn:attn", "turns:attn"):
         graph_bench.run_child("dense8", mode, args, str(tmp_path / mode.replace(":", "_")))
-    assert seen == {"local:attn": None, "turn:attn": "1"}
-    assert graph_bench.mode_flags("turn:attn") == graph_bench.mode_flags("local:attn")
+    assert seen == {"local:attn": None, "turn:attn": "1", "turns:attn": "all"}
+    assert (
+        graph_bench.mode_flags("turn:attn")
+        == graph_bench.mode_flags("turns:attn")
+        == graph_bench.mode_flags("local:attn")
+    )
 
 
 def test_plan_round_robin_filters_and_estimate():

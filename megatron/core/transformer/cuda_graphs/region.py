@@ -341,7 +341,8 @@ class GraphedRegion:
             if g is None:
                 static.zero_()
             elif g.data_ptr() != static.data_ptr():
-                static.copy_(g)
+                # An eager turn's gradient may sit partly in the released buffer's block.
+                static.copy_(g.clone() if _overlaps(g, static) else g)
         graphs.bwd_graph.replay()
         # Dgrads for eager code leave as copies (before debug mode poisons the buffers).
         dgrads = iter([d if d is None else d.clone() if copy else d.detach() for d, copy in graphs.replay_grad_inputs])
@@ -355,6 +356,12 @@ class GraphedRegion:
             p.grad = g  # eager autograd adds its own contribution in place, as AccumulateGrad does
         graphs.wgrad_event.record()
         return tuple(next(dgrads) if rg else None for rg in self.input_requires_grad)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the storages behind ``a`` and ``b`` share any byte."""
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    return sa.data_ptr() < sb.data_ptr() + sb.nbytes() and sb.data_ptr() < sa.data_ptr() + sa.nbytes()
 
 
 def _leaves_reached(outputs: Sequence[torch.Tensor]) -> set:

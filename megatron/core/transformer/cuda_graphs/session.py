@@ -333,7 +333,7 @@ class GraphSession(PipelineHooks, TurnHooks):
             )
         outs = region.note_call(args, region.fn(*args))
         self.recorder.event(Event(FWD, region.index, slot))
-        self._watch_forward_done()
+        self._watch_forward_done(args if region.has_backward else ())
         if region.has_backward:
             idx = [j for j, rg in enumerate(region.output_requires_grad) if rg]
             wrapped = RecordBackward.apply(
@@ -347,12 +347,11 @@ class GraphSession(PipelineHooks, TurnHooks):
         return region.join_outputs(outs)
 
     def _recorded_backward(self, event: Event, grads: tuple = ()) -> None:
-        """Notes a backward of the recording iteration (``grads``: its incoming gradients), and hands the
-        memory eager freed up to here back to the device. Under an interleaved order the recording iteration
-        otherwise leaves blocks freed by one micro-batch (the loss head's logits) cached in pieces that later
-        allocations of other sizes cannot reuse, and reserves about that much more than it holds; the pools
-        captured next would then start above eager's peak. One device sync per region, in this one iteration."""
-        self._watch_backward_next(grads)
+        """Notes a backward of the recording iteration (``grads``: its incoming gradients), and hands the memory
+        eager freed up to here back to the device: else, under an interleaved order, blocks freed by one micro-batch
+        (the logits) stay cached in pieces other sizes cannot reuse, and the pools captured next start above eager's
+        peak. One device sync per region, in this one iteration."""
+        self._watch_backward_next(grads, event)
         self.recorder.event(event)
         torch.cuda.empty_cache()  # a no-op until CUDA is initialised (CPU recording)
 
@@ -375,6 +374,7 @@ class GraphSession(PipelineHooks, TurnHooks):
                 sink.mark_ready(ready, event)
             if waiting:
                 sink.add_event(waiting, event)
+        self._turn_after_backward()
         return dgrads
 
     def _advance(self, event: Event, region: GraphedRegion) -> None:
@@ -482,7 +482,7 @@ class GraphSession(PipelineHooks, TurnHooks):
             turn_pattern=watch.pattern if turn is not None else None,
         )
         if turn is not None:
-            self._turn = TurnRouter(self.backward_pool, *turn)
+            self._turn = TurnRouter(self.backward_pool, *turn, self._backward_turns(watch, plans[slot]))
         if self.config.cuda_graph_debug:
             for slot, plan in plans.items():
                 for position, tensors in capture_lib.poison_plan(plan, self.buffers[slot]).items():
@@ -576,7 +576,7 @@ class GraphSession(PipelineHooks, TurnHooks):
         if stage is not None and stage[1] > 1:
             line = line.replace("graph pool |", f"graph pool | pipeline rank: {stage[0]} of {stage[1]} |", 1)
         if self._turn is not None:
-            return f"{line} | eager turn in the backward pool"
+            return f"{line} | eager turns in the backward pool: {1 + len(self._turn.after_backward)}"
         shared = " (backward pool shared)" if self.backward_pool is not None else ""
         return line if len(self.pools) <= 1 else f"{line} | slots: {len(self.pools)}{shared}"
 

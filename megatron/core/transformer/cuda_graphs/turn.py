@@ -24,6 +24,17 @@ time:
   off, with a warning naming the ops, if anything does (a ``param.grad`` waiting for DDP's
   fold is the usual one: DDP folds on arrival while the turn is switched on). The first backward
   graph's static gradient inputs stay held: the turn's gradient is copied into them.
+* Between backward graphs, eager backward work (the eager MLP of an ``attn`` scope) turns too
+  (``MEGATRON_CG_EAGER_TURN=all``; ``1`` opens the first turn only): from right after a
+  backward graph, whose dgrads for eager code are copies in the eager cache, to the next
+  backward graph. The recording checks the same (nothing made in between is alive at the next
+  backward graph but the gradients handed to it), and two more things: a gradient handed to a
+  backward graph is dead once its region's input gradients are made (else autograd keeps it for
+  another use, which at replay would read it after the graph's temporaries overwrote it); and
+  no released buffer of the backward pool holds data over the gap (``Plan.released_across``: a
+  dgrad handed from one backward graph to the next). A gradient an eager turn hands to a graph is
+  copied into the graph's static input through a copy if the two overlap. Not where gradient
+  reduction overlaps the backward: its collectives run on a stream of their own.
 * The pool's memory is shared only if the backward graphs' temporaries are cut from the memory
   the turn uses; captured first, they are not, and the turn's tensors (the logits) grow the pool
   beside them. So the watch also notes the order in which the turn
@@ -53,13 +64,19 @@ from megatron.core.transformer.cuda_graphs.pool import (
 )
 
 ENV_SWITCH = "MEGATRON_CG_EAGER_TURN"
-"""``1`` turns the eager turn on. Off by default until its GPU tests (graphed == eager, bitwise, in
+"""``1`` turns the eager turn on, ``all`` the turns between backward graphs too. Off by default until its GPU tests (graphed == eager, bitwise, in
 every partial scope, and the memory tests) have run on a GPU: it routes eager allocations into
 graph memory, where a wrong lifetime would corrupt silently."""
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "0") == "1"
+    return os.environ.get(ENV_SWITCH, "0") in ("1", "all")
+
+
+def backward_turns_enabled() -> bool:
+    """``1`` opens the first turn only (before the first backward graph), ``all`` the turns between
+    backward graphs too (not yet run on a GPU)."""
+    return os.environ.get(ENV_SWITCH, "0") == "all"
 
 
 MIN_TURN_BYTES = 16 * 2**20
@@ -94,6 +111,14 @@ class TurnWatch(TorchDispatchMode):
         self._steps: list[int] = []  # of the turn in progress
         self._index: dict[int, int] = {}  # storage data_ptr -> its allocation's number (live ones)
         self._made = 0  # allocations in the turn in progress
+        # Turns between backward graphs (module docstring), named by the backward event they follow.
+        self.segment = None  # the backward event the turn in progress follows; None for the first turn
+        self.backward_clean: list = []  # backward events whose following turn ended with nothing alive
+        self.backward_escaped: list[str] = []
+        self.backward_peak = 0
+        self._handed: dict[int, str] = {}  # gradients handed to the last backward, still alive
+        self._handed_head = False  # ... handed by the first turn
+        self._region_done = False  # the last backward's region reported its input gradients
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -124,12 +149,14 @@ class TurnWatch(TorchDispatchMode):
             self.live_bytes -= entry[1]
             self._steps.append(-1 - self._index.pop(ptr))
 
-    def start(self) -> None:
-        """A forward graph ran: the turn, if this was the micro-batch's last, starts here."""
+    def start(self, segment=None) -> None:
+        """A forward graph ran (``segment`` None): the turn, if this was the micro-batch's last, starts
+        here. Or a backward graph ran (``segment``, its event): the turn up to the next one starts."""
         self.alive.clear()
         self._steps, self._index, self._made = [], {}, 0
         self.live_bytes = self.turn_peak = 0
         self.in_turn = self.tracking = True
+        self.segment = segment
 
     def pause(self) -> None:
         """The model's output is out: the loss is not part of the turn."""
@@ -141,21 +168,46 @@ class TurnWatch(TorchDispatchMode):
         if self.in_turn and self not in _get_current_dispatch_mode_stack():
             self.blind = True
 
-    def finish(self, inputs: tuple) -> None:
-        """The first backward graph is next: whatever the turn made and is still alive
-        (but the gradients handed to that graph, ``inputs``) escaped."""
-        if not self.in_turn:
-            return
-        handed = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
-        self.escaped += [what for ptr, (what, _) in self.alive.items() if ptr not in handed]
-        if self.blind:
-            self.escaped.append("unseen: the backward ran on a thread without this watch")
-        self.turns += 1
-        if self.turn_peak > self.peak_bytes:
-            self.peak_bytes, self.pattern = self.turn_peak, self._steps
+    def finish(self, inputs: tuple, event=None) -> None:
+        """The backward graph of ``event`` is next: whatever the turn made and is still alive (but
+        the gradients handed to that graph, ``inputs``) escaped. The turn after it starts here."""
+        handed = {t.untyped_storage().data_ptr(): t for t in inputs if isinstance(t, torch.Tensor)}
+        if self.in_turn:
+            escaped = [what for ptr, (what, _) in self.alive.items() if ptr not in handed]
+            if self.blind:
+                escaped.append("unseen: the backward ran on a thread without this watch")
+            if self.segment is None:
+                self.escaped += escaped
+                self.turns += 1
+                if self.turn_peak > self.peak_bytes:
+                    self.peak_bytes, self.pattern = self.turn_peak, self._steps
+            elif escaped:
+                self.backward_escaped += escaped
+            elif self._region_done:  # else what it handed on was never checked: no turn after it
+                self.backward_clean.append(self.segment)
+                self.backward_peak = max(self.backward_peak, self.turn_peak)
+        self._handed_head = self.in_turn and self.segment is None
+        self._region_done = False
+        self._handed = {}
+        for ptr, t in handed.items():
+            self._handed[ptr] = f"the gradient {tuple(t.shape)} {t.dtype} handed to a backward graph"
+            weakref.finalize(t.untyped_storage(), self._handed.pop, ptr, None)
         self.alive.clear()
         self.live_bytes = 0
         self.in_turn = self.tracking = self.blind = False
+        if event is not None:
+            self.start(event)  # its region's own backward is in this turn too, conservatively
+            self.resume()
+
+    def region_done(self, input_grads: tuple) -> None:
+        """The backward of the region whose graph was next has made its input gradients. A
+        gradient handed to it that is still alive and is none of them is kept by autograd for
+        another use: at replay that use would read it after the graph's temporaries overwrote it."""
+        kept = {t.untyped_storage().data_ptr() for t in input_grads if isinstance(t, torch.Tensor)}
+        stuck = [what for ptr, what in self._handed.items() if ptr not in kept]
+        (self.escaped if self._handed_head else self.backward_escaped).extend(stuck)
+        self._handed = {}
+        self._region_done = not stuck
 
     def verdict(self) -> tuple[bool, str | None]:
         """``(open the turn, why not)`` after the recording iteration."""
@@ -167,6 +219,16 @@ class TurnWatch(TorchDispatchMode):
                 "size more memory than eager."
             )
         return self.turns > 0 and self.peak_bytes >= MIN_TURN_BYTES, None
+
+    def backward_verdict(self) -> tuple[list, str | None]:
+        """``(backward events after which a turn may open, why none may)`` after the recording iteration."""
+        if self.backward_escaped:
+            listed = "; ".join(dict.fromkeys(self.backward_escaped))
+            return [], (
+                "CUDA graphs: the eager work between backward graphs leaves tensors alive past the next one "
+                f"({listed}), so it keeps the eager cache."
+            )
+        return list(self.backward_clean), None
 
 
 def shape_pool(pattern: list[int], pool: GraphPool, stream: torch.cuda.Stream) -> None:
@@ -194,12 +256,14 @@ class TurnRouter:
         pool: The backward graphs' pool.
         last_forward: Cycle position of the micro-batch's last forward graph.
         first_backward: Cycle position of its first backward graph.
+        after_backward: Cycle positions of backward graphs after which a turn opens, up to the next one.
     """
 
-    def __init__(self, pool: GraphPool, last_forward: int, first_backward: int):
+    def __init__(self, pool: GraphPool, last_forward: int, first_backward: int, after_backward=frozenset()):
         self.pool = pool
         self.last_forward = last_forward
         self.first_backward = first_backward
+        self.after_backward = frozenset(after_backward)
         self._thread: int | None = None  # the thread whose allocations go to the pool
 
     def open(self) -> None:
@@ -232,25 +296,35 @@ class TurnHooks:
     """The trainer's say: False for pipelines (no turn there) and MoE models, whose eager layers
     record per-layer statistics on logging iterations only (the recording iteration's watch could
     miss them)."""
+    backward_turns_allowed = True
+    """The trainer's say for the turns between backward graphs: False where gradient reduction
+    overlaps the backward (its collectives would allocate in the pool on their own stream)."""
 
     def watch_model_output(self, model: torch.nn.Module) -> None:
         """Marks where ``model``'s forward ends: the turn pauses there until its output's gradient arrives."""
         if enabled():
             self._output_hook = model.register_forward_hook(_OutputHook(self))
 
-    def _watch_forward_done(self) -> None:
-        """Recording before a capture: a forward region ran (the watch is pushed on the first,
-        and popped by the capture)."""
+    def _watch_forward_done(self, inputs=()) -> None:
+        """Recording before a capture: a forward region ran on ``inputs`` (the watch is pushed on the
+        first, and popped by the capture); the watch hears when their gradients are made."""
         if not self.captures_next:
             return
         if self._watch is None:
             self._watch = TurnWatch("cuda")
             self._watch.__enter__()
         self._watch.start()
+        inputs = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+        if inputs:
+            torch.autograd.graph.register_multi_grad_hook(inputs, self._region_backward_done)
 
-    def _watch_backward_next(self, grads: tuple) -> None:
+    def _watch_backward_next(self, grads: tuple, event=None) -> None:
         if self._watch is not None:
-            self._watch.finish(grads)
+            self._watch.finish(grads, event if backward_turns_enabled() and self.backward_turns_allowed else None)
+
+    def _region_backward_done(self, grads) -> None:
+        if self._watch is not None:
+            self._watch.region_done(tuple(grads))
 
     def _model_output(self, module, args, output):
         if not isinstance(output, torch.Tensor) or output.grad_fn is None:
@@ -292,9 +366,26 @@ class TurnHooks:
             self._turn.open()
 
     def _turn_before_backward(self) -> None:
-        """A backward graph replays next (the session's cursor is past it)."""
-        if self._turn is not None and self._positions[self.cursor - 1][1] == self._turn.first_backward:
+        """A backward graph replays next (the session's cursor is past it): a turn before it ends."""
+        if self._turn is not None:
             self._turn.close()
+
+    def _turn_after_backward(self) -> None:
+        """A backward graph replayed and its dgrads for eager code were copied out of the pool."""
+        if self._turn is not None and self._positions[self.cursor - 1][1] in self._turn.after_backward:
+            self._turn.open()
+
+    def _backward_turns(self, watch: TurnWatch, plan) -> frozenset[int]:
+        """Cycle positions of the backward graphs after which a turn may open: the recording saw the
+        eager work up to the next backward graph leave nothing alive, and no released buffer of the
+        backward pool holds data over that gap (``Plan.released_across``)."""
+        if not (backward_turns_enabled() and self.backward_turns_allowed):
+            return frozenset()
+        events, why = watch.backward_verdict()
+        if why is not None:
+            warnings.warn(why, stacklevel=4)
+        positions = {plan.position(e.phase, e.region) for e in events}
+        return frozenset(p for p in positions if not plan.released_across(p, ("grad_input", "grad_output")))
 
     def _close_turn(self) -> None:
         if self._turn is not None:

@@ -112,6 +112,49 @@ def test_watch_sees_a_waiting_param_grad_unless_ddp_folds_on_arrival():
         assert torch.equal(a, b)
 
 
+def test_turns_between_backward_graphs_are_clean_only_when_checked_and_nothing_outlives_them():
+    """After a backward graph (``finish`` with its event) the next turn starts. It counts as clean
+    when nothing made in it outlives it and the gradients handed to the graph were dead once the
+    region's input gradients were made (``region_done``); a gradient autograd keeps for another use
+    would be overwritten by the graph's temporaries at replay."""
+    b1, b0 = Event(BWD, 1), Event(BWD, 0)
+    x = torch.randn(16, 16)
+    with TurnWatch("cpu") as watch:
+        handed = x * 2
+        watch.finish((handed,), b1)
+        dgrad = handed + 1  # the region's own backward, in the turn after it
+        del handed
+        watch.region_done((dgrad,))
+        tmp = dgrad * 3  # the eager work up to the next graph
+        nxt = tmp + 1
+        del tmp, dgrad
+        watch.finish((nxt,), b0)
+    assert watch.backward_clean == [b1] and watch.backward_escaped == []
+    assert watch.backward_verdict() == ([b1], None)
+
+    with TurnWatch("cpu") as watch:
+        handed = x * 2
+        watch.finish((handed,), b1)
+        watch.region_done((x + 1,))  # handed is still alive: autograd keeps it for another use
+        watch.finish((), b0)
+    assert watch.backward_clean == [] and "handed to a backward graph" in watch.backward_escaped[0]
+    events, why = watch.backward_verdict()
+    assert events == [] and "between backward graphs" in why
+
+    with TurnWatch("cpu") as watch:
+        watch.finish((x * 2,), b1)
+        kept = x * 3  # outlives the turn
+        watch.region_done(())
+        watch.finish((), b0)
+    assert watch.backward_clean == [] and watch.backward_escaped[0].startswith("aten.mul")
+    assert kept.shape == x.shape
+
+    with TurnWatch("cpu") as watch:
+        watch.finish((x * 2,), b1)
+        watch.finish((), b0)  # no region_done: what it was handed was never checked
+    assert watch.backward_clean == [] and watch.backward_escaped == []
+
+
 class FakeSession(TurnHooks):
     pass
 
@@ -178,7 +221,7 @@ def test_recording_watches_the_turn_of_a_real_session(scope, fold, monkeypatch):
     from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    monkeypatch.setenv(turn.ENV_SWITCH, "1")
+    monkeypatch.setenv(turn.ENV_SWITCH, "all")
     monkeypatch.setattr(turn.TurnHooks, "captures_next", True)
     monkeypatch.setattr(turn, "TurnWatch", CpuWatch)
     config = TransformerConfig(
@@ -215,6 +258,16 @@ def test_recording_watches_the_turn_of_a_real_session(scope, fold, monkeypatch):
         assert (session._decide_turn(watch, cycles, True) is not None) == head_eager
     else:
         assert watch.escaped and not watch.verdict()[0]
+    # Between backward graphs: with `attn`, layer 1's attention backward is followed by layer 0's
+    # eager MLP backward, a turn; with whole layers one graph hands its dgrad to the next.
+    plan = session.make_plans()[0]
+    positions = session._backward_turns(watch, plan)
+    if not head_eager:
+        assert positions == frozenset()
+    elif fold:
+        assert watch.backward_escaped == [] and positions == {plan.position(BWD, session.regions[1].index)}
+    else:  # layer 0's MLP weights wait in param.grad
+        assert watch.backward_escaped and positions == frozenset()
 
 
 class CpuWatch(TurnWatch):
@@ -222,3 +275,14 @@ class CpuWatch(TurnWatch):
 
     def __init__(self, device_type: str):
         super().__init__("cpu")
+
+
+def test_a_gradient_overlapping_a_static_input_is_seen():
+    """A turn's gradient may sit partly in a released static gradient input's block: the replay then
+    copies it through a clone (region._overlaps), not in place over itself."""
+    from megatron.core.transformer.cuda_graphs.region import _overlaps
+
+    block = torch.zeros(64)
+    static = block[:32]  # views share their base's storage: compared by storage
+    assert _overlaps(block[16:48], static) and _overlaps(static, block)
+    assert not _overlaps(torch.zeros(32), static)
