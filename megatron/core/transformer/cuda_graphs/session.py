@@ -333,7 +333,7 @@ class GraphSession(PipelineHooks, TurnHooks):
             )
         outs = region.note_call(args, region.fn(*args))
         self.recorder.event(Event(FWD, region.index, slot))
-        self._watch_forward_done(args if region.has_backward else ())
+        self._watch_forward_done(Event(BWD, region.index, slot), args if region.has_backward else ())
         if region.has_backward:
             idx = [j for j, rg in enumerate(region.output_requires_grad) if rg]
             wrapped = RecordBackward.apply(

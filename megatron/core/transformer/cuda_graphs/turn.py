@@ -46,6 +46,7 @@ time:
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import warnings
@@ -95,9 +96,10 @@ class TurnWatch(TorchDispatchMode):
         device_type: Storages of this device type count (the pool's memory).
     """
 
-    def __init__(self, device_type: str):
+    def __init__(self, device_type: str, between_backward: bool = False):
         super().__init__()
         self.device_type = device_type
+        self.between_backward = between_backward  # watch the turns between backward graphs too
         self.tracking = False
         self.in_turn = False
         self.alive: dict[int, tuple[str, int]] = {}  # storage data_ptr -> (what made it, bytes)
@@ -119,6 +121,7 @@ class TurnWatch(TorchDispatchMode):
         self._handed: dict[int, str] = {}  # gradients handed to the last backward, still alive
         self._handed_head = False  # ... handed by the first turn
         self._region_done = False  # the last backward's region reported its input gradients
+        self._expect = None  # the backward event whose region reports next
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -187,7 +190,7 @@ class TurnWatch(TorchDispatchMode):
                 self.backward_clean.append(self.segment)
                 self.backward_peak = max(self.backward_peak, self.turn_peak)
         self._handed_head = self.in_turn and self.segment is None
-        self._region_done = False
+        self._region_done, self._expect = False, event
         self._handed = {}
         for ptr, t in handed.items():
             self._handed[ptr] = f"the gradient {tuple(t.shape)} {t.dtype} handed to a backward graph"
@@ -195,14 +198,17 @@ class TurnWatch(TorchDispatchMode):
         self.alive.clear()
         self.live_bytes = 0
         self.in_turn = self.tracking = self.blind = False
-        if event is not None:
+        if self.between_backward and event is not None:
             self.start(event)  # its region's own backward is in this turn too, conservatively
             self.resume()
 
-    def region_done(self, input_grads: tuple) -> None:
-        """The backward of the region whose graph was next has made its input gradients. A
-        gradient handed to it that is still alive and is none of them is kept by autograd for
-        another use: at replay that use would read it after the graph's temporaries overwrote it."""
+    def region_done(self, event, input_grads: tuple) -> None:
+        """The backward of ``event``'s region has made its input gradients. A gradient handed to it
+        that is still alive and is none of them is kept by autograd for another use: at replay that
+        use would read it after the graph's temporaries overwrote it."""
+        if event != self._expect:  # complete only after a later backward: its inputs have eager readers
+            self.backward_escaped.append(f"the input gradients of region {event.region} came late")
+            return
         kept = {t.untyped_storage().data_ptr() for t in input_grads if isinstance(t, torch.Tensor)}
         stuck = [what for ptr, what in self._handed.items() if ptr not in kept]
         (self.escaped if self._handed_head else self.backward_escaped).extend(stuck)
@@ -305,26 +311,29 @@ class TurnHooks:
         if enabled():
             self._output_hook = model.register_forward_hook(_OutputHook(self))
 
-    def _watch_forward_done(self, inputs=()) -> None:
+    def _watch_forward_done(self, backward, inputs=()) -> None:
         """Recording before a capture: a forward region ran on ``inputs`` (the watch is pushed on the
-        first, and popped by the capture); the watch hears when their gradients are made."""
+        first, and popped by the capture); the watch hears when their gradients are made, after the
+        region's ``backward`` event."""
         if not self.captures_next:
             return
         if self._watch is None:
-            self._watch = TurnWatch("cuda")
+            self._watch = TurnWatch("cuda", backward_turns_enabled() and self.backward_turns_allowed)
             self._watch.__enter__()
         self._watch.start()
         inputs = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
         if inputs:
-            torch.autograd.graph.register_multi_grad_hook(inputs, self._region_backward_done)
+            torch.autograd.graph.register_multi_grad_hook(
+                inputs, functools.partial(self._region_backward_done, backward)
+            )
 
     def _watch_backward_next(self, grads: tuple, event=None) -> None:
         if self._watch is not None:
-            self._watch.finish(grads, event if backward_turns_enabled() and self.backward_turns_allowed else None)
+            self._watch.finish(grads, event)
 
-    def _region_backward_done(self, grads) -> None:
+    def _region_backward_done(self, backward, grads) -> None:
         if self._watch is not None:
-            self._watch.region_done(tuple(grads))
+            self._watch.region_done(backward, tuple(grads))
 
     def _model_output(self, module, args, output):
         if not isinstance(output, torch.Tensor) or output.grad_fn is None:

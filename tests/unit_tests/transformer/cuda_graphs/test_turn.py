@@ -119,12 +119,12 @@ def test_turns_between_backward_graphs_are_clean_only_when_checked_and_nothing_o
     would be overwritten by the graph's temporaries at replay."""
     b1, b0 = Event(BWD, 1), Event(BWD, 0)
     x = torch.randn(16, 16)
-    with TurnWatch("cpu") as watch:
+    with TurnWatch("cpu", between_backward=True) as watch:
         handed = x * 2
         watch.finish((handed,), b1)
         dgrad = handed + 1  # the region's own backward, in the turn after it
         del handed
-        watch.region_done((dgrad,))
+        watch.region_done(b1, (dgrad,))
         tmp = dgrad * 3  # the eager work up to the next graph
         nxt = tmp + 1
         del tmp, dgrad
@@ -132,27 +132,28 @@ def test_turns_between_backward_graphs_are_clean_only_when_checked_and_nothing_o
     assert watch.backward_clean == [b1] and watch.backward_escaped == []
     assert watch.backward_verdict() == ([b1], None)
 
-    with TurnWatch("cpu") as watch:
+    with TurnWatch("cpu", between_backward=True) as watch:
         handed = x * 2
         watch.finish((handed,), b1)
-        watch.region_done((x + 1,))  # handed is still alive: autograd keeps it for another use
+        watch.region_done(b1, (x + 1,))  # handed is still alive: autograd keeps it for another use
         watch.finish((), b0)
     assert watch.backward_clean == [] and "handed to a backward graph" in watch.backward_escaped[0]
     events, why = watch.backward_verdict()
     assert events == [] and "between backward graphs" in why
 
-    with TurnWatch("cpu") as watch:
+    with TurnWatch("cpu", between_backward=True) as watch:
         watch.finish((x * 2,), b1)
         kept = x * 3  # outlives the turn
-        watch.region_done(())
+        watch.region_done(b1, ())
         watch.finish((), b0)
     assert watch.backward_clean == [] and watch.backward_escaped[0].startswith("aten.mul")
     assert kept.shape == x.shape
 
-    with TurnWatch("cpu") as watch:
+    with TurnWatch("cpu", between_backward=True) as watch:
         watch.finish((x * 2,), b1)
         watch.finish((), b0)  # no region_done: what it was handed was never checked
-    assert watch.backward_clean == [] and watch.backward_escaped == []
+        watch.region_done(b1, ())  # and one that comes after the next backward graph is too late
+    assert watch.backward_clean == [] and watch.backward_escaped == ["the input gradients of region 1 came late"]
 
 
 class FakeSession(TurnHooks):
@@ -273,8 +274,8 @@ def test_recording_watches_the_turn_of_a_real_session(scope, fold, monkeypatch):
 class CpuWatch(TurnWatch):
     """The session's watch counts CUDA storages; on the CPU, the CPU's."""
 
-    def __init__(self, device_type: str):
-        super().__init__("cpu")
+    def __init__(self, device_type: str, between_backward: bool = False):
+        super().__init__("cpu", between_backward)
 
 
 def test_a_gradient_overlapping_a_static_input_is_seen():
