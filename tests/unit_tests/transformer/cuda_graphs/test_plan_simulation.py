@@ -114,17 +114,19 @@ def simulate_capture(
     return block, temps
 
 
-def replay(cycle, regions, plan, block, temps, saves_inputs, cycles=2, comm=()):
+def replay(cycle, regions, plan, block, temps, saves_inputs, cycles=2, comm=(), turns=None):
     """Writes/reads block contents in replay order; returns the reads that saw wrong data.
 
     ``comm``: buffers a communication op reads (instead of eager code) until it is waited
     on, right before the event ``until`` names.
     """
-    return replay_iteration(list(cycle), regions, {0: (cycle, plan, block, temps)}, saves_inputs, cycles, comm)
+    return replay_iteration(
+        list(cycle), regions, {0: (cycle, plan, block, temps)}, saves_inputs, cycles, comm, turns=turns
+    )
 
 
 def replay_iteration(
-    order, regions, slots, saves_inputs, iterations=2, comm=(), recv=(), recv_early=False, late_wait=False
+    order, regions, slots, saves_inputs, iterations=2, comm=(), recv=(), recv_early=False, late_wait=False, turns=None
 ):
     """``replay`` over a recorded iteration that mixes micro-batch slots.
 
@@ -142,6 +144,9 @@ def replay_iteration(
     posted (for the slot's next run) right after the slot's previous micro-batch finished
     its run, or with ``recv_early`` right before that run's last event (a schedule that
     receives early).
+    ``turns``: ``(positions, blocks)``: eager code after each of those cycle positions
+    allocates in a pool and writes every one of ``blocks`` (its free blocks after capture),
+    as the eager turns between backward graphs may.
     """
     sent_late = {c.key for c in comm if c.until is None}
     sent = {c.key for c in comm}
@@ -238,6 +243,9 @@ def replay_iteration(
                 if producer(key) == (e.phase, e.region):
                     sent_gen[s, key] = gen[s]
             at[s] = pos
+            if turns is not None and pos in turns[0]:
+                for b in turns[1]:
+                    content[b] = ("turn", s, pos)
             # Eager code between graphs: every region output is read by eager consumers
             # (final norm, eager MLP, logging) until the producer's backward runs.
             for t, p in at.items():
@@ -367,3 +375,24 @@ def test_send_ignored_by_the_plan_is_caught():
     plan.buffers[("grad_input", 2, 0)].copy_out = False  # ... which reads the buffer itself
     block, temps = simulate_capture(cycle, regions, plan, saves_inputs=False, runner_holds=False)
     assert replay(cycle, regions, plan, block, temps, saves_inputs=False, comm=comm) != []
+
+
+@pytest.mark.parametrize("case", ["layers with hand-offs", "sub-layer regions with eager between"])
+def test_eager_turns_between_backward_graphs_write_only_dead_blocks(case):
+    """The eager turns between backward graphs allocate in the backward pool and may get any block
+    free after capture: with a turn after each backward position ``Plan.released_across`` leaves,
+    no read sees a turn's data; with one after every backward graph, a dgrad handed from one
+    backward graph to the next is overwritten."""
+    cycle, regions = CASES[case]
+    plan = build_plan(cycle, regions)
+    bpool = Pool(first_block=1000)
+    block, temps = simulate_capture(cycle, regions, plan, True, pool=Pool(), backward_pool=bpool)
+    free = list(bpool.free)
+    gaps = [p for p, e in enumerate(cycle) if e.phase == BWD][:-1]
+    safe = {p for p in gaps if not plan.released_across(p, ("grad_input", "grad_output"))}
+    assert replay(cycle, regions, plan, block, temps, True, turns=(safe, free)) == []
+    if case == "layers with hand-offs":
+        assert safe == set()
+        assert replay(cycle, regions, plan, block, temps, True, turns=(set(gaps), free)) != []
+    else:
+        assert safe == set(gaps) and free  # every gap turns, over real free blocks
