@@ -47,6 +47,15 @@ class DataConfig(Freezable):
     """Restart the position ids at 0 after each end-of-document token (they feed learned absolute position
     embeddings; rotary embeddings count positions within the sequence)."""
 
+    reset_attention_mask: bool = False
+    """Attention stays within documents: no token attends across an end-of-document token (Megatron's
+    document mask, built by the data loader; attention then runs with an explicit mask, not the causal
+    flash kernel)."""
+
+    create_attention_mask_in_dataloader: bool = flag_field(True, flag="--no-create-attention-mask-in-dataloader")
+    """The data loader builds the attention mask (Megatron's default). Only --reset-attention-mask needs one here;
+    with --no-create-attention-mask-in-dataloader Megatron ignores --reset-attention-mask, so the pair is refused."""
+
     eod_mask_loss: bool = False
     """Mask the loss at end-of-document tokens (the next-token target after one is not counted)."""
 
@@ -209,3 +218,23 @@ class DataConfig(Freezable):
             "--data-path (with --split) and the per-split paths (--train-data-path, --valid-data-path, "
             "--test-data-path) cannot both be set; give one.",
         )
+
+
+def validate_document_mask(cfg) -> None:
+    """--reset-attention-mask's rules (``cfg``: the run config): the mask comes from the data loader and
+    reaches the softmax attention of one pipeline stage's GPT layers."""
+    if not cfg.data.reset_attention_mask:
+        return
+    require(
+        cfg.data.create_attention_mask_in_dataloader,
+        "--reset-attention-mask with --no-create-attention-mask-in-dataloader: the document mask is built by the "
+        "data loader, and Megatron then leaves --reset-attention-mask without effect. Drop one of them.",
+    )
+    unsupported = {
+        "--pipeline-model-parallel-size > 1": cfg.parallel.pipeline_model_parallel_size > 1,
+        "--hybrid-layer-pattern": cfg.mamba.hybrid_layer_pattern is not None,
+        f"--softmax-type {cfg.model.softmax_type}": cfg.model.softmax_type != "vanilla",
+        "gated delta net layers (--linear-attention-freq)": bool(getattr(cfg.linear_attention, "enabled", False)),
+    }
+    for what, used in unsupported.items():
+        require(not used, f"--reset-attention-mask with {what} is not supported yet; drop one of them.")

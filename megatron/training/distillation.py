@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.config_utils import Freezable, flag_field, require
+from megatron.core.models.gpt.loss import mask_kwargs
 from megatron.core.pipeline_parallel.schedules import NUM_TOKENS
 
 LM_LOSS, TOTAL_LOSS = "lm loss", "total loss"
@@ -375,7 +376,7 @@ class Distiller:
         def distill_step(batch, model):
             self._seen.clear()
             with torch.no_grad():
-                self.teacher(batch["tokens"], batch["position_ids"], batch["labels"])
+                self.teacher(batch["tokens"], batch["position_ids"], batch["labels"], **mask_kwargs(batch))
             lm, metrics = forward_step(batch, model)
             try:
                 return self._losses(lm, metrics, batch["loss_mask"], training=model.training)

@@ -70,7 +70,7 @@ _SWITCHES = set(
         --no-yarn-correction-range-round-to-int --one-logger-async --openai-gelu --optimizer-cpu-offload
         --optimizer-cuda-graph --otel-enabled --output-bert-embeddings --overlap-cpu-optimizer-d2h-h2d
         --overlap-dispatch-backward-with-experts-wgrad --qk-clip --qk-l2-norm --replication
-        --reset-attention-mask --retriever-score-scaling --rl-durable-rollout-bank
+        --retriever-score-scaling --rl-durable-rollout-bank
         --rl-inference-logprobs-is-correction --rl-offload-inference-model-weights-when-idle
         --rl-persist-cuda-graphs --rl-profile --rl-skip-bos-token --rl-training-cuda-graphs
         --rl-verify-model-weights-swap --run-workload-inspector-server --skip-train
@@ -318,8 +318,8 @@ _NOT_YET = {
     ("a YAML file of arguments", "pass the flags on the command line"): """
         --yaml-cfg
     """,
-    ("document-boundary attention and position resets", "drop the flag"): """
-        --reset-attention-mask --dataloader-inter-document-masking
+    ("the data loader's masking between documents of a packed batch", "drop the flag"): """
+        --dataloader-inter-document-masking
     """,
     ("other activations and position encodings", "drop the flag"): """
         --fp32-residual-connection --init-method-xavier-uniform --qk-clip --qk-clip-alpha --qk-clip-threshold

@@ -224,9 +224,6 @@ KNOWN_MEGATRON_FLAGS: dict[str, KnownFlag] = {
         VALUE, "Megatron's tokenizers no longer read it (it gave the removed legacy T5/BERT tokenizers sentinel ids)"
     ),
     "--no-mmap-bin-files": noop(SWITCH, "reads .bin files with or without mmap give the same bytes"),
-    "--no-create-attention-mask-in-dataloader": noop(
-        SWITCH, "no attention mask is built here anyway; attention is causal in the kernel"
-    ),
     "--disable-gloo-process-groups": noop(SWITCH, "no gloo side groups are made with NCCL here"),
     "--check-weight-hash-across-dp-replicas-interval": noop(VALUE, "a consistency check of replicas; no value changes"),
     "--empty-unused-memory-level": noop(VALUE, "torch.cuda.empty_cache calls; no value changes"),

@@ -38,7 +38,7 @@ from megatron.training.config import (
     PrecisionConfig,
     TrainingConfig,
 )
-from megatron.training.data_config import DataConfig
+from megatron.training.data_config import DataConfig, validate_document_mask
 from megatron.training.distillation import DistillationConfig
 from megatron.training.profiling import ProfilingConfig
 
@@ -236,6 +236,7 @@ class RunConfig(Freezable):
         )
         self.batch_schedule.validate()
         validate_fim_config(self.data)
+        validate_document_mask(self)
         require(
             t.error_injection_rate >= 0,
             f"--error-injection-rate must be >= 0, got {t.error_injection_rate} (0 turns injection off).",

@@ -165,6 +165,7 @@ def build_train_valid_test_datasets(
         fim=fim,
         pad=pad_id_to_mask(tokenizer, bool(getattr(data_config, "allow_ambiguous_pad_tokens", False))),
         reset_position_ids=bool(getattr(data_config, "reset_position_ids", False)),
+        reset_attention_mask=bool(getattr(data_config, "reset_attention_mask", False)),
     )
     wanted = [n if n else 0 for n in num_samples]
 

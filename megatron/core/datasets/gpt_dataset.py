@@ -149,6 +149,9 @@ class GPTDataset(torch.utils.data.Dataset):
             its loss is zeroed, and the id is replaced by 0 in tokens and labels.
         reset_position_ids: Positions count again from 0 after each end-of-document input token
             (``--reset-position-ids``; read by learned absolute position embeddings).
+        reset_attention_mask: Each item also holds ``attention_mask`` bool ``[1, s, s]``, True where
+            query i may attend key j: ``j <= i`` within one document (``--reset-attention-mask``;
+            Megatron's document mask: no token attends across an end-of-document input token).
 
     Each item is a dict of tensors: ``tokens`` int64 [s], ``labels`` int64 [s] (tokens
     shifted by one), ``loss_mask`` float32 [s], ``position_ids`` int64 [s].
@@ -171,6 +174,7 @@ class GPTDataset(torch.utils.data.Dataset):
         fim=None,
         pad: int | None = None,
         reset_position_ids: bool = False,
+        reset_attention_mask: bool = False,
     ):
         if seq_length < 1:
             raise ValueError(f"--seq-length must be >= 1, got {seq_length}.")
@@ -187,6 +191,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.fim = fim
         self.pad = pad
         self.reset_position_ids = reset_position_ids
+        self.reset_attention_mask = reset_attention_mask
         if len(self.documents) == 0:
             raise ValueError(
                 f"the {split_name} split of {path_prefix or 'the mock data'} has no documents; "
@@ -273,7 +278,19 @@ class GPTDataset(torch.utils.data.Dataset):
             after_eod = torch.zeros_like(positions)
             after_eod[1:] = torch.where(tokens[:-1] == self.eod, positions[1:], 0)
             positions -= torch.cummax(after_eod, dim=0).values
-        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": positions}
+        item = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": positions}
+        if self.reset_attention_mask:
+            item["attention_mask"] = document_mask(tokens, self.eod)
+        return item
+
+
+def document_mask(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """``[1, s, s]`` bool for ``tokens [s]``: True where query i may attend key j, ``j <= i`` and no
+    end-of-document token at a position in ``[j, i)`` (Megatron's ``--reset-attention-mask``)."""
+    doc = torch.zeros_like(tokens)
+    doc[1:] = torch.cumsum(tokens[:-1] == eod, dim=0)  # documents started before each position
+    causal = torch.ones(len(tokens), len(tokens), dtype=torch.bool).tril_()
+    return (causal & (doc.unsqueeze(1) == doc.unsqueeze(0))).unsqueeze(0)
 
 
 def _md5(array: np.ndarray) -> str:

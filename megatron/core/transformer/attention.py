@@ -142,13 +142,18 @@ class SelfAttention(torch.nn.Module):
         )
 
     def forward(
-        self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None
+        self,
+        hidden_states: torch.Tensor,
+        rotary_pos_emb: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attends causally over the sequence.
+        """Attends causally over the sequence (or where ``attention_mask`` allows).
 
         Args:
             hidden_states: ``[s, b, h]``.
             rotary_pos_emb: ``freqs [s, 1, 1, rot_dim]`` from ``RotaryEmbedding`` or None.
+            attention_mask: bool ``[b, 1, s, s]``, True where query i may attend key j (the
+                document mask of ``--reset-attention-mask``), or None: causal.
 
         Returns:
             ``(output [s, b, h], None)``: the output projection adds its bias in the
@@ -176,10 +181,12 @@ class SelfAttention(torch.nn.Module):
         q, k, v = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, n, s, d] views
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             # Selective recompute: keep q, k, v, recompute the attention in backward (same RNG state).
-            context = torch.utils.checkpoint.checkpoint(self._core_attention, q, k, v, use_reentrant=False)
+            context = torch.utils.checkpoint.checkpoint(
+                self._core_attention, q, k, v, attention_mask, use_reentrant=False
+            )
         else:
             with self.offload.scope("core_attn", self.training):
-                context = self._core_attention(q, k, v)  # [b, n, s, d]
+                context = self._core_attention(q, k, v, attention_mask)  # [b, n, s, d]
         context = context.permute(2, 0, 1, 3)  # [s, b, n, d]
         if gate is not None:
             fp32 = torch.promote_types(context.dtype, torch.float32)  # at least float32
@@ -187,8 +194,11 @@ class SelfAttention(torch.nn.Module):
         with self.offload.scope("attn_proj", self.training):
             return self.linear_proj(context.reshape(s, b, n * d))
 
-    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """SDPA on ``[b, n, s, d]`` q, k, v with the kernels --attention-backend allows.
+    def _core_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """SDPA on ``[b, n, s, d]`` q, k, v with the kernels --attention-backend allows, causal or
+        where ``attention_mask`` (bool ``[b, 1, s, s]``) allows.
 
         Dropout on this rank's heads draws from the per-TP-rank RNG state at TP > 1.
         """
@@ -199,11 +209,12 @@ class SelfAttention(torch.nn.Module):
                 return sink_attention(
                     q, k, v, self._sink(q), scale=self.softmax_scale, window_left=self.window_left, dropout_p=dropout_p
                 )
-        mask = None
+        mask = attention_mask
         if self.window_left is not None:
-            mask = self._window_mask(q.shape[2], q.device)
-            if backends is not None:  # flash kernels take no mask: the backend's others, else the math kernel
-                backends = tuple(b for b in backends if b != SDPBackend.FLASH_ATTENTION) or (SDPBackend.MATH,)
+            window = self._window_mask(q.shape[2], q.device)
+            mask = window if mask is None else mask & window
+        if mask is not None and backends is not None:  # flash kernels take no mask: the others, else math
+            backends = tuple(b for b in backends if b != SDPBackend.FLASH_ATTENTION) or (SDPBackend.MATH,)
         with (
             contextlib.nullcontext() if backends is None else sdpa_kernel(list(backends)),
             fork_if(dropout_p > 0.0 and self.tp_size > 1),

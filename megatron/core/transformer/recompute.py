@@ -40,9 +40,10 @@ SELECTIVE_MODULES = ("core_attn", "moe_act", "layernorm", "mlp", "moe", "shared_
 """``--recompute-modules`` values this trainer implements (Megatron's, less MLA, GatedDeltaNet/Product and mHC)."""
 
 
-def _run_chunk(layers, hidden_states, rotary_pos_emb):
+def _run_chunk(layers, hidden_states, rotary_pos_emb, attention_mask=None):
+    masked = {} if attention_mask is None else {"attention_mask": attention_mask}  # GPT layers take a mask
     for layer in layers:
-        hidden_states = layer(hidden_states, rotary_pos_emb=rotary_pos_emb)
+        hidden_states = layer(hidden_states, rotary_pos_emb=rotary_pos_emb, **masked)
     return hidden_states
 
 
@@ -59,18 +60,18 @@ def recomputed_chunks(config, num_layers: int) -> list[tuple[int, int, bool]]:
     return chunks
 
 
-def run_layers(layers, hidden_states: torch.Tensor, rotary_pos_emb, config) -> torch.Tensor:
+def run_layers(layers, hidden_states: torch.Tensor, rotary_pos_emb, config, attention_mask=None) -> torch.Tensor:
     """Runs ``layers`` (a ``ModuleList``) in order, recomputing as the config asks."""
     if not (torch.is_grad_enabled() and layers.training) or getattr(config, "recompute_granularity", None) != "full":
-        return _run_chunk(layers, hidden_states, rotary_pos_emb)
+        return _run_chunk(layers, hidden_states, rotary_pos_emb, attention_mask)
     for start, end, recompute in recomputed_chunks(config, len(layers)):
         chunk = layers[start:end]
         if recompute:
             hidden_states = torch.utils.checkpoint.checkpoint(
-                _run_chunk, chunk, hidden_states, rotary_pos_emb, use_reentrant=False
+                _run_chunk, chunk, hidden_states, rotary_pos_emb, attention_mask, use_reentrant=False
             )
         else:
-            hidden_states = _run_chunk(chunk, hidden_states, rotary_pos_emb)
+            hidden_states = _run_chunk(chunk, hidden_states, rotary_pos_emb, attention_mask)
     return hidden_states
 
 

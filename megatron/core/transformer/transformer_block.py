@@ -69,14 +69,20 @@ class TransformerBlock(torch.nn.Module):
         return list(self.layers)
 
     def forward(
-        self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None, *, final_norm: bool = True
+        self,
+        hidden_states: torch.Tensor,
+        rotary_pos_emb: torch.Tensor | None = None,
+        *,
+        final_norm: bool = True,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``.
 
         ``final_norm=False`` leaves ``final_layernorm`` to the caller (the GPT model
         applies it inside its loss head, so the head is one graphable region).
+        ``attention_mask``: bool ``[b, 1, s, s]``, True where attention is allowed, or None (causal).
         """
-        hidden_states = run_layers(self.layers, hidden_states, rotary_pos_emb, self.config)  # recompute.py
+        hidden_states = run_layers(self.layers, hidden_states, rotary_pos_emb, self.config, attention_mask)
         if final_norm and self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states

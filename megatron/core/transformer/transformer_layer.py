@@ -87,12 +87,20 @@ class TransformerLayer(torch.nn.Module):
     def _readers(discarder: OutputDiscarder | None):
         return contextlib.nullcontext() if discarder is None else discarder.hooks()
 
-    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        rotary_pos_emb: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``."""
-        return self._forward_mlp(self._forward_attention(hidden_states, rotary_pos_emb))
+        return self._forward_mlp(self._forward_attention(hidden_states, rotary_pos_emb, attention_mask))
 
     def _forward_attention(
-        self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None
+        self,
+        hidden_states: torch.Tensor,
+        rotary_pos_emb: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention region: norm -> self-attention -> bias-dropout-add onto the residual."""
         assert rotary_pos_emb is not None or not self.uses_rope, "a RoPE model must pass rotary_pos_emb"
@@ -100,7 +108,7 @@ class TransformerLayer(torch.nn.Module):
         with self._readers(discarder):
             with self.offload.scope("attn_norm", self.training):
                 ln_out = self._norm(self.input_layernorm, hidden_states, discarder)
-            out, bias = self.self_attention(ln_out, rotary_pos_emb=rotary_pos_emb)
+            out, bias = self.self_attention(ln_out, rotary_pos_emb=rotary_pos_emb, attention_mask=attention_mask)
         return self._bias_dropout_add(out, bias, hidden_states)
 
     def _forward_mlp(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -268,3 +268,20 @@ def test_reset_position_ids_counts_again_after_each_end_of_document(tmp_path):
     assert positions == want and EOD in tokens[:-1]
     plain = GPTDataset(low, np.arange(3), 1, **common)[0]
     assert plain["position_ids"].tolist() == list(range(10)) and torch.equal(plain["tokens"], item["tokens"])
+
+
+def test_reset_attention_mask_keeps_attention_within_documents(tmp_path):
+    """Megatron's loop: start causal, then for each end-of-document input token at i, the queries
+    after it lose the keys up to and including it. Without the flag there is no mask at all."""
+    docs = [np.array([5, 6, EOD]), np.array([7, 8, 9, EOD]), np.array([4, 4, 4, 4, 4])]
+    low = write(str(tmp_path / "mask"), docs)
+    common = dict(seq_length=10, seed=0, eod=EOD, cache_dir=str(tmp_path / "c"))
+    item = GPTDataset(low, np.arange(3), 1, reset_attention_mask=True, **common)[0]
+    tokens = item["tokens"].tolist()
+    want = torch.ones(10, 10).tril()
+    for i, t in enumerate(tokens):
+        if t == EOD:
+            want[i + 1 :, : i + 1] = 0
+    assert item["attention_mask"].shape == (1, 10, 10) and item["attention_mask"].dtype == torch.bool
+    assert torch.equal(item["attention_mask"][0], want.bool()) and EOD in tokens[:-1]
+    assert "attention_mask" not in GPTDataset(low, np.arange(3), 1, **common)[0]

@@ -253,6 +253,7 @@ class GPTModel(torch.nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Runs the model (or this pipeline stage of it).
 
@@ -261,6 +262,8 @@ class GPTModel(torch.nn.Module):
             position_ids: ``[b, s]`` positions for the learned table (default ``0..s-1``);
                 ignored by RoPE, which always uses ``0..s-1``.
             labels: ``[b, s]`` next-token targets, or None.
+            attention_mask: bool ``[b, 1, s, s]``, True where query i may attend key j
+                (``--reset-attention-mask``'s document mask), or None: causal.
 
         Returns:
             ``logits [b, s, vocab]`` when ``labels`` is None, else the unreduced fp32
@@ -276,7 +279,8 @@ class GPTModel(torch.nn.Module):
         rotary_pos_emb = None
         if self.rotary_pos_emb is not None:
             rotary_pos_emb = self.rotary_pos_emb(seq_len, hidden_states.device)  # cached: same tensor every step
-        hidden_states = self.decoder(hidden_states, rotary_pos_emb=rotary_pos_emb, final_norm=False)
+        masked = {} if attention_mask is None else {"attention_mask": attention_mask}  # a stack without masks too
+        hidden_states = self.decoder(hidden_states, rotary_pos_emb=rotary_pos_emb, final_norm=False, **masked)
         if not self.post_process:
             return hidden_states
         return self._postprocess(hidden_states, labels)

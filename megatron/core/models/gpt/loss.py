@@ -27,8 +27,14 @@ def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> t
     return loss, num_tokens
 
 
+def mask_kwargs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{"attention_mask": ...}`` when the batch holds one (``--reset-attention-mask``), else nothing, so
+    models without the argument (hybrid, a pipeline's last chunk) are called as before."""
+    return {"attention_mask": batch["attention_mask"]} if "attention_mask" in batch else {}
+
+
 def gpt_forward_step(batch: dict[str, torch.Tensor], model: torch.nn.Module) -> tuple[torch.Tensor, dict]:
     """The GPT family's ``forward_step``: mean next-token loss over the unmasked tokens."""
-    per_token = model(batch["tokens"], batch["position_ids"], batch["labels"])
+    per_token = model(batch["tokens"], batch["position_ids"], batch["labels"], **mask_kwargs(batch))
     loss, num_tokens = masked_mean_loss(per_token, batch["loss_mask"])
     return loss, {"num_tokens": num_tokens}

@@ -201,10 +201,13 @@ class GatedDeltaNet(torch.nn.Module):
         return gated_delta_rule(q, k, v, gates["g"], gates["beta"], self.chunk_size, use_fused=self.use_fused_kernels)
 
     def forward(
-        self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None
+        self,
+        hidden_states: torch.Tensor,
+        rotary_pos_emb: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, None]:
-        """``[s, b, h] -> (out [s, b, h], None)``; ``rotary_pos_emb`` is accepted for a uniform call and unused
-        (positions enter through the causal conv and the recurrence)."""
+        """``[s, b, h] -> (out [s, b, h], None)``; ``rotary_pos_emb`` and ``attention_mask`` are accepted
+        for a uniform call and unused (positions enter through the causal conv and the recurrence)."""
         sections = self._split_sizes()
         qk, v_width = sections[0], sections[2]
         projected, _ = self.in_proj(hidden_states)  # [s, b, local width]: the whole sequence

@@ -360,9 +360,14 @@ class MoETransformerLayer(TransformerLayer):
         """--recompute-modules moe: the MoE layer keeps only its input."""
         return recomputes(self.config, "moe")
 
-    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        rotary_pos_emb: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``."""
-        hidden_states = self._forward_attention(hidden_states, rotary_pos_emb)
+        hidden_states = self._forward_attention(hidden_states, rotary_pos_emb, attention_mask)
         hidden_states, stats = self._forward_moe(hidden_states)
         if self.training and torch.is_grad_enabled():  # evaluation does not count
             self.mlp.accumulate_stats(stats)

@@ -152,6 +152,17 @@ def test_query_key_variants_graphed_equals_eager(variant):
         assert_same(eager, graphed, f"{variant} scope {scope}")
 
 
+def test_document_mask_graphed_equals_eager():
+    """--reset-attention-mask: each micro-batch's document mask is a static input every graphed
+    attention shares (one copy per replay); the masked SDPA kernels run in both runs."""
+    flags = f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 --position-embedding-type rope --reset-attention-mask"
+    eager = train(flags, 6)
+    for scope in ("layer", "attn"):
+        graphed = train(f"{flags} {graph_flags(scope)}", 6)
+        assert graphed[2].graphs.captured
+        assert_same(eager, graphed, f"document mask, scope {scope}")
+
+
 def test_dropout_masks_change_between_replays():
     flags = (
         f"{SMALL} {COMMON} --bf16 --hidden-dropout 0.1 --attention-dropout 0.1 --lr 0 --min-lr 0 {graph_flags('layer')}"
