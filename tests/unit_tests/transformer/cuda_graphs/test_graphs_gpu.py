@@ -139,28 +139,19 @@ def test_rope_gqa_swiglu_graphed_equals_eager():
 
 @pytest.mark.parametrize(
     "variant",
-    ["--qk-l2-norm", "--no-rope-freq 3", "--qk-layernorm --no-rope-freq [0,1,0]"],
-    ids=["l2", "no-rope", "ln"],
+    ["--qk-l2-norm", "--no-rope-freq 3", "--qk-layernorm --no-rope-freq [0,1,0]", "--reset-attention-mask"],
+    ids=["l2", "no-rope", "ln", "document-mask"],
 )
 def test_query_key_variants_graphed_equals_eager(variant):
-    """Llama-4's query/key L2 norm and layers without RoPE (every 3rd; a list), inside graphed attention."""
+    """Llama-4's query/key L2 norm and layers without RoPE (every 3rd; a list), inside graphed attention;
+    and --reset-attention-mask, whose document mask of each micro-batch is one static input every graphed
+    attention shares (masked SDPA kernels in both runs)."""
     flags = f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 --position-embedding-type rope --normalization RMSNorm {variant}"
     eager = train(flags, 6)
     for scope in ("layer", "attn"):
         graphed = train(f"{flags} {graph_flags(scope)}", 6)
         assert graphed[2].graphs.captured
         assert_same(eager, graphed, f"{variant} scope {scope}")
-
-
-def test_document_mask_graphed_equals_eager():
-    """--reset-attention-mask: each micro-batch's document mask is a static input every graphed
-    attention shares (one copy per replay); the masked SDPA kernels run in both runs."""
-    flags = f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 --position-embedding-type rope --reset-attention-mask"
-    eager = train(flags, 6)
-    for scope in ("layer", "attn"):
-        graphed = train(f"{flags} {graph_flags(scope)}", 6)
-        assert graphed[2].graphs.captured
-        assert_same(eager, graphed, f"document mask, scope {scope}")
 
 
 def test_dropout_masks_change_between_replays():
