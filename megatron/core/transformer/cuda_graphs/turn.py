@@ -65,9 +65,10 @@ from megatron.core.transformer.cuda_graphs.pool import (
 )
 
 ENV_SWITCH = "MEGATRON_CG_EAGER_TURN"
-"""``1`` turns the eager turn on, ``all`` the turns between backward graphs too. Off by default until its GPU tests (graphed == eager, bitwise, in
-every partial scope, and the memory tests) have run on a GPU: it routes eager allocations into
-graph memory, where a wrong lifetime would corrupt silently."""
+"""``1`` turns the eager turn on, ``all`` the turns between backward graphs too. Off by default
+until its GPU tests (graphed == eager, bitwise, in every partial scope, and the memory tests) pass
+on a GPU: it routes eager allocations into graph memory, where a wrong lifetime would corrupt
+silently."""
 
 
 def enabled() -> bool:
