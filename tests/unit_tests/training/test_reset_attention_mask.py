@@ -24,7 +24,11 @@ def _trainer(extra: str = ""):
     return trainer
 
 
-@pytest.mark.parametrize("extra", ["", "--window-size 3,0", "--recompute-granularity selective"])
+@pytest.mark.parametrize(
+    "extra",
+    ["", "--window-size 3,0", "--recompute-granularity selective", "--num-experts 4 --moe-router-topk 2"],
+    ids=["plain", "window", "recompute", "moe"],
+)
 def test_packed_documents_attend_as_if_each_were_alone(extra):
     """With RoPE (relative positions) a sequence of two documents under their document mask gives
     each document the logits it gets alone; without the mask the second one sees the first."""
