@@ -222,7 +222,7 @@ class DataConfig(Freezable):
 
 def validate_document_mask(cfg) -> None:
     """--reset-attention-mask's rules (``cfg``: the run config): the mask comes from the data loader and
-    reaches the softmax attention of one pipeline stage's GPT layers."""
+    reaches the softmax attention of GPT layers on every pipeline stage."""
     if not cfg.data.reset_attention_mask:
         return
     require(
@@ -231,7 +231,6 @@ def validate_document_mask(cfg) -> None:
         "data loader, and Megatron then leaves --reset-attention-mask without effect. Drop one of them.",
     )
     unsupported = {
-        "--pipeline-model-parallel-size > 1": cfg.parallel.pipeline_model_parallel_size > 1,
         "--hybrid-layer-pattern": cfg.mamba.hybrid_layer_pattern is not None,
         f"--softmax-type {cfg.model.softmax_type}": cfg.model.softmax_type != "vanilla",
         "gated delta net layers (--linear-attention-freq)": bool(getattr(cfg.linear_attention, "enabled", False)),

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from megatron.core.models.gpt.loss import mask_kwargs
 from megatron.core.pipeline_parallel.slots import SlotAllocator
 
 ForwardStep = Callable[[dict, torch.nn.Module], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -278,7 +279,7 @@ def forward_backward_in_flight(
 def default_stage_forward(batch: dict, model: torch.nn.Module) -> torch.Tensor:
     """A pipeline stage before the last: the model on the batch's tokens and positions (the
     received activation, set on the model, replaces the embedding after the first stage)."""
-    return model(batch["tokens"], batch.get("position_ids"))
+    return model(batch["tokens"], batch.get("position_ids"), **mask_kwargs(batch))
 
 
 def deallocate_output(output: torch.Tensor) -> None:

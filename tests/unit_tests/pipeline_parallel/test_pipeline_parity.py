@@ -120,6 +120,7 @@ def single(data_cache):
         "untied": _argv("--untie-embeddings-and-output-weights", data_cache),
         "hybrid": _argv("--hybrid-layer-pattern M*M-", data_cache, HYBRID),  # '|' needs PP > 1
         "moe": _argv(MOE, data_cache),
+        "masked": _argv("--reset-attention-mask", data_cache),
     }
     return run_distributed(_rank_runs, 1, argvs)[0]
 
@@ -133,6 +134,7 @@ def two_rank_runs(data_cache, tmp_path_factory):
     argvs["pp2_resumed"] = _argv(f"{PP2} --load {save}", data_cache)
     argvs["hybrid_pp2"] = _argv(PP2 + " --hybrid-layer-pattern M*|M-", data_cache, HYBRID)
     argvs["moe_pp2"] = _argv(f"{PP2} {MOE}", data_cache)
+    argvs["masked_pp2"] = _argv(f"{PP2} --reset-attention-mask", data_cache)
     return run_distributed(_rank_runs, 2, argvs, timeout=400)
 
 
@@ -244,3 +246,9 @@ def test_moe_stages_match_single_process_with_the_aux_loss_of_every_stage(single
         _assert_close(got["curves"], want["curves"], f"MoE PP=2 (rank {rank})")
         for i, (a, b) in enumerate(zip(got["aux"], want["aux"], strict=True)):
             assert abs(a - b) <= RTOL * abs(b), f"MoE PP=2 rank {rank}, iteration {i + 1}: aux {a} vs {b}"
+
+
+def test_document_mask_reaches_every_stage(single, two_rank_runs):
+    """--reset-attention-mask: each stage's attention reads the batch's document mask."""
+    for rank, runs in enumerate(two_rank_runs):
+        _assert_close(runs["masked_pp2"]["curves"], single["masked"]["curves"], f"document mask PP=2 (rank {rank})")

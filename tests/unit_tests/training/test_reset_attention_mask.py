@@ -65,7 +65,6 @@ def test_the_mask_reaches_the_batches_and_the_run_trains():
     ("extra", "world", "named"),
     [
         ("--no-create-attention-mask-in-dataloader", 1, "--no-create-attention-mask-in-dataloader"),
-        ("--pipeline-model-parallel-size 2 --num-layers 2", 2, "--pipeline-model-parallel-size > 1"),
         ("--softmax-type off-by-one", 1, "--softmax-type off-by-one"),
         ("--hybrid-layer-pattern M* --mamba-num-groups 1", 1, "--hybrid-layer-pattern"),
     ],
