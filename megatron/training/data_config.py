@@ -231,9 +231,9 @@ def validate_document_mask(cfg) -> None:
         "data loader, and Megatron then leaves --reset-attention-mask without effect. Drop one of them.",
     )
     unsupported = {
-        "--hybrid-layer-pattern": cfg.mamba.hybrid_layer_pattern is not None,
-        f"--softmax-type {cfg.model.softmax_type}": cfg.model.softmax_type != "vanilla",
-        "gated delta net layers (--linear-attention-freq)": bool(getattr(cfg.linear_attention, "enabled", False)),
+        "gated delta net layers (--linear-attention-freq, the hybrid symbol G)": bool(
+            getattr(cfg.linear_attention, "enabled", False) or "G" in (cfg.mamba.hybrid_layer_pattern or "")
+        ),
     }
     for what, used in unsupported.items():
         require(not used, f"--reset-attention-mask with {what} is not supported yet; drop one of them.")

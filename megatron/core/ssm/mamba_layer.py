@@ -64,8 +64,9 @@ class MambaLayer(torch.nn.Module):
             submodules.mixer, config=config, mamba_config=mamba_config, layer_number=layer_number, pg=pg, device=device
         )
 
-    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
-        """``[s, b, h] -> [s, b, h]``; ``rotary_pos_emb`` is accepted for a uniform layer call and unused."""
+    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb=None, attention_mask=None) -> torch.Tensor:
+        """``[s, b, h] -> [s, b, h]``; ``rotary_pos_emb`` and ``attention_mask`` are accepted for a uniform
+        layer call and unused (the scan runs across documents, as upstream's)."""
         return self._forward_mamba(hidden_states)
 
     def _forward_mamba(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -207,7 +207,14 @@ class SelfAttention(torch.nn.Module):
         if self.softmax_type != "vanilla":
             with fork_if(dropout_p > 0.0 and self.tp_size > 1):
                 return sink_attention(
-                    q, k, v, self._sink(q), scale=self.softmax_scale, window_left=self.window_left, dropout_p=dropout_p
+                    q,
+                    k,
+                    v,
+                    self._sink(q),
+                    scale=self.softmax_scale,
+                    window_left=self.window_left,
+                    dropout_p=dropout_p,
+                    attention_mask=attention_mask,
                 )
         mask = attention_mask
         if self.window_left is not None:

@@ -53,6 +53,7 @@ def sink_attention(
     scale: float,
     window_left: int | None,
     dropout_p: float,
+    attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention whose softmax rows each have one more logit, ``sink[h]`` (unfused).
 
@@ -62,6 +63,8 @@ def sink_attention(
         scale: Softmax scale of the scores.
         window_left: Sliding window (keys ``i - window_left .. i``), or None for full causal attention.
         dropout_p: Dropout on the probabilities (0 outside training).
+        attention_mask: bool ``[b, 1, s, s]``, True where query i may attend key j, or None (the
+            sink logit stays in every row, as a query that sees only itself still sees the sink).
     """
     b, n, s, _ = q.shape
     fp32 = torch.promote_types(q.dtype, torch.float32)  # the softmax in at least float32
@@ -70,6 +73,8 @@ def sink_attention(
         allowed = torch.ones(s, s, dtype=torch.bool, device=q.device).tril_()
     else:
         allowed = window_mask(s, window_left, q.device)
+    if attention_mask is not None:
+        allowed = allowed & attention_mask
     scores = scores.masked_fill(~allowed, float("-inf"))
     column = sink.to(fp32).view(1, n, 1, 1).expand(b, n, s, 1)
     probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]

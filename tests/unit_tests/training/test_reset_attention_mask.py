@@ -10,6 +10,7 @@ from megatron.core.datasets.builder import build_train_valid_test_datasets
 from megatron.core.datasets.gpt_dataset import document_mask
 from megatron.training.arguments import parse_args
 from megatron.training.training import build_trainer
+from tests.unit_tests.dist_utils import pretrain_hybrid_module
 
 FLAGS = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
@@ -19,15 +20,25 @@ FLAGS = (
 
 
 def _trainer(extra: str = ""):
-    trainer = build_trainer(f"{FLAGS} {extra}".split())
+    kwargs = {}
+    if "--hybrid-layer-pattern" in extra:  # pretrain_hybrid.py's model and forward step
+        module = pretrain_hybrid_module()
+        kwargs = dict(model_provider=module.model_provider, forward_step=module.forward_step)
+    trainer = build_trainer(f"{FLAGS} {extra}".split(), **kwargs)
     parallel_state.destroy(trainer.pg)
     return trainer
 
 
 @pytest.mark.parametrize(
     "extra",
-    ["", "--window-size 3,0", "--recompute-granularity selective", "--num-experts 4 --moe-router-topk 2"],
-    ids=["plain", "window", "recompute", "moe"],
+    [
+        "",
+        "--window-size 3,0",
+        "--recompute-granularity selective",
+        "--num-experts 4 --moe-router-topk 2",
+        "--softmax-type learnable --window-size 3,0",
+    ],
+    ids=["plain", "window", "recompute", "moe", "sink"],
 )
 def test_packed_documents_attend_as_if_each_were_alone(extra):
     """With RoPE (relative positions) a sequence of two documents under their document mask gives
@@ -48,6 +59,25 @@ def test_packed_documents_attend_as_if_each_were_alone(extra):
     trainer.close()
 
 
+def test_hybrid_attention_layers_take_the_mask():
+    """A hybrid stack of attention and MLP layers (no positions, no Mamba) gives packed documents their
+    own logits under the mask, as the GPT does; Mamba layers take no mask (their scan runs on, as upstream's)."""
+    trainer = _trainer("--hybrid-layer-pattern *-*- --position-embedding-type none --mamba-num-groups 1")
+    model, eod = trainer.model.module, trainer.tokenizer.eod
+    torch.manual_seed(0)
+    first = torch.cat([torch.randint(0, eod, (7,)), torch.tensor([eod])])
+    second = torch.randint(0, eod, (8,))
+    packed = torch.cat([first, second])[None]
+    with torch.no_grad():
+        together = model(packed, None, None, document_mask(packed[0], eod)[None])
+        alone = torch.cat([model(first[None]), model(second[None])], dim=1)
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+    trainer.close()
+    mamba = _trainer("--hybrid-layer-pattern M* --mamba-num-groups 1 --reset-attention-mask")
+    assert len(mamba.train()) == 2
+    mamba.close()
+
+
 def test_the_mask_reaches_the_batches_and_the_run_trains():
     cfg = parse_args(f"{FLAGS} --reset-attention-mask".split()).resolve()
     trainer = _trainer("--reset-attention-mask")
@@ -65,8 +95,7 @@ def test_the_mask_reaches_the_batches_and_the_run_trains():
     ("extra", "world", "named"),
     [
         ("--no-create-attention-mask-in-dataloader", 1, "--no-create-attention-mask-in-dataloader"),
-        ("--softmax-type off-by-one", 1, "--softmax-type off-by-one"),
-        ("--hybrid-layer-pattern M* --mamba-num-groups 1", 1, "--hybrid-layer-pattern"),
+        ("--hybrid-layer-pattern G* --mamba-num-groups 1", 1, "gated delta net layers"),
     ],
 )
 def test_what_the_mask_cannot_reach_is_refused_naming_the_flag(extra, world, named):

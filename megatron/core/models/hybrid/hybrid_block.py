@@ -129,15 +129,21 @@ class HybridStack(torch.nn.Module):
         return list(self.layers)
 
     def forward(
-        self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None, *, final_norm: bool = True
+        self,
+        hidden_states: torch.Tensor,
+        rotary_pos_emb: torch.Tensor | None = None,
+        *,
+        final_norm: bool = True,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``.
 
         ``final_norm=False`` leaves ``final_norm`` to the caller (the hybrid model applies
-        it inside its loss head, so the head is one graphable region).
+        it inside its loss head, so the head is one graphable region). ``attention_mask``
+        (``--reset-attention-mask``) reaches the attention layers; Mamba layers run on.
         """
         for layer in self.layers:
-            hidden_states = layer(hidden_states, rotary_pos_emb=rotary_pos_emb)
+            hidden_states = layer(hidden_states, rotary_pos_emb=rotary_pos_emb, attention_mask=attention_mask)
         if final_norm and self.final_norm is not None:
             hidden_states = self.final_norm(hidden_states)
         return hidden_states

@@ -29,9 +29,14 @@ class AttentionLayer(TransformerLayer):
 
     graph_regions = GraphRegions(RegionSpec("attn", "_forward_attention"), whole=("attn",))
 
-    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        rotary_pos_emb: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``."""
-        return self._forward_attention(hidden_states, rotary_pos_emb)
+        return self._forward_attention(hidden_states, rotary_pos_emb, attention_mask)
 
 
 class GDNLayer(AttentionLayer):
@@ -44,8 +49,9 @@ class MLPLayer(TransformerLayer):
 
     graph_regions = GraphRegions(RegionSpec("mlp", "_forward_mlp"), whole=("mlp",))
 
-    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
-        """``[s, b, h] -> [s, b, h]``; ``rotary_pos_emb`` is accepted for a uniform layer call and unused."""
+    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb=None, attention_mask=None) -> torch.Tensor:
+        """``[s, b, h] -> [s, b, h]``; ``rotary_pos_emb`` and ``attention_mask`` are accepted for a uniform
+        layer call and unused."""
         return self._forward_mlp(hidden_states)
 
 
@@ -61,8 +67,9 @@ class MoEOnlyLayer(MoETransformerLayer):
         whole_when=_MOE_REGIONS.whole_when,
     )
 
-    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
-        """``[s, b, h] -> [s, b, h]``; router statistics are added up as in ``MoETransformerLayer``."""
+    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb=None, attention_mask=None) -> torch.Tensor:
+        """``[s, b, h] -> [s, b, h]``; router statistics are added up as in ``MoETransformerLayer``
+        (``rotary_pos_emb`` and ``attention_mask`` are unused)."""
         hidden_states, stats = self._forward_moe(hidden_states)
         if self.training and torch.is_grad_enabled():  # evaluation does not count
             self.mlp.accumulate_stats(stats)
