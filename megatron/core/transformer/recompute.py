@@ -41,9 +41,8 @@ SELECTIVE_MODULES = ("core_attn", "moe_act", "layernorm", "mlp", "moe", "shared_
 
 
 def _run_chunk(layers, hidden_states, rotary_pos_emb, attention_mask=None):
-    masked = {} if attention_mask is None else {"attention_mask": attention_mask}  # GPT layers take a mask
     for layer in layers:
-        hidden_states = layer(hidden_states, rotary_pos_emb=rotary_pos_emb, **masked)
+        hidden_states = layer(hidden_states, rotary_pos_emb=rotary_pos_emb, attention_mask=attention_mask)
     return hidden_states
 
 

@@ -279,8 +279,9 @@ class GPTModel(torch.nn.Module):
         rotary_pos_emb = None
         if self.rotary_pos_emb is not None:
             rotary_pos_emb = self.rotary_pos_emb(seq_len, hidden_states.device)  # cached: same tensor every step
-        masked = {} if attention_mask is None else {"attention_mask": attention_mask}  # a stack without masks too
-        hidden_states = self.decoder(hidden_states, rotary_pos_emb=rotary_pos_emb, final_norm=False, **masked)
+        hidden_states = self.decoder(
+            hidden_states, rotary_pos_emb=rotary_pos_emb, final_norm=False, attention_mask=attention_mask
+        )
         if not self.post_process:
             return hidden_states
         return self._postprocess(hidden_states, labels)

@@ -29,7 +29,8 @@ def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> t
 
 def mask_kwargs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``{"attention_mask": ...}`` when the batch holds one (``--reset-attention-mask``), else nothing, so
-    models without the argument (hybrid, a pipeline's last chunk) are called as before."""
+    forward callables without the argument (a user's model, the one-process pipeline simulation's last
+    chunk) are called as before."""
     return {"attention_mask": batch["attention_mask"]} if "attention_mask" in batch else {}
 
 
