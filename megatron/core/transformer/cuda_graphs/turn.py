@@ -118,7 +118,6 @@ class TurnWatch(TorchDispatchMode):
         self.segment = None  # the backward event the turn in progress follows; None for the first turn
         self.backward_clean: list = []  # backward events whose following turn ended with nothing alive
         self.backward_escaped: list[str] = []
-        self.backward_peak = 0
         self._handed: dict[int, str] = {}  # gradients handed to the last backward, still alive
         self._handed_head = False  # ... handed by the first turn
         self._region_done = False  # the last backward's region reported its input gradients
@@ -189,7 +188,6 @@ class TurnWatch(TorchDispatchMode):
                 self.backward_escaped += escaped
             elif self._region_done:  # else what it handed on was never checked: no turn after it
                 self.backward_clean.append(self.segment)
-                self.backward_peak = max(self.backward_peak, self.turn_peak)
         self._handed_head = self.in_turn and self.segment is None
         self._region_done, self._expect = False, event
         self._handed = {}
