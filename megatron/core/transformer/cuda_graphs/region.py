@@ -328,8 +328,12 @@ class GraphedRegion:
         self.replays += 1
         return tuple(o.detach() for o in graphs.replay_outputs)
 
-    def replay_backward(self, slot: int, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
-        """Replays the backward graph of ``slot``; returns the dgrads for autograd.
+    def replay_backward(
+        self, slot: int, grads: Sequence[torch.Tensor | None], after_turn: bool = False
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Replays the backward graph of ``slot``; returns the dgrads for autograd. ``after_turn``: an
+        eager turn made ``grads`` in the backward pool, where one may sit partly in a released static
+        input's block; such a one is copied in through a clone.
 
         Afterwards the caller marks ``self.params`` ready with ``slot``'s wgrad event.
         """
@@ -341,8 +345,7 @@ class GraphedRegion:
             if g is None:
                 static.zero_()
             elif g.data_ptr() != static.data_ptr():
-                # An eager turn's gradient may sit partly in the released buffer's block.
-                static.copy_(g.clone() if _overlaps(g, static) else g)
+                static.copy_(g.clone() if after_turn and _overlaps(g, static) else g)
         graphs.bwd_graph.replay()
         # Dgrads for eager code leave as copies (before debug mode poisons the buffers).
         dgrads = iter([d if d is None else d.clone() if copy else d.detach() for d, copy in graphs.replay_grad_inputs])

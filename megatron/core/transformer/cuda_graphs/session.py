@@ -365,8 +365,7 @@ class GraphSession(PipelineHooks, TurnHooks):
 
     def replay_backward(self, region: GraphedRegion, slot: int, grads) -> tuple[torch.Tensor | None, ...]:
         self._advance(Event(BWD, region.index, slot), region)
-        self._turn_before_backward()
-        dgrads = region.replay_backward(slot, grads)
+        dgrads = region.replay_backward(slot, grads, after_turn=self._turn_before_backward())
         self._after_replay()
         event = region.slots[slot].wgrad_event
         for sink, ready, waiting in self._ready.get((region.index, slot), ()):

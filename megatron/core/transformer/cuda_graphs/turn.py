@@ -373,10 +373,10 @@ class TurnHooks:
         if self._turn is not None and self._positions[self.cursor - 1][1] == self._turn.last_forward:
             self._turn.open()
 
-    def _turn_before_backward(self) -> None:
-        """A backward graph replays next (the session's cursor is past it): a turn before it ends."""
-        if self._turn is not None:
-            self._turn.close()
+    def _turn_before_backward(self) -> bool:
+        """A backward graph replays next (the session's cursor is past it): a turn before it ends.
+        Returns whether one did (its gradients may then sit in the backward pool)."""
+        return self._turn is not None and self._turn.close()
 
     def _turn_after_backward(self) -> None:
         """A backward graph replayed and its dgrads for eager code were copied out of the pool."""
