@@ -32,8 +32,8 @@ time:
   backward graph is dead once its region's input gradients are made (else autograd keeps it for
   another use, which at replay would read it after the graph's temporaries overwrote it); and
   no released buffer of the backward pool holds data over the gap (``Plan.released_across``: a
-  dgrad handed from one backward graph to the next). A gradient an eager turn hands to a graph is
-  copied into the graph's static input through a copy if the two overlap. Not where gradient
+  dgrad handed from one backward graph to the next). A gradient an eager turn hands to a graph that
+  overlaps the graph's static input is copied into it through a clone. Not where gradient
   reduction overlaps the backward: its collectives run on a stream of their own.
 * The pool's memory is shared only if the backward graphs' temporaries are cut from the memory
   the turn uses; captured first, they are not, and the turn's tensors (the logits) grow the pool
