@@ -462,7 +462,8 @@ class GraphSession(PipelineHooks, TurnHooks):
         self.forwards_in_backward_pool = (
             frozenset(forwards_next_to_backward(self.order, communicating)) if share else frozenset()
         )
-        turn = self._decide_turn(watch, self.cycles, self.recorded_schedule is None and not communicating)
+        single_schedule = self.recorded_schedule is None and not communicating
+        turn = self._decide_turn(watch, self.cycles, single_schedule)
         keep = frozenset()
         if turn is not None:  # the turn's gradient is copied into the first backward's static inputs
             share, self.forwards_in_backward_pool = True, frozenset()
@@ -470,6 +471,7 @@ class GraphSession(PipelineHooks, TurnHooks):
             first = self.regions[cycle[turn[1]].region]
             keys = [("grad_output", first.index, j) for j in range(first.num_outputs)]
             keep = frozenset(plans[slot].owner(k) for k in keys if k in plans[slot].buffers)
+        after_backward = self._backward_turns(watch, plans, single_schedule) if share else frozenset()
         self.pools, self.backward_pool, self.buffers = capture_lib.capture_all(
             self.regions,
             self.cycles,
@@ -480,8 +482,8 @@ class GraphSession(PipelineHooks, TurnHooks):
             keep=keep,
             turn_pattern=watch.pattern if turn is not None else None,
         )
-        if turn is not None:
-            self._turn = TurnRouter(self.backward_pool, *turn, self._backward_turns(watch, plans[slot]))
+        if turn is not None or after_backward:
+            self._turn = TurnRouter(self.backward_pool, *(turn or (None, None)), after_backward)
         if self.config.cuda_graph_debug:
             for slot, plan in plans.items():
                 for position, tensors in capture_lib.poison_plan(plan, self.buffers[slot]).items():
@@ -575,7 +577,7 @@ class GraphSession(PipelineHooks, TurnHooks):
         if stage is not None and stage[1] > 1:
             line = line.replace("graph pool |", f"graph pool | pipeline rank: {stage[0]} of {stage[1]} |", 1)
         if self._turn is not None:
-            return f"{line} | eager turns in the backward pool: {1 + len(self._turn.after_backward)}"
+            return f"{line} | eager turns in the backward pool: {self._turn.count()}"
         shared = " (backward pool shared)" if self.backward_pool is not None else ""
         return line if len(self.pools) <= 1 else f"{line} | slots: {len(self.pools)}{shared}"
 

@@ -259,12 +259,14 @@ class TurnRouter:
 
     Args:
         pool: The backward graphs' pool.
-        last_forward: Cycle position of the micro-batch's last forward graph.
-        first_backward: Cycle position of its first backward graph.
+        last_forward: Cycle position of the micro-batch's last forward graph (None: no first turn).
+        first_backward: Cycle position of its first backward graph (None: no first turn).
         after_backward: Cycle positions of backward graphs after which a turn opens, up to the next one.
     """
 
-    def __init__(self, pool: GraphPool, last_forward: int, first_backward: int, after_backward=frozenset()):
+    def __init__(
+        self, pool: GraphPool, last_forward: int | None, first_backward: int | None, after_backward=frozenset()
+    ):
         self.pool = pool
         self.last_forward = last_forward
         self.first_backward = first_backward
@@ -288,6 +290,10 @@ class TurnRouter:
 
     def routing_here(self) -> bool:
         return self._thread == threading.get_ident()
+
+    def count(self) -> int:
+        """Turns per micro-batch: the first (if it opens) and those after backward graphs."""
+        return (self.last_forward is not None) + len(self.after_backward)
 
 
 class TurnHooks:
@@ -354,15 +360,21 @@ class TurnHooks:
             watch.__exit__(None, None, None)
         return watch
 
-    def _decide_turn(self, watch: TurnWatch | None, cycles: dict, single_schedule: bool):
-        """``(last forward, first backward)`` cycle positions when the turn opens, else None."""
+    def _turns_possible(self, watch: TurnWatch | None, cycles: dict, single_schedule: bool) -> bool:
+        """One slot whose cycle runs every forward, then every backward (no forward inside the
+        backward), without a pipeline schedule, watched while it recorded."""
         if watch is None or len(cycles) != 1 or not single_schedule or not self.eager_turn_allowed:
-            return None
+            return False
         ((_, cycle),) = cycles.items()
         phases = [e.phase for e in cycle]
-        if FWD not in phases or BWD not in phases or FWD in phases[phases.index(BWD) :]:
-            return None  # not every forward, then every backward (a forward runs inside the backward)
-        last = phases.index(BWD) - 1
+        return FWD in phases and BWD in phases and FWD not in phases[phases.index(BWD) :]
+
+    def _decide_turn(self, watch: TurnWatch | None, cycles: dict, single_schedule: bool):
+        """``(last forward, first backward)`` cycle positions when the turn opens, else None."""
+        if not self._turns_possible(watch, cycles, single_schedule):
+            return None
+        ((_, cycle),) = cycles.items()
+        last = [e.phase for e in cycle].index(BWD) - 1
         opens, why = watch.verdict()
         if why is not None:
             warnings.warn(why, stacklevel=4)
@@ -383,17 +395,28 @@ class TurnHooks:
         if self._turn is not None and self._positions[self.cursor - 1][1] in self._turn.after_backward:
             self._turn.open()
 
-    def _backward_turns(self, watch: TurnWatch, plan) -> frozenset[int]:
-        """Cycle positions of the backward graphs after which a turn may open: the recording saw the
-        eager work up to the next backward graph leave nothing alive, and no released buffer of the
-        backward pool holds data over that gap (``Plan.released_across``)."""
+    def _backward_turns(self, watch: TurnWatch | None, plans: dict, single_schedule: bool) -> frozenset[int]:
+        """Cycle positions of the backward graphs after which a turn may open, whether or not the
+        first turn does (a graphed loss head leaves none before the first backward graph): the
+        recording saw the eager work up to the next backward graph leave nothing alive, and no
+        released buffer of the backward pool holds data over that gap (``Plan.released_across``:
+        static gradients, and the outputs of forwards captured into that pool)."""
         if not (backward_turns_enabled() and self.backward_turns_allowed):
+            return frozenset()
+        if not self._turns_possible(watch, self.cycles, single_schedule):
             return frozenset()
         events, why = watch.backward_verdict()
         if why is not None:
             warnings.warn(why, stacklevel=4)
+        ((_, plan),) = plans.items()
         positions = {plan.position(e.phase, e.region) for e in events}
-        return frozenset(p for p in positions if not plan.released_across(p, ("grad_input", "grad_output")))
+        in_pool = self.forwards_in_backward_pool
+
+        def holds_data(position: int) -> bool:
+            held = plan.released_across(position, ("grad_input", "grad_output", "output"))
+            return any(key[0] != "output" or key[1] in in_pool for key in held)
+
+        return frozenset(p for p in positions if not holds_data(p))
 
     def _close_turn(self) -> None:
         if self._turn is not None:

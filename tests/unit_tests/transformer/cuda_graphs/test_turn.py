@@ -211,11 +211,12 @@ def test_a_copied_model_carries_no_turn_hook(monkeypatch):
 
 
 @pytest.mark.parametrize("fold", [True, False], ids=["folded-on-arrival", "folded-after"])
-@pytest.mark.parametrize("scope", [["attn"], []], ids=["attn", "layer"])
+@pytest.mark.parametrize("scope", [["attn"], ["mlp"], []], ids=["attn", "mlp", "layer"])
 def test_recording_watches_the_turn_of_a_real_session(scope, fold, monkeypatch):
     """A tiny GPT recorded on the CPU, the watch driven by the session itself (as before a capture):
-    with `attn` the loss head is eager and its logits make the turn; with whole layers the head is
-    graphed and the turn holds the loss only. A waiting param.grad (no fold on arrival) escapes."""
+    with `attn` the loss head is eager and its logits make the turn; with `mlp` or whole layers the
+    head is graphed and the turn holds the loss only. A waiting param.grad (no fold on arrival)
+    escapes."""
     from megatron.core.models.gpt.gpt_model import build_gpt_model
     from megatron.core.models.gpt.loss import masked_mean_loss
     from megatron.core.transformer import cuda_graphs
@@ -260,14 +261,20 @@ def test_recording_watches_the_turn_of_a_real_session(scope, fold, monkeypatch):
     else:
         assert watch.escaped and not watch.verdict()[0]
     # Between backward graphs: with `attn`, layer 1's attention backward is followed by layer 0's
-    # eager MLP backward, a turn; with whole layers one graph hands its dgrad to the next.
+    # eager MLP backward, a turn; with `mlp`, layer 1's MLP backward by its eager attention backward
+    # (with no first turn: the head is graphed), but not the head's backward, whose dgrad waits in
+    # the backward pool for layer 1's MLP graph; with whole layers one graph hands its dgrad to the next.
     plan = session.make_plans()[0]
-    positions = session._backward_turns(watch, plan)
-    if not head_eager:
+    positions = session._backward_turns(watch, {0: plan}, True)
+    if scope == []:
         assert positions == frozenset()
     elif fold:
-        assert watch.backward_escaped == [] and positions == {plan.position(BWD, session.regions[1].index)}
-    else:  # layer 0's MLP weights wait in param.grad
+        turns_after = session.regions[1].index  # layer 1's attn or mlp
+        assert watch.backward_escaped == [] and positions == {plan.position(BWD, turns_after)}
+        if scope == ["mlp"]:
+            head = plan.position(BWD, session.regions[2].index)
+            assert head not in positions and plan.released_across(head, ("grad_input", "grad_output"))
+    else:  # the eager layer halves' weights wait in param.grad
         assert watch.backward_escaped and positions == frozenset()
 
 
