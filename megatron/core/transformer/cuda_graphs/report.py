@@ -88,6 +88,9 @@ class RegionMemory:
     chunk: int = 0
     """The model chunk the region belongs to: a slot serving several chunks runs one
     micro-batch of one chunk at a time (a *run*), so its pool needs the largest run."""
+    turn_bytes: int = 0
+    """Eager memory the first eager turn moves into the pool at this region's backward capture
+    (``turn.shape_pool``): the loss head's work, which eager keeps in its cache instead."""
 
 
 @dataclasses.dataclass
@@ -376,6 +379,12 @@ def graphed_report(
             keep = sum(_nbytes(p) for p in region.shared_params)
             if not region.has_backward:
                 keep += out
+            turn_bytes = 0
+            if session.turn_shape is not None:  # the first backward's static gradients take the turn's, held
+                first, shaped, kept = session.turn_shape
+                turn_bytes = shaped if first == region.index else 0
+                kept = [session.buffers[slot].get(k) for k in kept if k[1] == region.index]
+                keep += sum(_nbytes(t) for t in kept if t is not None)
             for c in session.comms.get(slot, ()):  # received into, or read by a send waited on after the cycle
                 t = session.buffers.get(slot, {}).get(c.key)
                 held_for_good = isinstance(c, CommRecv) or c.until is None
@@ -397,6 +406,7 @@ def graphed_report(
                     sum(weak.get(key, {}).values()),
                     keep,
                     session.chunk_of(region.index),
+                    turn_bytes,
                 )
             )
     for slot in session.buffers:
@@ -470,14 +480,14 @@ def check_budgets(report: MemoryReport, *, tolerance: float = 0.10, slack_bytes:
         for chunk, rows in sorted(runs.items()):
             budget = grown = 0
             for row in rows:  # forward order; each row's growth covers its forward and backward captures
-                budget += row.activation_bytes + row.static_input_bytes + row.static_output_bytes
+                budget += row.activation_bytes + row.static_input_bytes + row.static_output_bytes + row.turn_bytes
                 grown += row.pool_reserved_growth_bytes
                 limit = (1 + tolerance) * budget + temporaries + slack_bytes
                 if grown > limit:
                     problems.append(
                         f"{row.name} (slot {slot}): the pool grew to {grown / _MIB:.1f} MiB by its captures, over the "
                         f"analytic budget of the regions so far ({limit / _MIB:.1f} MiB = {1 + tolerance:.2f} x "
-                        f"{budget / _MIB:.1f} MiB activations and static buffers + {temporaries / _MIB:.1f} MiB "
+                        f"{budget / _MIB:.1f} MiB activations, static buffers and eager turn + {temporaries / _MIB:.1f} MiB "
                         f"backward temporaries + {slack_bytes / _MIB:.1f} MiB segments) by "
                         f"{(grown - limit) / _MIB:.1f} MiB"
                     )

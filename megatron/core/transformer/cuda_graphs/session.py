@@ -151,6 +151,9 @@ class GraphSession(PipelineHooks, TurnHooks):
         self.pools: dict = {}  # slot -> GraphPool
         self.backward_pool = None  # the GraphPool every slot's backward graphs share, if they do
         self.forwards_in_backward_pool: frozenset[int] = frozenset()  # regions whose forwards join it
+        self.turn_shape: tuple[int, int, frozenset] | None = None
+        """With the first eager turn: (the first backward's region, bytes of eager work the capture shaped
+        into the backward pool at its capture, owner keys of its static gradients held for the turn)."""
         self.buffers: dict[int, dict] = {}
         self.cursor = 0
         self.slot = 0
@@ -459,19 +462,20 @@ class GraphSession(PipelineHooks, TurnHooks):
             for _, read in self.comm_reads
         )
         communicating = {c.key[1] for comm in self.comms.values() for c in comm}
-        self.forwards_in_backward_pool = (
-            frozenset(forwards_next_to_backward(self.order, communicating)) if share else frozenset()
-        )
+        next_to_backward = frozenset(forwards_next_to_backward(self.order, communicating))
         single_schedule = self.recorded_schedule is None and not communicating
         turn = self._decide_turn(watch, self.cycles, single_schedule)
         keep = frozenset()
         if turn is not None:  # the turn's gradient is copied into the first backward's static inputs
-            share, self.forwards_in_backward_pool = True, frozenset()
+            share, next_to_backward = True, frozenset()
             ((slot, cycle),) = self.cycles.items()
             first = self.regions[cycle[turn[1]].region]
             keys = [("grad_output", first.index, j) for j in range(first.num_outputs)]
             keep = frozenset(plans[slot].owner(k) for k in keys if k in plans[slot].buffers)
-        after_backward = self._backward_turns(watch, plans, single_schedule) if share else frozenset()
+            self.turn_shape = (first.index, watch.peak_bytes, keep)
+        after_backward = self._backward_turns(watch, plans, single_schedule, next_to_backward)
+        share = share or bool(after_backward)  # turns allocate in a backward pool of its own
+        self.forwards_in_backward_pool = next_to_backward if share else frozenset()
         self.pools, self.backward_pool, self.buffers = capture_lib.capture_all(
             self.regions,
             self.cycles,

@@ -117,10 +117,13 @@ class TurnWatch(TorchDispatchMode):
         # Turns between backward graphs (module docstring), named by the backward event they follow.
         self.segment = None  # the backward event the turn in progress follows; None for the first turn
         self.backward_clean: list = []  # backward events whose following turn ended with nothing alive
-        self.backward_escaped: list[str] = []
+        self.backward_escaped: list[str] = []  # what kept a turn closed (for the warning)
+        self.backward_off: set = set()  # backward events whose following turn must stay closed
+        self._all_off = False  # a check that names no one turn failed: every turn stays closed
+        self._handing = None  # the backward event whose turn handed the gradients to the last backward
         self._handed: dict[int, str] = {}  # gradients handed to the last backward, still alive
         self._handed_head = False  # ... handed by the first turn
-        self._region_done = False  # the last backward's region reported its input gradients
+        self._region_done = False  # the last backward's region reported its input gradients (checked them)
         self._expect = None  # the backward event whose region reports next
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -186,9 +189,18 @@ class TurnWatch(TorchDispatchMode):
                     self.peak_bytes, self.pattern = self.turn_peak, self._steps
             elif escaped:
                 self.backward_escaped += escaped
-            elif self._region_done:  # else what it handed on was never checked: no turn after it
+                self.backward_off.add(self.segment)
+            else:
                 self.backward_clean.append(self.segment)
+        if self._expect is not None and not self._region_done and self._handed:
+            unchecked = f"gradients handed to region {self._expect.region}, never checked"
+            if self._handed_head:
+                self.escaped.append(unchecked)
+            elif self._handing is not None:
+                self.backward_escaped.append(unchecked)
+                self.backward_off.add(self._handing)
         self._handed_head = self.in_turn and self.segment is None
+        self._handing = self.segment if self.in_turn else None
         self._region_done, self._expect = False, event
         self._handed = {}
         for ptr, t in handed.items():
@@ -207,12 +219,19 @@ class TurnWatch(TorchDispatchMode):
         use would read it after the graph's temporaries overwrote it."""
         if event != self._expect:  # complete only after a later backward: its inputs have eager readers
             self.backward_escaped.append(f"the input gradients of region {event.region} came late")
+            self._all_off = True
             return
         kept = {t.untyped_storage().data_ptr() for t in input_grads if isinstance(t, torch.Tensor)}
         stuck = [what for ptr, what in self._handed.items() if ptr not in kept]
-        (self.escaped if self._handed_head else self.backward_escaped).extend(stuck)
+        if stuck and self._handed_head:
+            self.escaped += stuck
+        elif stuck:  # the turn that handed them stays closed; handed by no turn we watched: all do
+            self.backward_escaped += stuck
+            if self._handing is None:
+                self._all_off = True
+            self.backward_off.add(self._handing)
         self._handed = {}
-        self._region_done = not stuck
+        self._region_done = True
 
     def verdict(self) -> tuple[bool, str | None]:
         """``(open the turn, why not)`` after the recording iteration."""
@@ -226,14 +245,17 @@ class TurnWatch(TorchDispatchMode):
         return self.turns > 0 and self.peak_bytes >= MIN_TURN_BYTES, None
 
     def backward_verdict(self) -> tuple[list, str | None]:
-        """``(backward events after which a turn may open, why none may)`` after the recording iteration."""
-        if self.backward_escaped:
-            listed = "; ".join(dict.fromkeys(self.backward_escaped))
-            return [], (
-                "CUDA graphs: the eager work between backward graphs leaves tensors alive past the next one "
-                f"({listed}), so it keeps the eager cache."
-            )
-        return list(self.backward_clean), None
+        """``(backward events after which a turn may open, why none may)`` after the recording
+        iteration. Each turn is judged alone: one that leaves something alive past the
+        next backward graph, or hands it a gradient autograd keeps for another use, stays closed."""
+        clean = [] if self._all_off else [e for e in self.backward_clean if e not in self.backward_off]
+        if clean or not self.backward_escaped:  # some open: no warning for the few that stay closed
+            return clean, None
+        listed = "; ".join(dict.fromkeys(self.backward_escaped))
+        return clean, (
+            f"CUDA graphs: the eager work between backward graphs leaves tensors alive past the next one "
+            f"({listed}), so it keeps the eager cache."
+        )
 
 
 def shape_pool(pattern: list[int], pool: GraphPool, stream: torch.cuda.Stream) -> None:
@@ -395,12 +417,14 @@ class TurnHooks:
         if self._turn is not None and self._positions[self.cursor - 1][1] in self._turn.after_backward:
             self._turn.open()
 
-    def _backward_turns(self, watch: TurnWatch | None, plans: dict, single_schedule: bool) -> frozenset[int]:
+    def _backward_turns(
+        self, watch: TurnWatch | None, plans: dict, single_schedule: bool, in_pool: frozenset[int]
+    ) -> frozenset[int]:
         """Cycle positions of the backward graphs after which a turn may open, whether or not the
         first turn does (a graphed loss head leaves none before the first backward graph): the
         recording saw the eager work up to the next backward graph leave nothing alive, and no
         released buffer of the backward pool holds data over that gap (``Plan.released_across``:
-        static gradients, and the outputs of forwards captured into that pool)."""
+        static gradients, and the outputs of the forwards ``in_pool`` captures there)."""
         if not (backward_turns_enabled() and self.backward_turns_allowed):
             return frozenset()
         if not self._turns_possible(watch, self.cycles, single_schedule):
@@ -410,7 +434,6 @@ class TurnHooks:
             warnings.warn(why, stacklevel=4)
         ((_, plan),) = plans.items()
         positions = {plan.position(e.phase, e.region) for e in events}
-        in_pool = self.forwards_in_backward_pool
 
         def holds_data(position: int) -> bool:
             held = plan.released_across(position, ("grad_input", "grad_output", "output"))

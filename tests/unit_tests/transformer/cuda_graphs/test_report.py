@@ -278,6 +278,23 @@ def test_check_budgets_wants_a_slot_serving_two_chunks_to_hold_its_largest_run()
         report_lib.check_budgets(report(0, 800 * MIB))  # one run alone over its budget
 
 
+def test_check_budgets_counts_the_eager_turn_shaped_into_the_pool():
+    """The first eager turn's allocations are shaped into the backward pool at the first backward
+    capture (``turn.shape_pool``): eager memory moved, not graph memory added, so that region's
+    budget takes them; its growth past them is still caught."""
+
+    def report(growth, turn_bytes):
+        row = report_lib.RegionMemory("layers.1.attn", "layers.1", "attn", ("attn",), 100 * MIB, 0, 0, 0, growth)
+        row.turn_bytes = turn_bytes
+        return report_lib.MemoryReport([], "graphed", "", [row], [], {})
+
+    with pytest.raises(report_lib.BudgetExceeded, match=r"layers.1.attn \(slot 0\): the pool grew to 400.0 MiB"):
+        report_lib.check_budgets(report(400 * MIB, 0))
+    report_lib.check_budgets(report(400 * MIB, 300 * MIB))
+    with pytest.raises(report_lib.BudgetExceeded, match="eager turn"):
+        report_lib.check_budgets(report(800 * MIB, 300 * MIB))
+
+
 def test_slot_weights_fall_back_to_layers_for_an_unknown_layer_class(tool):
     """A model family's own layer class has no activation model: the trainer passes no
     weights, and the pipelined schedule weighs chunks by their layers."""

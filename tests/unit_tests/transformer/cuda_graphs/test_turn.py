@@ -113,10 +113,10 @@ def test_watch_sees_a_waiting_param_grad_unless_ddp_folds_on_arrival():
 
 
 def test_turns_between_backward_graphs_are_clean_only_when_checked_and_nothing_outlives_them():
-    """After a backward graph (``finish`` with its event) the next turn starts. It counts as clean
-    when nothing made in it outlives it and the gradients handed to the graph were dead once the
-    region's input gradients were made (``region_done``); a gradient autograd keeps for another use
-    would be overwritten by the graph's temporaries at replay."""
+    """After a backward graph (``finish`` with its event) the next turn starts. It opens when nothing
+    made in it outlives it and the gradients it hands the next graph are dead once that region's
+    input gradients are made (``region_done``, which must come): a gradient autograd keeps for
+    another use would be overwritten by the graph's temporaries at replay."""
     b1, b0 = Event(BWD, 1), Event(BWD, 0)
     x = torch.randn(16, 16)
     with TurnWatch("cpu", between_backward=True) as watch:
@@ -137,8 +137,8 @@ def test_turns_between_backward_graphs_are_clean_only_when_checked_and_nothing_o
         watch.finish((handed,), b1)
         watch.region_done(b1, (x + 1,))  # handed is still alive: autograd keeps it for another use
         watch.finish((), b0)
-    assert watch.backward_clean == [] and "handed to a backward graph" in watch.backward_escaped[0]
-    events, why = watch.backward_verdict()
+    assert "handed to a backward graph" in watch.backward_escaped[0]
+    events, why = watch.backward_verdict()  # handed by no watched turn: every turn stays closed
     assert events == [] and "between backward graphs" in why
 
     with TurnWatch("cpu", between_backward=True) as watch:
@@ -149,11 +149,39 @@ def test_turns_between_backward_graphs_are_clean_only_when_checked_and_nothing_o
     assert watch.backward_clean == [] and watch.backward_escaped[0].startswith("aten.mul")
     assert kept.shape == x.shape
 
+    # Each turn is judged alone: one that leaves a tensor alive, or hands a gradient autograd keeps,
+    # stays closed; the others open.
+    b2 = Event(BWD, 2)
+    for fault in ("alive", "kept"):
+        with TurnWatch("cpu", between_backward=True) as watch:
+            watch.finish((x * 2,), b2)
+            watch.region_done(b2, ())
+            handed = x * 5  # the turn after b2: clean unless the gradient it hands b1 is kept
+            watch.finish((handed,), b1)
+            watch.region_done(b1, () if fault == "kept" else (handed,))
+            kept = x * 3 if fault == "alive" else None  # made in the turn after b1, outlives it
+            del handed
+            watch.finish((), b0)
+        events, why = watch.backward_verdict()
+        assert watch.backward_off == {b2 if fault == "kept" else b1}, fault
+        assert events == ([b1] if fault == "kept" else [b2]) and why is None, fault
+        del kept
+
     with TurnWatch("cpu", between_backward=True) as watch:
         watch.finish((x * 2,), b1)
         watch.finish((), b0)  # no region_done: what it was handed was never checked
         watch.region_done(b1, ())  # and one that comes after the next backward graph is too late
-    assert watch.backward_clean == [] and watch.backward_escaped == ["the input gradients of region 1 came late"]
+    assert watch.backward_escaped == ["the input gradients of region 1 came late"]
+    assert watch.backward_verdict()[0] == []
+
+    with TurnWatch("cpu", between_backward=True) as watch:
+        watch.finish((x * 2,), b2)
+        handed = x * 5
+        watch.finish((handed,), b1)  # b1's region never reports while what the turn after b2 handed lives
+        watch.finish((), b0)
+    assert watch.backward_off == {b2} and watch.backward_verdict()[0] == [b1]
+    assert "never checked" in watch.backward_escaped[0]
+    del handed
 
 
 class FakeSession(TurnHooks):
@@ -265,7 +293,7 @@ def test_recording_watches_the_turn_of_a_real_session(scope, fold, monkeypatch):
     # (with no first turn: the head is graphed), but not the head's backward, whose dgrad waits in
     # the backward pool for layer 1's MLP graph; with whole layers one graph hands its dgrad to the next.
     plan = session.make_plans()[0]
-    positions = session._backward_turns(watch, {0: plan}, True)
+    positions = session._backward_turns(watch, {0: plan}, True, frozenset())
     if scope == []:
         assert positions == frozenset()
     elif fold:
