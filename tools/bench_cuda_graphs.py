@@ -38,10 +38,12 @@ CONFIGS = {
 CONFIGS["launch"] = CONFIGS["launch16"]
 
 DENSE_MODES = [
-    "eager", "eager:expandable", "lean", "local:layer", "local:attn", "turn:attn", "turns:attn", "local:mlp",
-    "turns:mlp", "local:attn+mlp",
+    "eager", "eager:expandable", "lean", "local:layer", "local:attn", "noturn:attn", "local:mlp", "noturn:mlp",
+    "local:attn+mlp",
     "full", "mgc",
 ]  # fmt: skip
+"""``local:*`` runs with the eager turns' default (every turn); ``noturn:*`` without any, ``turn:*``
+with the first only (``MEGATRON_CG_EAGER_TURN``)."""
 MODES = {
     "small": DENSE_MODES,
     "launch16": DENSE_MODES,
@@ -58,7 +60,7 @@ MODES = {
         "eager:drop-and-pad",
         "local:moe",
     ],
-    "hybrid": ["eager", "local:mamba", "turn:mamba", "turns:mamba", "local:attn", "local:mlp", "local:layer", "mgc"],
+    "hybrid": ["eager", "local:mamba", "noturn:mamba", "local:attn", "local:mlp", "local:layer", "mgc"],
 }
 DROP_AND_PAD = "--moe-expert-capacity-factor 1 --moe-pad-expert-input-to-capacity"
 MODE_FLAGS = {("moe", "local:moe"): DROP_AND_PAD, ("moe", "eager:drop-and-pad"): DROP_AND_PAD}

@@ -520,8 +520,10 @@ def run_child(config: str, mode: str, args, stem: str):
     env = dict(os.environ)
     if mode == "eager:expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    if mode.startswith(("turn:", "turns:")):  # our partial graphs with the eager turn(s) switched on
-        env[EAGER_TURN_SWITCH] = "1" if mode.startswith("turn:") else "all"
+    turns = {"noturn:": "0", "turn:": "1", "turns:": "all"}  # our graphs with the eager turns set so
+    for prefix, value in turns.items():
+        if mode.startswith(prefix):
+            env[EAGER_TURN_SWITCH] = value
     with open(log, "w") as f:
         rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     if rc != 0:

@@ -42,7 +42,7 @@ bench_rc=$?
 echo
 echo "== eager turn GPU tests: $(tail -n 1 "$OUT/turn_tests.log")"
 grep -hE "^E  +AssertionError" "$OUT/turn_tests.log" | cut -c1-400
-grep -hE "^(1|all) .*peak reserved" "$OUT/turn_tests.log"  # each case's peaks (the tests print them)
+grep -hE "^(0|1|all) .*peak reserved" "$OUT/turn_tests.log"  # each case's peaks (the tests print them)
 echo "== hybrid and SSM GPU tests: $(tail -n 1 "$OUT/hybrid_tests.log")"
 grep -hE "^E  +AssertionError" "$OUT/hybrid_tests.log" | cut -c1-600
 echo "== steady peaks (deterministic mode):"

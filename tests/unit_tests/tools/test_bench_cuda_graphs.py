@@ -20,7 +20,7 @@ def test_every_config_parses_with_every_mode_flag():
             cfg = parse_args(argv.split())
             impl = (
                 "local"
-                if mode.startswith(("local:", "turn:", "turns:"))
+                if mode.startswith(("local:", "noturn:", "turn:", "turns:"))
                 else "full_iteration"
                 if mode == "full"
                 else "none"
@@ -34,7 +34,7 @@ def test_every_config_parses_with_every_mode_flag():
     assert parse_args(f"{bcg.CONFIGS['moe']} {graph_bench.COMMON} {bcg.DROP_AND_PAD}".split()).moe.drop_and_pad
 
 
-def test_turn_modes_run_their_child_with_the_eager_turn_switched_on(monkeypatch, tmp_path):
+def test_turn_modes_run_their_child_with_the_eager_turns_set(monkeypatch, tmp_path):
     seen = {}
 
     def call(cmd, stdout, stderr, env):
@@ -44,14 +44,11 @@ def test_turn_modes_run_their_child_with_the_eager_turn_switched_on(monkeypatch,
     monkeypatch.setattr(graph_bench.subprocess, "call", call)
     monkeypatch.delenv(graph_bench.EAGER_TURN_SWITCH, raising=False)
     args = types.SimpleNamespace(iters=5, skip=1, extra="")
-    for mode in ("local:attn", "turn:attn", "turns:attn"):
+    modes = ("local:attn", "noturn:attn", "turn:attn", "turns:attn")
+    for mode in modes:
         graph_bench.run_child("dense8", mode, args, str(tmp_path / mode.replace(":", "_")))
-    assert seen == {"local:attn": None, "turn:attn": "1", "turns:attn": "all"}
-    assert (
-        graph_bench.mode_flags("turn:attn")
-        == graph_bench.mode_flags("turns:attn")
-        == graph_bench.mode_flags("local:attn")
-    )
+    assert seen == {"local:attn": None, "noturn:attn": "0", "turn:attn": "1", "turns:attn": "all"}
+    assert len({graph_bench.mode_flags(m) for m in modes}) == 1
 
 
 def test_plan_round_robin_filters_and_estimate():

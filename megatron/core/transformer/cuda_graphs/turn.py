@@ -25,14 +25,16 @@ time:
   fold is the usual one: DDP folds on arrival while the turn is switched on). The first backward
   graph's static gradient inputs stay held: the turn's gradient is copied into them.
 * Between backward graphs, eager backward work (the eager MLP of an ``attn`` scope) turns too
-  (``MEGATRON_CG_EAGER_TURN=all``; ``1`` opens the first turn only): from right after a
+  (``MEGATRON_CG_EAGER_TURN=all``, the default; ``1`` opens the first turn only, ``0`` none), also
+  where the first turn stays closed (a graphed loss head): from right after a
   backward graph, whose dgrads for eager code are copies in the eager cache, to the next
   backward graph. The recording checks the same (nothing made in between is alive at the next
   backward graph but the gradients handed to it), and two more things: a gradient handed to a
   backward graph is dead once its region's input gradients are made (else autograd keeps it for
   another use, which at replay would read it after the graph's temporaries overwrote it); and
   no released buffer of the backward pool holds data over the gap (``Plan.released_across``: a
-  dgrad handed from one backward graph to the next). A gradient an eager turn hands to a graph that
+  dgrad handed from one backward graph to the next). Each such turn is judged alone: one that fails
+  stays closed, the others open. A gradient an eager turn hands to a graph that
   overlaps the graph's static input is copied into it through a clone. Not where gradient
   reduction overlaps the backward: its collectives run on a stream of their own.
 * The pool's memory is shared only if the backward graphs' temporaries are cut from the memory
@@ -65,20 +67,29 @@ from megatron.core.transformer.cuda_graphs.pool import (
 )
 
 ENV_SWITCH = "MEGATRON_CG_EAGER_TURN"
-"""``1`` turns the eager turn on, ``all`` the turns between backward graphs too. Off by default
-until its GPU tests (graphed == eager, bitwise, in every partial scope, and the memory tests) pass
-on a GPU: it routes eager allocations into graph memory, where a wrong lifetime would corrupt
-silently."""
+"""``all`` (the default) opens the eager turns: the first, before the first backward graph, and those
+between backward graphs; ``1`` the first only; ``0`` none. A turn routes eager allocations into graph
+memory, where a wrong lifetime would corrupt silently: the recording checks each turn before it opens
+it, and the GPU tests compare graphed runs with eager, bitwise, under each setting."""
+
+
+def _switch() -> str:
+    value = os.environ.get(ENV_SWITCH, "all")
+    if value not in ("0", "1", "all"):
+        raise ValueError(
+            f"{ENV_SWITCH}={value!r}: use 0 (no eager turns), 1 (the first turn only) or all (every turn, the default)"
+        )
+    return value
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "0") in ("1", "all")
+    return _switch() != "0"
 
 
 def backward_turns_enabled() -> bool:
-    """``1`` opens the first turn only (before the first backward graph), ``all`` the turns between
-    backward graphs too (not yet run on a GPU)."""
-    return os.environ.get(ENV_SWITCH, "0") == "all"
+    """``all`` opens the turns between backward graphs too; ``1`` only the first turn (before the first
+    backward graph)."""
+    return _switch() == "all"
 
 
 MIN_TURN_BYTES = 16 * 2**20

@@ -356,17 +356,17 @@ def test_changed_micro_batch_count_replays_the_cycle_that_often():
         assert a["lm loss"] == b["lm loss"], (a, b)
 
 
-@pytest.mark.parametrize("switch", ["1", "all"])
+@pytest.mark.parametrize("switch", ["0", "1", "all"])
 @pytest.mark.parametrize("scope", ["attn", "mlp", "attn mlp"])
 @pytest.mark.parametrize("head", ["", "--no-cuda-graph-postprocess", "--no-gradient-accumulation-fusion"])
-def test_eager_turn_graphed_equals_eager_and_peak_within_2_percent(scope, head, switch, monkeypatch):
+def test_eager_turns_graphed_equal_eager_and_default_peak_within_2_percent(scope, head, switch, monkeypatch):
     """MEGATRON_CG_EAGER_TURN=1: the eager work between the last forward graph and the first
-    backward graph allocates in the backward graphs' pool; ``all``: the eager work between
-    backward graphs too (also where the first turn stays closed). Losses and main_grads bitwise equal
-    to eager over 20 iterations of dense8 in deterministic mode (2 micro-batches), and peak
-    reserved memory at most 2% over eager's. Where the turn leaves something alive (the tied
-    output weight's unfused wgrad waits in autograd for the embedding's part) it stays off,
-    with a warning, and the run is the plain graphed one."""
+    backward graph allocates in the backward graphs' pool; ``all`` (the default): the eager work
+    between backward graphs too (also where the first turn stays closed); ``0``: none. Losses and
+    main_grads bitwise equal to eager over 20 iterations of dense8 in deterministic mode (2
+    micro-batches) under each; with the default, peak reserved memory at most 2% over eager's.
+    Where the first turn would leave something alive (the tied output weight's unfused wgrad waits
+    in autograd for the embedding's part) it stays closed, with a warning."""
     from megatron.core.transformer.cuda_graphs import turn
 
     use_expandable_segments()
@@ -378,7 +378,7 @@ def test_eager_turn_graphed_equals_eager_and_peak_within_2_percent(scope, head, 
     session = graphed[2].graphs
     head_graphed = any(r.name.endswith("postprocess") for r in session.regions)
     first = session._turn is not None and session._turn.last_forward is not None
-    assert first == (not head_graphed and "fusion" not in head), session.summary_line()
+    assert first == (switch != "0" and not head_graphed and "fusion" not in head), session.summary_line()
     assert_same(eager, graphed, f"eager turn, scope {scope} {head}")
     print(f"{switch} {scope} {head}: peak reserved {graphed_peak / 2**20:.0f} MiB, eager {eager_peak / 2**20:.0f} MiB")
     # With `attn` or `mlp`, eager layer halves run between the backward graphs: turns there with `all`,
@@ -389,6 +389,8 @@ def test_eager_turn_graphed_equals_eager_and_peak_within_2_percent(scope, head, 
         captured = max(r.slots[0].pool_reserved_after.get(BWD, 0) for r in session.regions)
         grown = session.backward_pool.stats().reserved_bytes - captured
         assert grown == 0, f"scope {scope} {head}: the turns grew the backward pool by {grown / 2**20:.0f} MiB"
+    if switch != "all":  # the first turn alone saves little (README): no bound
+        return
     assert graphed_peak <= eager_peak * 1.02, (
         f"scope {scope} {head}: graphed peak reserved {graphed_peak / 2**20:.0f} MiB > eager "
         f"{eager_peak / 2**20:.0f} MiB + 2%; {session.summary_line()}"

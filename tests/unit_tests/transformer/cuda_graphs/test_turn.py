@@ -1,8 +1,8 @@
 """The eager turn's CPU parts: the watch of what the turn leaves alive, and when the turn opens.
 
 Routing into the pool needs CUDA; the graphed runs that use it are compared with eager,
-bitwise, by the GPU tests (test_graphs_gpu.py, the hybrid and MoE ones) with
-MEGATRON_CG_EAGER_TURN=1.
+bitwise, by the GPU tests (test_graphs_gpu.py's eager turn cases under each setting of
+MEGATRON_CG_EAGER_TURN, and every graphed GPU test under the default).
 """
 
 import pytest
@@ -215,13 +215,21 @@ def test_turn_opens_after_the_last_forward_when_clean_and_large_enough():
         assert FakeSession()._decide_turn(watch_with(big, ["aten.mm -> (4, 4)"]), {0: CYCLE}, True) is None
 
 
-def test_the_turn_is_off_unless_switched_on(monkeypatch):
-    """Off by default until the GPU tests have run with it; the switch is an environment variable."""
-    model = torch.nn.Linear(4, 4)
+def test_every_turn_is_on_by_default_and_the_switch_names_its_values(monkeypatch):
+    """The switch is an environment variable: every turn by default, ``1`` the first only, ``0``
+    none (no hook on the model); anything else is an error naming the variable and its values."""
     monkeypatch.delenv(turn.ENV_SWITCH, raising=False)
-    assert not turn.enabled()
+    assert turn.enabled() and turn.backward_turns_enabled()
+    monkeypatch.setenv(turn.ENV_SWITCH, "1")
+    assert turn.enabled() and not turn.backward_turns_enabled()
+    monkeypatch.setenv(turn.ENV_SWITCH, "0")
+    assert not turn.enabled() and not turn.backward_turns_enabled()
+    model = torch.nn.Linear(4, 4)
     FakeSession().watch_model_output(model)
     assert not model._forward_hooks
+    monkeypatch.setenv(turn.ENV_SWITCH, "on")
+    with pytest.raises(ValueError, match="MEGATRON_CG_EAGER_TURN='on': use 0 .*, 1 .* or all"):
+        turn.enabled()
 
 
 def test_a_copied_model_carries_no_turn_hook(monkeypatch):
