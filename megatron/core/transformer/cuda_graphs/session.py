@@ -151,9 +151,6 @@ class GraphSession(PipelineHooks, TurnHooks):
         self.pools: dict = {}  # slot -> GraphPool
         self.backward_pool = None  # the GraphPool every slot's backward graphs share, if they do
         self.forwards_in_backward_pool: frozenset[int] = frozenset()  # regions whose forwards join it
-        self.turn_shape: tuple[int, int, frozenset] | None = None
-        """With the first eager turn: (the first backward's region, bytes of eager work the capture shaped
-        into the backward pool at its capture, owner keys of its static gradients held for the turn)."""
         self.buffers: dict[int, dict] = {}
         self.cursor = 0
         self.slot = 0
@@ -463,18 +460,11 @@ class GraphSession(PipelineHooks, TurnHooks):
         )
         communicating = {c.key[1] for comm in self.comms.values() for c in comm}
         next_to_backward = frozenset(forwards_next_to_backward(self.order, communicating))
-        single_schedule = self.recorded_schedule is None and not communicating
-        turn = self._decide_turn(watch, self.cycles, single_schedule)
-        keep = frozenset()
-        if turn is not None:  # the turn's gradient is copied into the first backward's static inputs
-            share, next_to_backward = True, frozenset()
-            ((slot, cycle),) = self.cycles.items()
-            first = self.regions[cycle[turn[1]].region]
-            keys = [("grad_output", first.index, j) for j in range(first.num_outputs)]
-            keep = frozenset(plans[slot].owner(k) for k in keys if k in plans[slot].buffers)
-            self.turn_shape = (first.index, watch.peak_bytes, keep)
-        after_backward = self._backward_turns(watch, plans, single_schedule, next_to_backward)
-        share = share or bool(after_backward)  # turns allocate in a backward pool of its own
+        turns = self._plan_turns(watch, plans, self.recorded_schedule is None and not communicating, next_to_backward)
+        if turns is not None:  # turns allocate in a backward pool of its own
+            share = True
+            if turns.first is not None:  # the first turn's work would overwrite those forwards' outputs
+                next_to_backward = frozenset()
         self.forwards_in_backward_pool = next_to_backward if share else frozenset()
         self.pools, self.backward_pool, self.buffers = capture_lib.capture_all(
             self.regions,
@@ -483,11 +473,11 @@ class GraphSession(PipelineHooks, TurnHooks):
             self.config.cuda_graph_warmup_steps,
             share_backward=share,
             forwards_in_backward_pool=self.forwards_in_backward_pool,
-            keep=keep,
-            turn_pattern=watch.pattern if turn is not None else None,
+            keep=turns.keep if turns is not None else frozenset(),
+            turn_pattern=turns.pattern if turns is not None else None,
         )
-        if turn is not None or after_backward:
-            self._turn = TurnRouter(self.backward_pool, *(turn or (None, None)), after_backward)
+        if turns is not None:
+            self._turn = TurnRouter(self.backward_pool, *(turns.first or (None, None)), turns.after_backward)
         if self.config.cuda_graph_debug:
             for slot, plan in plans.items():
                 for position, tensors in capture_lib.poison_plan(plan, self.buffers[slot]).items():

@@ -48,6 +48,7 @@ time:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -329,10 +330,27 @@ class TurnRouter:
         return (self.last_forward is not None) + len(self.after_backward)
 
 
+@dataclasses.dataclass(frozen=True)
+class TurnPlan:
+    """The turns a capture opens (:meth:`TurnHooks._plan_turns`)."""
+
+    first: tuple[int, int] | None
+    """(last forward, first backward) cycle positions of the first turn, if it opens."""
+    after_backward: frozenset[int]
+    """Cycle positions of backward graphs after which a turn opens."""
+    keep: frozenset = frozenset()
+    """Owner keys of the first backward's static gradients, held: the first turn's gradient is copied in."""
+    pattern: list[int] | None = None
+    """The first turn's allocations, to shape the backward pool with (:func:`shape_pool`)."""
+
+
 class TurnHooks:
     """The eager turn's side of a graph session (a mixin of ``GraphSession``, whose state it uses)."""
 
     _watch: TurnWatch | None = None
+    turn_shape: tuple[int, int, frozenset] | None = None
+    """With the first turn open: (the first backward's region, bytes of eager work the capture shapes into
+    the backward pool at its capture, owner keys of its static gradients held for the turn)."""
     _turn: TurnRouter | None = None
     _output_hook = None
     captures_next = False  # recording on CUDA, to capture after (not a CPU recording for tests)
@@ -401,6 +419,23 @@ class TurnHooks:
         ((_, cycle),) = cycles.items()
         phases = [e.phase for e in cycle]
         return FWD in phases and BWD in phases and FWD not in phases[phases.index(BWD) :]
+
+    def _plan_turns(
+        self, watch: TurnWatch | None, plans: dict, single_schedule: bool, next_to_backward: frozenset[int]
+    ) -> TurnPlan | None:
+        """The turns to open after the recording, or None. ``next_to_backward``: the forwards captured
+        into the backward pool unless the first turn opens (whose work would overwrite their outputs)."""
+        first = self._decide_turn(watch, self.cycles, single_schedule)
+        in_pool = frozenset() if first is not None else next_to_backward
+        after_backward = self._backward_turns(watch, plans, single_schedule, in_pool)
+        if first is None:
+            return TurnPlan(None, after_backward) if after_backward else None
+        ((slot, cycle),) = self.cycles.items()
+        region = self.regions[cycle[first[1]].region]
+        keys = [("grad_output", region.index, j) for j in range(region.num_outputs)]
+        keep = frozenset(plans[slot].owner(k) for k in keys if k in plans[slot].buffers)
+        self.turn_shape = (region.index, watch.peak_bytes, keep)
+        return TurnPlan(first, after_backward, keep, watch.pattern)
 
     def _decide_turn(self, watch: TurnWatch | None, cycles: dict, single_schedule: bool):
         """``(last forward, first backward)`` cycle positions when the turn opens, else None."""

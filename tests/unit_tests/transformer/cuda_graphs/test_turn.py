@@ -312,6 +312,16 @@ def test_recording_watches_the_turn_of_a_real_session(scope, fold, monkeypatch):
             assert head not in positions and plan.released_across(head, ("grad_input", "grad_output"))
     else:  # the eager layer halves' weights wait in param.grad
         assert watch.backward_escaped and positions == frozenset()
+    turns = session._plan_turns(watch, {0: plan}, True, frozenset())  # what the capture opens
+    if fold and head_eager:  # the first turn, its gradient copied into the first backward's held inputs
+        assert turns.first is not None and turns.keep and turns.pattern == watch.pattern
+        assert session.turn_shape == (session.regions[1].index, watch.peak_bytes, turns.keep)
+    elif positions:
+        assert turns.first is None and turns.keep == frozenset() and turns.pattern is None
+    else:
+        assert turns is None
+    if turns is not None:
+        assert turns.after_backward == positions
 
 
 class CpuWatch(TurnWatch):
