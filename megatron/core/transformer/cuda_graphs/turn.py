@@ -241,7 +241,8 @@ class TurnWatch(TorchDispatchMode):
             self.backward_escaped += stuck
             if self._handing is None:
                 self._all_off = True
-            self.backward_off.add(self._handing)
+            else:
+                self.backward_off.add(self._handing)
         self._handed = {}
         self._region_done = True
 
@@ -445,7 +446,7 @@ class TurnHooks:
         last = [e.phase for e in cycle].index(BWD) - 1
         opens, why = watch.verdict()
         if why is not None:
-            warnings.warn(why, stacklevel=4)
+            warnings.warn(why, stacklevel=5)  # the trainer's line
         return (last, last + 1) if opens else None
 
     def _turn_after_forward(self) -> None:
@@ -477,7 +478,7 @@ class TurnHooks:
             return frozenset()
         events, why = watch.backward_verdict()
         if why is not None:
-            warnings.warn(why, stacklevel=4)
+            warnings.warn(why, stacklevel=5)  # the trainer's line
         ((_, plan),) = plans.items()
         positions = {plan.position(e.phase, e.region) for e in events}
 
