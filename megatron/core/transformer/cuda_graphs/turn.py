@@ -35,8 +35,9 @@ time:
   no released buffer of the backward pool holds data over the gap (``Plan.released_across``: a
   dgrad handed from one backward graph to the next). Each such turn is judged alone: one that fails
   stays closed, the others open. A gradient an eager turn hands to a graph that
-  overlaps the graph's static input is copied into it through a clone. Not where gradient
-  reduction overlaps the backward: its collectives run on a stream of their own.
+  overlaps the graph's static input is copied into it through a clone.
+* No turn where gradient reduction overlaps the backward with more than one data-parallel rank:
+  its collectives run on a stream of their own (not yet run on several GPUs).
 * The pool's memory is shared only if the backward graphs' temporaries are cut from the memory
   the turn uses; captured first, they are not, and the turn's tensors (the logits) grow the pool
   beside them. So the watch also notes the order in which the turn
@@ -356,12 +357,10 @@ class TurnHooks:
     _output_hook = None
     captures_next = False  # recording on CUDA, to capture after (not a CPU recording for tests)
     eager_turn_allowed = True
-    """The trainer's say: False for pipelines (no turn there) and MoE models, whose eager layers
+    """The trainer's say: False for pipelines (no turn there); for MoE models, whose eager layers
     record per-layer statistics on logging iterations only (the recording iteration's watch could
-    miss them)."""
-    backward_turns_allowed = True
-    """The trainer's say for the turns between backward graphs: False where gradient reduction
-    overlaps the backward (its collectives would allocate in the pool on their own stream)."""
+    miss them); and where gradient reduction overlaps the backward (a bucket completed during a turn
+    would launch its collective, on a stream of its own, with the turn's routing in force)."""
 
     def watch_model_output(self, model: torch.nn.Module) -> None:
         """Marks where ``model``'s forward ends: the turn pauses there until its output's gradient arrives."""
@@ -375,7 +374,7 @@ class TurnHooks:
         if not self.captures_next:
             return
         if self._watch is None:
-            self._watch = TurnWatch("cuda", backward_turns_enabled() and self.backward_turns_allowed)
+            self._watch = TurnWatch("cuda", backward_turns_enabled())
             self._watch.__enter__()
         self._watch.start()
         inputs = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -472,9 +471,7 @@ class TurnHooks:
         recording saw the eager work up to the next backward graph leave nothing alive, and no
         released buffer of the backward pool holds data over that gap (``Plan.released_across``:
         static gradients, and the outputs of the forwards ``in_pool`` captures there)."""
-        if not (backward_turns_enabled() and self.backward_turns_allowed):
-            return frozenset()
-        if not self._turns_possible(watch, self.cycles, single_schedule):
+        if not backward_turns_enabled() or not self._turns_possible(watch, self.cycles, single_schedule):
             return frozenset()
         events, why = watch.backward_verdict()
         if why is not None:
