@@ -127,7 +127,8 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation, RunCheckpoi
             scope_group=pg.pp if pg.pp_size > 1 else None,
         )
         overlapped = self.model.config.overlap_grad_reduce and pg.dp_size > 1
-        self.graphs.eager_turn_allowed = not self.has_moe and pg.pp_size == 1 and not overlapped
+        alone = pg.pp_size == 1 and pg.tp_size == 1 and not overlapped  # no collective inside a turn
+        self.graphs.eager_turn_allowed = not self.has_moe and alone
         if self.graphs.active and self.graphs.eager_turn_allowed and cuda_graphs.eager_turn_enabled():
             self.model.fold_grads_on_arrival()  # the graphs' eager turn leaves no param.grad waiting
         self.full_graph = full_iteration.build(cfg.cuda_graph, self.device, logs.print_rank_0)

@@ -36,8 +36,8 @@ time:
   dgrad handed from one backward graph to the next). Each such turn is judged alone: one that fails
   stays closed, the others open. A gradient an eager turn hands to a graph that
   overlaps the graph's static input is copied into it through a clone.
-* No turn where gradient reduction overlaps the backward with more than one data-parallel rank:
-  its collectives run on a stream of their own (not yet run on several GPUs).
+* No turn where a collective could run inside one (tensor parallelism; gradient reduction
+  overlapping the backward with DP > 1): it runs on NCCL's stream of its own. Not yet run on several GPUs.
 * The pool's memory is shared only if the backward graphs' temporaries are cut from the memory
   the turn uses; captured first, they are not, and the turn's tensors (the logits) grow the pool
   beside them. So the watch also notes the order in which the turn
@@ -359,8 +359,9 @@ class TurnHooks:
     eager_turn_allowed = True
     """The trainer's say: False for pipelines (no turn there); for MoE models, whose eager layers
     record per-layer statistics on logging iterations only (the recording iteration's watch could
-    miss them); and where gradient reduction overlaps the backward (a bucket completed during a turn
-    would launch its collective, on a stream of its own, with the turn's routing in force)."""
+    miss them); and wherever a collective could run inside a turn, on NCCL's stream with the turn's
+    routing in force: tensor parallelism, and gradient reduction overlapping the backward with
+    DP > 1. Those stay off until a run on several GPUs checks them."""
 
     def watch_model_output(self, model: torch.nn.Module) -> None:
         """Marks where ``model``'s forward ends: the turn pauses there until its output's gradient arrives."""

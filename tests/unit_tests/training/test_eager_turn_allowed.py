@@ -1,0 +1,37 @@
+"""Where the trainer lets the CUDA graphs' eager turns open (``GraphSession.eager_turn_allowed``):
+not where a collective could run inside a turn (tensor parallelism; gradient reduction that
+overlaps the backward with DP > 1), nor in pipelines or MoE models. Two gloo ranks on the CPU."""
+
+import pytest
+
+from tests.unit_tests.dist_utils import run_distributed
+
+BASE = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+    "--micro-batch-size 1 --global-batch-size 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
+    "--lr 1e-4 --train-iters 1 --num-workers 0"
+)
+LAYOUTS = {
+    "dp2": ("", True),
+    "dp2 overlapped": ("--overlap-grad-reduce", False),
+    "tp2": ("--tensor-model-parallel-size 2", False),
+    "pp2": ("--pipeline-model-parallel-size 2", False),
+    "moe": ("--num-experts 2 --moe-router-topk 2", False),
+}
+
+
+def _allowed(rank: int, world_size: int, extra: str) -> bool:
+    from megatron.core import parallel_state
+    from megatron.training.training import build_trainer
+
+    trainer = build_trainer(f"{BASE} {extra}".split())
+    try:
+        return trainer.graphs.eager_turn_allowed
+    finally:
+        parallel_state.destroy(trainer.pg)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_turns_stay_closed_where_a_collective_could_run_inside_one(layout):
+    extra, allowed = LAYOUTS[layout]
+    assert run_distributed(_allowed, 2, extra) == [allowed, allowed]
