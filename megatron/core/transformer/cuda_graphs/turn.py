@@ -290,6 +290,14 @@ def shape_pool(pattern: list[int], pool: GraphPool, stream: torch.cuda.Stream) -
         held.clear()
 
 
+def gap_holds_data(plan, position: int, in_pool: frozenset[int]) -> bool:
+    """Whether a released buffer of the backward pool holds data over the gap after ``position``
+    (``Plan.released_across``): a static gradient, or an output of a forward captured there
+    (``in_pool``). Eager work allocating in that pool then could overwrite it."""
+    held = plan.released_across(position, ("grad_input", "grad_output", "output"))
+    return any(key[0] != "output" or key[1] in in_pool for key in held)
+
+
 class TurnRouter:
     """Routes one thread's allocations into the backward pool during the turn of each micro-batch.
 
@@ -479,12 +487,7 @@ class TurnHooks:
             warnings.warn(why, stacklevel=5)  # the trainer's line
         ((_, plan),) = plans.items()
         positions = {plan.position(e.phase, e.region) for e in events}
-
-        def holds_data(position: int) -> bool:
-            held = plan.released_across(position, ("grad_input", "grad_output", "output"))
-            return any(key[0] != "output" or key[1] in in_pool for key in held)
-
-        return frozenset(p for p in positions if not holds_data(p))
+        return frozenset(p for p in positions if not gap_holds_data(plan, p, in_pool))
 
     def _close_turn(self) -> None:
         if self._turn is not None:

@@ -17,7 +17,18 @@ import itertools
 
 import pytest
 
-from megatron.core.transformer.cuda_graphs.plan import BWD, FWD, OWN, CommRead, Event, RegionIO, Source, build_plan
+from megatron.core.transformer.cuda_graphs.plan import (
+    BWD,
+    FWD,
+    OWN,
+    CommRead,
+    Event,
+    RegionIO,
+    Source,
+    build_plan,
+    forwards_next_to_backward,
+)
+from megatron.core.transformer.cuda_graphs.turn import gap_holds_data
 
 TEMPS = 2  # temporaries each graph allocates and frees inside its own capture
 
@@ -377,19 +388,24 @@ def test_send_ignored_by_the_plan_is_caught():
     assert replay(cycle, regions, plan, block, temps, saves_inputs=False, comm=comm) != []
 
 
+@pytest.mark.parametrize("head", [False, True], ids=["", "last forward in the backward pool"])
 @pytest.mark.parametrize("case", ["layers with hand-offs", "sub-layer regions with eager between"])
-def test_eager_turns_between_backward_graphs_write_only_dead_blocks(case):
+def test_eager_turns_between_backward_graphs_write_only_dead_blocks(case, head):
     """The eager turns between backward graphs allocate in the backward pool and may get any block
-    free after capture: with a turn after each backward position ``Plan.released_across`` leaves,
+    free after capture: with a turn after each backward position ``turn.gap_holds_data`` leaves,
     no read sees a turn's data; with one after every backward graph, a dgrad handed from one
-    backward graph to the next is overwritten."""
+    backward graph to the next is overwritten. ``head``: the last region's forward, followed at
+    once by its backward (a graphed loss head), is captured into the backward pool too, as when
+    no first turn opens."""
     cycle, regions = CASES[case]
     plan = build_plan(cycle, regions)
     bpool = Pool(first_block=1000)
-    block, temps = simulate_capture(cycle, regions, plan, True, pool=Pool(), backward_pool=bpool)
+    there = frozenset(forwards_next_to_backward(cycle)) if head else frozenset()
+    assert len(there) == head
+    block, temps = simulate_capture(cycle, regions, plan, True, pool=Pool(), backward_pool=bpool, forwards_there=there)
     free = list(bpool.free)
     gaps = [p for p, e in enumerate(cycle) if e.phase == BWD][:-1]
-    safe = {p for p in gaps if not plan.released_across(p, ("grad_input", "grad_output"))}
+    safe = {p for p in gaps if not gap_holds_data(plan, p, there)}
     assert replay(cycle, regions, plan, block, temps, True, turns=(safe, free)) == []
     if case == "layers with hand-offs":
         assert safe == set()
