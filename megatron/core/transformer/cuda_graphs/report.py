@@ -380,10 +380,10 @@ def graphed_report(
             if not region.has_backward:
                 keep += out
             turn_bytes = 0
-            if session.turn_shape is not None:  # the first backward's static gradients take the turn's, held
-                first, shaped, kept = session.turn_shape
-                turn_bytes = shaped if first == region.index else 0
-                kept = [session.buffers[slot].get(k) for k in kept if k[1] == region.index]
+            turns = session.turn_plan
+            if turns is not None and turns.first is not None:  # the first backward's static gradients, held
+                turn_bytes = turns.shaped_bytes if turns.first_region == region.index else 0
+                kept = [session.buffers[slot].get(k) for k in turns.keep if k[1] == region.index]
                 keep += sum(_nbytes(t) for t in kept if t is not None)
             for c in session.comms.get(slot, ()):  # received into, or read by a send waited on after the cycle
                 t = session.buffers.get(slot, {}).get(c.key)

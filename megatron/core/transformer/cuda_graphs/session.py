@@ -461,6 +461,7 @@ class GraphSession(PipelineHooks, TurnHooks):
         communicating = {c.key[1] for comm in self.comms.values() for c in comm}
         next_to_backward = frozenset(forwards_next_to_backward(self.order, communicating))
         turns = self._plan_turns(watch, plans, self.recorded_schedule is None and not communicating, next_to_backward)
+        self.turn_plan = turns
         if turns is not None:  # turns allocate in a backward pool of its own
             share = True
             if turns.first is not None:  # the first turn's work would overwrite those forwards' outputs
@@ -477,7 +478,7 @@ class GraphSession(PipelineHooks, TurnHooks):
             turn_pattern=turns.pattern if turns is not None else None,
         )
         if turns is not None:
-            self._turn = TurnRouter(self.backward_pool, *(turns.first or (None, None)), turns.after_backward)
+            self._turn = TurnRouter(self.backward_pool, turns.first[0] if turns.first else None, turns.after_backward)
         if self.config.cuda_graph_debug:
             for slot, plan in plans.items():
                 for position, tensors in capture_lib.poison_plan(plan, self.buffers[slot]).items():

@@ -303,17 +303,14 @@ class TurnRouter:
 
     Args:
         pool: The backward graphs' pool.
-        last_forward: Cycle position of the micro-batch's last forward graph (None: no first turn).
-        first_backward: Cycle position of its first backward graph (None: no first turn).
+        last_forward: Cycle position of the micro-batch's last forward graph, after which the first
+            turn opens (None: no first turn). Every turn closes before the next backward graph.
         after_backward: Cycle positions of backward graphs after which a turn opens, up to the next one.
     """
 
-    def __init__(
-        self, pool: GraphPool, last_forward: int | None, first_backward: int | None, after_backward=frozenset()
-    ):
+    def __init__(self, pool: GraphPool, last_forward: int | None, after_backward=frozenset()):
         self.pool = pool
         self.last_forward = last_forward
-        self.first_backward = first_backward
         self.after_backward = frozenset(after_backward)
         self._thread: int | None = None  # the thread whose allocations go to the pool
 
@@ -352,15 +349,17 @@ class TurnPlan:
     """Owner keys of the first backward's static gradients, held: the first turn's gradient is copied in."""
     pattern: list[int] | None = None
     """The first turn's allocations, to shape the backward pool with (:func:`shape_pool`)."""
+    first_region: int | None = None
+    """The region whose backward capture the shaping precedes (the first backward's)."""
+    shaped_bytes: int = 0
+    """The first turn's peak: eager memory the shaping moves into the backward pool."""
 
 
 class TurnHooks:
     """The eager turn's side of a graph session (a mixin of ``GraphSession``, whose state it uses)."""
 
     _watch: TurnWatch | None = None
-    turn_shape: tuple[int, int, frozenset] | None = None
-    """With the first turn open: (the first backward's region, bytes of eager work the capture shapes into
-    the backward pool at its capture, owner keys of its static gradients held for the turn)."""
+    turn_plan: TurnPlan | None = None  # the turns the capture opened (the memory report reads it)
     _turn: TurnRouter | None = None
     _output_hook = None
     captures_next = False  # recording on CUDA, to capture after (not a CPU recording for tests)
@@ -443,8 +442,7 @@ class TurnHooks:
         region = self.regions[cycle[first[1]].region]
         keys = [("grad_output", region.index, j) for j in range(region.num_outputs)]
         keep = frozenset(plans[slot].owner(k) for k in keys if k in plans[slot].buffers)
-        self.turn_shape = (region.index, watch.peak_bytes, keep)
-        return TurnPlan(first, after_backward, keep, watch.pattern)
+        return TurnPlan(first, after_backward, keep, watch.pattern, region.index, watch.peak_bytes)
 
     def _decide_turn(self, watch: TurnWatch | None, cycles: dict, single_schedule: bool):
         """``(last forward, first backward)`` cycle positions when the turn opens, else None."""

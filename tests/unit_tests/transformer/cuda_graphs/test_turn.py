@@ -315,7 +315,7 @@ def test_recording_watches_the_turn_of_a_real_session(scope, fold, monkeypatch):
     turns = session._plan_turns(watch, {0: plan}, True, frozenset())  # what the capture opens
     if fold and head_eager:  # the first turn, its gradient copied into the first backward's held inputs
         assert turns.first is not None and turns.keep and turns.pattern == watch.pattern
-        assert session.turn_shape == (session.regions[1].index, watch.peak_bytes, turns.keep)
+        assert (turns.first_region, turns.shaped_bytes) == (session.regions[1].index, watch.peak_bytes)
     elif positions:
         assert turns.first is None and turns.keep == frozenset() and turns.pattern is None
     else:
