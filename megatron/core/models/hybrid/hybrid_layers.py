@@ -70,7 +70,4 @@ class MoEOnlyLayer(MoETransformerLayer):
     def forward(self, hidden_states: torch.Tensor, rotary_pos_emb=None, attention_mask=None) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``; router statistics are added up as in ``MoETransformerLayer``
         (``rotary_pos_emb`` and ``attention_mask`` are unused)."""
-        hidden_states, stats = self._forward_moe(hidden_states)
-        if self.training and torch.is_grad_enabled():  # evaluation does not count
-            self.mlp.accumulate_stats(stats)
-        return hidden_states
+        return self._forward_moe_counted(hidden_states)

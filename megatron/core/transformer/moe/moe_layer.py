@@ -367,9 +367,13 @@ class MoETransformerLayer(TransformerLayer):
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``."""
-        hidden_states = self._forward_attention(hidden_states, rotary_pos_emb, attention_mask)
+        return self._forward_moe_counted(self._forward_attention(hidden_states, rotary_pos_emb, attention_mask))
+
+    def _forward_moe_counted(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The MoE half (``_forward_moe``, graphed or not), its router statistics added up eagerly
+        while training (evaluation does not count)."""
         hidden_states, stats = self._forward_moe(hidden_states)
-        if self.training and torch.is_grad_enabled():  # evaluation does not count
+        if self.training and torch.is_grad_enabled():
             self.mlp.accumulate_stats(stats)
         return hidden_states
 
