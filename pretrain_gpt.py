@@ -4,7 +4,7 @@ Without torchrun it runs as a world of one. On a machine without CUDA it trains 
 CPU (gloo for several processes).
 """
 
-from megatron.core.models.gpt.loss import mask_kwargs, masked_mean_loss
+from megatron.core.models.gpt.loss import gpt_forward_step
 from megatron.training.training import default_model_provider, pretrain
 
 
@@ -14,10 +14,9 @@ def model_provider(cfg, vocab_size, pg, device):
 
 
 def forward_step(batch, model):
-    """One micro-batch: ``(loss, metrics)``, the mean next-token loss over unmasked tokens."""
-    per_token = model(batch["tokens"], batch["position_ids"], batch["labels"], **mask_kwargs(batch))
-    loss, num_tokens = masked_mean_loss(per_token, batch["loss_mask"])
-    return loss, {"num_tokens": num_tokens}  # the token count weighs micro-batches (evaluation, per-token loss)
+    """One micro-batch: ``(loss, metrics)``, the mean next-token loss over unmasked tokens and their count,
+    which weighs micro-batches (``gpt_forward_step``; write your own here to change the loss)."""
+    return gpt_forward_step(batch, model)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ of one; on a machine without CUDA it trains on the CPU.
 
 import torch
 
-from megatron.core.models.gpt.loss import mask_kwargs, masked_mean_loss
+from megatron.core.models.gpt.loss import gpt_forward_step
 from megatron.core.models.hybrid.hybrid_model import build_hybrid_model, build_hybrid_stage_chunks, check_graph_scopes
 from megatron.training.training import pretrain
 
@@ -28,10 +28,9 @@ def model_provider(cfg, vocab_size, pg, device):
 
 
 def forward_step(batch, model):
-    """One micro-batch: ``(loss, metrics)``, the mean next-token loss over unmasked tokens."""
-    per_token = model(batch["tokens"], batch["position_ids"], batch["labels"], **mask_kwargs(batch))
-    loss, num_tokens = masked_mean_loss(per_token, batch["loss_mask"])
-    return loss, {"num_tokens": num_tokens}  # the token count weighs micro-batches (evaluation, per-token loss)
+    """One micro-batch: ``(loss, metrics)``, the mean next-token loss over unmasked tokens and their count,
+    which weighs micro-batches (``gpt_forward_step``; write your own here to change the loss)."""
+    return gpt_forward_step(batch, model)
 
 
 if __name__ == "__main__":
