@@ -230,10 +230,9 @@ def validate_document_mask(cfg) -> None:
         "--reset-attention-mask with --no-create-attention-mask-in-dataloader: the document mask is built by the "
         "data loader, and Megatron then leaves --reset-attention-mask without effect. Drop one of them.",
     )
-    unsupported = {
-        "gated delta net layers (--linear-attention-freq, the hybrid symbol G)": bool(
-            getattr(cfg.linear_attention, "enabled", False) or "G" in (cfg.mamba.hybrid_layer_pattern or "")
-        ),
-    }
-    for what, used in unsupported.items():
-        require(not used, f"--reset-attention-mask with {what} is not supported yet; drop one of them.")
+    gdn = getattr(cfg.linear_attention, "enabled", False) or "G" in (cfg.mamba.hybrid_layer_pattern or "")
+    require(
+        not gdn,
+        "--reset-attention-mask with gated delta net layers (--linear-attention-freq, the hybrid symbol G) is not "
+        "supported yet; drop one of them.",
+    )
