@@ -32,6 +32,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megatron.core.transformer.cuda_graphs.turn import outside_turn
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -104,15 +105,47 @@ class EmbeddingWithGradAccumulation(torch.autograd.Function):
         return None, None
 
 
+class LinearWithHeldWgrad(torch.autograd.Function):
+    """``F.linear`` whose weight gradient autograd holds for the weight's other use: the output layer
+    tied to the word embeddings, without gradient-accumulation fusion, whose gradient waits for the
+    embedding's part and is summed with it (in the weight's dtype, as ``F.linear``'s would be). The
+    weight GEMM runs under ``outside_turn``: in a CUDA graph eager turn it lives in the eager cache,
+    not in the turn's memory, which the next backward graph overwrites.
+    """
+
+    @staticmethod
+    def forward(ctx, input_, weight, bias):
+        ctx.save_for_backward(input_, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(input_, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            with outside_turn():
+                grad_weight = grad_2d.t().mm(input_.reshape(-1, input_.shape[-1]))
+        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_input, grad_weight, grad_bias
+
+
 def _fuses_wgrad(enabled: bool, weight: torch.Tensor) -> bool:
     """Whether this call should add the weight gradient straight into ``weight.main_grad``."""
     return enabled and weight.requires_grad and torch.is_grad_enabled() and hasattr(weight, "main_grad")
 
 
-def linear(input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, fuse_wgrad: bool):
-    """``F.linear``, or ``LinearWithGradAccumulation`` when the weight has a main_grad to fuse into."""
+def linear(
+    input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, fuse_wgrad: bool, shared: bool = False
+):
+    """``F.linear``, or ``LinearWithGradAccumulation`` when the weight has a main_grad to fuse into;
+    ``shared`` (a weight another layer differentiates too) otherwise ``LinearWithHeldWgrad``."""
     if _fuses_wgrad(fuse_wgrad, weight):
         return LinearWithGradAccumulation.apply(input_, weight, bias)
+    if shared and weight.requires_grad and torch.is_grad_enabled():
+        return LinearWithHeldWgrad.apply(input_, weight, bias)
     return F.linear(input_, weight, bias)
 
 
@@ -336,6 +369,7 @@ class ColumnParallelLinear(torch.nn.Module):
             ``(output [s, ..., output_size_per_partition], bias or None)`` (all output
             features with ``gather_output``); the bias is returned only with ``skip_bias_add``.
         """
+        shared = weight is not None  # another layer's (the word embeddings' for a tied output layer)
         if weight is None:
             assert self.weight is not None, "ColumnParallelLinear built without a weight needs forward(weight=...)"
             weight = self.weight
@@ -345,7 +379,7 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             input_ = copy_to_tensor_model_parallel_region(input_, self.group)
         bias = None if self.skip_bias_add else self.bias
-        output = linear(input_, weight, bias, fuse_wgrad=fuse)
+        output = linear(input_, weight, bias, fuse_wgrad=fuse, shared=shared)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.group)
         return output, (self.bias if self.skip_bias_add else None)

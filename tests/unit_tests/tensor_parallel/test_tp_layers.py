@@ -188,3 +188,44 @@ def test_fused_embedding_wgrad_goes_to_main_grad():
     plain = _with_main_grad(VocabParallelEmbedding(10, 4, config=off, init_method=init_method_normal(0.5)))
     plain(ids).backward(g)
     assert plain.weight.grad is not None and torch.count_nonzero(plain.weight.main_grad) == 0
+
+
+def test_a_tied_unfused_output_layer_hands_autograd_its_wgrad_made_outside_a_turn(monkeypatch):
+    """A weight passed in (the output layer tied to the word embeddings) without fusion: the weight
+    gradient goes to autograd, which sums it with the embedding's part in the weight's dtype; it is
+    made under turn.outside_turn (out of a CUDA graph eager turn's memory, which the next backward
+    graph overwrites). The same values as F.linear's."""
+    from megatron.core.tensor_parallel import layers
+
+    entered = []
+    real = layers.outside_turn
+
+    def spy():
+        entered.append(True)
+        return real()
+
+    monkeypatch.setattr(layers, "outside_turn", spy)
+    torch.manual_seed(0)
+    off = TransformerConfig(params_dtype=torch.float32, gradient_accumulation_fusion=False).finalize()
+    head = ColumnParallelLinear(
+        8, 12, config=off, init_method=init_method_normal(0.5), skip_weight_param_allocation=True
+    )
+    embedding = torch.nn.Parameter(torch.randn(12, 8))
+    ids = torch.tensor([[1, 3], [11, 1], [0, 5]])
+    g = torch.randn(3, 2, 12)
+    x = F.embedding(ids, embedding)
+    out, _ = head(x, weight=embedding)
+    assert type(out.grad_fn).__name__ == "LinearWithHeldWgradBackward"
+    out.backward(g)
+    assert entered == [True]
+    ref = torch.nn.Parameter(embedding.detach().clone())
+    ref_bias = torch.nn.Parameter(head.bias.detach().clone())
+    F.linear(F.embedding(ids, ref), ref, ref_bias).backward(g)
+    torch.testing.assert_close(embedding.grad, ref.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(head.bias.grad, ref_bias.grad)
+    with torch.no_grad():  # no gradient wanted: the plain linear
+        assert head(x, weight=embedding)[0].grad_fn is None
+    own = ColumnParallelLinear(8, 12, config=off, init_method=init_method_normal(0.5))
+    assert (
+        type(own(x)[0].grad_fn).__name__ != "LinearWithHeldWgradBackward"
+    )  # its own weight: autograd folds it at once

@@ -45,10 +45,14 @@ time:
   sizes in the backward pool, on the training stream, just before the first backward graph
   (:func:`shape_pool`): the graphs' temporaries are then cut from the turn's segments, and each
   replayed turn finds them free again.
+* A tensor that autograd keeps past the turn by design is made under :func:`outside_turn`, in the
+  eager cache, unseen by the watch: the weight gradient of an output layer tied to the word
+  embeddings without gradient-accumulation fusion, which waits for the embedding's part.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -92,6 +96,26 @@ def backward_turns_enabled() -> bool:
     """``all`` opens the turns between backward graphs too; ``1`` only the first turn (before the first
     backward graph)."""
     return _switch() == "all"
+
+
+_here = threading.local()  # per thread: a weak reference to the router that routed it last, outside_turn's depth
+
+
+@contextlib.contextmanager
+def outside_turn():
+    """Allocations made inside stay out of an eager turn: in the eager cache, not the backward
+    pool, and unseen by the recording's watch. For a tensor autograd keeps past the turn by design
+    (eagerly it lives in the eager cache too); a turn's memory is overwritten by the next backward
+    graph. Does nothing outside a turn."""
+    router = getattr(_here, "router", lambda: None)()
+    paused = router is not None and router.routing_here() and router.close()
+    _here.outside = getattr(_here, "outside", 0) + 1
+    try:
+        yield
+    finally:
+        _here.outside -= 1
+        if paused:
+            router.open()
 
 
 MIN_TURN_BYTES = 16 * 2**20
@@ -141,7 +165,7 @@ class TurnWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.tracking:
+        if self.tracking and not getattr(_here, "outside", 0):
             self._note(func, (args, kwargs), out)
         return out
 
@@ -320,6 +344,7 @@ class TurnRouter:
             raise RuntimeError("CUDA graphs: the eager turn is already routed for another thread")
         begin_allocating_into(self.pool)
         self._thread = threading.get_ident()
+        _here.router = weakref.ref(self)
 
     def close(self) -> bool:
         """Stops the routing; returns whether there was one."""

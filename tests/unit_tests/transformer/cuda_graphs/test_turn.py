@@ -246,13 +246,15 @@ def test_a_copied_model_carries_no_turn_hook(monkeypatch):
     assert not model._forward_hooks
 
 
+@pytest.mark.parametrize("fusion", [True, False], ids=["fused-wgrad", "unfused-wgrad"])
 @pytest.mark.parametrize("fold", [True, False], ids=["folded-on-arrival", "folded-after"])
 @pytest.mark.parametrize("scope", [["attn"], ["mlp"], []], ids=["attn", "mlp", "layer"])
-def test_recording_watches_the_turn_of_a_real_session(scope, fold, monkeypatch):
+def test_recording_watches_the_turn_of_a_real_session(scope, fold, fusion, monkeypatch):
     """A tiny GPT recorded on the CPU, the watch driven by the session itself (as before a capture):
     with `attn` the loss head is eager and its logits make the turn; with `mlp` or whole layers the
     head is graphed and the turn holds the loss only. A waiting param.grad (no fold on arrival)
-    escapes."""
+    escapes. Without gradient-accumulation fusion the tied output weight's gradient waits in autograd
+    for the embedding's part, made outside the turn (turn.outside_turn): the same turns open."""
     from megatron.core.models.gpt.gpt_model import build_gpt_model
     from megatron.core.models.gpt.loss import masked_mean_loss
     from megatron.core.transformer import cuda_graphs
@@ -263,7 +265,13 @@ def test_recording_watches_the_turn_of_a_real_session(scope, fold, monkeypatch):
     monkeypatch.setattr(turn.TurnHooks, "captures_next", True)
     monkeypatch.setattr(turn, "TurnWatch", CpuWatch)
     config = TransformerConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, hidden_dropout=0.0, attention_dropout=0.0
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        gradient_accumulation_fusion=fusion,
     ).finalize()
     torch.manual_seed(0)
     model = build_gpt_model(config, 64)
@@ -340,3 +348,34 @@ def test_a_gradient_overlapping_a_static_input_is_seen():
     static = block[:32]  # views share their base's storage: compared by storage
     assert _overlaps(block[16:48], static) and _overlaps(static, block)
     assert not _overlaps(torch.zeros(32), static)
+
+
+def test_outside_turn_pauses_this_threads_routing_and_the_watch(monkeypatch):
+    """What autograd keeps past a turn by design is made under outside_turn: the routing of this
+    thread into the pool pauses and resumes, and the recording's watch does not count it."""
+    calls = []
+    monkeypatch.setattr(turn, "begin_allocating_into", lambda pool: calls.append("begin"))
+    monkeypatch.setattr(turn, "end_allocating_into", lambda pool: calls.append("end"))
+    router = turn.TurnRouter(pool=object(), last_forward=0)
+    with turn.outside_turn():  # no router yet: nothing to pause
+        pass
+    router.open()
+    with turn.outside_turn():
+        assert not router.routing_here()
+        with turn.outside_turn():  # nested: the outer one resumes
+            pass
+    assert router.routing_here() and calls == ["begin", "end", "begin"]
+    router.close()
+    with turn.outside_turn():  # closed: nothing to pause
+        pass
+    assert calls == ["begin", "end", "begin", "end"]
+
+    x = torch.randn(16, 16)
+    with TurnWatch("cpu") as watch:
+        watch.start()
+        with turn.outside_turn():
+            kept = x * 2  # kept past the turn on purpose
+        gone = x + 1
+        del gone
+        watch.finish(())
+    assert watch.escaped == [] and watch.peak_bytes == 16 * 16 * 4 and kept.shape == x.shape
