@@ -38,12 +38,14 @@ CONFIGS = {
 CONFIGS["launch"] = CONFIGS["launch16"]
 
 DENSE_MODES = [
-    "eager", "eager:expandable", "lean", "local:layer", "local:attn", "noturn:attn", "local:mlp", "noturn:mlp",
-    "local:attn+mlp",
+    "eager", "eager:expandable", "eager:fold", "lean", "local:layer", "local:attn", "noturn:attn", "local:mlp",
+    "noturn:mlp", "local:attn+mlp",
     "full", "mgc",
 ]  # fmt: skip
 """``local:*`` runs with the eager turns' default (every turn); ``noturn:*`` without any, ``turn:*``
-with the first only (``MEGATRON_CG_EAGER_TURN``)."""
+with the first only (``MEGATRON_CG_EAGER_TURN``). ``eager:fold`` is eager with DDP folding each
+gradient into main_grad on arrival (one add per parameter), as the trainer does wherever turns may
+open, instead of one multi-tensor fold after the backward: that part of a turn's host cost."""
 MODES = {
     "small": DENSE_MODES,
     "launch16": DENSE_MODES,

@@ -44,6 +44,7 @@ COMMON = (
     "--vocab-size 32001 --mock-data --bf16 --attention-dropout 0.0 --hidden-dropout 0.0 --log-interval 1000000"
 )
 # eager:expandable = eager with the allocator setting our graphs switch on by default;
+# eager:fold = eager with gradients folded into main_grad on arrival, as wherever eager turns may open;
 # lean = a plain-PyTorch loop on the same shapes (tools/lean_gpt.py), the host-speed yardstick.
 MODES = bcg.DENSE_MODES
 
@@ -284,6 +285,8 @@ def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_p
         providers = (pretrain_hybrid.model_provider, pretrain_hybrid.forward_step)
     with PeakPoller(torch) as poller:
         trainer = build_trainer(argv, *providers)
+        if mode == "eager:fold":
+            trainer.model.fold_grads_on_arrival()
         if mode == "mgc":
             capture_start = time.perf_counter()
             wrap_with_make_graphed_callables(trainer)

@@ -32,6 +32,7 @@ CONFIG_NAMES = {
 MODE_NAMES = {
     "eager": "eager",
     "eager:expandable": "eager, expandable segments",
+    "eager:fold": "eager, gradients folded on arrival",
     "lean": "lean plain PyTorch",
     "local:layer": "graphs, whole layer",
     "local:attn+mlp": "graphs, `attn mlp` (= whole layer)",
