@@ -141,7 +141,8 @@ def linear(
     input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, fuse_wgrad: bool, shared: bool = False
 ):
     """``F.linear``, or ``LinearWithGradAccumulation`` when the weight has a main_grad to fuse into;
-    ``shared`` (a weight another layer differentiates too) otherwise ``LinearWithHeldWgrad``."""
+    otherwise ``LinearWithHeldWgrad`` for a ``shared`` weight (another layer differentiates it too)
+    whose gradient is wanted (it requires grad, grad mode is on)."""
     if _fuses_wgrad(fuse_wgrad, weight):
         return LinearWithGradAccumulation.apply(input_, weight, bias)
     if shared and weight.requires_grad and torch.is_grad_enabled():
@@ -369,7 +370,7 @@ class ColumnParallelLinear(torch.nn.Module):
             ``(output [s, ..., output_size_per_partition], bias or None)`` (all output
             features with ``gather_output``); the bias is returned only with ``skip_bias_add``.
         """
-        shared = weight is not None  # another layer's (the word embeddings' for a tied output layer)
+        shared = weight is not None and weight is not self.weight  # the word embeddings' (a tied output layer)
         if weight is None:
             assert self.weight is not None, "ColumnParallelLinear built without a weight needs forward(weight=...)"
             weight = self.weight

@@ -223,9 +223,14 @@ def test_a_tied_unfused_output_layer_hands_autograd_its_wgrad_made_outside_a_tur
     F.linear(F.embedding(ids, ref), ref, ref_bias).backward(g)
     torch.testing.assert_close(embedding.grad, ref.grad, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(head.bias.grad, ref_bias.grad)
+    held = []
+    monkeypatch.setattr(layers.LinearWithHeldWgrad, "apply", lambda *args: held.append(args) or F.linear(*args))
     with torch.no_grad():  # no gradient wanted: the plain linear
-        assert head(x, weight=embedding)[0].grad_fn is None
+        head(x, weight=embedding)
+    head(x.detach(), weight=embedding.detach())  # a frozen weight (a distillation teacher's)
     own = ColumnParallelLinear(8, 12, config=off, init_method=init_method_normal(0.5))
-    assert (
-        type(own(x)[0].grad_fn).__name__ != "LinearWithHeldWgradBackward"
-    )  # its own weight: autograd folds it at once
+    own(x)  # its own weight: autograd hands its gradient on at once
+    own(x, weight=own.weight)  # passed, but its own (a last pipeline stage's copy)
+    assert held == []
+    head(x, weight=embedding)
+    assert len(held) == 1

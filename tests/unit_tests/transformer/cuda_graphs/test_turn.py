@@ -5,6 +5,8 @@ bitwise, by the GPU tests (test_graphs_gpu.py's eager turn cases under each sett
 MEGATRON_CG_EAGER_TURN, and every graphed GPU test under the default).
 """
 
+import threading
+
 import pytest
 import torch
 
@@ -365,10 +367,17 @@ def test_outside_turn_pauses_this_threads_routing_and_the_watch(monkeypatch):
         with turn.outside_turn():  # nested: the outer one resumes
             pass
     assert router.routing_here() and calls == ["begin", "end", "begin"]
+    with pytest.raises(ValueError, match="inside"), turn.outside_turn():  # an error: routing resumes all the same
+        raise ValueError("inside")
+    assert router.routing_here() and calls == ["begin", "end", "begin", "end", "begin"]
+    elsewhere = threading.Thread(target=lambda: turn.outside_turn().__enter__())  # routes no thread's allocations
+    elsewhere.start()
+    elsewhere.join()
+    assert router.routing_here() and len(calls) == 5
     router.close()
     with turn.outside_turn():  # closed: nothing to pause
         pass
-    assert calls == ["begin", "end", "begin", "end"]
+    assert calls == ["begin", "end", "begin", "end", "begin", "end"]
 
     x = torch.randn(16, 16)
     with TurnWatch("cpu") as watch:
