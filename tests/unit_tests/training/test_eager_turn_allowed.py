@@ -1,6 +1,7 @@
 """Where the trainer lets the CUDA graphs' eager turns open (``GraphSession.eager_turn_allowed``):
 not where a collective could run inside a turn (tensor parallelism; gradient reduction that
-overlaps the backward with DP > 1), nor in pipelines or MoE models. Two gloo ranks on the CPU."""
+overlaps the backward with DP > 1), nor in pipelines, MoE models or models with Mamba layers. Two
+gloo ranks on the CPU."""
 
 import pytest
 
@@ -17,6 +18,8 @@ LAYOUTS = {
     "tp2": ("--tensor-model-parallel-size 2", False),
     "pp2": ("--pipeline-model-parallel-size 2", False),
     "moe": ("--num-experts 2 --moe-router-topk 2", False),
+    "hybrid": ("--hybrid-layer-pattern M* --mamba-num-groups 2 --mamba-head-dim 16", False),
+    "hybrid without mamba": ("--hybrid-layer-pattern *-", True),
 }
 
 
@@ -24,7 +27,12 @@ def _allowed(rank: int, world_size: int, extra: str) -> bool:
     from megatron.core import parallel_state
     from megatron.training.training import build_trainer
 
-    trainer = build_trainer(f"{BASE} {extra}".split())
+    providers = ()
+    if "--hybrid-layer-pattern" in extra:  # as pretrain_hybrid.py builds it
+        import pretrain_hybrid
+
+        providers = (pretrain_hybrid.model_provider, pretrain_hybrid.forward_step)
+    trainer = build_trainer(f"{BASE} {extra}".split(), *providers)
     try:
         return trainer.graphs.eager_turn_allowed
     finally:

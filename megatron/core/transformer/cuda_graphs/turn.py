@@ -391,7 +391,8 @@ class TurnHooks:
     eager_turn_allowed = True
     """The trainer's say: False for pipelines (no turn there); for MoE models, whose eager layers
     record per-layer statistics on logging iterations only (the recording iteration's watch could
-    miss them); and wherever a collective could run inside a turn, on NCCL's stream with the turn's
+    miss them); for models with Mamba layers, whose eager forward sets the eager cache's high-water
+    mark outside any turn (a turn there only adds to the pool); and wherever a collective could run inside a turn, on NCCL's stream with the turn's
     routing in force: tensor parallelism, and gradient reduction overlapping the backward with
     DP > 1. Those stay off until a run on several GPUs checks them."""
 
