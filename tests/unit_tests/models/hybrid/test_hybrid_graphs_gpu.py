@@ -30,9 +30,9 @@ COMMON = (
 )
 SMALL = "--hidden-size 256 --num-attention-heads 4 --seq-length 256 --micro-batch-size 2 --global-batch-size 2"
 ISSUE = "--hidden-size 1024 --num-attention-heads 16 --seq-length 2048 --micro-batch-size 2 --global-batch-size 2"
-SCOPES = {"mamba": "mamba", "mamba attn mlp": "mamba attn mlp", "layer": ""}
+SCOPES = {"mamba": "mamba", "attn": "attn", "mlp": "mlp", "mamba attn mlp": "mamba attn mlp", "layer": ""}
 # Graphed regions per scope (8 layers; the loss head joins when the last layer, an MLP, is graphed).
-N_REGIONS = {"mamba": 4, "mamba attn mlp": 9, "layer": 9}
+N_REGIONS = {"mamba": 4, "attn": 2, "mlp": 3, "mamba attn mlp": 9, "layer": 9}
 
 
 def pretrain_hybrid():
