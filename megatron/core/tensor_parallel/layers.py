@@ -52,15 +52,9 @@ def accumulate_wgrad_t(main_grad: torch.Tensor, grad_output_t: torch.Tensor, inp
         main_grad.add_(grad_output_t @ input_)
 
 
-class LinearWithGradAccumulation(torch.autograd.Function):
-    """``F.linear`` whose weight gradient is added straight into ``weight.main_grad``.
-
-    Megatron's gradient-accumulation fusion: the wgrad GEMM reads the low-precision
-    activations and accumulates in fp32 into the DDP buffer, so no bf16 wgrad is
-    written, kept or added later. Autograd gets ``None`` for the weight; its
-    AccumulateGrad node still runs (once, after every use of the weight), so DDP's
-    post-accumulate hook still learns when the weight's gradient is complete.
-    """
+class _LinearFunction(torch.autograd.Function):
+    """``F.linear`` under autograd that saves its input and weight; a subclass's backward says what
+    becomes of the weight gradient (:meth:`_parts` gives it the rest)."""
 
     @staticmethod
     def forward(ctx, input_, weight, bias):
@@ -72,12 +66,29 @@ class LinearWithGradAccumulation(torch.autograd.Function):
         return F.linear(input_, weight, bias)
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def _parts(ctx, grad_output):
+        """``(grad_input, grad_bias, grad_output as rows, input as rows)``; None for what is not wanted."""
         input_, weight = ctx.saved_tensors
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
-        accumulate_wgrad(ctx.param.main_grad, grad_2d, input_.reshape(-1, input_.shape[-1]))
         grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_input, grad_bias, grad_2d, input_.reshape(-1, input_.shape[-1])
+
+
+class LinearWithGradAccumulation(_LinearFunction):
+    """``F.linear`` whose weight gradient is added straight into ``weight.main_grad``.
+
+    Megatron's gradient-accumulation fusion: the wgrad GEMM reads the low-precision
+    activations and accumulates in fp32 into the DDP buffer, so no bf16 wgrad is
+    written, kept or added later. Autograd gets ``None`` for the weight; its
+    AccumulateGrad node still runs (once, after every use of the weight), so DDP's
+    post-accumulate hook still learns when the weight's gradient is complete.
+    """
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_input, grad_bias, grad_2d, input_2d = _LinearFunction._parts(ctx, grad_output)
+        accumulate_wgrad(ctx.param.main_grad, grad_2d, input_2d)
         return grad_input, None, grad_bias
 
 
@@ -105,7 +116,7 @@ class EmbeddingWithGradAccumulation(torch.autograd.Function):
         return None, None
 
 
-class LinearWithHeldWgrad(torch.autograd.Function):
+class LinearWithHeldWgrad(_LinearFunction):
     """``F.linear`` whose weight gradient autograd holds for the weight's other use: the output layer
     tied to the word embeddings, without gradient-accumulation fusion, whose gradient waits for the
     embedding's part and is summed with it (in the weight's dtype, as ``F.linear``'s would be). The
@@ -114,21 +125,12 @@ class LinearWithHeldWgrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, input_, weight, bias):
-        ctx.save_for_backward(input_, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(input_, weight, bias)
-
-    @staticmethod
     def backward(ctx, grad_output):
-        input_, weight = ctx.saved_tensors
-        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
-        grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_input, grad_bias, grad_2d, input_2d = _LinearFunction._parts(ctx, grad_output)
         grad_weight = None
         if ctx.needs_input_grad[1]:
             with outside_turn():
-                grad_weight = grad_2d.t().mm(input_.reshape(-1, input_.shape[-1]))
-        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+                grad_weight = grad_2d.t().mm(input_2d)
         return grad_input, grad_weight, grad_bias
 
 
