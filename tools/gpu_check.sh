@@ -6,15 +6,16 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-# PART splits the run for the device's 10-minute calls: "a" the transformer tests (graphs, MoE),
-# "b" the other tests, "bench" the benchmark alone; unset: everything.
+# PART splits the run for the device's 10-minute calls: "tests" every GPU test (about 6 minutes on
+# an H100), "a" the transformer tests (graphs, MoE), "b" the other tests, "bench" the benchmark
+# alone; unset: everything.
 PART=${PART:-all}
 case "$PART" in
     a) TESTS="tests/unit_tests/transformer" ;;
     b) TESTS="tests --ignore=tests/unit_tests/transformer" ;;
-    all) TESTS="tests" ;;
+    all | tests) TESTS="tests" ;;
     bench) TESTS="" ;;
-    *) echo "PART=$PART: use a, b, bench or leave it unset" >&2; exit 2 ;;
+    *) echo "PART=$PART: use tests, a, b, bench or leave it unset" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
