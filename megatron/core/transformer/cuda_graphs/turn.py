@@ -106,7 +106,8 @@ def outside_turn():
     """Allocations made inside stay out of an eager turn: in the eager cache, not the backward
     pool, and unseen by the recording's watch. For a tensor autograd keeps past the turn by design
     (eagerly it lives in the eager cache too); a turn's memory is overwritten by the next backward
-    graph. Does nothing outside a turn."""
+    graph. Does nothing outside a turn. The routing resumes on exit: the block runs on the routed
+    thread, and only that thread closes its turn (before the next backward graph)."""
     router = getattr(_here, "router", lambda: None)()
     paused = router is not None and router.routing_here() and router.close()
     _here.outside = getattr(_here, "outside", 0) + 1
