@@ -11,7 +11,8 @@ time:
 
 * Only with one micro-batch in flight and no pipeline schedule (every forward, then every
   backward), and not for MoE models (their eager layers keep statistics on logging
-  iterations, which the check below could miss). The backward graphs get a pool of their
+  iterations, which the check below could miss) or models with Mamba layers (their eager
+  forward already sets the eager cache's size). The backward graphs get a pool of their
   own (``share_backward``); the forward pool keeps the saved activations, which live across
   the turn.
 * Routing is per thread (the caching allocator's thread filter): the main thread from the
@@ -393,9 +394,10 @@ class TurnHooks:
     """The trainer's say: False for pipelines (no turn there); for MoE models, whose eager layers
     record per-layer statistics on logging iterations only (the recording iteration's watch could
     miss them); for models with Mamba layers, whose eager forward sets the eager cache's high-water
-    mark outside any turn (a turn there only adds to the pool); and wherever a collective could run inside a turn, on NCCL's stream with the turn's
-    routing in force: tensor parallelism, and gradient reduction overlapping the backward with
-    DP > 1. Those stay off until a run on several GPUs checks them."""
+    mark outside any turn (a turn there only adds to the pool); and wherever a collective could run
+    inside a turn, on NCCL's stream with the turn's routing in force: tensor parallelism, and
+    gradient reduction overlapping the backward with DP > 1. Those stay off until a run on several
+    GPUs checks them."""
 
     def watch_model_output(self, model: torch.nn.Module) -> None:
         """Marks where ``model``'s forward ends: the turn pauses there until its output's gradient arrives."""
