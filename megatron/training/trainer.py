@@ -130,8 +130,7 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation, RunCheckpoi
         overlapped = self.model.config.overlap_grad_reduce and pg.dp_size > 1
         alone = pg.pp_size == 1 and pg.tp_size == 1 and not overlapped  # no collective inside a turn
         # Eager Mamba layers' forward sets the eager cache's high-water mark outside any turn, so a turn
-        # adds its work to the pool instead of moving it there (hybrid `attn` +8.3% over eager with turns,
-        # +0.5% without; `mlp` +11.3% / +6.4%; H100, deterministic).
+        # adds its work to the pool instead of moving it there (the README's hybrid measurements).
         has_mamba = any(isinstance(m, MambaLayer) for m in model.modules())
         self.graphs.eager_turn_allowed = not self.has_moe and not has_mamba and alone
         if self.graphs.active and self.graphs.eager_turn_allowed and cuda_graphs.eager_turn_enabled():

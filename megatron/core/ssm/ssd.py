@@ -175,10 +175,8 @@ SLICE_BYTES = 32 * 2**20
 """Budget of one ``[batch, heads, chunks, chunk, chunk]`` decay matrix in :class:`GroupSlicedScan`'s
 backward while a CUDA graph captures it: as many groups go into one slice as fit (at least one). A
 graph keeps its transients reserved in the graph pool, so its slices are smaller than eager ones;
-replaying costs no host time per slice, but small slices keep the GPU less busy. On the hybrid
-benchmark (``graph_bench.py --configs hybrid``, deterministic, one H100), ``mamba`` scope against
-eager: 8 MiB 1.30 x the time, -3.5% peak memory; 16 MiB 1.10 x; 24 MiB 1.06 x, -3.5%; 32 MiB
-1.02 x, +0.7% (whole layers 1.02 x, -3.5%); 64 MiB 0.96 x, +9.4%."""
+replaying costs no host time per slice, but small slices keep the GPU less busy. The budget is the
+smallest that keeps a graphed step about as fast as an eager one (the README's hybrid measurements)."""
 EAGER_SLICE_BYTES = 256 * 2**20
 """The same budget when the scan runs eagerly. The host launches some 250 kernels per slice, and
 eagerly that launching is the scan's time, while the transient of one layer's backward comes and
