@@ -78,6 +78,8 @@ class GroupedRMSNorm(torch.nn.Module):
         return GatedGroupRMSNorm.apply(x, z, self.weight, self.group_size, self.eps)
 
 
+SCAN_CHUNK = 128
+"""The SSD scan's chunk length (``MambaMixer``'s ``chunk_size`` default, as in Megatron's mixer)."""
 NORM_CHUNK_BYTES = 8 * 2**20
 """GatedGroupRMSNorm works on this many bytes of float32 rows at a time (at least one row)."""
 
@@ -209,7 +211,7 @@ class MambaMixer(torch.nn.Module):
         dt_min: float = 0.001,
         dt_max: float = 0.1,
         dt_init_floor: float = 1e-4,
-        chunk_size: int = 128,
+        chunk_size: int = SCAN_CHUNK,
         use_fused_kernels: bool | None = None,
     ):
         super().__init__()

@@ -25,9 +25,13 @@ product, and only one state per chunk is passed along the sequence. What is unus
 the tests and ``tools/bench_mamba.py`` compare against.
 """
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from megatron.core.transformer.recompute import capturing
 
@@ -227,34 +231,97 @@ class GroupSlicedScan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, dt, A, B, C, D = ctx.saved_tensors
-        need_x, need_dt, need_A, need_B, need_C, need_D = ctx.needs_input_grad[:6]
-        b, length, h = dt.shape
-        # A's and D's gradients are sums over the whole sequence per head. Summed inside each
-        # slice, their order would follow the slicing, which differs between a captured and an
-        # eager step; so A goes in per position (its gradient is then elementwise) and D not at
-        # all, and both are summed whole below, in one order whatever the slicing.
-        inputs = (x, dt, A.expand(b, length, h), B, C, D)
-        wanted = (need_x, need_dt, need_A, need_B, need_C, False)
-        # The slices cover every head and group once, so each gradient is written whole.
-        grads = [torch.empty_like(t) if need else None for t, need in zip(inputs, wanted)]
-        for heads, groups in _group_slices(x, B, ctx.chunk_size, _slice_budget()):
-            pieces = _slice(inputs, heads, groups)
-            leaves = [p.detach().requires_grad_(need) if p is not None else None for p, need in zip(pieces, wanted)]
-            with torch.enable_grad():
-                y = _chunked_scan(*leaves[:5], ctx.chunk_size, D=leaves[5], state_dtype=ctx.state_dtype)
-            differentiable = [leaf for leaf in leaves if leaf is not None and leaf.requires_grad]
-            found = iter(torch.autograd.grad(y, differentiable, dy[:, :, heads]))
-            for part, leaf in zip(_slice(grads, heads, groups), leaves):
-                if leaf is not None and leaf.requires_grad:
-                    part.copy_(next(found))
-            del y, found, leaves
-        dA = grads[2].sum(dim=(0, 1)) if need_A else None
-        dD = None
-        if need_D:  # y = ... + D x: dD sums dy x over the sequence (and the head dim for D [h])
-            cdt = _compute_dtype(x.dtype)
-            dD = (dy.to(cdt) * x.to(cdt)).sum(dim=(0, 1) if D.dim() == 2 else (0, 1, 3)).to(D.dtype)
-        return grads[0], grads[1], dA, grads[3], grads[4], dD, None, None
+        grads = _sliced_backward(ctx.saved_tensors, ctx.needs_input_grad[:6], dy, ctx.chunk_size, ctx.state_dtype)
+        return (*grads, None, None)
+
+
+def _sliced_backward(saved, needs, dy, chunk_size, state_dtype, budget=None) -> tuple:
+    """:class:`GroupSlicedScan`'s backward: the gradients of ``x, dt, A, B, C, D`` (None where not
+    needed), slices of ``budget`` bytes (default: the capture or eager one)."""
+    x, dt, A, B, C, D = saved
+    need_x, need_dt, need_A, need_B, need_C, need_D = needs
+    b, length, h = dt.shape
+    # A's and D's gradients are sums over the whole sequence per head. Summed inside each
+    # slice, their order would follow the slicing, which differs between a captured and an
+    # eager step; so A goes in per position (its gradient is then elementwise) and D not at
+    # all, and both are summed whole below, in one order whatever the slicing.
+    inputs = (x, dt, A.expand(b, length, h), B, C, D)
+    wanted = (need_x, need_dt, need_A, need_B, need_C, False)
+    # The slices cover every head and group once, so each gradient is written whole.
+    grads = [torch.empty_like(t) if need else None for t, need in zip(inputs, wanted)]
+    for heads, groups in _group_slices(x, B, chunk_size, _slice_budget() if budget is None else budget):
+        pieces = _slice(inputs, heads, groups)
+        leaves = [p.detach().requires_grad_(need) if p is not None else None for p, need in zip(pieces, wanted)]
+        with torch.enable_grad():
+            y = _chunked_scan(*leaves[:5], chunk_size, D=leaves[5], state_dtype=state_dtype)
+        differentiable = [leaf for leaf in leaves if leaf is not None and leaf.requires_grad]
+        found = iter(torch.autograd.grad(y, differentiable, dy[:, :, heads]))
+        for part, leaf in zip(_slice(grads, heads, groups), leaves):
+            if leaf is not None and leaf.requires_grad:
+                part.copy_(next(found))
+        del y, found, leaves
+    dA = grads[2].sum(dim=(0, 1)) if need_A else None
+    dD = None
+    if need_D:  # y = ... + D x: dD sums dy x over the sequence (and the head dim for D [h])
+        cdt = _compute_dtype(x.dtype)
+        dD = (dy.to(cdt) * x.to(cdt)).sum(dim=(0, 1) if D.dim() == 2 else (0, 1, 3)).to(D.dtype)
+    return grads[0], grads[1], dA, grads[3], grads[4], dD
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Counts the bytes of the storages that operations create, while they live, and their peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key, size = storage._cdata, storage.nbytes()
+            if key in self._seen or size == 0:
+                continue
+            self._seen.add(key)
+            self.live += size
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, key, size)
+        return out
+
+    def _free(self, key: int, size: int) -> None:
+        self.live -= size
+        self._seen.discard(key)
+
+
+def captured_backward_peak_bytes(
+    batch: int, length: int, heads: int, head_dim: int, groups: int, state: int, chunk_size: int, dtype: torch.dtype
+) -> int:
+    """Peak bytes :class:`GroupSlicedScan`'s backward allocates while a CUDA graph captures it
+    (slices of ``SLICE_BYTES``): its gradients and one slice's recompute and autograd.
+
+    Found by running that backward on the meta device (shapes only, no data, no device)
+    and counting what each operation creates while it lives: exact for this scan's
+    operations, however they change. ``x``, ``B``, ``C`` in ``dtype``, ``dt``, ``A``, ``D``
+    in float32, as the mixer passes them.
+    """
+    meta = dict(device="meta")
+    f32 = dict(dtype=torch.float32, **meta)
+    saved = (
+        torch.empty(batch, length, heads, head_dim, dtype=dtype, **meta),
+        torch.empty(batch, length, heads, **f32),
+        torch.empty(heads, **f32),
+        torch.empty(batch, length, groups, state, dtype=dtype, **meta),
+        torch.empty(batch, length, groups, state, dtype=dtype, **meta),
+        torch.empty(heads, **f32),
+    )
+    dy = torch.empty_like(saved[0])
+    counter = _LiveBytes()
+    with counter:
+        _sliced_backward(saved, (True,) * 6, dy, chunk_size, None, budget=SLICE_BYTES)
+    return counter.peak
 
 
 def _slice(tensors, heads: slice, groups: slice) -> tuple:

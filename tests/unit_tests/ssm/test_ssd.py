@@ -202,3 +202,37 @@ def test_scan_without_gradient_or_with_states_runs_the_plain_scan():
         assert ssd_chunked_scan(x.requires_grad_(), dt, A, B, C, 8, D=D).grad_fn is None
     y, _ = ssd_chunked_scan(x, dt, A, B, C, 8, D=D, return_final_states=True)
     assert type(y.grad_fn).__name__ != "GroupSlicedScanBackward"
+
+
+def test_live_bytes_counts_storages_while_they_live():
+    counter = ssd._LiveBytes()
+    with counter:
+        a = torch.empty(256, dtype=torch.float32)  # 1 KiB
+        b = torch.empty(512, dtype=torch.float32)
+        view = b[:10]  # no storage of its own
+        del a
+        c = torch.empty(128, dtype=torch.float32)
+    assert counter.peak == 3 * 1024 and counter.live == 2 * 1024 + 512
+    del b, view, c
+    assert counter.live == 0
+
+
+@pytest.mark.parametrize("slices", [1, 2, 4])
+def test_traced_backward_peak_is_what_a_real_backward_allocates(slices, monkeypatch):
+    """``captured_backward_peak_bytes`` traces the backward on the meta device at SLICE_BYTES;
+    a real CPU backward through autograd at the same budget allocates exactly as much at its peak."""
+    b, length, h, p, g, n, q = 2, 96, 8, 8, 4, 16, 32
+    per_group = b * (h // g) * (length // q) * q * q * 4
+    slice_budget(monkeypatch, g // slices * per_group)
+    traced = ssd.captured_backward_peak_bytes(b, length, h, p, g, n, q, torch.bfloat16)
+    x, dt, A, B, C, D = inputs(b, length, h, p, g, n)
+    leaves = [t.requires_grad_() for t in (x.bfloat16(), dt.float(), A.float(), B.bfloat16(), C.bfloat16(), D.float())]
+    y = ssd_chunked_scan(*leaves[:5], q, D=leaves[5])
+    dy = torch.randn_like(y)
+    counter = ssd._LiveBytes()
+    with counter:
+        torch.autograd.backward(y, dy)
+    assert len(ssd._group_slices(leaves[0], leaves[3], q, ssd.SLICE_BYTES)) == slices
+    assert traced == counter.peak
+    # Mostly the slice's decay matrices: finer slices, less memory.
+    assert traced > 8 * (g // slices) * per_group

@@ -38,6 +38,7 @@ __all__ = [
     "Kernels",
     "Shapes",
     "region_activation_bytes",
+    "region_transient_bytes",
     "layer_part_kinds",
     "flash_dq_accumulator_bytes",
     "KINDS",
@@ -327,6 +328,27 @@ def region_activation_bytes(kind: str, sh: Shapes, k: Kernels) -> int:
     if kind not in _FORMULAS:
         raise ValueError(f"no activation formula for region kind {kind!r}; known: {' '.join(KINDS)}")
     return _FORMULAS[kind](sh, k)
+
+
+def region_transient_bytes(kinds: tuple[str, ...], sh: Shapes, k: Kernels) -> int:
+    """The largest working memory one backward of a region made of ``kinds`` allocates beyond
+    the gradients of its saved tensors.
+
+    Only the PyTorch Mamba scan has one worth naming: its backward recomputes a slice of
+    groups under autograd (``ssd.GroupSlicedScan``), about fourteen ``[b, heads, chunks,
+    chunk, chunk]`` float32 matrices of the slice at once, traced exactly by
+    ``ssd.captured_backward_peak_bytes``. Every other kind's temporaries are within its
+    activations (``report.TEMPORARIES_FACTOR``); with the fused mamba-ssm kernels, theirs.
+    """
+    if "mamba" not in kinds or k.fused_mamba:
+        return 0
+    from megatron.core.ssm import ssd
+    from megatron.core.ssm.mamba_mixer import SCAN_CHUNK
+
+    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[sh.element_bytes]
+    return ssd.captured_backward_peak_bytes(
+        sh.micro_batch, sh.seq, sh.mamba_heads, sh.mamba_head_dim, sh.mamba_groups, sh.mamba_state, SCAN_CHUNK, dtype
+    )
 
 
 def flash_dq_accumulator_bytes(sh: Shapes, *, deterministic: bool, sm_count: int) -> int:

@@ -39,6 +39,7 @@ from megatron.core.transformer.cuda_graphs.activations import (
     layer_part_kinds,
     num_slots,
     region_activation_bytes,
+    region_transient_bytes,
 )
 from megatron.core.transformer.cuda_graphs.plan import CommRecv, in_backward_pool
 
@@ -58,7 +59,9 @@ _MIB = 2**20
 TEMPORARIES_FACTOR = 2
 """A backward's temporaries, as a multiple of the largest region's activations: the
 gradients of its saved tensors (at most as many bytes as they) plus kernel workspaces
-(flash attention's fp32 dQ accumulator, split over the SMs in deterministic mode)."""
+(flash attention's fp32 dQ accumulator, split over the SMs in deterministic mode). A
+region with a known working memory of its own (``RegionMemory.transient_bytes``) gets
+its activations plus that, where larger."""
 
 SEGMENT_SLACK = 22 * _MIB
 """Allocator granularity on top of the budget: the pool reserves whole segments (a
@@ -91,6 +94,9 @@ class RegionMemory:
     turn_bytes: int = 0
     """Eager memory the first eager turn moves into the pool at this region's backward capture
     (``turn.shape_pool``): the loss head's work, which eager keeps in its cache instead."""
+    transient_bytes: int = 0
+    """Working memory its backward allocates beyond its saved tensors' gradients
+    (``activations.region_transient_bytes``: the PyTorch Mamba scan's)."""
 
 
 @dataclasses.dataclass
@@ -243,7 +249,8 @@ def eager_report(cfg, kernels: Kernels, argv: Sequence[str] = (), note: str = ""
         kinds = ("postprocess",) if cls is None else _kinds(scope, cls)
         inp, out = static_io_bytes(kinds, sh)
         name = f"{layer}.{scope}" if layer else scope
-        rows.append(RegionMemory(name, layer or "postprocess", scope, kinds, _activation(kinds, sh, kernels), inp, out))
+        act, transient = _activation(kinds, sh, kernels), region_transient_bytes(kinds, sh, kernels)
+        rows.append(RegionMemory(name, layer or "postprocess", scope, kinds, act, inp, out, transient_bytes=transient))
     layers = []
     by_layer: dict[str, list[str]] = {}
     for layer, _, scope in planned:
@@ -407,6 +414,7 @@ def graphed_report(
                     keep,
                     session.chunk_of(region.index),
                     turn_bytes,
+                    region_transient_bytes(kinds, sh, kernels),
                 )
             )
     for slot in session.buffers:
@@ -475,7 +483,11 @@ def check_budgets(report: MemoryReport, *, tolerance: float = 0.10, slack_bytes:
         if row.pool_reserved_growth_bytes is not None:
             by_run.setdefault(row.slot, {}).setdefault(row.chunk, []).append(row)
     for slot, runs in sorted(by_run.items()):
-        temporaries = TEMPORARIES_FACTOR * max(r.activation_bytes for rows in runs.values() for r in rows)
+        temporaries = max(
+            max(TEMPORARIES_FACTOR * r.activation_bytes, r.activation_bytes + r.transient_bytes)
+            for rows in runs.values()
+            for r in rows
+        )
         budgets = {}
         for chunk, rows in sorted(runs.items()):
             budget = grown = 0
@@ -526,13 +538,14 @@ def format_table(report: MemoryReport) -> str:
     if report.note:
         lines.append(report.note)
     head = (
-        f"{'region':34} {'slot':>4} {'act MiB':>8} {'in MiB':>7} {'out MiB':>7} {'pool+ MiB':>9} "
+        f"{'region':34} {'slot':>4} {'act MiB':>8} {'tmp MiB':>7} {'in MiB':>7} {'out MiB':>7} {'pool+ MiB':>9} "
         f"{'fwd live+':>9} {'strong':>7} {'weak':>7}"
     )
     lines += ["", head, "-" * len(head)]
     for r in report.regions:
         lines.append(
-            f"{r.name[-34:]:34} {r.slot:4d} {_mib(r.activation_bytes):>8} {_mib(r.static_input_bytes):>7} "
+            f"{r.name[-34:]:34} {r.slot:4d} {_mib(r.activation_bytes):>8} {_mib(r.transient_bytes):>7} "
+            f"{_mib(r.static_input_bytes):>7} "
             f"{_mib(r.static_output_bytes):>7} {_mib(r.pool_reserved_growth_bytes):>9} "
             f"{_mib(r.pool_live_after_fwd_delta_bytes):>9} {_mib(r.strong_bytes):>7} {_mib(r.weak_bytes):>7}"
         )
@@ -551,7 +564,8 @@ def format_table(report: MemoryReport) -> str:
         )
     )
     lines.append(
-        "act: analytic activations eager keeps for the region's backward; pool+: pool growth at its captures; "
+        "act: analytic activations eager keeps for the region's backward; tmp: its backward's working memory "
+        "beyond their gradients, where known; pool+: pool growth at its captures; "
         "fwd live+: pool live bytes added by its forward capture; strong/weak: its static buffers held / "
         "released after capture."
     )

@@ -1,14 +1,21 @@
 """The memory report on the CPU: analytic rows, a measured report from a recorded session
 with fake capture figures and a fake allocator snapshot, budgets, rendering, the tool."""
 
+import dataclasses
 import json
 import warnings
 
 import pytest
 import torch
 
+from megatron.core.ssm import ssd
 from megatron.core.transformer.cuda_graphs import report as report_lib
-from megatron.core.transformer.cuda_graphs.activations import Kernels, Shapes, region_activation_bytes
+from megatron.core.transformer.cuda_graphs.activations import (
+    Kernels,
+    Shapes,
+    region_activation_bytes,
+    region_transient_bytes,
+)
 from megatron.core.transformer.cuda_graphs.region import SlotGraphs
 from megatron.core.transformer.cuda_graphs.weak import make_weak_ref
 from tests.unit_tests.transformer.cuda_graphs.test_session_cpu import recorded
@@ -307,3 +314,33 @@ def test_slot_weights_fall_back_to_layers_for_an_unknown_layer_class(tool):
     region = types.SimpleNamespace(name="decoder.layers.0.layer", method_name="forward", module=layer)
     trainer = types.SimpleNamespace(device=torch.device("cpu"), cfg=cfg, graphs=types.SimpleNamespace(regions=[region]))
     assert Trainer._slot_weights(trainer, torch.nn.Sequential(layer)) is None
+
+
+def test_mamba_regions_carry_the_scans_backward_working_memory(tool):
+    """The PyTorch Mamba scan's backward recomputes a slice under autograd: its traced peak is
+    the Mamba region's working memory (none elsewhere), and the budget gives it room, no more."""
+    hybrid = (
+        "--hybrid-layer-pattern M*- --hidden-size 64 --num-attention-heads 4 --mamba-head-dim 16 "
+        "--mamba-num-groups 2 --mamba-state-dim 16 --seq-length 64 --max-position-embeddings 64 "
+        "--micro-batch-size 2 --global-batch-size 2 --tokenizer-type NullTokenizer --vocab-size 64 --mock-data "
+        "--lr 1e-3 --bf16 --cuda-graph-impl local"
+    )
+    cfg = config(tool, hybrid)
+    rep = report_lib.eager_report(cfg, Kernels())
+    mamba, *others = rep.regions
+    assert mamba.kinds == ("mamba",) and [r.kinds for r in others] == [("attn",), ("mlp",), ("postprocess",)]
+    assert mamba.transient_bytes == ssd.captured_backward_peak_bytes(2, 64, 8, 16, 2, 16, 64, torch.bfloat16)
+    assert mamba.transient_bytes > 2 * mamba.activation_bytes  # more than TEMPORARIES_FACTOR allows alone
+    assert all(r.transient_bytes == 0 for r in others)
+    assert region_transient_bytes(("mamba",), Shapes.from_config(cfg), Kernels(fused_mamba=True)) == 0  # theirs
+
+    def graphed(growth):
+        row = dataclasses.replace(mamba, pool_reserved_growth_bytes=growth, strong_bytes=0)
+        return report_lib.MemoryReport([], "graphed", "", [row], [], {})
+
+    static = mamba.static_input_bytes + mamba.static_output_bytes
+    temporaries = mamba.activation_bytes + mamba.transient_bytes
+    room = 1.1 * (mamba.activation_bytes + static) + temporaries + report_lib.SEGMENT_SLACK
+    report_lib.check_budgets(graphed(int(room) - 1))
+    with pytest.raises(report_lib.BudgetExceeded, match=r"decoder.layers.0.layer \(slot 0\): the pool grew"):
+        report_lib.check_budgets(graphed(int(room) + 1))
