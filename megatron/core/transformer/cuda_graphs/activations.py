@@ -335,7 +335,7 @@ def region_transient_bytes(kinds: tuple[str, ...], sh: Shapes, k: Kernels) -> in
     the gradients of its saved tensors.
 
     Only the PyTorch Mamba scan has one worth naming: its backward recomputes a slice of
-    groups under autograd (``ssd.GroupSlicedScan``), about fourteen ``[b, heads, chunks,
+    groups under autograd (``ssd.GroupSlicedScan``), a dozen and more ``[b, heads, chunks,
     chunk, chunk]`` float32 matrices of the slice at once, traced exactly by
     ``ssd.captured_backward_peak_bytes``. Every other kind's temporaries are within its
     activations (``report.TEMPORARIES_FACTOR``); with the fused mamba-ssm kernels, theirs.
@@ -345,6 +345,7 @@ def region_transient_bytes(kinds: tuple[str, ...], sh: Shapes, k: Kernels) -> in
     from megatron.core.ssm import ssd
     from megatron.core.ssm.mamba_mixer import SCAN_CHUNK
 
+    # fp16 and bf16 both compute in float32: the bytes are the same.
     dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[sh.element_bytes]
     return ssd.captured_backward_peak_bytes(
         sh.micro_batch, sh.seq, sh.mamba_heads, sh.mamba_head_dim, sh.mamba_groups, sh.mamba_state, SCAN_CHUNK, dtype
