@@ -73,7 +73,9 @@ def attach(
     head = regions_lib.head_region(model)
     if head is not None and config.cuda_graph_postprocess and layers:
         last = layers[-1]
-        if regions_lib.head_follows(selected[type(last)], type(last)):
+        follows = regions_lib.head_follows(selected[type(last)], type(last))
+        # This stage's layers only: they alone share its memory with the head.
+        if follows and not regions_lib.leaves_a_scan_eager(selected, {type(layer) for layer in layers}):
             module, spec = head
             name = f"{names[module]}.postprocess".lstrip(".")
             session.route(module, spec.method, name, shared_params=spec.shared_params(module))

@@ -41,7 +41,8 @@ class CudaGraphConfig(Freezable):
     """Also graph the loss head (final norm, output layer, cross entropy) into the same
     pool whenever the region that runs right before it is graphed (the last layer's MLP
     or whole layer): the head's logits and the first backward graphs then share memory,
-    as they do in eager. With only attn graphed the head stays eager either way."""
+    as they do in eager. With only attn graphed, or a Mamba layer eager, the head stays
+    eager either way."""
 
     cuda_graph_debug: bool = False
     """Poison released graph buffers and check the first replays against eager runs."""

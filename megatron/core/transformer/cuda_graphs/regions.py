@@ -25,7 +25,7 @@ Discovery (:func:`graphable_layers`) asks blocks for their layers (``graph_layer
 so a submodule that happens to declare regions is never wrapped twice. A model may
 declare its loss head (:class:`HeadRegion`, attribute ``graph_head``); it joins the
 graphs when the region that feeds it (the last layer's ``ends`` region, or the whole
-last layer) is graphed.
+last layer) is graphed, and no Mamba layer stays eager (:func:`leaves_a_scan_eager`).
 """
 
 from __future__ import annotations
@@ -262,3 +262,13 @@ def head_follows(last_layer_regions: Sequence[RegionSpec], last_layer_class: typ
     last = last_layer_regions[-1].name
     regions = regions_of(last_layer_class)
     return last == WHOLE_LAYER or (regions is not None and last == regions.ends)
+
+
+def leaves_a_scan_eager(selected: dict[type, Sequence[RegionSpec]], layer_classes: Iterable[type]) -> bool:
+    """Whether a layer offering the ``mamba`` region stays eager. The loss head then stays eager
+    too: that layer's eager backward (the scan's working memory) is the eager cache's peak, and a
+    graphed head's share of the pool would sit unused beside it."""
+    return any(
+        not selected[c] and (regions := regions_of(c)) is not None and "mamba" in regions.by_name()
+        for c in layer_classes
+    )

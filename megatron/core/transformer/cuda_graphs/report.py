@@ -231,7 +231,8 @@ def planned_regions(cfg) -> list[tuple[str, type, str]]:
     for i, cls in enumerate(classes):
         for spec in selected[cls]:
             out.append((f"decoder.layers.{i}", cls, spec.name))
-    if g.cuda_graph_postprocess and classes and regions_lib.head_follows(selected[classes[-1]], classes[-1]):
+    head = classes and regions_lib.head_follows(selected[classes[-1]], classes[-1])
+    if g.cuda_graph_postprocess and head and not regions_lib.leaves_a_scan_eager(selected, classes):
         out.append(("", None, "postprocess"))
     return out
 

@@ -7,7 +7,14 @@ from megatron.core.models.hybrid.hybrid_layers import AttentionLayer, MLPLayer
 from megatron.core.models.hybrid.hybrid_model import build_hybrid_model, check_graph_scopes, pattern_layer_classes
 from megatron.core.ssm.mamba_config import MambaConfig
 from megatron.core.ssm.mamba_layer import MambaLayer
-from megatron.core.transformer.cuda_graphs.regions import WHOLE, graphable_layers, head_follows, head_region, resolve
+from megatron.core.transformer.cuda_graphs.regions import (
+    WHOLE,
+    graphable_layers,
+    head_follows,
+    head_region,
+    leaves_a_scan_eager,
+    resolve,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 PATTERN = MambaConfig(hybrid_layer_pattern="M*M-M*M-", mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2)
@@ -57,6 +64,10 @@ def test_the_model_exposes_its_layers_and_loss_head_to_the_session():
     plan = resolve(["mamba", "attn", "mlp"], [type(x) for x in layers])
     assert head_follows(plan[type(layers[-1])], type(layers[-1]))  # last layer (MLP) whole: the head follows
     assert not head_follows(resolve(["mamba"], [MambaLayer, MLPLayer])[MLPLayer], MLPLayer)
+    classes = pattern_layer_classes(PATTERN)
+    for scopes, eager_mamba in ((["mlp"], True), (["attn", "mlp"], True), (["mamba", "mlp"], False), ([], False)):
+        assert leaves_a_scan_eager(resolve(scopes, classes), classes) is eager_mamba, scopes
+    assert not leaves_a_scan_eager(resolve(["mlp"], classes), [MLPLayer])  # a stage without Mamba layers
     assert resolve([], [MambaLayer])[MambaLayer] == (WHOLE,)
     assert torch.isfinite(model(torch.randint(0, 64, (1, 8)), labels=torch.zeros(1, 8, dtype=torch.long))).all()
 
@@ -68,6 +79,8 @@ def test_the_model_exposes_its_layers_and_loss_head_to_the_session():
         (["mamba", "attn", "mlp"], [f"{i}.layer" for i in range(8)] + ["postprocess"]),
         ([], [f"{i}.layer" for i in range(8)] + ["postprocess"]),
         (["attn"], ["1.layer", "5.layer"]),
+        (["mlp"], ["3.layer", "7.layer"]),  # eager Mamba layers: the loss head stays eager (leaves_a_scan_eager)
+        (["attn", "mlp"], ["1.layer", "3.layer", "5.layer", "7.layer"]),
     ],
 )
 def test_session_records_the_selected_regions_of_a_hybrid_model(scopes, regions):

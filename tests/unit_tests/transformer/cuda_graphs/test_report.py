@@ -333,6 +333,9 @@ def test_mamba_regions_carry_the_scans_backward_working_memory(tool):
     assert mamba.transient_bytes > 2 * mamba.activation_bytes  # more than TEMPORARIES_FACTOR allows alone
     assert all(r.transient_bytes == 0 for r in others)
     assert region_transient_bytes(("mamba",), Shapes.from_config(cfg), Kernels(fused_mamba=True)) == 0  # theirs
+    # With the Mamba layer eager the loss head stays eager too, as attach decides.
+    mlp = report_lib.eager_report(config(tool, f"{hybrid} --cuda-graph-scope mlp"), Kernels())
+    assert [r.name for r in mlp.regions] == ["decoder.layers.2.layer"]  # an MLP layer is whole in its scope
 
     def graphed(growth):
         row = dataclasses.replace(mamba, pool_reserved_growth_bytes=growth, strong_bytes=0)
