@@ -6,9 +6,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-# PART splits the run for the device's 10-minute calls: "tests" every GPU test (about 6 minutes on
-# an H100), "a" the transformer tests (graphs, MoE), "b" the other tests, "bench" the benchmark
-# alone; unset: everything.
+# PART splits the run for the device's 10-minute calls: "tests" every GPU test (close to 10 minutes
+# on an H100, so a and b in two calls are safer), "a" the transformer tests (graphs, MoE), "b" the
+# other tests, "bench" the benchmark alone; unset: everything.
 PART=${PART:-all}
 case "$PART" in
     a) TESTS="tests/unit_tests/transformer" ;;
