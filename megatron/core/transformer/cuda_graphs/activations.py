@@ -338,7 +338,7 @@ def region_transient_bytes(kinds: tuple[str, ...], sh: Shapes, k: Kernels) -> in
     groups under autograd (``ssd.GroupSlicedScan``), a dozen and more ``[b, heads, chunks,
     chunk, chunk]`` float32 matrices of the slice at once, traced exactly by
     ``ssd.captured_backward_peak_bytes``. Every other kind's temporaries are within its
-    activations (``report.TEMPORARIES_FACTOR``); with the fused mamba-ssm kernels, theirs.
+    activations (``budgets.TEMPORARIES_FACTOR``); with the fused mamba-ssm kernels, theirs.
     """
     if "mamba" not in kinds or k.fused_mamba:
         return 0

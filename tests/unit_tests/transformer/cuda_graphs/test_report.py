@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron.core.ssm import ssd
+from megatron.core.transformer.cuda_graphs import budgets
 from megatron.core.transformer.cuda_graphs import report as report_lib
 from megatron.core.transformer.cuda_graphs.activations import (
     Kernels,
@@ -141,13 +142,13 @@ def test_graphed_report_attributes_growth_and_buffers(tool):
     # Totals from the snapshot: only our pool's segments on our device.
     assert rep.totals["pool_reserved_bytes"] == 6 * MIB and rep.totals["pool_live_bytes"] == 2 * MIB
     assert rep.totals["weak_bytes"] == 4 * MIB and rep.totals["strong_bytes"] == 0
-    report_lib.check_budgets(rep)  # tiny regions: kilobytes of budget plus nothing held
+    budgets.check_budgets(rep)  # tiny regions: kilobytes of budget plus nothing held
 
 
 def test_budget_names_the_region_holding_buffers(tool):
     rep, _keep = graphed(tool, [], lambda e: 0, strong_output=True)
-    with pytest.raises(report_lib.BudgetExceeded) as err:
-        report_lib.check_budgets(rep)
+    with pytest.raises(budgets.BudgetExceeded) as err:
+        budgets.check_budgets(rep)
     text = str(err.value)
     assert "decoder.layers.0.layer (slot 0): 1.00 MiB of static buffers held strongly" in text
     assert "1.00 MiB too much" in text and text.count("held strongly") == 4
@@ -159,17 +160,17 @@ def test_budget_names_the_first_region_whose_growth_is_over(tool):
     budget = sum(r.activation_bytes + r.static_input_bytes + r.static_output_bytes for r in rep.regions[:2])
     limit = 1.1 * budget + 2 * max(r.activation_bytes for r in rep.regions) + MIB
     match = r"decoder\.layers\.1\.layer \(slot 0\): the pool grew to 5\.0 MiB"
-    with pytest.raises(report_lib.BudgetExceeded, match=match) as err:
-        report_lib.check_budgets(rep, slack_bytes=MIB)
+    with pytest.raises(budgets.BudgetExceeded, match=match) as err:
+        budgets.check_budgets(rep, slack_bytes=MIB)
     assert f"by {(5 * MIB - limit) / MIB:.1f} MiB" in str(err.value)
     assert "layers.2" not in str(err.value)
-    report_lib.check_budgets(rep, slack_bytes=5 * MIB)  # within a larger allowance
+    budgets.check_budgets(rep, slack_bytes=5 * MIB)  # within a larger allowance
 
 
 def test_check_budgets_refuses_an_eager_report(tool):
     rep = report_lib.eager_report(config(tool, f"{TINY} --cuda-graph-impl local"), Kernels())
     with pytest.raises(ValueError, match="needs a graphed report"):
-        report_lib.check_budgets(rep)
+        budgets.check_budgets(rep)
 
 
 def test_rendering_table_json_png(tool, tmp_path):
@@ -276,13 +277,13 @@ def test_check_budgets_wants_a_slot_serving_two_chunks_to_hold_its_largest_run()
         ]
         return report_lib.MemoryReport([], "graphed", "", rows, [], {})
 
-    report_lib.check_budgets(report(100 * MIB, 0))  # the second run reused the first run's blocks
-    report_lib.check_budgets(report(100 * MIB, 10 * MIB))
-    with pytest.raises(report_lib.BudgetExceeded, match=r"slot 0 \(model chunks 0, 1\).*did not reuse") as err:
-        report_lib.check_budgets(report(100 * MIB, 100 * MIB))  # both runs side by side
+    budgets.check_budgets(report(100 * MIB, 0))  # the second run reused the first run's blocks
+    budgets.check_budgets(report(100 * MIB, 10 * MIB))
+    with pytest.raises(budgets.BudgetExceeded, match=r"slot 0 \(model chunks 0, 1\).*did not reuse") as err:
+        budgets.check_budgets(report(100 * MIB, 100 * MIB))  # both runs side by side
     assert "layer" not in str(err.value)  # each run alone is within its budget
-    with pytest.raises(report_lib.BudgetExceeded, match=r"c1.layer0 \(slot 0\): the pool grew"):
-        report_lib.check_budgets(report(0, 800 * MIB))  # one run alone over its budget
+    with pytest.raises(budgets.BudgetExceeded, match=r"c1.layer0 \(slot 0\): the pool grew"):
+        budgets.check_budgets(report(0, 800 * MIB))  # one run alone over its budget
 
 
 def test_check_budgets_counts_the_eager_turn_shaped_into_the_pool():
@@ -295,11 +296,11 @@ def test_check_budgets_counts_the_eager_turn_shaped_into_the_pool():
         row.turn_bytes = turn_bytes
         return report_lib.MemoryReport([], "graphed", "", [row], [], {})
 
-    with pytest.raises(report_lib.BudgetExceeded, match=r"layers.1.attn \(slot 0\): the pool grew to 400.0 MiB"):
-        report_lib.check_budgets(report(400 * MIB, 0))
-    report_lib.check_budgets(report(400 * MIB, 300 * MIB))
-    with pytest.raises(report_lib.BudgetExceeded, match="eager turn"):
-        report_lib.check_budgets(report(800 * MIB, 300 * MIB))
+    with pytest.raises(budgets.BudgetExceeded, match=r"layers.1.attn \(slot 0\): the pool grew to 400.0 MiB"):
+        budgets.check_budgets(report(400 * MIB, 0))
+    budgets.check_budgets(report(400 * MIB, 300 * MIB))
+    with pytest.raises(budgets.BudgetExceeded, match="eager turn"):
+        budgets.check_budgets(report(800 * MIB, 300 * MIB))
 
 
 def test_slot_weights_fall_back_to_layers_for_an_unknown_layer_class(tool):
@@ -343,7 +344,7 @@ def test_mamba_regions_carry_the_scans_backward_working_memory(tool):
 
     static = mamba.static_input_bytes + mamba.static_output_bytes
     temporaries = mamba.activation_bytes + mamba.transient_bytes
-    room = 1.1 * (mamba.activation_bytes + static) + temporaries + report_lib.SEGMENT_SLACK
-    report_lib.check_budgets(graphed(int(room) - 1))
-    with pytest.raises(report_lib.BudgetExceeded, match=r"decoder.layers.0.layer \(slot 0\): the pool grew"):
-        report_lib.check_budgets(graphed(int(room) + 1))
+    room = 1.1 * (mamba.activation_bytes + static) + temporaries + budgets.SEGMENT_SLACK
+    budgets.check_budgets(graphed(int(room) - 1))
+    with pytest.raises(budgets.BudgetExceeded, match=r"decoder.layers.0.layer \(slot 0\): the pool grew"):
+        budgets.check_budgets(graphed(int(room) + 1))
