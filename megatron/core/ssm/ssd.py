@@ -25,6 +25,7 @@ product, and only one state per chunk is passed along the sequence. What is unus
 the tests and ``tools/bench_mamba.py`` compare against.
 """
 
+import functools
 import weakref
 
 import torch
@@ -305,8 +306,14 @@ def captured_backward_peak_bytes(
     Found by running that backward on the meta device (shapes only, no data, no device)
     and counting what each operation creates while it lives: exact for this scan's
     operations, however they change. ``x``, ``B``, ``C`` in ``dtype``, ``dt``, ``A``, ``D``
-    in float32, as the mixer passes them.
+    in float32, as the mixer passes them. Every Mamba layer of a model asks the same
+    question, so each answer is traced once.
     """
+    return _traced_backward_peak(batch, length, heads, head_dim, groups, state, chunk_size, dtype, SLICE_BYTES)
+
+
+@functools.lru_cache(maxsize=64)
+def _traced_backward_peak(batch, length, heads, head_dim, groups, state, chunk_size, dtype, budget) -> int:
     meta = dict(device="meta")
     f32 = dict(dtype=torch.float32, **meta)
     saved = (
@@ -320,7 +327,7 @@ def captured_backward_peak_bytes(
     dy = torch.empty_like(saved[0])
     counter = _LiveBytes()
     with counter:
-        _sliced_backward(saved, (True,) * 6, dy, chunk_size, None, budget=SLICE_BYTES)
+        _sliced_backward(saved, (True,) * 6, dy, chunk_size, None, budget=budget)
     return counter.peak
 
 
