@@ -21,9 +21,11 @@ from megatron.training.config import DDPConfig
 LAYERS = 3
 
 
-def tiny_gpt(rope=False, untie=False):
+def tiny_gpt(rope=False, untie=False, layers=LAYERS, **config):
+    """A GPT of ``layers`` layers, hidden 32, 16 tokens, vocabulary 64, no dropout; ``config``: more
+    ``TransformerConfig`` fields."""
     cfg = TransformerConfig(
-        num_layers=LAYERS,
+        num_layers=layers,
         hidden_size=32,
         num_attention_heads=4,
         seq_length=16,
@@ -31,6 +33,7 @@ def tiny_gpt(rope=False, untie=False):
         attention_dropout=0.0,
         position_embedding_type="rope" if rope else "learned_absolute",
         untie_embeddings_and_output_weights=untie,
+        **config,
     ).finalize()
     torch.manual_seed(0)
     return build_gpt_model(cfg, 64), cfg

@@ -257,26 +257,15 @@ def test_recording_watches_the_turn_of_a_real_session(scope, fold, fusion, monke
     head is graphed and the turn holds the loss only. A waiting param.grad (no fold on arrival)
     escapes. Without gradient-accumulation fusion the tied output weight's gradient waits in autograd
     for the embedding's part, made outside the turn (turn.outside_turn): the same turns open."""
-    from megatron.core.models.gpt.gpt_model import build_gpt_model
     from megatron.core.models.gpt.loss import masked_mean_loss
     from megatron.core.transformer import cuda_graphs
     from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from tests.unit_tests.transformer.cuda_graphs.test_session_cpu import tiny_gpt
 
     monkeypatch.setenv(turn.ENV_SWITCH, "all")
     monkeypatch.setattr(turn.TurnHooks, "captures_next", True)
     monkeypatch.setattr(turn, "TurnWatch", CpuWatch)
-    config = TransformerConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        seq_length=16,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        gradient_accumulation_fusion=fusion,
-    ).finalize()
-    torch.manual_seed(0)
-    model = build_gpt_model(config, 64)
+    model, _ = tiny_gpt(layers=2, gradient_accumulation_fusion=fusion)
     ddp = DistributedDataParallel(model, config=DDPConfig(), pg=ProcessGroups.single())
     if fold:
         ddp.fold_grads_on_arrival()
