@@ -5,6 +5,8 @@ Mamba, MLP, ...), which also sets the layer count. Without torchrun it runs as a
 of one; on a machine without CUDA it trains on the CPU.
 """
 
+from collections.abc import Sequence
+
 import torch
 
 from megatron.core.models.gpt.loss import gpt_forward_step
@@ -31,6 +33,14 @@ def forward_step(batch, model):
     """One micro-batch: ``(loss, metrics)``, the mean next-token loss over unmasked tokens and their count,
     which weighs micro-batches (``gpt_forward_step``; write your own here to change the loss)."""
     return gpt_forward_step(batch, model)
+
+
+def providers(argv: Sequence[str]) -> dict:
+    """``build_trainer``'s or ``pretrain``'s keyword arguments for a command line: this script's
+    providers if it has ``--hybrid-layer-pattern``, else none (GPT's defaults)."""
+    if "--hybrid-layer-pattern" not in argv:
+        return {}
+    return dict(model_provider=model_provider, forward_step=forward_step)
 
 
 if __name__ == "__main__":

@@ -269,6 +269,7 @@ def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_p
     if mode == "lean":
         return run_lean(config, iters, skip)
 
+    import pretrain_hybrid
     from megatron.core import parallel_state
     from megatron.training.training import build_trainer
 
@@ -278,13 +279,8 @@ def run_one(config: str, mode: str, iters: int, skip: int, extra: str, profile_p
         f"{CONFIGS[config]} {COMMON} --train-iters {iters + PIPELINED + 10} {mode_flags(mode)} "
         f"{bcg.mode_extra(config, mode)} {extra}"
     ).split()
-    providers = ()
-    if "--hybrid-layer-pattern" in argv:
-        import pretrain_hybrid
-
-        providers = (pretrain_hybrid.model_provider, pretrain_hybrid.forward_step)
     with PeakPoller(torch) as poller:
-        trainer = build_trainer(argv, *providers)
+        trainer = build_trainer(argv, **pretrain_hybrid.providers(argv))
         if mode == "eager:fold":
             trainer.model.fold_grads_on_arrival()
         if mode == "mgc":

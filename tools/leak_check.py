@@ -72,18 +72,14 @@ def check(family: str, scope: str, iters: int, at: int) -> dict:
     """Trains one (family, scope); its readings at ``at`` and ``iters`` and their drift."""
     import torch
 
+    import pretrain_hybrid
     from megatron.core import parallel_state
     from megatron.training.data import build_data_iterators
     from megatron.training.training import build_trainer
 
-    flags = flags_for(family, scope)
-    kwargs = {}
-    if family == "hybrid":
-        import pretrain_hybrid
-
-        kwargs = dict(model_provider=pretrain_hybrid.model_provider, forward_step=pretrain_hybrid.forward_step)
+    argv = f"{flags_for(family, scope)} --train-iters {iters}".split()
     torch.cuda.empty_cache()
-    trainer = build_trainer(f"{flags} --train-iters {iters}".split(), **kwargs)
+    trainer = build_trainer(argv, **pretrain_hybrid.providers(argv))
     start = time.perf_counter()
     try:
         it = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0)[0]

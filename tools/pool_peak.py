@@ -116,6 +116,7 @@ def by_site(blocks: Sequence[dict]) -> list[tuple[str, int, int]]:
 def main():
     import torch
 
+    import pretrain_hybrid
     from megatron.core import parallel_state
     from megatron.core.transformer.cuda_graphs import region as runner
     from megatron.training.data import build_data_iterators
@@ -140,17 +141,13 @@ def main():
     args = parser.parse_args()
 
     argv = f"{CONFIGS[args.config]} {COMMON} --train-iters 10 {mode_flags(args.mode)} {args.extra}".split()
-    providers = ()
-    if "--hybrid-layer-pattern" in argv:
-        import pretrain_hybrid
-
-        providers = (pretrain_hybrid.model_provider, pretrain_hybrid.forward_step)
+    providers = pretrain_hybrid.providers(argv)
     if args.steady:
         from megatron.core.transformer.cuda_graphs.pool import use_expandable_segments
 
         use_expandable_segments()  # eager on the allocator settings graphs use, for a fair comparison
-        return steady(with_schedule(build_trainer(argv, *providers), args.vpp_rank), args)
-    trainer = with_schedule(build_trainer(argv, *providers), args.vpp_rank)
+        return steady(with_schedule(build_trainer(argv, **providers), args.vpp_rank), args)
+    trainer = with_schedule(build_trainer(argv, **providers), args.vpp_rank)
     device = torch.cuda.current_device()
     captures = []  # (trace length when the capture began, region, phase)
 

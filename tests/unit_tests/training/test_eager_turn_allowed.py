@@ -24,15 +24,12 @@ LAYOUTS = {
 
 
 def _allowed(rank: int, world_size: int, extra: str) -> bool:
+    import pretrain_hybrid
     from megatron.core import parallel_state
     from megatron.training.training import build_trainer
 
-    providers = ()
-    if "--hybrid-layer-pattern" in extra:  # as pretrain_hybrid.py builds it
-        import pretrain_hybrid
-
-        providers = (pretrain_hybrid.model_provider, pretrain_hybrid.forward_step)
-    trainer = build_trainer(f"{BASE} {extra}".split(), *providers)
+    argv = f"{BASE} {extra}".split()
+    trainer = build_trainer(argv, **pretrain_hybrid.providers(argv))  # as pretrain_hybrid.py builds it
     try:
         return trainer.graphs.eager_turn_allowed
     finally:

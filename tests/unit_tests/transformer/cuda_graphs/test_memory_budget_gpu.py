@@ -12,6 +12,7 @@ references, as graphs were before upstream Megatron's #5451) must be caught.
 import pytest
 import torch
 
+import pretrain_hybrid
 from megatron.core import parallel_state
 from megatron.core.ssm.mamba_mixer import HAVE_MAMBA_SSM
 from megatron.core.transformer.cuda_graphs import budgets
@@ -59,13 +60,9 @@ CASES = {
 
 def graphed_report(model_flags: str, scope: str, iters: int = 2, schedule=None, extra: str = ""):
     flags = f"{model_flags} {COMMON} {extra} --cuda-graph-impl local --cuda-graph-scope {scope}".rstrip()
-    kwargs = {}
-    if "--hybrid-layer-pattern" in flags:
-        import pretrain_hybrid
-
-        kwargs = dict(model_provider=pretrain_hybrid.model_provider, forward_step=pretrain_hybrid.forward_step)
     torch.cuda.empty_cache()
-    trainer = build_trainer(f"{flags} --train-iters {iters}".split(), **kwargs)
+    argv = f"{flags} --train-iters {iters}".split()
+    trainer = build_trainer(argv, **pretrain_hybrid.providers(argv))
     if schedule is not None:
         trainer.schedule = schedule
     try:
