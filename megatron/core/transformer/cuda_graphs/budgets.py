@@ -13,11 +13,10 @@ The checks are two, because they catch different regressions:
 
 from __future__ import annotations
 
-from megatron.core.transformer.cuda_graphs.report import MemoryReport, RegionMemory
+from megatron.core.transformer.cuda_graphs.report import _MIB, MemoryReport, RegionMemory
 
 __all__ = ["BudgetExceeded", "check_budgets", "TEMPORARIES_FACTOR", "SEGMENT_SLACK"]
 
-_MIB = 2**20
 TEMPORARIES_FACTOR = 2
 """A backward's temporaries, as a multiple of the largest region's activations: the
 gradients of its saved tensors (at most as many bytes as they) plus kernel workspaces
