@@ -8,14 +8,16 @@ mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # PART splits the run for the device's 10-minute calls: "tests" every GPU test (close to 10 minutes
 # on an H100, so a and b in two calls are safer), "a" the transformer tests (graphs, MoE), "b" the
-# other tests, "bench" the benchmark alone; unset: everything.
+# other tests, "bench" the benchmark alone, "gaps" what is live at the steady peak, eager against
+# graphed, for the memory gaps still open (tools/pool_peak.py --steady; one tarball, since the
+# device returns only so many files); unset: everything but gaps.
 PART=${PART:-all}
 case "$PART" in
     a) TESTS="tests/unit_tests/transformer" ;;
     b) TESTS="tests --ignore=tests/unit_tests/transformer" ;;
     all | tests) TESTS="tests" ;;
-    bench) TESTS="" ;;
-    *) echo "PART=$PART: use tests, a, b, bench or leave it unset" >&2; exit 2 ;;
+    bench | gaps) TESTS="" ;;
+    *) echo "PART=$PART: use tests, a, b, bench, gaps or leave it unset" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
@@ -28,10 +30,36 @@ if [ "$PART" = all ] || [ "$PART" = bench ]; then
     python3 tools/graph_bench.py --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
     bench_rc=${PIPESTATUS[0]}
 fi
+if [ "$PART" = gaps ]; then
+    mkdir -p "$OUT/gaps"
+    vpp="--global-batch-size 8 --untie-embeddings-and-output-weights --deterministic-mode"
+    gap() {  # name, then pool_peak's arguments
+        local name=$1
+        shift
+        timeout 120 python3 tools/pool_peak.py --steady --top 14 --dump "$OUT/gaps/$name.json.gz" "$@" \
+            >"$OUT/gaps/$name.txt" 2>&1 || echo "$name: exit $?" >>"$OUT/gaps/failed.txt"
+    }
+    for mode in eager local:layer; do
+        gap "vpp0_${mode/:/_}" --config dense8 --vpp-rank 0 --mode "$mode" --extra="$vpp --no-cuda-graph-postprocess"
+        gap "vpp1_${mode/:/_}" --config dense8 --vpp-rank 1 --mode "$mode" --extra="$vpp"
+    done
+    for mode in eager local:attn local:mlp; do
+        gap "hybrid_${mode/:/_}" --config hybrid --mode "$mode" --extra="--deterministic-mode"
+    done
+    for mode in eager local:attn+mlp; do
+        gap "unfused_${mode/:/_}" --config dense8 --mode "$mode" \
+            --extra="--deterministic-mode --no-gradient-accumulation-fusion"
+    done
+    tar czf "$OUT/gaps.tgz" -C "$OUT" gaps && rm -r "$OUT/gaps"
+fi
 echo
 [ -n "$TESTS" ] && echo "== GPU tests ($TESTS): $(tail -n 1 "$OUT/pytest_gpu.log")"
 if [ -f "$OUT/bench.log" ]; then
     echo "== benchmark (ms/it median of it 10..50; peak = NVML used, polled; pool = our graph pool reserved):"
     sed -n '/^config /,$p' "$OUT/bench.log"
+fi
+if [ -f "$OUT/gaps.tgz" ]; then
+    echo "== steady peaks (tools/pool_peak.py --steady; logs and traces in gaps.tgz):"
+    tar xzf "$OUT/gaps.tgz" -O --wildcards 'gaps/*.txt' | grep -E "steady peak|: exit" || true
 fi
 exit $(( tests_rc || bench_rc ))
