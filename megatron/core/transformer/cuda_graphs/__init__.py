@@ -55,7 +55,8 @@ def attach(
     layers = regions_lib.graphable_layers(model)
     if model_config is None and layers:
         model_config = getattr(layers[0], "config", None)
-    classes = [type(layer) for layer in layers]
+    stage_classes = [type(layer) for layer in layers]
+    classes = stage_classes
     if scope_group is not None:
         gathered: list[Any] = [None] * torch.distributed.get_world_size(scope_group)
         torch.distributed.all_gather_object(gathered, list(dict.fromkeys(classes)), group=scope_group)
@@ -71,12 +72,9 @@ def attach(
         for spec in selected[type(layer)]:
             session.route(layer, spec.method, f"{names[layer]}.{spec.name}")
     head = regions_lib.head_region(model)
-    if head is not None and config.cuda_graph_postprocess and layers:
-        last = layers[-1]
-        follows = regions_lib.head_follows(selected[type(last)], type(last))
-        # This stage's layers only: they alone share its memory with the head.
-        if follows and not regions_lib.leaves_a_scan_eager(selected, {type(layer) for layer in layers}):
-            module, spec = head
-            name = f"{names[module]}.postprocess".lstrip(".")
-            session.route(module, spec.method, name, shared_params=spec.shared_params(module))
+    # This stage's layers only: they alone share its memory with the head.
+    if head is not None and config.cuda_graph_postprocess and regions_lib.head_joins(selected, stage_classes):
+        module, spec = head
+        name = f"{names[module]}.postprocess".lstrip(".")
+        session.route(module, spec.method, name, shared_params=spec.shared_params(module))
     return session

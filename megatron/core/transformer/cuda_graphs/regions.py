@@ -25,7 +25,7 @@ Discovery (:func:`graphable_layers`) asks blocks for their layers (``graph_layer
 so a submodule that happens to declare regions is never wrapped twice. A model may
 declare its loss head (:class:`HeadRegion`, attribute ``graph_head``); it joins the
 graphs when the region that feeds it (the last layer's ``ends`` region, or the whole
-last layer) is graphed, and no Mamba layer stays eager (:func:`leaves_a_scan_eager`).
+last layer) is graphed, and no Mamba layer stays eager (:func:`head_joins`).
 """
 
 from __future__ import annotations
@@ -262,6 +262,16 @@ def head_follows(last_layer_regions: Sequence[RegionSpec], last_layer_class: typ
     last = last_layer_regions[-1].name
     regions = regions_of(last_layer_class)
     return last == WHOLE_LAYER or (regions is not None and last == regions.ends)
+
+
+def head_joins(selected: dict[type, Sequence[RegionSpec]], stage_classes: Sequence[type]) -> bool:
+    """Whether the loss head joins the graphs of a stage whose layers have ``stage_classes``, in
+    forward order: the region feeding it is graphed (:func:`head_follows`) and no Mamba layer of the
+    stage stays eager (:func:`leaves_a_scan_eager`). ``attach`` routes it so; the memory report plans it so."""
+    if not stage_classes:
+        return False
+    last = stage_classes[-1]
+    return head_follows(selected[last], last) and not leaves_a_scan_eager(selected, stage_classes)
 
 
 def leaves_a_scan_eager(selected: dict[type, Sequence[RegionSpec]], layer_classes: Iterable[type]) -> bool:

@@ -206,8 +206,7 @@ def planned_regions(cfg) -> list[tuple[str, type, str]]:
     for i, cls in enumerate(classes):
         for spec in selected[cls]:
             out.append((f"decoder.layers.{i}", cls, spec.name))
-    head = classes and regions_lib.head_follows(selected[classes[-1]], classes[-1])
-    if g.cuda_graph_postprocess and head and not regions_lib.leaves_a_scan_eager(selected, classes):
+    if g.cuda_graph_postprocess and regions_lib.head_joins(selected, classes):
         out.append(("", None, "postprocess"))
     return out
 

@@ -11,6 +11,7 @@ from megatron.core.transformer.cuda_graphs.regions import (
     WHOLE,
     graphable_layers,
     head_follows,
+    head_joins,
     head_region,
     leaves_a_scan_eager,
     resolve,
@@ -68,6 +69,9 @@ def test_the_model_exposes_its_layers_and_loss_head_to_the_session():
     for scopes, eager_mamba in ((["mlp"], True), (["attn", "mlp"], True), (["mamba", "mlp"], False), ([], False)):
         assert leaves_a_scan_eager(resolve(scopes, classes), classes) is eager_mamba, scopes
     assert not leaves_a_scan_eager(resolve(["mlp"], classes), [MLPLayer])  # a stage without Mamba layers
+    assert head_joins(resolve(["mamba", "mlp"], classes), classes)
+    assert not head_joins(resolve(["mlp"], classes), classes)  # eager Mamba layers keep the head eager
+    assert not head_joins(resolve(["mlp"], classes), [])  # a stage without layers
     assert resolve([], [MambaLayer])[MambaLayer] == (WHOLE,)
     assert torch.isfinite(model(torch.randint(0, 64, (1, 8)), labels=torch.zeros(1, 8, dtype=torch.long))).all()
 
