@@ -5,12 +5,12 @@ import re
 import pytest
 import torch
 
+import pretrain_hybrid
 from megatron.core import parallel_state
 from megatron.core.datasets.builder import build_train_valid_test_datasets
 from megatron.core.datasets.gpt_dataset import document_mask
 from megatron.training.arguments import parse_args
 from megatron.training.training import build_trainer
-from tests.unit_tests.dist_utils import pretrain_hybrid_module
 
 FLAGS = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
@@ -20,11 +20,8 @@ FLAGS = (
 
 
 def _trainer(extra: str = ""):
-    kwargs = {}
-    if "--hybrid-layer-pattern" in extra:  # pretrain_hybrid.py's model and forward step
-        module = pretrain_hybrid_module()
-        kwargs = dict(model_provider=module.model_provider, forward_step=module.forward_step)
-    trainer = build_trainer(f"{FLAGS} {extra}".split(), **kwargs)
+    argv = f"{FLAGS} {extra}".split()
+    trainer = build_trainer(argv, **pretrain_hybrid.providers(argv))  # pretrain_hybrid.py's model with its flag
     parallel_state.destroy(trainer.pg)
     return trainer
 

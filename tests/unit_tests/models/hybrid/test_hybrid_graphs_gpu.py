@@ -8,12 +8,11 @@ eager), ``mamba attn mlp`` and whole layers (every layer one graph, and the loss
 """
 
 import gc
-import importlib.util
-import os
 
 import pytest
 import torch
 
+import pretrain_hybrid
 from megatron.core import parallel_state
 from megatron.core.ssm.mamba_mixer import HAVE_MAMBA_SSM
 from megatron.core.transformer.cuda_graphs.pool import use_expandable_segments
@@ -22,7 +21,6 @@ from megatron.training.training import build_trainer
 
 pytestmark = pytest.mark.gpu
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 COMMON = (
     "--hybrid-layer-pattern M*M-M*M- --lr 1e-4 --min-lr 1e-5 --lr-decay-style constant --seed 1234 "
     "--tokenizer-type NullTokenizer --vocab-size 32000 --mock-data --log-interval 1000000 --num-workers 0 "
@@ -34,13 +32,6 @@ SCOPES = {"mamba": "mamba", "attn": "attn", "mlp": "mlp", "mamba attn mlp": "mam
 # Graphed regions per scope (8 layers; the loss head joins when the last layer, an MLP, is graphed
 # and no Mamba layer stays eager).
 N_REGIONS = {"mamba": 4, "attn": 2, "mlp": 2, "mamba attn mlp": 9, "layer": 9}
-
-
-def pretrain_hybrid():
-    spec = importlib.util.spec_from_file_location("pretrain_hybrid", os.path.join(REPO, "pretrain_hybrid.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def train(flags: str, iters: int, snapshot_at: int = 3):
@@ -55,8 +46,8 @@ def train(flags: str, iters: int, snapshot_at: int = 3):
     torch.cuda.empty_cache()
     base_allocated, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
-    entry = pretrain_hybrid()
-    trainer = build_trainer(f"{flags} --train-iters {iters}".split(), entry.model_provider, entry.forward_step)
+    argv = f"{flags} --train-iters {iters}".split()
+    trainer = build_trainer(argv, **pretrain_hybrid.providers(argv))
     try:
         it = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0)[0]
         trainer.model.train()
