@@ -21,7 +21,7 @@ case "$PART" in
 esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
-tests_rc=0 bench_rc=0
+tests_rc=0 bench_rc=0 gaps_rc=0
 if [ -n "$TESTS" ]; then
     python3 -m pytest -m gpu -q -rfE $TESTS ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
     tests_rc=${PIPESTATUS[0]}
@@ -37,7 +37,7 @@ if [ "$PART" = gaps ]; then
         local name=$1
         shift
         timeout 120 python3 tools/pool_peak.py --steady --top 14 --dump "$OUT/gaps/$name.json.gz" "$@" \
-            >"$OUT/gaps/$name.txt" 2>&1 || echo "$name: exit $?" >>"$OUT/gaps/failed.txt"
+            >"$OUT/gaps/$name.txt" 2>&1 || { echo "$name: exit $?" >>"$OUT/gaps/failed.txt"; gaps_rc=1; }
     }
     for mode in eager local:layer; do
         gap "vpp0_${mode/:/_}" --config dense8 --vpp-rank 0 --mode "$mode" --extra="$vpp --no-cuda-graph-postprocess"
@@ -62,4 +62,4 @@ if [ -f "$OUT/gaps.tgz" ]; then
     echo "== steady peaks (tools/pool_peak.py --steady; logs and traces in gaps.tgz):"
     tar xzf "$OUT/gaps.tgz" -O --wildcards 'gaps/*.txt' | grep -E "steady peak|: exit" || true
 fi
-exit $(( tests_rc || bench_rc ))
+exit $(( tests_rc || bench_rc || gaps_rc ))
