@@ -37,6 +37,10 @@ time:
   dgrad handed from one backward graph to the next). Each such turn is judged alone: one that fails
   stays closed, the others open. A gradient an eager turn hands to a graph that
   overlaps the graph's static input is copied into it through a clone.
+* The turn after a micro-batch's last backward graph (the embedding's backward, whose weight
+  gradient lives until DDP folds it) ends with the backward pass, in autograd's final callback,
+  instead of at a next backward graph; the recording judges it there too. Eagerly that gradient
+  reuses the memory the backward freed; outside the pool it would sit on top of the pools.
 * No turn where a collective could run inside one (tensor parallelism; gradient reduction
   overlapping the backward with DP > 1): it runs on NCCL's stream of its own. Not yet run on several GPUs.
 * The pool's memory is shared only if the backward graphs' temporaries are cut from the memory
@@ -389,6 +393,7 @@ class TurnHooks:
     turn_plan: TurnPlan | None = None  # the turns the capture opened (the memory report reads it)
     _turn: TurnRouter | None = None
     _output_hook = None
+    _pass_end_queued = False  # a callback for the end of the backward pass in progress is queued
     captures_next = False  # recording on CUDA, to capture after (not a CPU recording for tests)
     eager_turn_allowed = True
     """The trainer's say: False for pipelines (no turn there); for MoE models, whose eager layers
@@ -423,6 +428,25 @@ class TurnHooks:
     def _watch_backward_next(self, grads: tuple, event=None) -> None:
         if self._watch is not None:
             self._watch.finish(grads, event)
+            self._at_backward_pass_end(self._watch_backward_pass_end)
+
+    def _watch_backward_pass_end(self) -> None:
+        """The backward pass is over: the turn after its last backward graph ends here (the tail)."""
+        if self._watch is not None:
+            self._watch.finish(())
+
+    def _at_backward_pass_end(self, fn) -> None:
+        """Runs ``fn`` once when the backward pass in progress ends (autograd's final callbacks, queued
+        from a backward graph's hook on autograd's thread)."""
+        if self._pass_end_queued:
+            return
+        self._pass_end_queued = True
+
+        def done():
+            self._pass_end_queued = False
+            fn()
+
+        torch.autograd.Variable._execution_engine.queue_callback(done)
 
     def _region_backward_done(self, backward, grads) -> None:
         if self._watch is not None:
@@ -490,9 +514,13 @@ class TurnHooks:
             self._turn.open()
 
     def _turn_before_backward(self) -> bool:
-        """A backward graph replays next (the session's cursor is past it): a turn before it ends.
-        Returns whether one did (its gradients may then sit in the backward pool)."""
-        return self._turn is not None and self._turn.close()
+        """A backward graph replays next (the session's cursor is past it): a turn before it ends,
+        and so does the one after the pass's last backward graph, at the end of the pass. Returns
+        whether a turn ended here (its gradients may then sit in the backward pool)."""
+        if self._turn is None:
+            return False
+        self._at_backward_pass_end(self._turn.close)
+        return self._turn.close()
 
     def _turn_after_backward(self) -> None:
         """A backward graph replayed and its dgrads for eager code were copied out of the pool."""

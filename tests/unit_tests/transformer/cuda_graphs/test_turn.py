@@ -299,18 +299,22 @@ def test_recording_watches_the_turn_of_a_real_session(scope, fold, fusion, monke
     # eager MLP backward, a turn; with `mlp`, layer 1's MLP backward by its eager attention backward
     # (with no first turn: the head is graphed), but not the head's backward, whose dgrad waits in
     # the backward pool for layer 1's MLP graph; with whole layers one graph hands its dgrad to the next.
+    # After the last backward graph (layer 0's), the rest of the backward pass turns (the tail): the
+    # embedding's backward, and with `mlp` layer 0's eager attention backward before it.
     plan = session.make_plans()[0]
     positions = session._backward_turns(watch, {0: plan}, True, frozenset())
-    if scope == []:
-        assert positions == frozenset()
-    elif fold:
+    tail = plan.position(BWD, session.regions[0].index)
+    assert tail == max(plan.position(BWD, r.index) for r in session.regions)
+    if not fold:  # the eager weights' gradients (the embedding's at least) wait in param.grad
+        assert watch.backward_escaped and positions == frozenset()
+    elif scope == []:
+        assert positions == {tail}
+    else:
         turns_after = session.regions[1].index  # layer 1's attn or mlp
-        assert watch.backward_escaped == [] and positions == {plan.position(BWD, turns_after)}
+        assert watch.backward_escaped == [] and positions == {plan.position(BWD, turns_after), tail}
         if scope == ["mlp"]:
             head = plan.position(BWD, session.regions[2].index)
             assert head not in positions and plan.released_across(head, ("grad_input", "grad_output"))
-    else:  # the eager layer halves' weights wait in param.grad
-        assert watch.backward_escaped and positions == frozenset()
     turns = session._plan_turns(watch, {0: plan}, True, frozenset())  # what the capture opens
     if fold and head_eager:  # the first turn, its gradient copied into the first backward's held inputs
         assert turns.first is not None and turns.keep and turns.pattern == watch.pattern
