@@ -9,8 +9,8 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # PART splits the run for the device's 10-minute calls: "tests" every GPU test (close to 10 minutes
 # on an H100, so a and b in two calls are safer), "a" the transformer tests (graphs, MoE), "b" the
 # other tests, "bench" the benchmark alone, "gaps" what is live at the steady peak, eager against
-# graphed, for the memory gaps still open (tools/pool_peak.py --steady; one tarball, since the
-# device returns only so many files); unset: everything but gaps.
+# graphed, for the memory gaps still open and unfused attn mlp (tools/pool_peak.py --steady; one
+# tarball, since the device returns only so many files); unset: everything but gaps.
 PART=${PART:-all}
 case "$PART" in
     a) TESTS="tests/unit_tests/transformer" ;;
