@@ -237,18 +237,6 @@ def cpu_process_groups():
     return ProcessGroups(rank=dist.get_rank(), world_size=world, device=torch.device("cpu"), dp=dp)
 
 
-def pretrain_hybrid_module():
-    """``pretrain_hybrid.py`` imported as a module (its ``model_provider`` and ``forward_step``)."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[2] / "pretrain_hybrid.py"
-    spec = importlib.util.spec_from_file_location("pretrain_hybrid", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def train_curves(rank: int, world_size: int, argvs: dict, hybrid: bool = False) -> dict:
     """For ``run_distributed``: trains each command line of ``argvs`` (name -> argv) in turn
     through the trainer (``pretrain_hybrid.py``'s model with ``hybrid``) and returns
@@ -258,8 +246,9 @@ def train_curves(rank: int, world_size: int, argvs: dict, hybrid: bool = False) 
 
     providers = ()
     if hybrid:
-        entry = pretrain_hybrid_module()
-        providers = (entry.model_provider, entry.forward_step)
+        import pretrain_hybrid
+
+        providers = (pretrain_hybrid.model_provider, pretrain_hybrid.forward_step)
     out = {}
     for name, argv in argvs.items():
         trainer = build_trainer(argv, *providers)

@@ -441,22 +441,17 @@ HYBRID = (
 
 def _hybrid_stage_scopes(rank, world_size, scope):
     """Builds a hybrid trainer whose second stage has no attention layer, graphing ``scope``."""
-    import importlib.util
-    import pathlib
     import warnings
 
+    import pretrain_hybrid
     from megatron.core import parallel_state
     from megatron.core.transformer import cuda_graphs
     from megatron.training.training import build_trainer
 
-    path = pathlib.Path(__file__).parents[3] / "pretrain_hybrid.py"
-    spec = importlib.util.spec_from_file_location("pretrain_hybrid", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     argv = f"{HYBRID} --hybrid-layer-pattern M*|M- --cuda-graph-impl local --cuda-graph-scope {scope}".split()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # CUDA is not available: graphs are off
-        trainer = build_trainer(argv, model_provider=module.model_provider, forward_step=module.forward_step)
+        trainer = build_trainer(argv, **pretrain_hybrid.providers(argv))
     try:
         trainer.graphs.close()
         alone = None

@@ -80,14 +80,9 @@ def _run(argv, hybrid=False):
 
     kwargs = {}
     if hybrid:
-        import importlib.util
-        import pathlib
+        import pretrain_hybrid
 
-        path = pathlib.Path(__file__).parents[3] / "pretrain_hybrid.py"
-        spec = importlib.util.spec_from_file_location("pretrain_hybrid", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        kwargs = dict(model_provider=module.model_provider, forward_step=module.forward_step)
+        kwargs = dict(model_provider=pretrain_hybrid.model_provider, forward_step=pretrain_hybrid.forward_step)
     trainer = build_trainer(argv, **kwargs)
     weights = _global_weights(trainer) if trainer.pg.tp_size == 1 else None
     trainer.history = trainer.train()

@@ -7,13 +7,12 @@ out_norm, out_proj}``); with ``--experimental-attention-variant gdn2`` its atten
 layer with gated delta net attention under ``attn``), and it may be captured whole.
 """
 
-import importlib.util
-import os
 import warnings
 
 import pytest
 import torch
 
+import pretrain_hybrid
 from megatron.core.models.hybrid.hybrid_layers import AttentionLayer, GDNLayer, MLPLayer
 from megatron.core.models.hybrid.hybrid_model import (
     build_hybrid_model,
@@ -30,7 +29,6 @@ from megatron.core.ssm.mamba_layer import MambaLayer
 from megatron.core.transformer.cuda_graphs.regions import resolve
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 VOCAB = 64
 SIZES = dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
 
@@ -45,13 +43,6 @@ def configs(pattern="M*G-", variant=None, **kw):
     la.finalize(cfg)
     la.validate(cfg, hybrid_pattern=pattern)
     return cfg.finalize(), mc
-
-
-def load_pretrain_hybrid():
-    spec = importlib.util.spec_from_file_location("pretrain_hybrid", os.path.join(REPO, "pretrain_hybrid.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("variant,attention", [(None, GatedDeltaNet), ("gdn2", GatedDeltaNet2)])
@@ -191,7 +182,6 @@ def _flags(pattern: str, tmp_path, extra: str = "") -> list[str]:
 @pytest.mark.parametrize("variant", ["", "--experimental-attention-variant gdn2"], ids=["gdn", "gdn2"])
 def test_a_g_hybrid_trains_and_resumes_from_its_checkpoint_exactly(tmp_path, variant):
     """12 iterations straight; then 6, saved, and 6 more loaded from the checkpoint: the same losses."""
-    pretrain_hybrid = load_pretrain_hybrid()
     from megatron.training.training import pretrain
 
     def run(extra):

@@ -1,24 +1,14 @@
 """HybridModel and pretrain_hybrid.py: names, shapes, loss head, and a tiny M*M-M*M- model trained on the CPU."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
+import pretrain_hybrid
 from megatron.core.models.hybrid.hybrid_model import HybridModel, build_hybrid_model, num_floating_point_operations
 from megatron.core.ssm.mamba_config import MambaConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 VOCAB = 64
-
-
-def load_pretrain_hybrid():
-    spec = importlib.util.spec_from_file_location("pretrain_hybrid", os.path.join(REPO, "pretrain_hybrid.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def configs(pattern="M*M-M*M-", **kw):
@@ -96,7 +86,6 @@ def test_flops_count_each_layer_kind():
 
 
 def test_pretrain_hybrid_trains_on_the_cpu_and_the_loss_decreases(tmp_path):
-    pretrain_hybrid = load_pretrain_hybrid()
     from megatron.training.training import pretrain
 
     flags = [
@@ -120,7 +109,6 @@ def test_pretrain_hybrid_trains_on_the_cpu_and_the_loss_decreases(tmp_path):
 
 
 def test_pretrain_hybrid_needs_the_pattern():
-    pretrain_hybrid = load_pretrain_hybrid()
 
     class Cfg:
         mamba = MambaConfig()
@@ -130,7 +118,6 @@ def test_pretrain_hybrid_needs_the_pattern():
 
 
 def test_pretrain_hybrid_with_moe_layers_trains_on_the_cpu(tmp_path):
-    pretrain_hybrid = load_pretrain_hybrid()
     from megatron.training.training import pretrain
 
     flags = [
