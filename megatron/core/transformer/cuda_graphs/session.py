@@ -409,7 +409,8 @@ class GraphSession(PipelineHooks, TurnHooks):
             self.capture()
         elif self.state is GraphState.CAPTURED:
             if self._turn is not None:
-                self._turn.close()  # normally closed by the first backward replay
+                self._turn.close()  # normally closed by the first backward replay, or the backward pass's end
+            self._pass_end_queued = False  # a backward pass that raised never ran its final callbacks
             if self.cursor not in (0, len(self.order)):
                 raise RuntimeError(
                     f"CUDA graphs: the iteration ended after {self.cursor} of the {len(self.order)} recorded graph "
