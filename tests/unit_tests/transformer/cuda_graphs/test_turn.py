@@ -381,3 +381,39 @@ def test_outside_turn_pauses_this_threads_routing_and_the_watch(monkeypatch):
         del gone
         watch.finish(())
     assert watch.escaped == [] and watch.peak_bytes == 16 * 16 * 4 and kept.shape == x.shape
+
+
+class CountingRouter:
+    """A turn router that counts its closes (routing needs CUDA)."""
+
+    def __init__(self):
+        self.closes = 0
+
+    def close(self) -> bool:
+        self.closes += 1
+        return self.closes == 1  # only the first close finds a turn open
+
+
+def test_the_turn_after_the_last_backward_graph_closes_when_the_backward_pass_ends():
+    """Each backward graph closes the turn before it, and queues one close for the end of the pass
+    (autograd's final callbacks): the turn after the last backward graph ends there."""
+    session = FakeSession()
+    session._turn = CountingRouter()
+    seen = []
+
+    class Graph(torch.autograd.Function):  # stands for a backward graph's replay
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(session._turn_before_backward())
+            return grad * 2
+
+    x = torch.ones(3, requires_grad=True)
+    Graph.apply(Graph.apply(x)).sum().backward()  # two backward graphs in one pass
+    assert seen == [True, False] and session._turn.closes == 3  # before each, then at the end
+    assert not session._pass_end_queued
+    Graph.apply(x).sum().backward()  # the next pass queues its own
+    assert session._turn.closes == 5 and not session._pass_end_queued
