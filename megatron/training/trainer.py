@@ -36,7 +36,6 @@ from megatron.core.optimizer.distrib_optimizer import build_optimizer
 from megatron.core.optimizer.lr_scheduler import build_scheduler
 from megatron.core.pipeline_parallel import embedding_grads as pipeline_grads
 from megatron.core.pipeline_parallel import layout, p2p_communication, schedules
-from megatron.core.ssm.mamba_layer import MambaLayer
 from megatron.core.tensor_parallel.random import model_parallel_manual_seed
 from megatron.core.transformer import cuda_graphs
 from megatron.core.transformer.cuda_graphs.streams import side_stream
@@ -129,10 +128,9 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation, RunCheckpoi
         )
         overlapped = self.model.config.overlap_grad_reduce and pg.dp_size > 1
         alone = pg.pp_size == 1 and pg.tp_size == 1 and not overlapped  # no collective inside a turn
-        # Eager Mamba layers' forward sets the eager cache's high-water mark outside any turn, so a turn
-        # adds its work to the pool instead of moving it there (the README's hybrid measurements).
-        has_mamba = any(isinstance(m, MambaLayer) for m in model.modules())
-        self.graphs.eager_turn_allowed = not self.has_moe and not has_mamba and alone
+        # Eager Mamba layers keep their scan's forward working memory in the turns' pool too
+        # (turn.scratch), so their forward no longer sets the eager cache's high-water mark.
+        self.graphs.eager_turn_allowed = not self.has_moe and alone
         if self.graphs.active and self.graphs.eager_turn_allowed and cuda_graphs.eager_turn_enabled():
             self.model.fold_grads_on_arrival()  # the graphs' eager turn leaves no param.grad waiting
         self.full_graph = full_iteration.build(cfg.cuda_graph, self.device, logs.print_rank_0)

@@ -34,6 +34,7 @@ from einops import rearrange
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from megatron.core.transformer.cuda_graphs.turn import scratch
 from megatron.core.transformer.recompute import capturing
 
 
@@ -227,7 +228,8 @@ class GroupSlicedScan(torch.autograd.Function):
         y = torch.empty_like(x)
         for heads, groups in _group_slices(x, B, chunk_size, FORWARD_SLICES * _slice_budget()):
             pieces = _slice((x, dt, A, B, C, D), heads, groups)
-            y[:, :, heads] = _chunked_scan(*pieces[:5], chunk_size, D=pieces[5], state_dtype=state_dtype)
+            with scratch():  # the slice's working memory dies here; its result goes into y
+                y[:, :, heads] = _chunked_scan(*pieces[:5], chunk_size, D=pieces[5], state_dtype=state_dtype)
         return y
 
     @staticmethod

@@ -70,7 +70,7 @@ from megatron.core.transformer.cuda_graphs.pool import format_pool_summary
 from megatron.core.transformer.cuda_graphs.recorder import Recorder
 from megatron.core.transformer.cuda_graphs.region import GraphedRegion, arg_metadata
 from megatron.core.transformer.cuda_graphs.replay import GraphReplay, RecordBackward
-from megatron.core.transformer.cuda_graphs.turn import TurnHooks, TurnRouter, enabled
+from megatron.core.transformer.cuda_graphs.turn import TurnHooks, TurnRouter, enabled, own_scratch
 from megatron.core.transformer.cuda_graphs.weak import is_weak_ref
 
 NEXT_EVENT = "next event"
@@ -135,6 +135,8 @@ class GraphSession(PipelineHooks, TurnHooks):
             if torch.cuda.is_available():
                 self.state = GraphState.RECORD
                 self.captures_next = enabled()  # the eager turn's watch runs while recording
+                if self.captures_next:
+                    own_scratch(self)
             else:
                 warnings.warn(
                     f"--cuda-graph-impl {config.cuda_graph_impl}: CUDA is not available, so CUDA graphs are off and "
@@ -480,6 +482,7 @@ class GraphSession(PipelineHooks, TurnHooks):
         )
         if turns is not None:
             self._turn = TurnRouter(self.backward_pool, turns.first[0] if turns.first else None, turns.after_backward)
+        self._open_scratch()
         if self.config.cuda_graph_debug:
             for slot, plan in plans.items():
                 for position, tensors in capture_lib.poison_plan(plan, self.buffers[slot]).items():
@@ -544,6 +547,7 @@ class GraphSession(PipelineHooks, TurnHooks):
             "slots": len(self.pools),
             "backward_pool_shared": self.backward_pool is not None,
             "eager_turn": self._turn is not None,
+            "forward_scratch_in_backward_pool": self._scratch_open,
             "pool_reserved_bytes": int(reserved),
             "pool_live_bytes": int(live),
             "strong_bytes": int(self.strong_bytes()),
@@ -573,7 +577,8 @@ class GraphSession(PipelineHooks, TurnHooks):
         if stage is not None and stage[1] > 1:
             line = line.replace("graph pool |", f"graph pool | pipeline rank: {stage[0]} of {stage[1]} |", 1)
         if self._turn is not None:
-            return f"{line} | eager turns in the backward pool: {self._turn.count()}"
+            scratch = " | forward scratch in the backward pool" if self._scratch_open else ""
+            return f"{line} | eager turns in the backward pool: {self._turn.count()}{scratch}"
         shared = " (backward pool shared)" if self.backward_pool is not None else ""
         return line if len(self.pools) <= 1 else f"{line} | slots: {len(self.pools)}{shared}"
 
