@@ -482,3 +482,49 @@ def test_the_mamba_scan_forward_scratch_leaves_nothing_alive(scratch_session, mo
     y = ssd.ssd_chunked_scan(x, dt, A, B, C, 8, D=D)
     assert type(y.grad_fn).__name__ == "GroupSlicedScanBackward"
     assert scratch_session._scratch_seen and scratch_session._scratch_escaped is None
+
+
+@pytest.mark.parametrize("scope", [["attn"], ["mlp"]], ids=["attn", "mlp"])
+def test_a_hybrid_recording_opens_its_turns_and_its_scratch(scope, monkeypatch):
+    """M*M-M*M- recorded on the CPU, the watch driven by the session (as before a capture), two
+    micro-batches: the Mamba scan's forward slices are scratch blocks that leave nothing alive; the
+    first turn (from the last forward graph: the last Mamba layer, the eager half, the head), the
+    turns between backward graphs and the tail after the last one open."""
+    from megatron.core.models.gpt.loss import masked_mean_loss
+    from megatron.core.models.hybrid.hybrid_model import build_hybrid_model
+    from megatron.core.ssm import ssd
+    from megatron.core.transformer import cuda_graphs
+    from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
+    from tests.unit_tests.models.hybrid.test_hybrid_model import configs
+
+    monkeypatch.setenv(turn.ENV_SWITCH, "all")
+    monkeypatch.setattr(turn.TurnHooks, "captures_next", True)
+    monkeypatch.setattr(turn, "TurnWatch", CpuWatch)
+    monkeypatch.setattr(turn, "MIN_TURN_BYTES", 1)
+    monkeypatch.setattr(ssd, "EAGER_SLICE_BYTES", 1)  # a slice per group: two scratch blocks a layer
+    cfg, mc = configs("M*M-M*M-", position_embedding_type="none", normalization="RMSNorm")
+    torch.manual_seed(0)
+    model = build_hybrid_model(cfg, mc, 64, device="cpu")
+    ddp = DistributedDataParallel(model, config=DDPConfig(), pg=ProcessGroups.single())
+    ddp.fold_grads_on_arrival()
+    config = CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=scope)
+    session = cuda_graphs.attach(model, config, grad_sinks=[ddp], record_without_cuda=True)
+    turn.own_scratch(session)
+    try:
+        tokens = torch.randint(0, 64, (2, 16))
+        for _ in range(2):
+            loss, _ = masked_mean_loss(ddp(tokens, None, tokens), torch.ones(2, 16))
+            loss.backward()
+        ddp.finish_grad_sync()
+        watch = session._end_watch()
+        assert session._scratch_seen and session._scratch_escaped is None
+        assert watch.escaped == [] and watch.backward_escaped == []
+        plans = session.make_plans()
+        turns = session._plan_turns(watch, plans, True, frozenset())
+        assert turns is not None and turns.first is not None  # the head stays eager beside eager Mamba layers
+        ((_, plan),) = plans.items()
+        last = max(plan.position(BWD, r.index) for r in session.regions)
+        assert turns.after_backward == {last - 1, last}  # after the second layer's graph, and the tail
+    finally:
+        turn.disown_scratch(session)
+        session.close()
