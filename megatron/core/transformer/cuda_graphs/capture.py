@@ -24,6 +24,7 @@ backward pool too; their static inputs stay in the slot's pool.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +35,7 @@ from megatron.core.transformer.cuda_graphs.plan import FWD, Event, Plan, in_back
 from megatron.core.transformer.cuda_graphs.pool import GraphPool, allocate_into_pool
 from megatron.core.transformer.cuda_graphs.region import GraphedRegion, TensorMeta, ValueArg
 from megatron.core.transformer.cuda_graphs.streams import side_stream
-from megatron.core.transformer.cuda_graphs.turn import shape_pool
+from megatron.core.transformer.cuda_graphs.turn import capture_scratch_into, shape_pool
 from megatron.core.transformer.cuda_graphs.weak import make_weak_ref
 
 Buffers = dict[Any, torch.Tensor | None]
@@ -69,6 +70,7 @@ def capture_all(
     forwards_in_backward_pool: frozenset[int] = frozenset(),
     keep: frozenset = frozenset(),
     turn_pattern: list[int] | None = None,
+    scratch_to_backward: bool = False,
 ) -> tuple[dict[int, GraphPool], GraphPool | None, dict[int, Buffers]]:
     """Captures every slot's cycle; returns each slot's pool, the shared backward pool
     (None unless ``share_backward``) and each slot's static buffers. Regions in
@@ -76,7 +78,9 @@ def capture_all(
     backward pool, or without one the slot's own pool like any forward. Buffers in
     ``keep`` (owner keys) are held for good instead of released. ``turn_pattern``: the
     eager turn's allocations (``turn.shape_pool``), made and freed in the backward pool
-    before the first backward graph when the training runs on the capture stream."""
+    before the first backward graph when the training runs on the capture stream.
+    ``scratch_to_backward``: forwards captured into a slot's pool put their scratch blocks
+    (``turn.scratch``) in the shared backward pool (``turn.capture_scratch_into``)."""
     fwd_order = [regions[r] for r in warmup_order(cycles)]
     pools: dict[int, GraphPool] = {}
     all_buffers: dict[int, Buffers] = {}
@@ -127,6 +131,7 @@ def capture_all(
                 forwards_in_backward_pool,
                 keep,
                 turn_pattern if shared_stream else None,
+                scratch_to_backward and backward_pool is not None,
             )
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
@@ -153,11 +158,13 @@ def _capture_slot(
     forwards_in_backward_pool: frozenset[int] = frozenset(),
     keep: frozenset = frozenset(),
     turn_pattern: list[int] | None = None,
+    scratch_to_backward: bool = False,
 ) -> Buffers:
     """Captures one slot's cycle: forwards into ``pool``, backwards into ``backward_pool``
     (the same pool unless the slots share one for their backward graphs), and so are the
     forwards of ``forwards_in_backward_pool``. ``turn_pattern`` shapes the backward pool
-    once the first backward graph's static inputs are there."""
+    once the first backward graph's static inputs are there. ``scratch_to_backward``: the
+    scratch blocks of forwards captured into ``pool`` allocate in ``backward_pool``."""
     buffers: Buffers = {}
     shared = backward_pool is not pool
     persistent = set(plan.persistent()) if shared else set()
@@ -184,7 +191,9 @@ def _capture_slot(
                 args.append(buf.detach().requires_grad_(True) if meta.requires_grad else buf)
                 del buf
             into = backward_pool if in_backward_pool(event, forwards_in_backward_pool) else pool
-            outs = region.capture_forward(slot, args, into, stream)
+            detour = scratch_to_backward and into is not backward_pool
+            with capture_scratch_into(pool, backward_pool) if detour else contextlib.nullcontext():
+                outs = region.capture_forward(slot, args, into, stream)
             buffers.update({("output", region.index, j): o for j, o in enumerate(outs)})
             # No stray local may keep a buffer alive past its planned release.
             del args, outs

@@ -49,6 +49,7 @@ __all__ = [
     "allocate_into_pool",
     "begin_allocating_into",
     "end_allocating_into",
+    "capture_detour",
     "device_memory_used",
     "pool_stats_from_segments",
     "format_pool_summary",
@@ -311,6 +312,26 @@ def end_allocating_into(pool: GraphPool) -> None:
     """Ends :func:`begin_allocating_into`'s routing into ``pool`` and removes its user."""
     _private_api("_cuda_endAllocateToPool")(pool.device, pool.handle)
     _private_api("_cuda_releasePool")(pool.device, pool.handle)
+
+
+@contextlib.contextmanager
+def capture_detour(capturing: GraphPool, pool: GraphPool) -> Iterator[None]:
+    """Inside a capture into ``capturing``, on the capturing thread: this thread's allocations go
+    to ``pool`` instead, until the block ends.
+
+    The allocator serves the first routing that matches, and the capture's comes first, so the
+    capture's routing is taken off for the block and put back after it. Put back, it matches
+    this thread rather than the capture's streams: the same allocations while a forward captures
+    (one thread), so use this only there. The pool counts one user more for the routing put
+    back, which the capture's end does not remove: released here."""
+    device = capturing.device
+    _private_api("_cuda_endAllocateToPool")(device, capturing.handle)
+    try:
+        with allocate_into_pool(pool):
+            yield
+    finally:
+        _private_api("_cuda_beginAllocateCurrentThreadToPool")(device, capturing.handle)
+        _private_api("_cuda_releasePool")(device, capturing.handle)
 
 
 def device_memory_used(empty_cache: bool = False, device: None | int | str | torch.device = None) -> int:

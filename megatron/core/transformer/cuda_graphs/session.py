@@ -153,6 +153,7 @@ class GraphSession(PipelineHooks, TurnHooks):
         self.pools: dict = {}  # slot -> GraphPool
         self.backward_pool = None  # the GraphPool every slot's backward graphs share, if they do
         self.forwards_in_backward_pool: frozenset[int] = frozenset()  # regions whose forwards join it
+        self.scratch_captured = False  # forward graphs' scratch blocks captured into the backward pool
         self.buffers: dict[int, dict] = {}
         self.cursor = 0
         self.slot = 0
@@ -470,6 +471,9 @@ class GraphSession(PipelineHooks, TurnHooks):
             if turns.first is not None:  # the first turn's work would overwrite those forwards' outputs
                 next_to_backward = frozenset()
         self.forwards_in_backward_pool = next_to_backward if share else frozenset()
+        # One slot: its pools hand out memory in replay order, so a forward graph's scratch may use
+        # the backward pool's (turn.capture_scratch_into), once the recording saw every block die inside.
+        self.scratch_captured = share and len(self.cycles) == 1 and self._scratch_seen and not self._scratch_escaped
         self.pools, self.backward_pool, self.buffers = capture_lib.capture_all(
             self.regions,
             self.cycles,
@@ -479,6 +483,7 @@ class GraphSession(PipelineHooks, TurnHooks):
             forwards_in_backward_pool=self.forwards_in_backward_pool,
             keep=turns.keep if turns is not None else frozenset(),
             turn_pattern=turns.pattern if turns is not None else None,
+            scratch_to_backward=self.scratch_captured,
         )
         if turns is not None:
             self._turn = TurnRouter(self.backward_pool, turns.first[0] if turns.first else None, turns.after_backward)
@@ -548,6 +553,7 @@ class GraphSession(PipelineHooks, TurnHooks):
             "backward_pool_shared": self.backward_pool is not None,
             "eager_turn": self._turn is not None,
             "forward_scratch_in_backward_pool": self._scratch_open,
+            "captured_scratch_in_backward_pool": self.scratch_captured,
             "pool_reserved_bytes": int(reserved),
             "pool_live_bytes": int(live),
             "strong_bytes": int(self.strong_bytes()),
@@ -576,11 +582,11 @@ class GraphSession(PipelineHooks, TurnHooks):
         line = format_pool_summary(self.num_graphs(), reserved, live, self.strong_bytes(), self.capture_seconds)
         if stage is not None and stage[1] > 1:
             line = line.replace("graph pool |", f"graph pool | pipeline rank: {stage[0]} of {stage[1]} |", 1)
+        scratch = " | forward scratch in the backward pool" if self._scratch_open or self.scratch_captured else ""
         if self._turn is not None:
-            scratch = " | forward scratch in the backward pool" if self._scratch_open else ""
             return f"{line} | eager turns in the backward pool: {self._turn.count()}{scratch}"
         shared = " (backward pool shared)" if self.backward_pool is not None else ""
-        return line if len(self.pools) <= 1 else f"{line} | slots: {len(self.pools)}{shared}"
+        return line + scratch if len(self.pools) <= 1 else f"{line} | slots: {len(self.pools)}{shared}"
 
     # ------------------------------------------------------------------ debug
     def _debug_compare(self, region: GraphedRegion, args, outs) -> None:

@@ -41,7 +41,11 @@ time:
   forward graph's output waits in that pool: between forward graphs the pool holds nothing. The
   recording watches every such block and leaves them in the eager cache, with a warning, if one
   leaves a tensor alive. Eager Mamba layers keep their scan's working memory there in the
-  forward, and their backward's in the turns between backward graphs.
+  forward, and their backward's in the turns between backward graphs (sliced as finely as a
+  captured scan's: :func:`pooled`). A forward graph's scratch blocks are captured into that pool
+  too, with one slot (:func:`capture_scratch_into`): its pools hand memory out in replay order,
+  so the slices die before anything captured later uses their memory; in the forward's own pool
+  the last one would stay reserved beside every activation.
 * The turn after a micro-batch's last backward graph (the embedding's backward, whose weight
   gradient lives until DDP folds it) ends with the backward pass, in autograd's final callback,
   instead of at a next backward graph; the recording judges it there too. Eagerly that gradient
@@ -79,6 +83,7 @@ from megatron.core.transformer.cuda_graphs.pool import (
     GraphPool,
     allocate_into_pool,
     begin_allocating_into,
+    capture_detour,
     end_allocating_into,
 )
 
@@ -148,14 +153,46 @@ def disown_scratch(session) -> None:
 def scratch():
     """A block of a forward whose allocations all die inside it (working memory; its results are
     written into tensors made before it). With a graph session whose turns open, it allocates in the
-    backward graphs' pool, idle during a forward (module docstring). Otherwise, and under a capture,
-    it changes nothing."""
+    backward graphs' pool, idle during a forward (module docstring); so does a forward graph's, captured
+    under :func:`capture_scratch_into`. Otherwise it changes nothing."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        pools = getattr(_here, "capture_scratch", None)
+        with capture_detour(*pools) if pools is not None else contextlib.nullcontext():
+            yield
+        return
     owner = _scratch_owner() if _scratch_owner is not None else None
-    if owner is None or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if owner is None:
         yield
         return
     with owner._scratch_block():
         yield
+
+
+@contextlib.contextmanager
+def capture_scratch_into(capturing: GraphPool, pool: GraphPool):
+    """While a forward graph captures into ``capturing``: the :func:`scratch` blocks it runs allocate
+    in ``pool`` (the backward graphs'). Safe where the pool's memory is handed out in execution
+    order (one slot: capture order is replay order) and the recording saw every scratch block die
+    inside it: the graph's working memory is then dead before anything captured later uses it."""
+    _here.capture_scratch = (capturing, pool)
+    try:
+        yield
+    finally:
+        _here.capture_scratch = None
+
+
+def pooled() -> bool:
+    """Whether this thread's allocations go into the backward graphs' pool now: inside a turn or a
+    routed :func:`scratch` block, or, while the iteration before a capture records, inside a turn
+    its watch follows (so that it sees the same allocations the turn will make). Working memory
+    there stays reserved in the pool for good, as a graph's does: code that can trade memory for
+    kernel launches (the Mamba scan's slices) should keep it small then."""
+    router = getattr(_here, "router", lambda: None)()
+    if router is not None and router.routing_here():
+        return True
+    owner = _scratch_owner() if _scratch_owner is not None else None
+    watch = owner._watch if owner is not None else None
+    return watch is not None and watch.tracking and not getattr(_here, "outside", 0)
 
 
 MIN_TURN_BYTES = 16 * 2**20
