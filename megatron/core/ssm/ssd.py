@@ -34,7 +34,7 @@ from einops import rearrange
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from megatron.core.transformer.cuda_graphs.turn import pooled, scratch
+from megatron.core.transformer.cuda_graphs.turn import scratch
 from megatron.core.transformer.recompute import capturing
 
 
@@ -183,8 +183,9 @@ backward while a CUDA graph captures it: as many groups go into one slice as fit
 graph keeps its transients reserved in the graph pool, so its slices are smaller than eager ones;
 replaying costs no host time per slice, but small slices keep the GPU less busy. The budget is the
 smallest that keeps a graphed step about as fast as an eager one (the README's hybrid measurements).
-An eager scan inside an eager turn (``turn.pooled``) takes it too: its transients go into the graphs'
-backward pool there, and stay reserved with it."""
+An eager scan inside an eager turn keeps the eager budget, though its transients then stay reserved in
+the backward pool: this budget there made hybrid ``attn`` / ``mlp`` steps 1.1-1.4 x slower (the
+README's hybrid measurements)."""
 EAGER_SLICE_BYTES = 256 * 2**20
 """The same budget when the scan runs eagerly. The host launches some 250 kernels per slice, and
 eagerly that launching is the scan's time, while the transient of one layer's backward comes and
@@ -197,7 +198,7 @@ times the budget."""
 
 
 def _slice_budget() -> int:
-    return SLICE_BYTES if capturing() or pooled() else EAGER_SLICE_BYTES
+    return SLICE_BYTES if capturing() else EAGER_SLICE_BYTES
 
 
 def _group_slices(x: torch.Tensor, B: torch.Tensor, chunk_size: int, budget: int) -> list[tuple[slice, slice]]:

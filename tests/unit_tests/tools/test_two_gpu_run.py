@@ -123,6 +123,8 @@ def test_pool_line_as_the_session_prints_it():
         pools={0: None, 1: None},
         backward_pool=object(),
         _turn=None,
+        _scratch_open=False,
+        scratch_captured=False,
     )
     text = "> " + GraphSession.summary_line(session, stage=(1, 2)) + "\n> " + GraphSession.summary_line(session)
     assert two_gpu_logs.parse_pool_lines(text) == [

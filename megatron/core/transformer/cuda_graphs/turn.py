@@ -41,8 +41,7 @@ time:
   forward graph's output waits in that pool: between forward graphs the pool holds nothing. The
   recording watches every such block and leaves them in the eager cache, with a warning, if one
   leaves a tensor alive. Eager Mamba layers keep their scan's working memory there in the
-  forward, and their backward's in the turns between backward graphs (sliced as finely as a
-  captured scan's: :func:`pooled`). A forward graph's scratch blocks are captured into that pool
+  forward, and their backward's in the turns between backward graphs. A forward graph's scratch blocks are captured into that pool
   too, with one slot (:func:`capture_scratch_into`): its pools hand memory out in replay order,
   so the slices die before anything captured later uses their memory; in the forward's own pool
   the last one would stay reserved beside every activation.
@@ -179,20 +178,6 @@ def capture_scratch_into(capturing: GraphPool, pool: GraphPool):
         yield
     finally:
         _here.capture_scratch = None
-
-
-def pooled() -> bool:
-    """Whether this thread's allocations go into the backward graphs' pool now: inside a turn or a
-    routed :func:`scratch` block, or, while the iteration before a capture records, inside a turn
-    its watch follows (so that it sees the same allocations the turn will make). Working memory
-    there stays reserved in the pool for good, as a graph's does: code that can trade memory for
-    kernel launches (the Mamba scan's slices) should keep it small then."""
-    router = getattr(_here, "router", lambda: None)()
-    if router is not None and router.routing_here():
-        return True
-    owner = _scratch_owner() if _scratch_owner is not None else None
-    watch = owner._watch if owner is not None else None
-    return watch is not None and watch.tracking and not getattr(_here, "outside", 0)
 
 
 MIN_TURN_BYTES = 16 * 2**20

@@ -6,7 +6,6 @@ MEGATRON_CG_EAGER_TURN, and every graphed GPU test under the default).
 """
 
 import threading
-import weakref
 
 import pytest
 import torch
@@ -481,32 +480,6 @@ def test_the_mamba_scan_forward_scratch_leaves_nothing_alive(scratch_session, mo
     y = ssd.ssd_chunked_scan(x, dt, A, B, C, 8, D=D)
     assert type(y.grad_fn).__name__ == "GroupSlicedScanBackward"
     assert scratch_session._scratch_seen and scratch_session._scratch_escaped is None
-
-
-def test_work_in_a_turn_slices_the_mamba_scan_as_a_graph_does(scratch_session, monkeypatch):
-    """A turn's working memory stays reserved in the backward pool, as a graph's: the scan takes the
-    captured slice budget there, in the recording's watched turns too (so the watch sees what the turn
-    will allocate), and the eager one outside (a block under ``outside_turn``, the loss)."""
-    from megatron.core.ssm import ssd
-
-    assert not turn.pooled() and ssd._slice_budget() == ssd.EAGER_SLICE_BYTES
-    watch = CpuWatch("cpu")
-    scratch_session._watch = watch
-    watch.start()  # recording: a forward graph ran, the turn is watched from here
-    assert turn.pooled() and ssd._slice_budget() == ssd.SLICE_BYTES
-    with turn.outside_turn():
-        assert not turn.pooled()
-    watch.pause()  # the model's output is out: the loss is no turn's
-    assert not turn.pooled()
-    scratch_session._watch = None
-
-    class Routing:  # after capture: a router routes this thread
-        def routing_here(self):
-            return True
-
-    router = Routing()
-    monkeypatch.setattr(turn._here, "router", weakref.ref(router), raising=False)
-    assert turn.pooled() and ssd._slice_budget() == ssd.SLICE_BYTES
 
 
 @pytest.mark.parametrize("scope", [["attn"], ["mlp"]], ids=["attn", "mlp"])
