@@ -13,7 +13,7 @@ The checks are two, because they catch different regressions:
 
 from __future__ import annotations
 
-from megatron.core.transformer.cuda_graphs.report import _MIB, MemoryReport, RegionMemory
+from megatron.core.transformer.cuda_graphs.report import MIB, MemoryReport, RegionMemory
 
 __all__ = ["BudgetExceeded", "check_budgets", "TEMPORARIES_FACTOR", "SEGMENT_SLACK"]
 
@@ -24,7 +24,7 @@ gradients of its saved tensors (at most as many bytes as they) plus kernel works
 region with a known working memory of its own (``RegionMemory.transient_bytes``) gets
 its activations plus that, where larger."""
 
-SEGMENT_SLACK = 22 * _MIB
+SEGMENT_SLACK = 22 * MIB
 """Allocator granularity on top of the budget: the pool reserves whole segments (a
 20 MiB large-pool segment or expandable-segment growth step, a 2 MiB small-pool one)."""
 
@@ -63,11 +63,11 @@ def check_budgets(report: MemoryReport, *, tolerance: float = 0.10, slack_bytes:
                 limit = (1 + tolerance) * budget + temporaries + slack_bytes
                 if grown > limit:
                     problems.append(
-                        f"{row.name} (slot {slot}): the pool grew to {grown / _MIB:.1f} MiB by its captures, over the "
-                        f"analytic budget of the regions so far ({limit / _MIB:.1f} MiB = {1 + tolerance:.2f} x "
-                        f"{budget / _MIB:.1f} MiB activations, static buffers and eager turn + {temporaries / _MIB:.1f} MiB "
-                        f"backward temporaries + {slack_bytes / _MIB:.1f} MiB segments) by "
-                        f"{(grown - limit) / _MIB:.1f} MiB"
+                        f"{row.name} (slot {slot}): the pool grew to {grown / MIB:.1f} MiB by its captures, over the "
+                        f"analytic budget of the regions so far ({limit / MIB:.1f} MiB = {1 + tolerance:.2f} x "
+                        f"{budget / MIB:.1f} MiB activations, static buffers and eager turn + {temporaries / MIB:.1f} MiB "
+                        f"backward temporaries + {slack_bytes / MIB:.1f} MiB segments) by "
+                        f"{(grown - limit) / MIB:.1f} MiB"
                     )
                     break  # later regions inherit the excess; name the first
             budgets[chunk] = budget
@@ -77,17 +77,17 @@ def check_budgets(report: MemoryReport, *, tolerance: float = 0.10, slack_bytes:
             if grown > limit:
                 problems.append(
                     f"slot {slot} (model chunks {', '.join(map(str, sorted(runs)))}): the pool grew to "
-                    f"{grown / _MIB:.1f} MiB over its runs, over the largest run's budget ({limit / _MIB:.1f} MiB) "
-                    f"by {(grown - limit) / _MIB:.1f} MiB: a later run did not reuse an earlier one's memory"
+                    f"{grown / MIB:.1f} MiB over its runs, over the largest run's budget ({limit / MIB:.1f} MiB) "
+                    f"by {(grown - limit) / MIB:.1f} MiB: a later run did not reuse an earlier one's memory"
                 )
     for row in report.regions:
         if row.strong_bytes is None:
             continue
         if row.strong_bytes > row.must_keep_bytes:
             problems.append(
-                f"{row.name} (slot {row.slot}): {row.strong_bytes / _MIB:.2f} MiB of static buffers held strongly "
-                f"after capture, {row.must_keep_bytes / _MIB:.2f} MiB allowed (shared wgrads, outputs without a "
-                f"backward, buffers communication keeps): {(row.strong_bytes - row.must_keep_bytes) / _MIB:.2f} MiB too much"
+                f"{row.name} (slot {row.slot}): {row.strong_bytes / MIB:.2f} MiB of static buffers held strongly "
+                f"after capture, {row.must_keep_bytes / MIB:.2f} MiB allowed (shared wgrads, outputs without a "
+                f"backward, buffers communication keeps): {(row.strong_bytes - row.must_keep_bytes) / MIB:.2f} MiB too much"
             )
     if problems:
         raise BudgetExceeded("graph memory over budget:\n  " + "\n  ".join(problems))

@@ -44,7 +44,7 @@ __all__ = [
     "plot_layers",
 ]
 
-_MIB = 2**20
+MIB = 2**20
 
 
 @dataclasses.dataclass
@@ -443,7 +443,7 @@ def graphed_report(
 
 # ---------------------------------------------------------------------- rendering
 def _mib(value) -> str:
-    return "-" if value is None else f"{value / _MIB:.1f}"
+    return "-" if value is None else f"{value / MIB:.1f}"
 
 
 def format_table(report: MemoryReport) -> str:
@@ -494,14 +494,14 @@ def plot_layers(report: MemoryReport, path: str) -> None:
     import matplotlib.pyplot as plt
 
     names = [layer.name.replace("decoder.layers.", "L") for layer in report.layers]
-    eager = [layer.eager_bytes / _MIB for layer in report.layers]
+    eager = [layer.eager_bytes / MIB for layer in report.layers]
     x = range(len(names))
     fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(names) + 2), 4))
     width = 0.4 if report.mode == "graphed" else 0.8
     ax.bar([i - width / 2 if report.mode == "graphed" else i for i in x], eager, width, label="eager (analytic)")
     if report.mode == "graphed":
-        pool = [(layer.graphed_pool_bytes or 0) / _MIB for layer in report.layers]
-        rest = [layer.eager_part_bytes / _MIB for layer in report.layers]
+        pool = [(layer.graphed_pool_bytes or 0) / MIB for layer in report.layers]
+        rest = [layer.eager_part_bytes / MIB for layer in report.layers]
         ax.bar([i + width / 2 for i in x], pool, width, label="graphed: pool growth")
         ax.bar([i + width / 2 for i in x], rest, width, bottom=pool, label="graphed: eager parts (analytic)")
     ax.set_xticks(list(x), names, rotation=90, fontsize=7)
