@@ -41,10 +41,10 @@ time:
   forward graph's output waits in that pool: between forward graphs the pool holds nothing. The
   recording watches every such block and leaves them in the eager cache, with a warning, if one
   leaves a tensor alive. Eager Mamba layers keep their scan's working memory there in the
-  forward, and their backward's in the turns between backward graphs. A forward graph's scratch blocks are captured into that pool
-  too, with one slot (:func:`capture_scratch_into`): its pools hand memory out in replay order,
-  so the slices die before anything captured later uses their memory; in the forward's own pool
-  the last one would stay reserved beside every activation.
+  forward, and their backward's in the turns between backward graphs. A forward graph's scratch
+  blocks are captured into that pool too, with one slot (:func:`capture_scratch_into`): its pools
+  hand memory out in replay order, so the slices die before anything captured later uses their
+  memory; in the forward's own pool the last one would stay reserved beside every activation.
 * The turn after a micro-batch's last backward graph (the embedding's backward, whose weight
   gradient lives until DDP folds it) ends with the backward pass, in autograd's final callback,
   instead of at a next backward graph; the recording judges it there too. Eagerly that gradient
@@ -457,10 +457,9 @@ class TurnHooks:
     eager_turn_allowed = True
     """The trainer's say: False for pipelines (no turn there); for MoE models, whose eager layers
     record per-layer statistics on logging iterations only (the recording iteration's watch could
-    miss them); and wherever a collective could run
-    inside a turn, on NCCL's stream with the turn's routing in force: tensor parallelism, and
-    gradient reduction overlapping the backward with DP > 1. Those stay off until a run on several
-    GPUs checks them."""
+    miss them); and wherever a collective could run inside a turn, on NCCL's stream with the turn's
+    routing in force: tensor parallelism, and gradient reduction overlapping the backward with
+    DP > 1. Those stay off until a run on several GPUs checks them."""
 
     def watch_model_output(self, model: torch.nn.Module) -> None:
         """Marks where ``model``'s forward ends: the turn pauses there until its output's gradient arrives."""
