@@ -50,6 +50,7 @@ __all__ = [
     "begin_allocating_into",
     "end_allocating_into",
     "capture_detour",
+    "capture_detour_possible",
     "device_memory_used",
     "pool_stats_from_segments",
     "format_pool_summary",
@@ -322,8 +323,9 @@ def capture_detour(capturing: GraphPool, pool: GraphPool) -> Iterator[None]:
     The allocator serves the first routing that matches, and the capture's comes first, so the
     capture's routing is taken off for the block and put back after it. Put back, it matches
     this thread rather than the capture's streams: the same allocations while a forward captures
-    (one thread), so use this only there. The pool counts one user more for the routing put
-    back, which the capture's end does not remove: released here."""
+    (one thread), so use this only there, and only where :func:`capture_detour_possible`. The
+    pool counts one user more for the routing put back, which the capture's end does not remove:
+    released here."""
     device = capturing.device
     _private_api("_cuda_endAllocateToPool")(device, capturing.handle)
     try:
@@ -332,6 +334,14 @@ def capture_detour(capturing: GraphPool, pool: GraphPool) -> Iterator[None]:
     finally:
         _private_api("_cuda_beginAllocateCurrentThreadToPool")(device, capturing.handle)
         _private_api("_cuda_releasePool")(device, capturing.handle)
+
+
+def capture_detour_possible() -> bool:
+    """Whether :func:`capture_detour` may run: not with the allocator's
+    ``graph_capture_record_stream_reuse`` on, whose end of a pool's routing expects the capture
+    to be over (an internal assertion)."""
+    conf = ",".join(os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    return "graph_capture_record_stream_reuse:true" not in conf.replace(" ", "").lower()
 
 
 def device_memory_used(empty_cache: bool = False, device: None | int | str | torch.device = None) -> int:

@@ -66,7 +66,7 @@ from megatron.core.transformer.cuda_graphs.plan import (
     run_cycle,
     slot_runs,
 )
-from megatron.core.transformer.cuda_graphs.pool import format_pool_summary
+from megatron.core.transformer.cuda_graphs.pool import capture_detour_possible, format_pool_summary
 from megatron.core.transformer.cuda_graphs.recorder import Recorder
 from megatron.core.transformer.cuda_graphs.region import GraphedRegion, arg_metadata
 from megatron.core.transformer.cuda_graphs.replay import GraphReplay, RecordBackward
@@ -473,7 +473,13 @@ class GraphSession(PipelineHooks, TurnHooks):
         self.forwards_in_backward_pool = next_to_backward if share else frozenset()
         # One slot: its pools hand out memory in replay order, so a forward graph's scratch may use
         # the backward pool's (turn.capture_scratch_into), once the recording saw every block die inside.
-        self.scratch_captured = share and len(self.cycles) == 1 and self._scratch_seen and not self._scratch_escaped
+        self.scratch_captured = (
+            share
+            and len(self.cycles) == 1
+            and self._scratch_seen
+            and not self._scratch_escaped
+            and capture_detour_possible()
+        )
         self.pools, self.backward_pool, self.buffers = capture_lib.capture_all(
             self.regions,
             self.cycles,

@@ -65,6 +65,24 @@ def test_format_pool_summary():
     )
 
 
+@pytest.mark.parametrize(
+    "env, possible",
+    [
+        ({}, True),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True, graph_capture_record_stream_reuse:True"}, False),
+        ({"PYTORCH_ALLOC_CONF": "graph_capture_record_stream_reuse:true"}, False),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "graph_capture_record_stream_reuse:False"}, True),
+    ],
+)
+def test_capture_detour_is_off_where_ending_a_routing_expects_the_capture_over(env, possible, monkeypatch):
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert mempool.capture_detour_possible() is possible
+
+
 def test_graph_pool_without_cuda_raises(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
