@@ -129,7 +129,7 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation, RunCheckpoi
         overlapped = self.model.config.overlap_grad_reduce and pg.dp_size > 1
         alone = pg.pp_size == 1 and pg.tp_size == 1 and not overlapped  # no collective inside a turn
         # Eager Mamba layers keep their scan's forward working memory in the turns' pool too
-        # (turn.scratch), so their forward no longer sets the eager cache's high-water mark.
+        # (cuda_graphs/scratch.py), so their forward no longer sets the eager cache's high-water mark.
         self.graphs.eager_turn_allowed = not self.has_moe and alone
         if self.graphs.active and self.graphs.eager_turn_allowed and cuda_graphs.eager_turn_enabled():
             self.model.fold_grads_on_arrival()  # the graphs' eager turn leaves no param.grad waiting

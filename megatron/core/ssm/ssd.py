@@ -34,7 +34,7 @@ from einops import rearrange
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from megatron.core.transformer.cuda_graphs.turn import scratch
+from megatron.core.transformer.cuda_graphs.scratch import scratch
 from megatron.core.transformer.recompute import capturing
 
 

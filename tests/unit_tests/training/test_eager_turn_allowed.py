@@ -1,7 +1,7 @@
 """Where the trainer lets the CUDA graphs' eager turns open (``GraphSession.eager_turn_allowed``):
 not where a collective could run inside a turn (tensor parallelism; gradient reduction that
 overlaps the backward with DP > 1), nor in pipelines or MoE models; in models with Mamba layers they
-do (their scan's forward working memory turns too: turn.scratch). Two gloo ranks on the CPU."""
+do (their scan's forward working memory turns too: cuda_graphs/scratch.py). Two gloo ranks on the CPU."""
 
 import pytest
 

@@ -34,8 +34,9 @@ import torch
 from megatron.core.transformer.cuda_graphs.plan import FWD, Event, Plan, in_backward_pool
 from megatron.core.transformer.cuda_graphs.pool import GraphPool, allocate_into_pool
 from megatron.core.transformer.cuda_graphs.region import GraphedRegion, TensorMeta, ValueArg
+from megatron.core.transformer.cuda_graphs.scratch import capture_scratch_into
 from megatron.core.transformer.cuda_graphs.streams import side_stream
-from megatron.core.transformer.cuda_graphs.turn import capture_scratch_into, shape_pool
+from megatron.core.transformer.cuda_graphs.turn import shape_pool
 from megatron.core.transformer.cuda_graphs.weak import make_weak_ref
 
 Buffers = dict[Any, torch.Tensor | None]
@@ -80,7 +81,7 @@ def capture_all(
     eager turn's allocations (``turn.shape_pool``), made and freed in the backward pool
     before the first backward graph when the training runs on the capture stream.
     ``scratch_to_backward``: forwards captured into a slot's pool put their scratch blocks
-    (``turn.scratch``) in the shared backward pool (``turn.capture_scratch_into``)."""
+    (``scratch.scratch``) in the shared backward pool (``scratch.capture_scratch_into``)."""
     fwd_order = [regions[r] for r in warmup_order(cycles)]
     pools: dict[int, GraphPool] = {}
     all_buffers: dict[int, Buffers] = {}

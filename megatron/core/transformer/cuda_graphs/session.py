@@ -66,11 +66,12 @@ from megatron.core.transformer.cuda_graphs.plan import (
     run_cycle,
     slot_runs,
 )
-from megatron.core.transformer.cuda_graphs.pool import capture_detour_possible, format_pool_summary
+from megatron.core.transformer.cuda_graphs.pool import format_pool_summary
 from megatron.core.transformer.cuda_graphs.recorder import Recorder
 from megatron.core.transformer.cuda_graphs.region import GraphedRegion, arg_metadata
 from megatron.core.transformer.cuda_graphs.replay import GraphReplay, RecordBackward
-from megatron.core.transformer.cuda_graphs.turn import TurnHooks, TurnRouter, enabled, own_scratch
+from megatron.core.transformer.cuda_graphs.scratch import ScratchHooks, own_scratch
+from megatron.core.transformer.cuda_graphs.turn import TurnHooks, TurnRouter, enabled
 from megatron.core.transformer.cuda_graphs.weak import is_weak_ref
 
 NEXT_EVENT = "next event"
@@ -118,7 +119,7 @@ class RoutedMethod:
         return types.MethodType(self.func, copy)  # the copy runs its own weights, eagerly
 
 
-class GraphSession(PipelineHooks, TurnHooks):
+class GraphSession(PipelineHooks, TurnHooks, ScratchHooks):
     """Owns the regions, the pools, the recorded order, the replay cursor and teardown.
 
     Args:
@@ -153,7 +154,6 @@ class GraphSession(PipelineHooks, TurnHooks):
         self.pools: dict = {}  # slot -> GraphPool
         self.backward_pool = None  # the GraphPool every slot's backward graphs share, if they do
         self.forwards_in_backward_pool: frozenset[int] = frozenset()  # regions whose forwards join it
-        self.scratch_captured = False  # forward graphs' scratch blocks captured into the backward pool
         self.buffers: dict[int, dict] = {}
         self.cursor = 0
         self.slot = 0
@@ -219,6 +219,7 @@ class GraphSession(PipelineHooks, TurnHooks):
                 del region.module.__dict__[region.method_name]
             region.slots.clear()
         self._close_turn()
+        self._close_scratch()
         self.buffers.clear()
         self._poison.clear()
         self._ready.clear()
@@ -471,15 +472,6 @@ class GraphSession(PipelineHooks, TurnHooks):
             if turns.first is not None:  # the first turn's work would overwrite those forwards' outputs
                 next_to_backward = frozenset()
         self.forwards_in_backward_pool = next_to_backward if share else frozenset()
-        # One slot: its pools hand out memory in replay order, so a forward graph's scratch may use
-        # the backward pool's (turn.capture_scratch_into), once the recording saw every block die inside.
-        self.scratch_captured = (
-            share
-            and len(self.cycles) == 1
-            and self._scratch_seen
-            and not self._scratch_escaped
-            and capture_detour_possible()
-        )
         self.pools, self.backward_pool, self.buffers = capture_lib.capture_all(
             self.regions,
             self.cycles,
@@ -489,7 +481,7 @@ class GraphSession(PipelineHooks, TurnHooks):
             forwards_in_backward_pool=self.forwards_in_backward_pool,
             keep=turns.keep if turns is not None else frozenset(),
             turn_pattern=turns.pattern if turns is not None else None,
-            scratch_to_backward=self.scratch_captured,
+            scratch_to_backward=self._capture_scratch(share, len(self.cycles)),
         )
         if turns is not None:
             self._turn = TurnRouter(self.backward_pool, turns.first[0] if turns.first else None, turns.after_backward)

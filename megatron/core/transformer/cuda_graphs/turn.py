@@ -36,15 +36,8 @@ time:
   dgrad handed from one backward graph to the next). Each such turn is judged alone: one that fails
   stays closed, the others open. A gradient an eager turn hands to a graph that
   overlaps the graph's static input is copied into it through a clone.
-* A forward's scratch memory (:func:`scratch`: a block whose allocations all die inside it, as
-  the Mamba scan's slices) allocates in the backward pool too, wherever the turns open and no
-  forward graph's output waits in that pool: between forward graphs the pool holds nothing. The
-  recording watches every such block and leaves them in the eager cache, with a warning, if one
-  leaves a tensor alive. Eager Mamba layers keep their scan's working memory there in the
-  forward, and their backward's in the turns between backward graphs. A forward graph's scratch
-  blocks are captured into that pool too, with one slot (:func:`capture_scratch_into`): its pools
-  hand memory out in replay order, so the slices die before anything captured later uses their
-  memory; in the forward's own pool the last one would stay reserved beside every activation.
+* A forward's scratch blocks (``scratch.py``: working memory that dies inside its block, as the
+  Mamba scan's slices) allocate in the backward pool too, where the turns open.
 * The turn after a micro-batch's last backward graph (the embedding's backward, whose weight
   gradient lives until DDP folds it) ends with the backward pass, in autograd's final callback,
   instead of at a next backward graph; the recording judges it there too. Eagerly that gradient
@@ -82,7 +75,6 @@ from megatron.core.transformer.cuda_graphs.pool import (
     GraphPool,
     allocate_into_pool,
     begin_allocating_into,
-    capture_detour,
     end_allocating_into,
 )
 
@@ -131,53 +123,6 @@ def outside_turn():
         _here.outside -= 1
         if paused:
             router.open()
-
-
-_scratch_owner = None  # a weak reference to the session whose scratch blocks route (or are watched)
-
-
-def own_scratch(session) -> None:
-    """``session``'s turns take the scratch blocks from now on (the last session attached on CUDA)."""
-    global _scratch_owner
-    _scratch_owner = weakref.ref(session)
-
-
-def disown_scratch(session) -> None:
-    global _scratch_owner
-    if _scratch_owner is not None and _scratch_owner() is session:
-        _scratch_owner = None
-
-
-@contextlib.contextmanager
-def scratch():
-    """A block of a forward whose allocations all die inside it (working memory; its results are
-    written into tensors made before it). With a graph session whose turns open, it allocates in the
-    backward graphs' pool, idle during a forward (module docstring); so does a forward graph's, captured
-    under :func:`capture_scratch_into`. Otherwise it changes nothing."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        pools = getattr(_here, "capture_scratch", None)
-        with capture_detour(*pools) if pools is not None else contextlib.nullcontext():
-            yield
-        return
-    owner = _scratch_owner() if _scratch_owner is not None else None
-    if owner is None:
-        yield
-        return
-    with owner._scratch_block():
-        yield
-
-
-@contextlib.contextmanager
-def capture_scratch_into(capturing: GraphPool, pool: GraphPool):
-    """While a forward graph captures into ``capturing``: the :func:`scratch` blocks it runs allocate
-    in ``pool`` (the backward graphs'). Safe where the pool's memory is handed out in execution
-    order (one slot: capture order is replay order) and the recording saw every scratch block die
-    inside it: the graph's working memory is then dead before anything captured later uses it."""
-    _here.capture_scratch = (capturing, pool)
-    try:
-        yield
-    finally:
-        _here.capture_scratch = None
 
 
 MIN_TURN_BYTES = 16 * 2**20
@@ -450,9 +395,6 @@ class TurnHooks:
     _turn: TurnRouter | None = None
     _output_hook = None
     _pass_end_queued = False  # a callback for the end of the backward pass in progress is queued
-    _scratch_seen = False  # recording: a scratch block ran
-    _scratch_escaped: list[str] | None = None  # recording: what the first leaky scratch block left alive
-    _scratch_open = False  # after capture: scratch blocks allocate in the backward pool
     captures_next = False  # recording on CUDA, to capture after (not a CPU recording for tests)
     eager_turn_allowed = True
     """The trainer's say: False for pipelines (no turn there); for MoE models, whose eager layers
@@ -601,47 +543,7 @@ class TurnHooks:
         positions = {plan.position(e.phase, e.region) for e in events}
         return frozenset(p for p in positions if not gap_holds_data(plan, p, in_pool))
 
-    @contextlib.contextmanager
-    def _scratch_block(self):
-        """:func:`scratch` for this session: watched while recording before a capture; after it,
-        routed into the backward pool if the scratch opened and no turn routes a thread now."""
-        if self.recording and self.captures_next:
-            watch = TurnWatch("cuda")
-            with watch:
-                watch.start()
-                yield
-            self._scratch_seen = True
-            if watch.alive and self._scratch_escaped is None:
-                self._scratch_escaped = [what for what, _ in watch.alive.values()]
-            return
-        router = self._turn
-        if not self._scratch_open or router is None or router._thread is not None:
-            yield
-            return
-        router.open()
-        try:
-            yield
-        finally:
-            router.close()
-
-    def _open_scratch(self) -> None:
-        """After capture: scratch blocks route where the turns do, if every one the recording saw left
-        nothing alive and no forward graph's output waits in the backward pool over a forward."""
-        self._scratch_open = False
-        if self._turn is None or not self._scratch_seen or self.forwards_in_backward_pool:
-            return
-        if self._scratch_escaped:
-            warnings.warn(
-                "CUDA graphs: a scratch block of the forward left tensors alive "
-                f"({'; '.join(dict.fromkeys(self._scratch_escaped))}), so scratch blocks stay in the eager cache.",
-                stacklevel=5,
-            )
-            return
-        self._scratch_open = True
-
     def _close_turn(self) -> None:
-        disown_scratch(self)
-        self._scratch_open = False
         if self._turn is not None:
             self._turn.close()
         self._turn = None

@@ -12,7 +12,7 @@ import torch
 
 from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron.core.parallel_state import ProcessGroups
-from megatron.core.transformer.cuda_graphs import turn
+from megatron.core.transformer.cuda_graphs import scratch, turn
 from megatron.core.transformer.cuda_graphs.plan import BWD, FWD, Event
 from megatron.core.transformer.cuda_graphs.turn import TurnHooks, TurnWatch
 from megatron.training.config import DDPConfig
@@ -417,71 +417,6 @@ def test_the_turn_after_the_last_backward_graph_closes_when_the_backward_pass_en
     assert session._turn.closes == 5 and not session._pass_end_queued
 
 
-class ScratchSession(TurnHooks):
-    """A session recording before a capture, as far as :func:`turn.scratch` asks."""
-
-    recording = True
-    captures_next = True
-    forwards_in_backward_pool = frozenset()
-
-
-@pytest.fixture
-def scratch_session(monkeypatch):
-    monkeypatch.setattr(turn, "TurnWatch", CpuWatch)
-    session = ScratchSession()
-    turn.own_scratch(session)
-    yield session
-    turn.disown_scratch(session)
-
-
-def test_scratch_changes_nothing_without_a_session():
-    x = torch.randn(8, 8)
-    with turn.scratch():
-        y = (x * 2).sum()
-    assert y.ndim == 0
-
-
-def test_scratch_that_leaves_a_tensor_alive_stays_in_the_eager_cache(scratch_session):
-    x = torch.randn(8, 8)
-    with turn.scratch():
-        gone = x * 2  # dies inside: working memory
-        kept = gone + 1  # alive after the block: not scratch
-        del gone
-    scratch_session._turn = object()  # the capture opened turns
-    with pytest.warns(UserWarning, match="scratch block of the forward left tensors alive .*aten.add"):
-        scratch_session._open_scratch()
-    assert not scratch_session._scratch_open and kept.shape == x.shape
-
-
-def test_scratch_opens_where_the_turns_do_and_no_forward_output_waits_in_the_pool(scratch_session):
-    x = torch.randn(8, 8)
-    out = torch.empty(8, 8)
-    with turn.scratch():
-        out[:] = (x * 2).exp()  # the result goes into a tensor made before the block
-    assert scratch_session._scratch_seen and scratch_session._scratch_escaped is None
-    scratch_session._open_scratch()
-    assert not scratch_session._scratch_open  # no turns: nowhere to route
-    scratch_session._turn = object()
-    scratch_session.forwards_in_backward_pool = frozenset({3})
-    scratch_session._open_scratch()
-    assert not scratch_session._scratch_open  # a forward graph's output waits in the backward pool
-    scratch_session.forwards_in_backward_pool = frozenset()
-    scratch_session._open_scratch()
-    assert scratch_session._scratch_open
-
-
-def test_the_mamba_scan_forward_scratch_leaves_nothing_alive(scratch_session, monkeypatch):
-    """GroupSlicedScan's slices, each in a scratch block: the results land in the output made before."""
-    from megatron.core.ssm import ssd
-    from tests.unit_tests.ssm.test_ssd import inputs
-
-    monkeypatch.setattr(ssd, "EAGER_SLICE_BYTES", 1)  # one group per slice: several blocks
-    x, dt, A, B, C, D = (t.requires_grad_() for t in inputs(2, 37, 4, 8, 2, 16))
-    y = ssd.ssd_chunked_scan(x, dt, A, B, C, 8, D=D)
-    assert type(y.grad_fn).__name__ == "GroupSlicedScanBackward"
-    assert scratch_session._scratch_seen and scratch_session._scratch_escaped is None
-
-
 @pytest.mark.parametrize("scope", [["attn"], ["mlp"]], ids=["attn", "mlp"])
 def test_a_hybrid_recording_opens_its_turns_and_its_scratch(scope, monkeypatch):
     """M*M-M*M- recorded on the CPU, the watch driven by the session (as before a capture), two
@@ -507,7 +442,7 @@ def test_a_hybrid_recording_opens_its_turns_and_its_scratch(scope, monkeypatch):
     ddp.fold_grads_on_arrival()
     config = CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=scope)
     session = cuda_graphs.attach(model, config, grad_sinks=[ddp], record_without_cuda=True)
-    turn.own_scratch(session)
+    scratch.own_scratch(session)
     try:
         tokens = torch.randint(0, 64, (2, 16))
         for _ in range(2):
@@ -524,5 +459,5 @@ def test_a_hybrid_recording_opens_its_turns_and_its_scratch(scope, monkeypatch):
         last = max(plan.position(BWD, r.index) for r in session.regions)
         assert turns.after_backward == {last - 1, last}  # after the second layer's graph, and the tail
     finally:
-        turn.disown_scratch(session)
+        scratch.disown_scratch(session)
         session.close()
