@@ -184,8 +184,8 @@ graph keeps its transients reserved in the graph pool, so its slices are smaller
 replaying costs no host time per slice, but small slices keep the GPU less busy. The budget is the
 smallest that keeps a graphed step about as fast as an eager one (the README's hybrid measurements).
 An eager scan inside an eager turn keeps the eager budget, though its transients then stay reserved in
-the backward pool: this budget there made a hybrid ``attn`` step 1.3-1.4 x as long (the README's
-hybrid measurements)."""
+the backward pool: this budget there doubles the eager scan's kernel launches, which set its time (the
+README's hybrid measurements)."""
 EAGER_SLICE_BYTES = 256 * 2**20
 """The same budget when the scan runs eagerly. The host launches some 250 kernels per slice, and
 eagerly that launching is the scan's time, while the transient of one layer's backward comes and

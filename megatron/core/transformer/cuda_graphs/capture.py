@@ -132,7 +132,7 @@ def capture_all(
                 forwards_in_backward_pool,
                 keep,
                 turn_pattern if shared_stream else None,
-                scratch_to_backward and backward_pool is not None,
+                scratch_to_backward,
             )
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()

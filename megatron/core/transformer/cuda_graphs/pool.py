@@ -332,7 +332,7 @@ def capture_detour(capturing: GraphPool, pool: GraphPool) -> Iterator[None]:
         with allocate_into_pool(pool):
             yield
     finally:
-        _private_api("_cuda_beginAllocateCurrentThreadToPool")(device, capturing.handle)
+        begin_allocating_into(capturing)
         _private_api("_cuda_releasePool")(device, capturing.handle)
 
 

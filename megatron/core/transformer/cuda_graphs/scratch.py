@@ -24,10 +24,9 @@ import threading
 import warnings
 import weakref
 
-import torch
-
 from megatron.core.transformer.cuda_graphs.pool import GraphPool, capture_detour, capture_detour_possible
 from megatron.core.transformer.cuda_graphs.turn import TurnWatch
+from megatron.core.transformer.recompute import capturing
 
 _here = threading.local()  # per thread: the pools of the forward capture in progress (capture_scratch_into)
 
@@ -52,7 +51,7 @@ def scratch():
     written into tensors made before it). With a graph session whose turns open, it allocates in the
     backward graphs' pool, idle during a forward (module docstring); so does a forward graph's,
     captured under :func:`capture_scratch_into`. Otherwise it changes nothing."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if capturing():
         pools = getattr(_here, "capture_scratch", None)
         with capture_detour(*pools) if pools is not None else contextlib.nullcontext():
             yield
