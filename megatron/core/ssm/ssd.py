@@ -34,6 +34,7 @@ from einops import rearrange
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from megatron.core.transformer.cuda_graphs.recorder import in_recorded_region
 from megatron.core.transformer.cuda_graphs.scratch import scratch
 from megatron.core.transformer.recompute import capturing
 
@@ -183,9 +184,10 @@ backward while a CUDA graph captures it: as many groups go into one slice as fit
 graph keeps its transients reserved in the graph pool, so its slices are smaller than eager ones;
 replaying costs no host time per slice, but small slices keep the GPU less busy. The budget is the
 smallest that keeps a graphed step about as fast as an eager one (the README's hybrid measurements).
-An eager scan inside an eager turn keeps the eager budget, though its transients then stay reserved in
-the backward pool: this budget there doubles the eager scan's kernel launches, which set its time (the
-README's hybrid measurements)."""
+The recording iteration runs a region it captures next at this budget too: it is an eager iteration,
+and its peak counts as the graphed run's. An eager scan inside an eager turn keeps the eager budget,
+though its transients then stay reserved in the backward pool: this budget there doubles the eager
+scan's kernel launches, which set its time (the README's hybrid measurements)."""
 EAGER_SLICE_BYTES = 256 * 2**20
 """The same budget when the scan runs eagerly. The host launches some 250 kernels per slice, and
 eagerly that launching is the scan's time, while the transient of one layer's backward comes and
@@ -198,7 +200,9 @@ times the budget."""
 
 
 def _slice_budget() -> int:
-    return SLICE_BYTES if capturing() else EAGER_SLICE_BYTES
+    """A captured scan's budget, also where the recording iteration runs a region it captures next
+    (its eager peak counts as the graphed run's); an eager scan's elsewhere."""
+    return SLICE_BYTES if capturing() or in_recorded_region() else EAGER_SLICE_BYTES
 
 
 def _group_slices(x: torch.Tensor, B: torch.Tensor, chunk_size: int, budget: int) -> list[tuple[slice, slice]]:
@@ -227,9 +231,10 @@ class GroupSlicedScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, chunk_size, state_dtype):
         ctx.chunk_size, ctx.state_dtype = chunk_size, state_dtype
+        ctx.budget = _slice_budget()  # backward slices as forward chose (it may run elsewhere: autograd's thread)
         ctx.save_for_backward(x, dt, A, B, C, D)
         y = torch.empty_like(x)
-        for heads, groups in _group_slices(x, B, chunk_size, FORWARD_SLICES * _slice_budget()):
+        for heads, groups in _group_slices(x, B, chunk_size, FORWARD_SLICES * ctx.budget):
             pieces = _slice((x, dt, A, B, C, D), heads, groups)
             with scratch():  # the slice's working memory dies here; its result goes into y
                 y[:, :, heads] = _chunked_scan(*pieces[:5], chunk_size, D=pieces[5], state_dtype=state_dtype)
@@ -237,7 +242,9 @@ class GroupSlicedScan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        grads = _sliced_backward(ctx.saved_tensors, ctx.needs_input_grad[:6], dy, ctx.chunk_size, ctx.state_dtype)
+        grads = _sliced_backward(
+            ctx.saved_tensors, ctx.needs_input_grad[:6], dy, ctx.chunk_size, ctx.state_dtype, ctx.budget
+        )
         return (*grads, None, None)
 
 

@@ -196,6 +196,28 @@ def test_slicing_changes_no_bit(monkeypatch):
             assert torch.equal(got, want), (budget, name)
 
 
+def test_a_scan_recorded_for_capture_slices_as_the_graph_will_in_forward_and_backward(monkeypatch):
+    """The recording iteration runs a region it captures next eagerly, and its peak counts as the
+    graphed run's: a scan there takes the captured budget, and so does its backward, which autograd
+    runs outside the region (the budget goes with the scan's saved state)."""
+    from megatron.core.transformer.cuda_graphs.recorder import in_recorded_region, recording_region
+
+    budgets = []
+    real = ssd._group_slices
+    monkeypatch.setattr(ssd, "_group_slices", lambda x, B, q, budget: budgets.append(budget) or real(x, B, q, budget))
+    x, dt, A, B, C, D = (t.requires_grad_() for t in inputs(2, 40, 4, 8, 2, 16))
+    y = ssd_chunked_scan(x, dt, A, B, C, 8, D=D)
+    y.sum().backward()
+    assert budgets == [ssd.FORWARD_SLICES * ssd.EAGER_SLICE_BYTES, ssd.EAGER_SLICE_BYTES]
+    budgets.clear()
+    with recording_region():
+        assert in_recorded_region()
+        y = ssd_chunked_scan(x, dt, A, B, C, 8, D=D)
+    assert not in_recorded_region()
+    y.sum().backward()
+    assert budgets == [ssd.FORWARD_SLICES * ssd.SLICE_BYTES, ssd.SLICE_BYTES]
+
+
 def test_scan_without_gradient_or_with_states_runs_the_plain_scan():
     x, dt, A, B, C, D = inputs(1, 20, 4, 4, 2, 4)
     with torch.no_grad():

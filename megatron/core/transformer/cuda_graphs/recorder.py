@@ -11,11 +11,32 @@ region is a tensor of its own here: slots have separate pools.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
 
 import torch
 
 from megatron.core.transformer.cuda_graphs.plan import OWN, Event, Source
+
+_here = threading.local()
+
+
+@contextlib.contextmanager
+def recording_region():
+    """This thread runs a graphed region's forward eagerly, in the recording iteration, to capture it next."""
+    _here.depth = getattr(_here, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _here.depth -= 1
+
+
+def in_recorded_region() -> bool:
+    """Whether this thread runs a graphed region's forward in the recording iteration. Code that
+    chooses how much working memory to use (the Mamba scan's slices) makes the capture's choice
+    there: the recording is an eager iteration whose peak counts as the run's too."""
+    return getattr(_here, "depth", 0) > 0
 
 
 class Recorder:

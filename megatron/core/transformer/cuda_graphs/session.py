@@ -67,7 +67,7 @@ from megatron.core.transformer.cuda_graphs.plan import (
     slot_runs,
 )
 from megatron.core.transformer.cuda_graphs.pool import format_pool_summary
-from megatron.core.transformer.cuda_graphs.recorder import Recorder
+from megatron.core.transformer.cuda_graphs.recorder import Recorder, recording_region
 from megatron.core.transformer.cuda_graphs.region import GraphedRegion, arg_metadata
 from megatron.core.transformer.cuda_graphs.replay import GraphReplay, RecordBackward
 from megatron.core.transformer.cuda_graphs.scratch import ScratchHooks, own_scratch
@@ -335,7 +335,8 @@ class GraphSession(PipelineHooks, TurnHooks, ScratchHooks):
                 f"{region.name} ran in model chunk {self.chunk} after running in chunk {chunk}; a region belongs to "
                 "one model chunk"
             )
-        outs = region.note_call(args, region.fn(*args))
+        with recording_region():
+            outs = region.note_call(args, region.fn(*args))
         self.recorder.event(Event(FWD, region.index, slot))
         self._watch_forward_done(Event(BWD, region.index, slot), args if region.has_backward else ())
         if region.has_backward:

@@ -417,6 +417,35 @@ def test_the_turn_after_the_last_backward_graph_closes_when_the_backward_pass_en
     assert session._turn.closes == 5 and not session._pass_end_queued
 
 
+@pytest.mark.parametrize("scope", [["mamba"], ["attn"]], ids=["mamba", "attn"])
+def test_the_recording_slices_a_scan_as_its_graph_will(scope, monkeypatch):
+    """Recorded on the CPU: the Mamba layers' scans take the captured slice budget where they are graph
+    regions (the recording's peak counts as the graphed run's), the eager one where they stay eager."""
+    from megatron.core.models.gpt.loss import masked_mean_loss
+    from megatron.core.models.hybrid.hybrid_model import build_hybrid_model
+    from megatron.core.ssm import ssd
+    from megatron.core.transformer import cuda_graphs
+    from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
+    from tests.unit_tests.models.hybrid.test_hybrid_model import configs
+
+    budgets = []
+    real = ssd._group_slices
+    monkeypatch.setattr(ssd, "_group_slices", lambda x, B, q, budget: budgets.append(budget) or real(x, B, q, budget))
+    cfg, mc = configs("M*M-", position_embedding_type="none", normalization="RMSNorm")
+    torch.manual_seed(0)
+    model = build_hybrid_model(cfg, mc, 64, device="cpu")
+    config = CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=scope)
+    session = cuda_graphs.attach(model, config, record_without_cuda=True)
+    try:
+        tokens = torch.randint(0, 64, (2, 16))
+        loss, _ = masked_mean_loss(model(tokens, None, tokens), torch.ones(2, 16))
+        loss.backward()
+    finally:
+        session.close()
+    budget = ssd.SLICE_BYTES if scope == ["mamba"] else ssd.EAGER_SLICE_BYTES
+    assert budgets == [ssd.FORWARD_SLICES * budget] * 2 + [budget] * 2  # two layers' forwards, then backwards
+
+
 @pytest.mark.parametrize("scope", [["attn"], ["mlp"]], ids=["attn", "mlp"])
 def test_a_hybrid_recording_opens_its_turns_and_its_scratch(scope, monkeypatch):
     """M*M-M*M- recorded on the CPU, the watch driven by the session (as before a capture), two
