@@ -366,6 +366,15 @@ def _baseline(r, by_mode):
     return by_mode.get((r["config"], r.get("baseline_mode", "eager")))
 
 
+def _against(r, e, key, width, percent=False) -> str:
+    """``r[key]`` against the eager row's, ``width`` wide: a ratio, or a change in percent; "-" without an eager row."""
+    if e is None:
+        return f"{'-':>{width}}"
+    if percent:
+        return f"{100 * (r[key] - e[key]) / e[key]:+{width - 1}.2f}%"
+    return f"{r[key] / e[key]:{width}.3f}"
+
+
 def table(results):
     rows = []
     by_mode = {(r["config"], r["mode"]): r for r in results}
@@ -385,11 +394,11 @@ def table(results):
         capture = g.get("capture_seconds")
         rows.append(
             f"{r['config']:9} {r['mode']:{width}} {r['ms_per_iter']:7.2f} "
-            f"{(r['ms_per_iter'] / e['ms_per_iter']) if e else float('nan'):7.3f} "
+            f"{_against(r, e, 'ms_per_iter', 7)} "
             f"{r.get('pipelined_ms_per_iter', float('nan')):7.2f} {r['tflops_per_gpu']:7.1f} "
             f"{r['peak_device_bytes'] / 2**30:8.3f} "
-            f"{(100 * (r['peak_device_bytes'] - e['peak_device_bytes']) / e['peak_device_bytes']) if e else float('nan'):+11.2f}% "
-            f"{(100 * (r['steady_peak_device_bytes'] - e['steady_peak_device_bytes']) / e['steady_peak_device_bytes']) if e else float('nan'):+9.2f}% "
+            f"{_against(r, e, 'peak_device_bytes', 12, percent=True)} "
+            f"{_against(r, e, 'steady_peak_device_bytes', 10, percent=True)} "
             f"{g.get('pool_reserved_bytes', 0) / 2**20:8.1f} {g.get('strong_bytes', 0) / 2**20:8.1f} "
             f"{g.get('graphs', 0):6d} {'-' if mfu is None else f'{100 * mfu:5.1f}%':>6} "
             f"{'-' if capture is None else f'{capture:.2f}':>9} {same:>11}"

@@ -37,6 +37,12 @@ def test_table_ratios_lean_and_footnote():
     assert lines[-1].startswith("loss==eager: bit for bit only")
 
 
+def test_rows_without_an_eager_run_show_dashes_not_nan():
+    line = graph_bench.table([_row("local:mlp", 16.2, 15.1, 4.4, [1.0])]).splitlines()[2]
+    assert "nan" not in line
+    assert line.split()[2:5] == ["16.20", "-", "15.10"] and line.split()[7:9] == ["-", "-"]
+
+
 def test_repeat_runs_round_robin_and_merges_medians(tmp_path, monkeypatch, capsys):
     order = []
     ms = {"eager": iter([17.0, 15.0, 16.0]), "lean": iter([13.0, 12.0, 14.0])}
