@@ -19,7 +19,8 @@ static gradient buffers go into one backward pool instead, and each dgrad the pl
 keeps past the backward run (``Plan.persistent``: a send reads it later) is copied, by
 the backward graph itself, into a buffer of the slot's own pool. Forwards of
 ``forwards_in_backward_pool`` (``plan.forwards_next_to_backward``) are captured into the
-backward pool too; their static inputs stay in the slot's pool.
+backward pool too; their static inputs stay in the slot's pool. With several slots sharing it,
+the other forwards' transients go there as well (``transients.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from megatron.core.transformer.cuda_graphs import transients
 from megatron.core.transformer.cuda_graphs.plan import FWD, Event, Plan, in_backward_pool
 from megatron.core.transformer.cuda_graphs.pool import GraphPool, allocate_into_pool
 from megatron.core.transformer.cuda_graphs.region import GraphedRegion, TensorMeta, ValueArg
@@ -72,6 +74,7 @@ def capture_all(
     keep: frozenset = frozenset(),
     turn_pattern: list[int] | None = None,
     scratch_to_backward: bool = False,
+    forward_transients: bool = False,
 ) -> tuple[dict[int, GraphPool], GraphPool | None, dict[int, Buffers]]:
     """Captures every slot's cycle; returns each slot's pool, the shared backward pool
     (None unless ``share_backward``) and each slot's static buffers. Regions in
@@ -81,8 +84,11 @@ def capture_all(
     eager turn's allocations (``turn.shape_pool``), made and freed in the backward pool
     before the first backward graph when the training runs on the capture stream.
     ``scratch_to_backward``: forwards captured into a slot's pool put their scratch blocks
-    (``scratch.scratch``) in the shared backward pool (``scratch.capture_scratch_into``)."""
+    (``scratch.scratch``) in the shared backward pool (``scratch.capture_scratch_into``).
+    ``forward_transients``: forwards captured into a slot's pool put their transients in the shared
+    backward pool (``transients.py``; each region's op log is taken after its warm-up)."""
     fwd_order = [regions[r] for r in warmup_order(cycles)]
+    logs: dict[int, list[transients.OpRecord]] = {}  # region -> the op log its forward capture follows
     pools: dict[int, GraphPool] = {}
     all_buffers: dict[int, Buffers] = {}
     # Capture where the training runs, unless that is the default stream (which cannot
@@ -113,6 +119,8 @@ def capture_all(
                 args = region.sample_args(sample_tensor)
                 region.discover_params(args)
                 region.warmup(args, max(warmup_steps - 1, 0))
+                if forward_transients and share_backward:
+                    logs[region.index] = transients.log_forward(region.fn, region.sample_args(sample_tensor))
                 del args
         torch.cuda.synchronize()
         # Hand the eager cache (iteration 1's activations, warm-up temporaries) back to
@@ -133,6 +141,7 @@ def capture_all(
                 keep,
                 turn_pattern if shared_stream else None,
                 scratch_to_backward,
+                logs,
             )
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
@@ -160,12 +169,14 @@ def _capture_slot(
     keep: frozenset = frozenset(),
     turn_pattern: list[int] | None = None,
     scratch_to_backward: bool = False,
+    transient_logs: dict[int, list[transients.OpRecord]] | None = None,
 ) -> Buffers:
     """Captures one slot's cycle: forwards into ``pool``, backwards into ``backward_pool``
     (the same pool unless the slots share one for their backward graphs), and so are the
     forwards of ``forwards_in_backward_pool``. ``turn_pattern`` shapes the backward pool
     once the first backward graph's static inputs are there. ``scratch_to_backward``: the
-    scratch blocks of forwards captured into ``pool`` allocate in ``backward_pool``."""
+    scratch blocks of forwards captured into ``pool`` allocate in ``backward_pool``, and so do the
+    transients of the forwards ``transient_logs`` has a log of (``transients.TransientRouter``)."""
     buffers: Buffers = {}
     shared = backward_pool is not pool
     persistent = set(plan.persistent()) if shared else set()
@@ -192,9 +203,14 @@ def _capture_slot(
                 args.append(buf.detach().requires_grad_(True) if meta.requires_grad else buf)
                 del buf
             into = backward_pool if in_backward_pool(event, forwards_in_backward_pool) else pool
-            detour = scratch_to_backward and into is not backward_pool
+            log = (transient_logs or {}).get(event.region) if into is not backward_pool else None
+            routing = transients.router(log, pool, backward_pool) if log else None
+            detour = scratch_to_backward and into is not backward_pool and routing is None
             with capture_scratch_into(pool, backward_pool) if detour else contextlib.nullcontext():
-                outs = region.capture_forward(slot, args, into, stream)
+                outs = region.capture_forward(slot, args, into, stream, routing)
+            if routing is not None:
+                routing.check(region.name)
+                region.transients_routed += routing.routed
             buffers.update({("output", region.index, j): o for j, o in enumerate(outs)})
             # No stray local may keep a buffer alive past its planned release.
             del args, outs

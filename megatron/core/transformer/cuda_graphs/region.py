@@ -18,6 +18,7 @@ waits on the graph's event for it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import time
@@ -128,6 +129,7 @@ class GraphedRegion:
         self.slots: dict[int, SlotGraphs] = {}
         self.replays = 0
         self.capture_seconds = 0.0
+        self.transients_routed = 0  # forward ops whose allocations were captured into the backward pool
 
     # ------------------------------------------------------------------ arguments
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -236,15 +238,17 @@ class GraphedRegion:
                 self._grad(outs, args, self._wgrad_params())
             del outs
 
-    def capture_forward(self, slot: int, args: list[Any], pool, stream) -> tuple[torch.Tensor, ...]:
-        """Captures the forward graph of ``slot`` on ``args`` (static buffers or their leaf aliases)."""
+    def capture_forward(self, slot: int, args: list[Any], pool, stream, mode=None) -> tuple[torch.Tensor, ...]:
+        """Captures the forward graph of ``slot`` on ``args`` (static buffers or their leaf aliases); ``mode``: a
+        dispatch mode the forward runs under (``transients.TransientRouter``)."""
         graphs = self.slots.setdefault(slot, SlotGraphs())
         graph = torch.cuda.CUDAGraph()
         start = time.perf_counter()
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=pool.handle, capture_error_mode="thread_local")
             try:
-                outs = self.split_outputs(self.fn(*args))
+                with mode if mode is not None else contextlib.nullcontext():
+                    outs = self.split_outputs(self.fn(*args))
             finally:
                 graph.capture_end()
         self.capture_seconds += time.perf_counter() - start

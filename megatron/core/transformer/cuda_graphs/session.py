@@ -49,6 +49,7 @@ from typing import Any, Protocol
 import torch
 
 from megatron.core.transformer.cuda_graphs import capture as capture_lib
+from megatron.core.transformer.cuda_graphs import transients
 from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
 from megatron.core.transformer.cuda_graphs.pipeline_hooks import PipelineHooks
 from megatron.core.transformer.cuda_graphs.plan import (
@@ -483,6 +484,8 @@ class GraphSession(PipelineHooks, TurnHooks, ScratchHooks):
             keep=turns.keep if turns is not None else frozenset(),
             turn_pattern=turns.pattern if turns is not None else None,
             scratch_to_backward=self._capture_scratch(share, len(self.cycles)),
+            # With one slot the scratch blocks go there instead (scratch.py).
+            forward_transients=share and len(self.cycles) > 1 and transients.enabled(),
         )
         if turns is not None:
             self._turn = TurnRouter(self.backward_pool, turns.first[0] if turns.first else None, turns.after_backward)
