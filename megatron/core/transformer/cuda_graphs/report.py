@@ -436,6 +436,7 @@ def graphed_report(
             "strong_bytes": sum(r.strong_bytes or 0 for r in rows),
             "weak_bytes": sum(r.weak_bytes or 0 for r in rows),
             "capture_seconds": float(session.capture_seconds),
+            "forward_transient_ops": sum(r.transients_routed for r in session.regions),  # in the backward pool
         }
     )
     return MemoryReport(list(argv), "graphed", note, rows, layers, totals)

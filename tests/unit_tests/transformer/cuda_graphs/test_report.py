@@ -142,6 +142,8 @@ def test_graphed_report_attributes_growth_and_buffers(tool):
     # Totals from the snapshot: only our pool's segments on our device.
     assert rep.totals["pool_reserved_bytes"] == 6 * MIB and rep.totals["pool_live_bytes"] == 2 * MIB
     assert rep.totals["weak_bytes"] == 4 * MIB and rep.totals["strong_bytes"] == 0
+    assert rep.totals["forward_transient_ops"] == 0  # one slot: no forward transients routed
+    assert "forward_transient_ops: 0" in report_lib.format_table(rep)
     budgets.check_budgets(rep)  # tiny regions: kilobytes of budget plus nothing held
 
 
