@@ -45,7 +45,15 @@ class Pool:
 
 
 def simulate_capture(
-    cycle, regions, plan, saves_inputs, runner_holds=True, pool=None, backward_pool=None, forwards_there=()
+    cycle,
+    regions,
+    plan,
+    saves_inputs,
+    runner_holds=True,
+    pool=None,
+    backward_pool=None,
+    forwards_there=(),
+    transients_there=False,
 ):
     """Block of every buffer (and of every temporary) after capture in cycle order.
 
@@ -55,6 +63,8 @@ def simulate_capture(
     backward events allocate there (a pool the slots share), except the dgrads the plan
     keeps for good (``Plan.persistent``), which the graph copies into ``pool``; so do the
     forwards of the regions in ``forwards_there`` (their inputs stay in ``pool``).
+    ``transients_there``: every forward's temporaries allocate in ``backward_pool``
+    (``cuda_graphs/transients.py``).
     """
     pool = Pool() if pool is None else pool
     bpool = pool if backward_pool is None else backward_pool
@@ -97,7 +107,7 @@ def simulate_capture(
                     if saves_inputs:
                         hold(key, ("autograd", e.region))
             into = bpool if e.region in forwards_there else pool
-            temps[pos] = scratch(into)
+            temps[pos] = scratch(bpool if transients_there else into)
             for j in range(len(io.output_requires_grad)):
                 alloc(("output", e.region, j), into)
                 if io.has_backward and runner_holds:

@@ -10,7 +10,8 @@ another buffer's data, fewer blocks are used than with a backward pool per slot,
 each of the rules is needed: a sent dgrad left in the shared pool, or backward runs that
 interleave, are caught. A forward the order always follows at once by its own backward
 (the loss head of the last stage) joins the shared pool as well; any other forward there
-is caught.
+is caught. What every forward makes and frees inside itself (its transients) may go there
+too: nothing in that pool is live while a forward replays.
 """
 
 import pytest
@@ -41,9 +42,10 @@ MULTI_SLOT = sorted(
 )
 
 
-def capture(events, regions, comm, shared: bool, edit=None, forwards_there=()):
+def capture(events, regions, comm, shared: bool, edit=None, forwards_there=(), transients_there=False):
     """Every slot captured in turn; backward graphs into one pool when ``shared``, and so
-    are the forwards of ``forwards_there``."""
+    are the forwards of ``forwards_there`` and, with ``transients_there``, every forward's
+    temporaries."""
     backward = Pool(first_block=100_000) if shared else None
     slots = {}
     for s, cycle in cycles_of(events, 8).items():
@@ -59,6 +61,7 @@ def capture(events, regions, comm, shared: bool, edit=None, forwards_there=()):
             pool=Pool(first_block=1000 * s),
             backward_pool=backward,
             forwards_there=forwards_there,
+            transients_there=transients_there,
         )
         slots[s] = (cycle, plan, block, temps)
     return slots
@@ -199,3 +202,20 @@ def test_which_graphs_the_backward_pool_holds():
     assert in_backward_pool(Event(BWD, 3, 0), ())
     assert not in_backward_pool(Event(FWD, 3, 0), {2})
     assert in_backward_pool(Event(FWD, 2, 1), {2})
+
+
+@pytest.mark.parametrize("edges", [False, True], ids=["no communication", "chunk edges sent and received"])
+@pytest.mark.parametrize("name", MULTI_SLOT)
+def test_forward_transients_in_the_shared_pool_never_corrupt_and_save_blocks(name, edges):
+    """transients.py's claim, against the hostile pool: every forward writes its temporaries into
+    the shared backward pool, with the loss head's forward there too where the order allows it."""
+    order, chunks = ORDERS[name]
+    events = record(order, chunks)
+    regions = chunk_regions(chunks)
+    sends, recvs = boundary_comm(chunks, sends_last=name not in HEADS) if edges else ([], [])
+    comm = plan_comm(sends, recvs)
+    head = forwards_next_to_backward(events, excluded={c.key[1] for c in comm})
+    plain = capture(events, regions, comm, shared=True, forwards_there=head)
+    moved = capture(events, regions, comm, shared=True, forwards_there=head, transients_there=True)
+    assert replay_iteration(events, regions, moved, True, comm=sends, recv=recvs) == []
+    assert blocks_used(moved) < blocks_used(plain)
