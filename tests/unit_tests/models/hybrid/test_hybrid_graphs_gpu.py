@@ -85,8 +85,8 @@ def run_scopes(size: str, iters: int, memory_margin: float | None):
     use_expandable_segments()  # eager on the allocator settings graphed runs use
     flags = f"{size} {COMMON}"
     if memory_margin is not None:
-        # The first run in a process makes what later runs reuse (library workspaces: 65 MiB
-        # allocated here on an H100); run alone, eager measured them and the graphed runs did not.
+        # The first run in a process makes what later runs reuse (its peak allocated 65 MiB more on
+        # an H100; workspaces, it seems): run alone, eager paid for it and the graphed runs did not.
         train(flags, 2)
     eager = train(flags, iters)
     assert eager[2]["active"] is False

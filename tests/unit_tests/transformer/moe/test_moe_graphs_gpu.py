@@ -118,7 +118,7 @@ def assert_same(eager, graphed, what):
 def run_scopes(size: str, num_layers: int, iters: int, memory_margin: float | None):
     flags = f"{size} {COMMON}"
     if memory_margin is not None:
-        train(flags, 2)  # what a process's first run makes and later runs reuse (workspaces) goes in no peak
+        train(flags, 2)  # what a process's first run makes and later runs reuse goes in no run's peak
     eager = {}
     for pad in (False, True):
         run = train(f"{flags} {DROP_AND_PAD}" if pad else flags, iters)
