@@ -10,20 +10,27 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # on an H100, so a and b in two calls are safer), "a" the transformer tests (graphs, MoE), "b" the
 # other tests, "bench" the benchmark alone, "gaps" what is live at the steady peak, eager against
 # graphed, for the memory gaps still open and unfused attn mlp (tools/pool_peak.py --steady; one
-# tarball, since the device returns only so many files); unset: everything but gaps.
+# tarball, since the device returns only so many files); "mem" the GPU tests with a memory bound
+# (hybrid, MoE, interleaved chunks, eager turns), about 5 minutes, their numbers in the table;
+# unset: everything but gaps.
 PART=${PART:-all}
 case "$PART" in
+    mem)
+        TESTS="tests/unit_tests/models/hybrid/test_hybrid_graphs_gpu.py tests/unit_tests/transformer/moe/test_moe_graphs_gpu.py
+               tests/unit_tests/transformer/cuda_graphs/test_graphs_gpu.py"
+        SELECT="issue_config or interleaved_chunks_peak or (eager_turns and all)"
+        ;;
     a) TESTS="tests/unit_tests/transformer" ;;
     b) TESTS="tests --ignore=tests/unit_tests/transformer" ;;
     all | tests) TESTS="tests" ;;
     bench | gaps) TESTS="" ;;
-    *) echo "PART=$PART: use tests, a, b, bench, gaps or leave it unset" >&2; exit 2 ;;
+    *) echo "PART=$PART: use tests, a, b, mem, bench, gaps or leave it unset" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
 tests_rc=0 bench_rc=0 gaps_rc=0
 if [ -n "$TESTS" ]; then
-    python3 -m pytest -m gpu -q -rfE $TESTS ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
+    python3 -m pytest -m gpu -q -rfE $TESTS ${SELECT:+-rP -k "$SELECT"} ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
     tests_rc=${PIPESTATUS[0]}
 fi
 if [ "$PART" = all ] || [ "$PART" = bench ]; then
@@ -54,6 +61,10 @@ if [ "$PART" = gaps ]; then
 fi
 echo
 [ -n "$TESTS" ] && echo "== GPU tests ($TESTS): $(tail -n 1 "$OUT/pytest_gpu.log")"
+if [ "$PART" = mem ]; then
+    echo "== peaks (graphed vs eager, MiB):"
+    grep -E "^(scope '|rank [0-9]: graphed|(0|1|all) (attn|mlp))" "$OUT/pytest_gpu.log" | sort -u || true
+fi
 if [ -f "$OUT/bench.log" ]; then
     echo "== benchmark (ms/it median of it 10..50; peak = NVML used, polled; pool = our graph pool reserved):"
     sed -n '/^config /,$p' "$OUT/bench.log"
