@@ -64,7 +64,7 @@ class OpLog(TorchDispatchMode):
             return out
         index = len(self._ops)
         self._ops.append([str(func), True])
-        for storage, _ in _made(args, kwargs, out, self.device_type):
+        for storage, _ in made_storages((args, kwargs), out, self.device_type):
             ptr = storage.data_ptr()
             self._alive[ptr] = index
             weakref.finalize(storage, self._alive.pop, ptr, None)
@@ -124,7 +124,7 @@ class TransientRouter(TorchDispatchMode):
         with self.detour():
             out = func(*args, **kwargs)
         self.routed += 1
-        for storage, t in _made(args, kwargs, out, self.device_type):
+        for storage, t in made_storages((args, kwargs), out, self.device_type):
             ptr = storage.data_ptr()
             self._alive[ptr] = f"{func} -> {tuple(t.shape)} {t.dtype}"
             weakref.finalize(storage, self._alive.pop, ptr, None)
@@ -160,10 +160,10 @@ def _on_device(args, kwargs, device_type: str) -> bool:
     return False
 
 
-def _made(args, kwargs, out, device_type: str):
-    """(storage, tensor) for each storage ``out`` holds that no input holds: what the op allocated
-    (not a view, not an in-place result)."""
-    read = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+def made_storages(inputs, out, device_type: str):
+    """(storage, tensor) for each storage of ``device_type`` that an op's ``out`` holds and none of
+    its ``inputs`` holds: what the op allocated (not a view, not an in-place result)."""
+    read = {t.untyped_storage().data_ptr() for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
     for t in tree_flatten(out)[0]:
         if not isinstance(t, torch.Tensor) or t.device.type != device_type:
             continue

@@ -68,7 +68,6 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
-from torch.utils._pytree import tree_flatten
 
 from megatron.core.transformer.cuda_graphs.plan import BWD, FWD
 from megatron.core.transformer.cuda_graphs.pool import (
@@ -77,6 +76,7 @@ from megatron.core.transformer.cuda_graphs.pool import (
     begin_allocating_into,
     end_allocating_into,
 )
+from megatron.core.transformer.cuda_graphs.transients import made_storages
 
 ENV_SWITCH = "MEGATRON_CG_EAGER_TURN"
 """``all`` (the default) opens the eager turns: the first, before the first backward graph, and those
@@ -177,13 +177,9 @@ class TurnWatch(TorchDispatchMode):
         return out
 
     def _note(self, func, inputs, out) -> None:
-        read = {t.untyped_storage().data_ptr() for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
-                continue
-            storage = t.untyped_storage()
+        for storage, t in made_storages(inputs, out, self.device_type):
             ptr, nbytes = storage.data_ptr(), storage.nbytes()
-            if nbytes == 0 or ptr in read or ptr in self.alive:  # a view or an in-place result
+            if ptr in self.alive:
                 continue
             self.alive[ptr] = (f"{func} -> {tuple(t.shape)} {t.dtype}", nbytes)
             self._index[ptr] = self._made
