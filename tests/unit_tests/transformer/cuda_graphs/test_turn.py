@@ -11,11 +11,18 @@ import pytest
 import torch
 
 from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+from megatron.core.models.gpt.loss import masked_mean_loss
+from megatron.core.models.hybrid.hybrid_model import build_hybrid_model
 from megatron.core.parallel_state import ProcessGroups
+from megatron.core.ssm import ssd
+from megatron.core.transformer import cuda_graphs
 from megatron.core.transformer.cuda_graphs import scratch, turn
+from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
 from megatron.core.transformer.cuda_graphs.plan import BWD, FWD, Event
 from megatron.core.transformer.cuda_graphs.turn import TurnHooks, TurnWatch
 from megatron.training.config import DDPConfig
+from tests.unit_tests.models.hybrid.test_hybrid_model import configs
+from tests.unit_tests.transformer.cuda_graphs.test_session_cpu import tiny_gpt
 
 
 def test_watch_reports_what_outlives_the_turn():
@@ -255,11 +262,6 @@ def test_recording_watches_the_turn_of_a_real_session(scope, fold, fusion, monke
     head is graphed and the turn holds the loss only. A waiting param.grad (no fold on arrival)
     escapes. Without gradient-accumulation fusion the tied output weight's gradient waits in autograd
     for the embedding's part, made outside the turn (turn.outside_turn): the same turns open."""
-    from megatron.core.models.gpt.loss import masked_mean_loss
-    from megatron.core.transformer import cuda_graphs
-    from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
-    from tests.unit_tests.transformer.cuda_graphs.test_session_cpu import tiny_gpt
-
     monkeypatch.setenv(turn.ENV_SWITCH, "all")
     monkeypatch.setattr(turn.TurnHooks, "captures_next", True)
     monkeypatch.setattr(turn, "TurnWatch", CpuWatch)
@@ -421,13 +423,6 @@ def test_the_turn_after_the_last_backward_graph_closes_when_the_backward_pass_en
 def test_the_recording_slices_a_scan_as_its_graph_will(scope, monkeypatch):
     """Recorded on the CPU: the Mamba layers' scans take the captured slice budget where they are graph
     regions (the recording's peak counts as the graphed run's), the eager one where they stay eager."""
-    from megatron.core.models.gpt.loss import masked_mean_loss
-    from megatron.core.models.hybrid.hybrid_model import build_hybrid_model
-    from megatron.core.ssm import ssd
-    from megatron.core.transformer import cuda_graphs
-    from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
-    from tests.unit_tests.models.hybrid.test_hybrid_model import configs
-
     budgets = []
     real = ssd._group_slices
     monkeypatch.setattr(ssd, "_group_slices", lambda x, B, q, budget: budgets.append(budget) or real(x, B, q, budget))
@@ -452,13 +447,6 @@ def test_a_hybrid_recording_opens_its_turns_and_its_scratch(scope, monkeypatch):
     micro-batches: the Mamba scan's forward slices are scratch blocks that leave nothing alive; the
     first turn (from the last forward graph: the last Mamba layer, the eager half, the head), the
     turns between backward graphs and the tail after the last one open."""
-    from megatron.core.models.gpt.loss import masked_mean_loss
-    from megatron.core.models.hybrid.hybrid_model import build_hybrid_model
-    from megatron.core.ssm import ssd
-    from megatron.core.transformer import cuda_graphs
-    from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
-    from tests.unit_tests.models.hybrid.test_hybrid_model import configs
-
     monkeypatch.setenv(turn.ENV_SWITCH, "all")
     monkeypatch.setattr(turn.TurnHooks, "captures_next", True)
     monkeypatch.setattr(turn, "TurnWatch", CpuWatch)
