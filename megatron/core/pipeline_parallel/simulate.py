@@ -213,9 +213,14 @@ def backward_output(out: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 def _send(graphs, out: torch.Tensor) -> None:
-    """What a pipeline send tells the graphs: the output is read until the send's wait."""
+    """What a pipeline send tells the graphs: the output is read until the send's wait, which comes
+    before the slot's next graph event (``NEXT_EVENT``, as the pipelined schedule's exchange does):
+    here the next chunk's forward of the same micro-batch reads it, and that forward comes before the
+    backward of this chunk, the slot's next event."""
     if graphs is not None:
-        graphs.note_send(out)
+        from megatron.core.transformer.cuda_graphs.session import NEXT_EVENT
+
+        graphs.note_send(out, until=NEXT_EVENT)
 
 
 def _receive(graphs, slot: int, chunk: int, sent: torch.Tensor) -> torch.Tensor:

@@ -146,12 +146,13 @@ def test_slots_follow_the_schedule_and_bound_the_graph_count(layout):
     # Capture warms up (and finds the parameters of) every chunk's regions, not only
     # those of the first slot, which are one chunk's.
     assert capture.warmup_order(session.cycles) == [r for c in range(chunks) for r in regions[c]]
-    # ... and every chunk but the last sends its last graph's output, kept for good.
+    # ... and every chunk but the last sends its last graph's output, waited on before the slot's next
+    # event (the region's backward), so kept as any output is: until that backward.
     assert set(session.sent_outputs) == {(regions[c][-1], 0) for c in range(chunks - 1)}
     for s, plan in session.plans.items():
         for r, j in session.sent_outputs:
             if r in {e.region for e in session.cycles[s]}:
-                assert plan.buffers[("output", r, j)].release_after is None
+                assert plan.buffers[("output", r, j)].release_after == plan.position(BWD, r)
 
 
 def test_recording_with_deallocated_pipeline_outputs():
