@@ -19,8 +19,8 @@ static gradient buffers go into one backward pool instead, and each dgrad the pl
 keeps past the backward run (``Plan.persistent``: a send reads it later) is copied, by
 the backward graph itself, into a buffer of the slot's own pool. Forwards of
 ``forwards_in_backward_pool`` (``plan.forwards_next_to_backward``) are captured into the
-backward pool too; their static inputs stay in the slot's pool. With several slots sharing it,
-the other forwards' transients go there as well (``transients.py``).
+backward pool too; their static inputs stay in the slot's pool. The other forwards' transients
+go there as well (``transients.py``).
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def _capture_slot(
             into = backward_pool if in_backward_pool(event, forwards_in_backward_pool) else pool
             log = (transient_logs or {}).get(event.region) if into is not backward_pool else None
             routing = transients.router(log, pool, backward_pool) if log else None
-            detour = scratch_to_backward and into is not backward_pool and routing is None
+            detour = scratch_to_backward and into is not backward_pool
             with capture_scratch_into(pool, backward_pool) if detour else contextlib.nullcontext():
                 outs = region.capture_forward(slot, args, into, stream, routing)
             if routing is not None:

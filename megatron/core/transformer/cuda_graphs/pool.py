@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import threading
 import warnings
 from collections.abc import Iterator
 
@@ -325,15 +326,26 @@ def capture_detour(capturing: GraphPool, pool: GraphPool) -> Iterator[None]:
     this thread rather than the capture's streams: the same allocations while a forward captures
     (one thread), so use this only there, and only where :func:`capture_detour_possible`. The
     pool counts one user more for the routing put back, which the capture's end does not remove:
-    released here."""
+    released here. Nested (a scratch block's op that ``transients`` routes too), it does nothing:
+    the thread already allocates in ``pool``."""
+    if getattr(_detour, "pool", None) is not None:
+        if _detour.pool is not pool:
+            raise RuntimeError("CUDA graphs: a capture detour into another pool is in progress on this thread")
+        yield
+        return
     device = capturing.device
     _private_api("_cuda_endAllocateToPool")(device, capturing.handle)
+    _detour.pool = pool
     try:
         with allocate_into_pool(pool):
             yield
     finally:
+        _detour.pool = None
         begin_allocating_into(capturing)
         _private_api("_cuda_releasePool")(device, capturing.handle)
+
+
+_detour = threading.local()  # per thread: the pool of the capture_detour in progress
 
 
 def capture_detour_possible() -> bool:

@@ -484,8 +484,7 @@ class GraphSession(PipelineHooks, TurnHooks, ScratchHooks):
             keep=turns.keep if turns is not None else frozenset(),
             turn_pattern=turns.pattern if turns is not None else None,
             scratch_to_backward=self._capture_scratch(share, len(self.cycles)),
-            # With one slot the scratch blocks go there instead (scratch.py).
-            forward_transients=len(self.cycles) > 1 and transients.enabled(),
+            forward_transients=transients.enabled(),
         )
         if turns is not None:
             self._turn = TurnRouter(self.backward_pool, turns.first[0] if turns.first else None, turns.after_backward)

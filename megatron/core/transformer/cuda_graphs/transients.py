@@ -1,15 +1,21 @@
 """Forward transients: what a forward graph makes and frees inside itself, captured into the
-backward pool that every slot's backward graphs share.
+backward graphs' own pool.
 
 A forward graph captures into its slot's pool. What it leaves behind (outputs, tensors autograd
 saves for backward) must stay there; what its ops make and free inside it (normalisation in fp32,
-the MLP's pre-activation, attention's working tensors) stays reserved there too, once per slot,
-while eagerly every micro-batch reuses one such set. With several slots and one backward pool for
-all of them (``plan.backward_runs_alone``), that pool holds nothing a forward graph could
-overwrite while the forward replays: each backward run replays alone, what it allocates is dead
-at its end (the dgrads a send reads later are copied into the slot's pool), and a forward that
-joins the pool (``plan.forwards_next_to_backward``) is followed at once by its own backward. So
-the forwards' transients can live there, and all slots reuse one set, as eager does.
+the MLP's pre-activation, attention's working tensors) stays reserved there too, on top of the
+activations of the forwards before it, and once per slot, while eagerly every micro-batch reuses
+one such set beside the memory the backward uses. Where the backward graphs have a pool of their
+own, it holds nothing a forward graph could overwrite while the forward replays:
+
+* several slots sharing it (``plan.backward_runs_alone``): each backward run replays alone, what
+  it allocates is dead at its end (the dgrads a send reads later are copied into the slot's
+  pool), and a forward that joins the pool (``plan.forwards_next_to_backward``) is followed at
+  once by its own backward;
+* one slot whose eager turns use it (``turn.py``): what a turn or an eager scratch block makes
+  there dies before the next graph replays, and the recording checks that.
+
+So the forwards' transients can live there, and every slot reuses one set, as eager does.
 
 Which ops make only transients is learned right before the capture (:func:`log_forward`): one
 more eager forward of the region on fresh sample inputs, as the capture's static buffers are, after

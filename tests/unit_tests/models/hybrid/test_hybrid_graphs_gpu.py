@@ -63,6 +63,7 @@ def train(flags: str, iters: int, snapshot_at: int = 3):
             "captured": trainer.graphs.captured,
             "regions": [r.name for r in trainer.graphs.regions],
             "scratch_captured": trainer.graphs.scratch_captured,
+            "transients_routed": sum(r.transients_routed for r in trainer.graphs.regions),
         }
         peaks = (torch.cuda.max_memory_allocated() - base_allocated, torch.cuda.max_memory_reserved() - base_reserved)
         return losses, grads, facts, peaks
@@ -97,6 +98,7 @@ def run_scopes(size: str, iters: int, memory_margin: float | None):
         assert facts["captured"]
         assert len(facts["regions"]) == N_REGIONS[scope], facts["regions"]
         assert facts["scratch_captured"], "one slot: the forward graphs' scan slices belong in the backward pool"
+        assert facts["transients_routed"] > 0, "the forwards' transients belong in the backward pool"
         assert_same(eager, graphed, f"scope {scope!r}")
         if memory_margin is not None:
             (e_alloc, e_reserved), (g_alloc, g_reserved) = eager[3], graphed[3]

@@ -6,6 +6,8 @@ accounting, and the allocator behaviour the release plan relies on (a block
 released by a weak reference is handed to the next capture in the same pool).
 """
 
+import types
+
 import pytest
 import torch
 
@@ -95,6 +97,30 @@ def test_missing_private_api_names_the_call(monkeypatch):
     monkeypatch.delattr(torch._C, "_cuda_releasePool", raising=False)
     with pytest.raises(RuntimeError, match="_cuda_releasePool"):
         mempool._private_api("_cuda_releasePool")
+
+
+def test_a_nested_capture_detour_into_the_same_pool_changes_no_routing(monkeypatch):
+    """A scratch block's op that transients.py routes too: the inner detour finds the thread in the
+    backward pool already and leaves the allocator's routing alone; into another pool it raises."""
+    calls = []
+    monkeypatch.setattr(mempool, "_private_api", lambda name: lambda *args: calls.append((name, args[1])))
+    capturing, backward, other = (types.SimpleNamespace(device=0, handle=h) for h in ("fwd", "bwd", "x"))
+    with mempool.capture_detour(capturing, backward):
+        outer = list(calls)
+        with mempool.capture_detour(capturing, backward):
+            assert calls == outer
+        with pytest.raises(RuntimeError, match="another pool"), mempool.capture_detour(capturing, other):
+            pass
+        assert calls == outer
+    assert [c[0] for c in outer] == ["_cuda_endAllocateToPool", "_cuda_beginAllocateCurrentThreadToPool"]
+    assert calls[len(outer) :] == [
+        ("_cuda_endAllocateToPool", "bwd"),
+        ("_cuda_releasePool", "bwd"),
+        ("_cuda_beginAllocateCurrentThreadToPool", "fwd"),
+        ("_cuda_releasePool", "fwd"),
+    ]
+    with mempool.capture_detour(capturing, other):  # the thread is free again
+        pass
 
 
 # --------------------------------------------------------------------- GPU
