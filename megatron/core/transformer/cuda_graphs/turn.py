@@ -390,6 +390,7 @@ class TurnHooks:
     turn_plan: TurnPlan | None = None  # the turns the capture opened (the memory report reads it)
     _turn: TurnRouter | None = None
     _output_hook = None
+    _region_hooks: tuple = ()  # the recording's hooks on regions' inputs, removed with the watch
     _pass_end_queued = False  # a callback for the end of the backward pass in progress is queued
     captures_next = False  # recording on CUDA, to capture after (not a CPU recording for tests)
     eager_turn_allowed = True
@@ -412,12 +413,18 @@ class TurnHooks:
             return
         if self._watch is None:
             self._watch = TurnWatch("cuda", backward_turns_enabled())
+            self._region_hooks = []
             self._watch.__enter__()
         self._watch.start()
         inputs = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
         if inputs:
-            torch.autograd.graph.register_multi_grad_hook(
-                inputs, functools.partial(self._region_backward_done, backward)
+            # Removed when the watch ends: the hook's closure holds the inputs' autograd nodes, which
+            # hold the hook, a cycle through C++ that Python's collector cannot break. It would keep
+            # the autograd graph, the model and the session with its graph pools alive for good.
+            self._region_hooks.append(
+                torch.autograd.graph.register_multi_grad_hook(
+                    inputs, functools.partial(self._region_backward_done, backward)
+                )
             )
 
     def _watch_backward_next(self, grads: tuple, event=None) -> None:
@@ -463,6 +470,9 @@ class TurnHooks:
     def _end_watch(self) -> TurnWatch | None:
         """Pops the watch after the recording iteration and returns it."""
         watch, self._watch = self._watch, None
+        for handle in self._region_hooks:
+            handle.remove()
+        self._region_hooks = ()
         if watch is not None:
             watch.__exit__(None, None, None)
         return watch

@@ -5,7 +5,9 @@ bitwise, by the GPU tests (test_graphs_gpu.py's eager turn cases under each sett
 MEGATRON_CG_EAGER_TURN, and every graphed GPU test under the default).
 """
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -325,6 +327,33 @@ def test_recording_watches_the_turn_of_a_real_session(scope, fold, fusion, monke
         assert turns is None
     if turns is not None:
         assert turns.after_backward == positions
+
+
+@pytest.mark.parametrize("scope", [["attn"], ["mlp"], []], ids=["attn", "mlp", "layer"])
+def test_a_dropped_session_and_its_model_are_freed_after_the_recording(scope, monkeypatch):
+    """The recording hooks each region's inputs to hear when their gradients are made. Autograd keeps
+    such a hook where Python's collector cannot see it, and the hook holds the inputs' autograd
+    nodes: a cycle that kept the session, the model and (on a GPU) every graph pool alive after the
+    trainer was dropped, hundreds of MiB a run. The watch's end removes the hooks."""
+    monkeypatch.setattr(turn.TurnHooks, "captures_next", True)
+    monkeypatch.setattr(turn, "TurnWatch", CpuWatch)
+    model, _ = tiny_gpt(layers=2)
+    ddp = DistributedDataParallel(model, config=DDPConfig(), pg=ProcessGroups.single())
+    ddp.fold_grads_on_arrival()
+    config = CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=scope)
+    session = cuda_graphs.attach(model, config, grad_sinks=[ddp], record_without_cuda=True)
+    tokens = torch.randint(0, 64, (2, 16))
+    for _ in range(2):
+        loss, _ = masked_mean_loss(ddp(tokens, None, tokens), torch.ones(2, 16))
+        loss.backward()
+    ddp.finish_grad_sync()
+    assert session._region_hooks, "the recording hooked the regions' inputs"
+    session._end_watch()  # as the capture does first; no close(): a dropped trainer never calls it
+    assert session._region_hooks == ()
+    refs = weakref.ref(session), weakref.ref(model)
+    del session, model, ddp, loss
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
 
 
 class CpuWatch(TurnWatch):
