@@ -11,14 +11,15 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # other tests, "bench" the benchmark alone, "gaps" what is live at the steady peak, eager against
 # graphed, for the memory gaps still open and unfused attn mlp (tools/pool_peak.py --steady; one
 # tarball, since the device returns only so many files); "mem" the GPU tests with a memory bound
-# (hybrid, MoE, interleaved chunks, eager turns), about 5 minutes, their numbers in the table;
+# (hybrid, MoE, interleaved chunks, eager turns) and the dropped-trainer leak test, about 5 minutes,
+# their numbers in the table;
 # unset: everything but gaps.
 PART=${PART:-all}
 case "$PART" in
     mem)
         TESTS="tests/unit_tests/models/hybrid/test_hybrid_graphs_gpu.py tests/unit_tests/transformer/moe/test_moe_graphs_gpu.py
                tests/unit_tests/transformer/cuda_graphs/test_graphs_gpu.py"
-        SELECT="issue_config or interleaved_chunks_peak or (eager_turns and all)"
+        SELECT="dropped_graphed or issue_config or interleaved_chunks_peak or (eager_turns and all)"
         ;;
     a) TESTS="tests/unit_tests/transformer" ;;
     b) TESTS="tests --ignore=tests/unit_tests/transformer" ;;
