@@ -63,6 +63,7 @@ them over TP after the DP reduction, in one all-reduce (Megatron does this in
 """
 
 import contextlib
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -187,7 +188,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._fold_plan = None  # how accumulate_grads folds; the same parameters every step
         self._hook_handles = []
         if config.overlap_grad_reduce:
-            self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_accumulated) for p in params]
+            hook = _WeakHook(self._on_grad_accumulated)
+            self._hook_handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
         if self.overlap_param_gather:
             self._hook_handles += self._register_param_gather_hooks(module)
 
@@ -527,6 +529,22 @@ def _place(pg, group_name: str) -> tuple[int, int]:
 def is_expert_param(param: torch.nn.Parameter) -> bool:
     """Whether ``param``'s gradient belongs to the expert-data-parallel buffer."""
     return bool(getattr(param, "is_expert", False))
+
+
+class _WeakHook:
+    """A parameter's gradient hook that calls a method of its owner while the owner lives.
+
+    Autograd keeps a tensor's hooks in C++, where Python's cycle collector cannot see them. A hook
+    holding the owner strongly, on a parameter the owner holds, is a cycle that keeps the owner, the
+    model and its buffers alive for good once the training run drops them."""
+
+    def __init__(self, method):
+        self._method = weakref.WeakMethod(method)
+
+    def __call__(self, *args):
+        method = self._method()
+        if method is not None:
+            method(*args)
 
 
 class _StreamWork:

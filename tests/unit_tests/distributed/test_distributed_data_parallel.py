@@ -7,6 +7,8 @@ because scaling by a power of two is exact and a two-term sum is commutative.
 
 import contextlib
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -261,6 +263,19 @@ def test_state_dict_has_no_wrapper_prefix():
     ddp, ref = _make()
     assert list(ddp.state_dict()) == list(ref.state_dict())
     ddp.load_state_dict(ref.state_dict())
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_dropped_ddp_frees_its_model(overlap):
+    """DDP's hooks on the parameters (with overlap) live where Python's cycle collector cannot see
+    them; one holding DDP strongly kept DDP, the model and the gradient buffer alive for good."""
+    ddp, _ = _make(overlap, bucket_size=100)
+    _loss(ddp, torch.randn(4, 6)).backward()
+    ddp.finish_grad_sync()
+    refs = weakref.ref(ddp), weakref.ref(ddp.module), weakref.ref(ddp.grad_buffer)
+    del ddp
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
 
 
 def _two_rank_parity(rank, world_size):
