@@ -100,7 +100,7 @@ class ScratchHooks:
                 self._scratch_escaped = [what for what, _ in watch.alive.values()]
             return
         router = self._turn
-        if not self._scratch_open or router is None or router._thread is not None:
+        if not self._scratch_open or router is None or router.routing():
             yield
             return
         router.open()

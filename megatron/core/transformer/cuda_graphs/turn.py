@@ -360,6 +360,10 @@ class TurnRouter:
     def routing_here(self) -> bool:
         return self._thread == threading.get_ident()
 
+    def routing(self) -> bool:
+        """Whether some thread's allocations go to the pool now."""
+        return self._thread is not None
+
     def count(self) -> int:
         """Turns per micro-batch: the first (if it opens) and those after backward graphs."""
         return (self.last_forward is not None) + len(self.after_backward)
