@@ -47,7 +47,7 @@ if [ "$PART" = mem ]; then
     echo "one process per test: $passed passed, $failed failed" | tee -a "$OUT/pytest_gpu.log"
     tests_rc=$((failed > 0 || ${#ids[@]} == 0))
 elif [ -n "$TESTS" ]; then
-    python3 -m pytest -m gpu -q -rfE $TESTS ${SELECT:+-rP -k "$SELECT"} ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
+    python3 -m pytest -m gpu -q -rfE $TESTS ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
     tests_rc=${PIPESTATUS[0]}
 fi
 if [ "$PART" = all ] || [ "$PART" = bench ]; then
