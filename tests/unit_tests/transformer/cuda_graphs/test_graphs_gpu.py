@@ -195,9 +195,8 @@ def private_pools() -> set:
 def test_a_dropped_graphed_trainer_frees_its_session_and_pools(scope, extra):
     """No cycle keeps a graphed run alive once its trainer is dropped without close(): the recording's
     hooks on region inputs once kept the session, the model and every graph pool (with attn or mlp:
-    eager turns, hundreds of MiB a run in the memory tests' processes). With --overlap-grad-reduce,
-    DDP's hooks on the parameters held DDP strongly, and so the model and the session (whose output
-    buffers keep autograd graphs that reach the parameters)."""
+    eager turns). With --overlap-grad-reduce, DDP's hooks on the parameters held DDP strongly, and so
+    the model and the session (whose output buffers keep autograd graphs that reach the parameters)."""
     before = private_pools()
     _, _, trainer = train(f"{SMALL} {COMMON} {NO_DROPOUT} --bf16 {graph_flags(scope)} {extra}", 3)
     assert trainer.graphs.state is GraphState.CAPTURED and private_pools() - before

@@ -334,7 +334,7 @@ def test_a_dropped_session_and_its_model_are_freed_after_the_recording(scope, mo
     """The recording hooks each region's inputs to hear when their gradients are made. Autograd keeps
     such a hook where Python's collector cannot see it, and the hook holds the inputs' autograd
     nodes: a cycle that kept the session, the model and (on a GPU) every graph pool alive after the
-    trainer was dropped, hundreds of MiB a run. The watch's end removes the hooks."""
+    trainer was dropped. The watch's end removes the hooks."""
     monkeypatch.setattr(turn.TurnHooks, "captures_next", True)
     monkeypatch.setattr(turn, "TurnWatch", CpuWatch)
     model, _ = tiny_gpt(layers=2)
