@@ -1,0 +1,50 @@
+"""tools/holders.py: the ancestors of a surviving object that something outside gc's view holds."""
+
+import gc
+import weakref
+
+import torch
+
+from tools.holders import external_holders
+
+
+class Owner:
+    pass
+
+
+def _owner_in_a_hook_cycle() -> Owner:
+    """An owner whose output tensor's autograd node keeps a hook that holds the owner: C++ holds the
+    hook, so the collector cannot free the cycle (the kind of leak e87194f fixed)."""
+    owner = Owner()
+    owner.y = torch.zeros(2, requires_grad=True) * 2
+    owner.handle = torch.autograd.graph.register_multi_grad_hook((owner.y,), lambda grads: owner)
+    return owner
+
+
+def test_a_hook_held_from_cpp_is_named_with_its_chain_down_to_the_owner():
+    ref = weakref.ref(_owner_in_a_hook_cycle())
+    gc.collect()
+    assert ref() is not None, "the cycle through autograd's C++ side survives the collector"
+    holders = external_holders(ref())
+    external = [h for h in holders if h.kind == "external"]
+    assert len(external) == 1 and external[0].unexplained >= 1, holders
+    chain = external[0].chain
+    assert "register_multi_grad_hook" in chain and "_owner_in_a_hook_cycle.<locals>.<lambda>" in chain, chain
+    assert chain.endswith("Owner")
+    ref().handle.remove()  # breaks the cycle: now the collector frees it
+    gc.collect()
+    assert ref() is None
+
+
+def test_an_object_held_only_by_python_has_no_external_holder_and_a_global_is_named():
+    owner = Owner()
+    owner.parts = {"a": [owner], "b": (owner, 1)}  # cycles the collector sees
+    assert [h for h in external_holders(owner) if h.kind == "external"] == []
+    global KEPT
+    KEPT = [owner]
+    try:
+        holders = external_holders(owner)
+        assert [(h.kind, h.description) for h in holders] == [("module global", f"{__name__}.dict['KEPT']")]
+        assert holders[0].chain == "list of 1 -> Owner"
+    finally:
+        del KEPT
