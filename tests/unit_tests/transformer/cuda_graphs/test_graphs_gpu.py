@@ -44,8 +44,10 @@ def graph_flags(scope):
     return f"--cuda-graph-impl local --cuda-graph-scope {SCOPES[scope]}".rstrip()
 
 
-def train(flags: str, iters: int, snapshot_at: int = 3, batches=None, schedule=None):
-    """Trains ``iters`` iterations; returns (losses, main_grads after ``snapshot_at``, trainer)."""
+def train(flags: str, iters: int, snapshot_at: int = 3, batches=None, schedule=None, peaks=None):
+    """Trains ``iters`` iterations; returns (losses, main_grads after ``snapshot_at``, trainer).
+    ``peaks``: a list to append each iteration's peak reserved bytes to (the peak statistics are
+    reset after each)."""
     trainer = build_trainer(f"{flags} --train-iters {iters}".split())
     if schedule is not None:
         trainer.schedule = schedule
@@ -56,6 +58,10 @@ def train(flags: str, iters: int, snapshot_at: int = 3, batches=None, schedule=N
         for i in range(1, iters + 1):
             loss = trainer.train_step(it)[0]
             losses.append(loss.detach().clone())
+            if peaks is not None:
+                torch.cuda.synchronize()
+                peaks.append(torch.cuda.max_memory_reserved())
+                torch.cuda.reset_peak_memory_stats()
             if i == snapshot_at:
                 grads = [p.main_grad.detach().cpu() for p in trainer.model.module.parameters()]  # off the device
         torch.cuda.synchronize()
@@ -336,15 +342,18 @@ def test_interleaved_chunks_with_deallocated_outputs_equal_sequential(scope):
     assert_same(sequential, graphed, f"interleaved rank 0, deallocated outputs, scope {scope}")
 
 
-def peak_reserved(flags: str, iters: int, schedule):
-    """(train()'s result, peak bytes reserved above what was reserved before the run)."""
+def peak_reserved(flags: str, iters: int, schedule, per_iteration: list | None = None):
+    """(train()'s result, peak bytes reserved above what was reserved before the run).
+    ``per_iteration``: a list to append each iteration's peak above that base to."""
     gc.collect()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
-    result = train(flags, iters, schedule=schedule)
-    torch.cuda.synchronize()
-    return result, torch.cuda.max_memory_reserved() - base
+    peaks = []
+    result = train(flags, iters, schedule=schedule, peaks=peaks)
+    if per_iteration is not None:
+        per_iteration += [p - base for p in peaks]
+    return result, max(peaks) - base
 
 
 @pytest.mark.parametrize("pp_rank", [0, 1])
@@ -360,10 +369,13 @@ def test_interleaved_chunks_peak_memory_within_2_percent(pp_rank):
     use_expandable_segments()  # both runs on the allocator settings graphs use
     flags = f"{DENSE8} {COMMON} {NO_DROPOUT} --bf16 --global-batch-size 8 --untie-embeddings-and-output-weights"
     train(flags, 2, schedule=chunk_schedule(pp_rank))  # what a first run makes and later ones reuse: in no peak
-    eager, eager_peak = peak_reserved(flags, 6, chunk_schedule(pp_rank))
+    eager_its, graphed_its = [], []  # each iteration's peak: which one sets the run's
+    eager, eager_peak = peak_reserved(flags, 6, chunk_schedule(pp_rank), eager_its)
     eager = (*eager[:2], None)  # the eager trainer's memory goes before the graphed run
     head = " --no-cuda-graph-postprocess" if pp_rank == 0 else ""
-    graphed, graphed_peak = peak_reserved(f"{flags} {graph_flags('layer')}{head}", 6, chunk_schedule(pp_rank))
+    graphed, graphed_peak = peak_reserved(
+        f"{flags} {graph_flags('layer')}{head}", 6, chunk_schedule(pp_rank), graphed_its
+    )
     session = graphed[2].graphs
     check_chunk_session(session, pp_rank)
     assert_same(eager, graphed, f"interleaved rank {pp_rank}, dense8")
@@ -374,7 +386,8 @@ def test_interleaved_chunks_peak_memory_within_2_percent(pp_rank):
     assert routed > 0, "several slots share the backward pool: the forwards' transients go there"
     pools_text = (
         f"pool reserved per slot (MiB): { {s: round(b / 2**20) for s, b in pools.items()} }, shared backward pool "
-        f"{backward / 2**20:.0f} MiB, {routed} forward ops' transients in it"
+        f"{backward / 2**20:.0f} MiB, {routed} forward ops' transients in it; per iteration (MiB): eager "
+        f"{[round(b / 2**20) for b in eager_its]}, graphed {[round(b / 2**20) for b in graphed_its]}"
     )
     print(f"rank {pp_rank}: graphed {graphed_peak / 2**20:.0f} vs eager {eager_peak / 2**20:.0f} MiB; {pools_text}")
     assert graphed_peak <= eager_peak * 1.02, (
