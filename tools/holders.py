@@ -14,7 +14,8 @@ Usage (on a GPU; ``--vpp-rank`` runs two chunks in rank R's interleaved order, a
         --extra="--global-batch-size 8 --untie-embeddings-and-output-weights --deterministic-mode"
 
 It prints the bytes still allocated after the drop, whether the graph session, the model and
-any graph pool survived, and for a surviving session the holders found.
+any graph pool survived, and for a surviving session the holders found. Without CUDA the run is
+eager (graphs off), which checks only that an eager trainer is freed.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def external_holders(target, limit: int = 5000) -> list[Holder]:
     return holders
 
 
-def main():
+def main(argv: list[str] | None = None):
     import argparse
     import weakref
 
@@ -127,32 +128,39 @@ def main():
     parser.add_argument("--vpp-rank", type=int, choices=(0, 1), help="two chunks in rank R's interleaved order")
     parser.add_argument("--extra", default="", help="more training flags (the = form)")
     parser.add_argument("--top", type=int, default=12, help="holders to print")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     use_expandable_segments()
-    argv = f"{CONFIGS[args.config]} {COMMON} --train-iters {args.iters} {mode_flags(args.mode)} {args.extra}".split()
+    flags = f"{CONFIGS[args.config]} {COMMON} --train-iters {args.iters} {mode_flags(args.mode)} {args.extra}".split()
 
     def run():
-        trainer = with_schedule(build_trainer(argv, **pretrain_hybrid.providers(argv)), args.vpp_rank)
+        trainer = with_schedule(build_trainer(flags, **pretrain_hybrid.providers(flags)), args.vpp_rank)
         try:
             it = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0).train
             trainer.model.train()
             for _ in range(args.iters):
                 trainer.train_step(it)
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             return weakref.ref(trainer.graphs), weakref.ref(trainer.model)
         finally:
             parallel_state.destroy(trainer.pg)
 
-    pools_before = _private_pools()
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        print("no CUDA: graphs are off (no session records or captures); this checks the eager run only")
+    pools_before = _private_pools() if cuda else set()
     session_ref, model_ref = run()
     gc.collect()
-    torch.cuda.empty_cache()
-    print(
-        f"after the drop: {torch.cuda.memory_allocated() / 2**20:.0f} MiB allocated, "
-        f"{torch.cuda.memory_reserved() / 2**20:.0f} MiB reserved; session alive: {session_ref() is not None}, "
-        f"model alive: {model_ref() is not None}, graph pools left: {len(_private_pools() - pools_before)}"
-    )
+    memory = ""
+    if cuda:
+        torch.cuda.empty_cache()
+        memory = (
+            f"{torch.cuda.memory_allocated() / 2**20:.0f} MiB allocated, "
+            f"{torch.cuda.memory_reserved() / 2**20:.0f} MiB reserved, "
+            f"graph pools left: {len(_private_pools() - pools_before)}; "
+        )
+    print(f"after the drop: {memory}session alive: {session_ref() is not None}, model alive: {model_ref() is not None}")
     target = session_ref() if session_ref() is not None else model_ref()
     if target is None:
         return

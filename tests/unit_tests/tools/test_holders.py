@@ -3,6 +3,7 @@
 import gc
 import weakref
 
+import pytest
 import torch
 
 from tools.holders import external_holders
@@ -48,3 +49,26 @@ def test_an_object_held_only_by_python_has_no_external_holder_and_a_global_is_na
         assert holders[0].chain == "list of 1 -> Owner"
     finally:
         del KEPT
+
+
+@pytest.mark.filterwarnings("ignore:--cuda-graph-impl local. CUDA is not available:UserWarning")
+def test_the_command_line_drops_a_trainer_of_interleaved_chunks_and_finds_it_freed(capsys):
+    """On the CPU graphs are off: the command line builds, trains and drops an eager trainer of rank
+    1's two-chunk order and reports it freed (on a GPU the same run is graphed)."""
+    from tools.holders import main
+
+    main(
+        [
+            "--config",
+            "small",
+            "--mode",
+            "local:layer",
+            "--vpp-rank",
+            "1",
+            "--iters",
+            "2",
+            "--extra=--global-batch-size 8",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "session alive: False, model alive: False" in out, out
