@@ -63,11 +63,11 @@ def _references(obj) -> tuple[int, int]:
 def external_holders(target, limit: int = 1000) -> list[Holder]:
     """The ancestors of ``target`` held from outside the cycle collector's view.
 
-    Walks ``gc.get_referrers`` upward from ``target`` (breadth first, at most ``limit``
-    objects; each step scans every object the collector tracks, so keep it small), skipping frames and this search's own containers. Module dicts end a chain and are
-    reported as module globals; every other ancestor is checked for references its referrers do
-    not explain. Strings, numbers and types are never reported (interned, cached, or referenced
-    by their own method caches).
+    Walks ``gc.get_referrers`` upward from ``target`` (breadth first, at most ``limit`` objects;
+    each step scans every object the collector tracks, so keep it small), skipping frames and this
+    search's own containers. Module dicts end a chain and are reported as module globals; every
+    other ancestor is checked for references its referrers do not explain. Strings, numbers and
+    types are never reported (interned, cached, or referenced by their own method caches).
     """
     found: dict[int, object] = {id(target): target}
     chains: dict[int, str] = {id(target): describe(target)}
