@@ -202,6 +202,7 @@ def private_pools() -> set:
         ("attn", "", None),
         ("mlp", "", None),
         ("layer", "--overlap-grad-reduce --global-batch-size 6", None),
+        ("layer", "--global-batch-size 8 --untie-embeddings-and-output-weights", None),  # one slot, 4 micro-batches
         ("layer", "--global-batch-size 8 --untie-embeddings-and-output-weights", 1),
     ],
 )
