@@ -73,13 +73,12 @@ def external_holders(target, limit: int = 1000) -> list[Holder]:
     chains: dict[int, str] = {id(target): describe(target)}
     queue = [id(target)]
     holders: list[Holder] = []
-    mine = (found, queue)
     at = 0
     while at < len(queue) and len(queue) < limit:
         obj = found[queue[at]]
         at += 1
         for ref in gc.get_referrers(obj):
-            if ref is found or ref is queue or ref is mine or isinstance(ref, types.FrameType) or id(ref) in found:
+            if ref is found or ref is queue or isinstance(ref, types.FrameType) or id(ref) in found:
                 continue
             if isinstance(ref, dict) and "__builtins__" in ref:  # a module's globals
                 holders.append(
