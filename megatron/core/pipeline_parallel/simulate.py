@@ -227,7 +227,11 @@ def _receive(graphs, slot: int, chunk: int, sent: torch.Tensor) -> torch.Tensor:
     """What a pipeline receive of ``sent`` gives ``chunk`` (a new leaf that needs a grad)."""
     buffer = graphs.receive_buffer(slot, chunk) if graphs is not None else None
     if buffer is not None:
-        buffer.copy_(sent)  # the receive, straight into the first graph's static input
+        # The receive, straight into the first graph's static input. Not an autograd op, as a real
+        # receive is not: a copy from ``sent`` would give the session's buffer a history (chunk
+        # c - 1's graph nodes, which hold the session), a cycle through C++ that keeps the session,
+        # the model and its pools alive after the trainer is gone.
+        buffer.copy_(sent.detach())
         return buffer.detach().requires_grad_(True)
     received = sent.detach().clone().requires_grad_(True)
     if graphs is not None:

@@ -197,3 +197,24 @@ def test_deallocated_output_keeps_its_graph_and_views_are_refused():
     assert torch.equal(x.grad, torch.full((4, 3), 2.0))
     with pytest.raises(RuntimeError, match="is a view"):
         simulate.deallocate_output((x * 2)[1:])
+
+
+def test_a_receive_into_a_graph_buffer_leaves_it_without_autograd_history():
+    """The simulated receive into a captured graph's static input is a plain write: had it been
+    an autograd copy, the session's buffer would hold the sending chunk's graph nodes, which
+    hold the session (a leak of the session, the model and its pools; seen on the GPU)."""
+
+    class Session:
+        def __init__(self):
+            self.buffer = torch.zeros(3)
+
+        def receive_buffer(self, slot, chunk):
+            return self.buffer
+
+    session = Session()
+    sent = torch.arange(3.0, requires_grad=True) * 2
+    received = simulate._receive(session, 0, 1, sent)
+    assert session.buffer.grad_fn is None and not session.buffer.requires_grad
+    assert torch.equal(session.buffer, sent.detach())
+    assert received.is_leaf and received.requires_grad
+    assert received.untyped_storage().data_ptr() == session.buffer.untyped_storage().data_ptr()
