@@ -6,7 +6,9 @@ explain: one held from C++ (an autograd hook, a C++ node keeping a Python callba
 running frame, or from a module global. This tool walks the referrers of a surviving object
 upward (``gc.get_referrers``) and reports every ancestor whose reference count exceeds the
 references its gc-visible referrers account for, and every module global on the way, each with
-the chain of referrers that leads down to the object.
+the chain of referrers that leads down to the object. An autograd node held from C++ (a custom
+Function's context, say) comes with the live tensors whose autograd graph reaches it: a graph
+whose backward never runs keeps its nodes, and a node's context may hold the run.
 
 Usage (on a GPU; ``--vpp-rank`` runs two chunks in rank R's interleaved order, as
 ``pool_peak.py`` does):
@@ -37,6 +39,7 @@ class Holder:
     description: str
     chain: str  # the referrers from it down to the object asked about
     unexplained: int  # references no gc-visible referrer accounts for
+    graph_of: list[str] = dataclasses.field(default_factory=list)  # an autograd node's: see tensors_reaching
 
 
 def describe(obj, child=None) -> str:
@@ -101,9 +104,54 @@ def external_holders(target, limit: int = 1000) -> list[Holder]:
         if key != id(target) and not isinstance(obj, (str, bytes, int, float, type)):  # the caller holds target
             count, explained = _references(obj)
             if count - explained > ours:
-                holders.append(Holder("external", describe(obj), chains[key], count - explained - ours))
+                holder = Holder("external", describe(obj), chains[key], count - explained - ours)
+                if hasattr(obj, "next_functions"):  # an autograd node: held by the graph of a live tensor?
+                    holder.graph_of = tensors_reaching(obj, skip=(found, queue))
+                holders.append(holder)
         del obj
     return holders
+
+
+def tensors_reaching(node, skip: tuple = (), limit: int = 20000) -> list[str]:
+    """The live tensors whose autograd graph reaches ``node`` (an autograd node, such as a custom
+    Function's context), each with a chain of referrers above it: what holds a node from C++. A
+    node lives while a tensor's ``grad_fn`` or a later node leads to it; a graph whose backward
+    never ran stays whole. ``skip``: containers of the caller's search, left out of the chains."""
+    import torch
+
+    found = []
+    objects = gc.get_objects()
+    for obj in objects:
+        if not issubclass(type(obj), torch.Tensor) or obj.grad_fn is None:  # type(): no module __getattr__
+            continue
+        seen, stack = set(), [obj.grad_fn]
+        while stack and len(seen) < limit:
+            fn = stack.pop()
+            if fn is node:
+                found.append(
+                    f"tensor {tuple(obj.shape)} {obj.dtype} with grad_fn {type(obj.grad_fn).__name__}"
+                    f" <- {_upward(obj, {id(objects), id(stack), *map(id, skip)})}"
+                )
+                break
+            if id(fn) not in seen:
+                seen.add(id(fn))
+                stack += [f for f, _ in fn.next_functions if f is not None]
+        del fn, stack
+    return found
+
+
+def _upward(obj, skip: set[int], depth: int = 6) -> str:
+    """One chain of gc-visible referrers above ``obj`` (the first at each level), ``skip`` aside."""
+    path, skip = [], set(skip)
+    for _ in range(depth):
+        refs = [r for r in gc.get_referrers(obj) if not isinstance(r, types.FrameType) and id(r) not in skip]
+        if not refs:
+            break
+        path.append(describe(refs[0], obj))
+        obj = refs[0]
+        skip.add(id(obj))
+        del refs  # else the next level finds this list among obj's referrers
+    return " <- ".join(path) or "no gc-visible referrer"
 
 
 def main(argv: list[str] | None = None):
@@ -165,8 +213,16 @@ def main(argv: list[str] | None = None):
         return
     holders = external_holders(target)
     print(f"{len(holders)} holders of the surviving {describe(target)}:")
-    for h in holders[: args.top]:
-        print(f"  {h.kind} (+{h.unexplained}): {h.description}\n      {h.chain[:600]}")
+    alike: dict[tuple, list[Holder]] = {}  # the same kind of holder over the same chain, counted once
+    for h in holders:
+        alike.setdefault((h.kind, h.description, h.chain), []).append(h)
+    for (kind, description, chain), group in list(alike.items())[: args.top]:
+        print(f"  {len(group)} x {kind} (+{group[0].unexplained}): {description}\n      {chain[:600]}")
+        graph_of = sorted({t for h in group for t in h.graph_of})
+        for t in graph_of[:4]:
+            print(f"      in the autograd graph of {t[:400]}")
+        if len(graph_of) > 4:
+            print(f"      ... and {len(graph_of) - 4} more tensors")
 
 
 def _private_pools() -> set:

@@ -51,6 +51,42 @@ def test_an_object_held_only_by_python_has_no_external_holder_and_a_global_is_na
         del KEPT
 
 
+class _Held(torch.autograd.Function):
+    """A custom Function whose context holds an owner, as a graph replay's holds its session."""
+
+    @staticmethod
+    def forward(ctx, owner, x):
+        ctx.owner = owner
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad * 2
+
+
+def _owner_whose_buffer_took_a_graph() -> Owner:
+    """An owner's buffer written by an autograd copy from a tensor whose graph holds the owner: the
+    buffer's ``grad_fn`` leads to the Function's context, which C++ holds (the simulated receive's
+    leak on the GPU)."""
+    owner = Owner()
+    owner.buffer = torch.zeros(3)
+    owner.buffer.copy_(_Held.apply(owner, torch.ones(3, requires_grad=True)))
+    return owner
+
+
+def test_an_autograd_node_held_from_cpp_names_the_tensor_whose_graph_reaches_it():
+    ref = weakref.ref(_owner_whose_buffer_took_a_graph())
+    gc.collect()
+    assert ref() is not None, "the buffer's graph keeps the owner alive"
+    external = [h for h in external_holders(ref()) if h.kind == "external"]
+    assert [h.description for h in external] == ["_HeldBackward"], external
+    (reaching,) = external[0].graph_of
+    assert reaching.startswith("tensor (3,) torch.float32 with grad_fn CopyBackwards <- Owner"), reaching
+    ref().buffer = None  # drops the graph: now the collector frees the owner
+    gc.collect()
+    assert ref() is None
+
+
 @pytest.mark.filterwarnings("ignore:--cuda-graph-impl local. CUDA is not available:UserWarning")
 def test_the_command_line_drops_a_trainer_of_interleaved_chunks_and_finds_it_freed(capsys):
     """On the CPU graphs are off: the command line builds, trains and drops an eager trainer of rank
