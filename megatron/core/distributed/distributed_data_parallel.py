@@ -474,12 +474,14 @@ class DistributedDataParallel(torch.nn.Module):
     def _register_param_gather_hooks(self, module: torch.nn.Module) -> list:
         """A forward pre-hook per module that waits for the buckets of the parameters it
         uses: its own, and those of its childless children (a parent may read a child's
-        weight directly, as the embedding reads its position table)."""
+        weight directly, as the embedding reads its position table); every parameter below
+        it for a module that says ``reads_descendant_params`` (the sequential experts' fused
+        loop reads their weights without calling their forwards)."""
         handles = []
         of_id = {pid: bucket for pid, (_sync, bucket) in self._sync_of_id.items()}
         order = {id(bucket): i for i, bucket in enumerate(self.buckets)}
         for name, sub in module.named_modules():
-            used = list(sub.parameters(recurse=False))
+            used = list(sub.parameters(recurse=getattr(sub, "reads_descendant_params", False)))
             if name:  # the root's leaves are its own modules, with hooks of their own
                 for child in sub.children():
                     if next(child.children(), None) is None:

@@ -292,6 +292,10 @@ class SequentialMLP(torch.nn.Module):
         etp_size, etp_rank: Expert-tensor-parallel size and this rank's index in it.
     """
 
+    reads_descendant_params = True
+    """The fused loop (``_ExpertLoop``) reads the experts' weights without calling their forwards:
+    with --overlap-param-gather, DDP's pre-hook of this module waits for all of them."""
+
     def needs_host_counts(self, tokens: torch.Tensor) -> bool:
         """The loop slices rows per expert: it needs the counts as Python ints."""
         return True
