@@ -55,11 +55,20 @@ class _EarlyReads(TorchDispatchMode):
 
 @pytest.mark.parametrize(
     "model",
-    ["", MOE, f"{MOE} --moe-grouped-gemm", "--untie-embeddings-and-output-weights"],
-    ids=["dense", "moe_sequential", "moe_grouped", "dense_untied"],
+    [
+        "",
+        MOE,
+        f"{MOE} --moe-grouped-gemm",
+        "--untie-embeddings-and-output-weights",
+        "--hybrid-layer-pattern M*- --mamba-num-groups 2 --mamba-head-dim 16 --num-layers 3",
+    ],
+    ids=["dense", "moe_sequential", "moe_grouped", "dense_untied", "hybrid"],
 )
 def test_every_parameter_read_waits_for_its_gather(model):
-    trainer = build_trainer(f"{FLAGS} {model}".split())
+    import pretrain_hybrid
+
+    argv = f"{FLAGS} {model}".split()
+    trainer = build_trainer(argv, **pretrain_hybrid.providers(argv))  # as pretrain_hybrid.py builds it
     try:
         ddp = trainer.model
         assert ddp.overlap_param_gather and ddp.buckets
