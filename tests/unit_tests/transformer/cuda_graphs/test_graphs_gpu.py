@@ -11,7 +11,6 @@ import gc
 import hashlib
 import itertools
 import json
-import os
 import subprocess
 import sys
 import weakref
@@ -26,11 +25,11 @@ from megatron.core.transformer.cuda_graphs.pool import use_expandable_segments
 from megatron.core.transformer.cuda_graphs.session import GraphState
 from megatron.training.data import build_data_iterators
 from megatron.training.training import build_trainer
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.gpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
-MODULE = "tests.unit_tests.transformer.cuda_graphs.test_graphs_gpu"  # imported by a child process from ROOT
+MODULE = "tests.unit_tests.transformer.cuda_graphs.test_graphs_gpu"  # imported by a child process from REPO
 
 DENSE8 = (
     "--num-layers 8 --hidden-size 1024 --ffn-hidden-size 4096 --num-attention-heads 16 --seq-length 2048 "
@@ -365,9 +364,9 @@ def peak_reserved(flags: str, iters: int, schedule):
 def fresh_chunk_run(flags: str, pp_rank: int) -> dict:
     """Trains 6 iterations of rank ``pp_rank``'s two-chunk order in a process of its own, as a
     training process runs one trainer; returns what ``_chunk_run_child`` reports."""
-    code = f"import sys; sys.path.insert(0, {ROOT!r}); from {MODULE} import _chunk_run_child; _chunk_run_child()"
+    code = f"import sys; sys.path.insert(0, {REPO!r}); from {MODULE} import _chunk_run_child; _chunk_run_child()"
     done = subprocess.run(
-        [sys.executable, "-c", code, flags, str(pp_rank)], capture_output=True, text=True, timeout=300, cwd=ROOT
+        [sys.executable, "-c", code, flags, str(pp_rank)], capture_output=True, text=True, timeout=300, cwd=REPO
     )
     assert done.returncode == 0, done.stderr[-3000:]
     (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -403,9 +402,8 @@ def test_interleaved_chunks_peak_memory_within_2_percent(pp_rank):
     memory (graph pools included) at most 2% above eager's, bitwise equal.
 
     Each run has a process of its own, as a training process runs one trainer: in one process,
-    the cache an earlier run leaves is reused by a later eager run but not by graph pools
-    (measured on an H100, rank 1: after a 2-iteration warm-up run, graphed 4976 MiB against 4894
-    alone, eager 4828 either way).
+    the cache an earlier run leaves is reused by a later eager run but not by graph pools (the
+    README has the numbers).
 
     Rank 0 runs its loss head eagerly (``--no-cuda-graph-postprocess``) in both runs: a
     real pipeline's rank 0 has no head (the last stage, rank 1's chunk 1, does), but the
