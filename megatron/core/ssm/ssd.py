@@ -51,8 +51,10 @@ def _decay(a: torch.Tensor) -> torch.Tensor:
     prefix sums); ``tril`` stands in for masks (no mask tensors to build).
     """
     t = a.shape[-1]
-    sums = a.unsqueeze(-1).expand(*a.shape, t).tril(-1).cumsum(dim=-2)  # rows[..., i, j] = a[i] for i > j
-    return torch.exp(sums).tril()
+    rows = a.unsqueeze(-1).expand(*a.shape, t).tril(-1)  # rows[..., i, j] = a[i] for i > j
+    if torch.is_grad_enabled() and a.requires_grad:  # autograd saves exp's output: no in-place steps
+        return torch.exp(rows.cumsum(dim=-2)).tril()
+    return rows.cumsum_(dim=-2).exp_().tril_()  # one matrix instead of three
 
 
 def _check_shapes(x, dt, A, B, C):
@@ -113,6 +115,22 @@ def ssd_chunked_scan(
     return _chunked_scan(x, dt, A, B, C, chunk_size, D, initial_states, return_final_states, state_dtype)
 
 
+_LAYOUT = (
+    "b (c q) (g r) p -> b g r c q p",  # x (and y, dy)
+    "b (c q) (g r) -> b g r c q",  # dt (and a per-position A)
+    "b (c q) g n -> b g c q n",  # B
+    "b (c q) g n -> b g c q n",  # C
+)
+
+
+def _laid_out(tensors, q: int, g: int, cdt: torch.dtype) -> list:
+    """``x, dt, B, C`` (None stays None) in the scan's layout: one copy each, in the compute dtype, contiguous."""
+    return [
+        None if t is None else rearrange(t, pattern, q=q, g=g).to(cdt, memory_format=torch.contiguous_format)
+        for t, pattern in zip(tensors, _LAYOUT)
+    ]
+
+
 def _chunked_scan(x, dt, A, B, C, chunk_size, D=None, initial_states=None, return_final_states=False, state_dtype=None):
     """The scan itself, differentiable by autograd (``ssd_chunked_scan``'s arguments).
 
@@ -134,25 +152,23 @@ def _chunked_scan(x, dt, A, B, C, chunk_size, D=None, initial_states=None, retur
         dt = F.pad(dt, (0, 0, 0, pad))
         A = F.pad(A, (0, 0, 0, pad)) if per_position_A else A
 
-    def laid_out(t, pattern, **sizes):  # one copy: to the compute dtype and contiguous in the layout above
-        return rearrange(t, pattern, q=q, **sizes).to(cdt, memory_format=torch.contiguous_format)
-
-    xs = laid_out(x, "b (c q) (g r) p -> b g r c q p", g=g)
-    dts = laid_out(dt, "b (c q) (g r) -> b g r c q", g=g)
-    Bs = laid_out(B, "b (c q) g n -> b g c q n")
-    Cs = laid_out(C, "b (c q) g n -> b g c q n")
-    As = laid_out(A, "b (c q) (g r) -> b g r c q", g=g) if per_position_A else A.to(cdt).view(g, -1, 1, 1)
+    xs, dts, Bs, Cs = _laid_out((x, dt, B, C), q, g, cdt)
+    As = _laid_out((None, A), q, g, cdt)[1] if per_position_A else A.to(cdt).view(g, -1, 1, 1)
     a = dts * As  # [b, g, r, c, q] (<= 0)
     xdt = xs * dts.unsqueeze(-1)
 
     # 1. Within each chunk: y_i += sum_{j <= i} (C_i . B_j) exp(a_{j+1} + ... + a_i) dt_j x_j.
+    # Each intermediate is dropped once used (``del``; autograd keeps what it saves): without
+    # autograd, the transient is a few of the [b, g, r, c, q, q] matrices, not all of them.
     decay = _decay(a)  # [b, g, r, c, q(i), q(j)]
     cb = Cs @ Bs.transpose(-1, -2)  # [b, g, c, i, j], shared by the heads of a group
     y = (cb.unsqueeze(2) * decay) @ xdt  # [b, g, r, c, q, p]
+    to_end = decay[..., -1, :].unsqueeze(-1).clone()  # [b, g, r, c, q, 1]: the last row of the decay matrix
+    del decay, cb
 
     # 2. The state each chunk produces on its own: sum_j exp(a_{j+1} + ... + a_last) dt_j x_j B_j^T.
-    to_end = decay[..., -1, :].unsqueeze(-1)  # [b, g, r, c, q, 1]: the last row of the decay matrix
-    states = (xdt * to_end).transpose(-1, -2) @ Bs.unsqueeze(2)  # [b, g, r, c, p, n]
+    states = torch.einsum("bgrcqp,bgcqn->bgrcpn", xdt * to_end, Bs)  # [b, g, r, c, p, n]
+    del xdt, to_end
 
     # 3. Pass states along the chunks: S_c = exp(sum of chunk c's a) S_{c-1} + states_c.
     if initial_states is None:
@@ -162,15 +178,19 @@ def _chunked_scan(x, dt, A, B, C, chunk_size, D=None, initial_states=None, retur
     states = torch.cat([first, states], dim=3)  # [b, g, r, c + 1, p, n]
     chunk_decay = _decay(F.pad(a.sum(dim=-1), (1, 0)))  # [b, g, r, c + 1, c + 1]
     passed = (chunk_decay @ states.flatten(-2)).unflatten(-1, states.shape[-2:])
+    del states
     entering, final = passed[:, :, :, :-1], passed[:, :, :, -1]  # state entering each chunk; after the last
     if state_dtype != cdt:  # the materialized inter-chunk states (the passing itself runs in cdt)
         entering = entering.to(state_dtype).to(cdt)
+    if not return_final_states:
+        del passed, final
 
     # 4. What the entering state contributes inside each chunk: C_i . (exp(a_0 + ... + a_i) S).
     from_start = torch.exp(a.cumsum(dim=-1)).unsqueeze(-1)  # [b, g, r, c, q, 1]
-    y = y + from_start * (Cs.unsqueeze(2) @ entering.transpose(-1, -2))
+    y += from_start * torch.einsum("bgcqn,bgrcpn->bgrcqp", Cs, entering)  # y is no saved tensor: in place
+    del entering
     if D is not None:  # D [h] or [h, p]
-        y = y + xs * D.to(cdt).view(g, -1, 1, 1, 1 if D.dim() == 1 else D.shape[-1])
+        y += xs * D.to(cdt).view(g, -1, 1, 1, 1 if D.dim() == 1 else D.shape[-1])
 
     y = rearrange(y, "b g r c q p -> b (c q) (g r) p")[:, :length].to(out_dtype)
     if return_final_states:
@@ -178,25 +198,136 @@ def _chunked_scan(x, dt, A, B, C, chunk_size, D=None, initial_states=None, retur
     return y
 
 
+def _exponent_grad(ds: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``a`` through ``_decay(a)``, from ``ds = d(decay) * decay`` ``[..., T, T]``:
+    ``da_k = sum_{j < k} sum_{i >= k} ds[i, j]``, since ``decay[i, j]``'s exponent sums ``a[j+1..i]``.
+
+    The sum over ``i`` is a scan down the rows and the one over ``j`` a reduction along them, as
+    autograd takes it: a reduction across rows would be split differently for another number of
+    rows (another slice of groups), and slicing must not change a bit.
+    """
+    t = ds.shape[-1]
+    up = ds.flip(-2).cumsum_(dim=-2)  # up[T-1-k, j] = sum_{i >= k} ds[i, j]
+    below = torch.ones(t, t, dtype=ds.dtype, device=ds.device).tril_(-1).flip(0)  # (T-1-k, j) with j < k
+    return up.mul_(below).sum(dim=-1).flip(-1)
+
+
+def _chunked_scan_grads(x, dt, A, B, C, D, chunk_size, state_dtype, dy) -> tuple:
+    """The gradients of ``_chunked_scan(x, dt, A, B, C, chunk_size, D, state_dtype=state_dtype)``
+    (no initial or final states) with respect to ``x, dt, A, B, C``, given ``dy``, worked out by hand.
+
+    ``A`` is per position (``[b, l, h]``), and so is its gradient. Autograd through the scan keeps
+    every intermediate of the recompute at once, some twelve ``[b, h, c, q, q]`` matrices; here
+    at most two live at a time, each dropped as soon as its part is done (the within-chunk term
+    first, then the chunk states). Returns the five gradients in the compute dtype, in the
+    inputs' shapes.
+    """
+    g = B.shape[2]
+    length = x.shape[1]
+    cdt = _compute_dtype(x.dtype)
+    state_dtype = x.dtype if state_dtype is None else state_dtype
+    q = min(int(chunk_size), length)
+    pad = (-length) % q
+    if pad:
+        x, B, C, dy = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C, dy))
+        dt, A = (F.pad(t, (0, 0, 0, pad)) for t in (dt, A))
+    xs, dts, Bs, Cs = _laid_out((x, dt, B, C), q, g, cdt)
+    As = _laid_out((None, A), q, g, cdt)[1]
+    dY = _laid_out((dy,), q, g, cdt)[0]
+    a = dts * As  # [b, g, r, c, q]
+    xdt = xs * dts.unsqueeze(-1)  # [b, g, r, c, q, p]
+    del xs  # laid out again at the end: one copy less in between
+
+    # 1. Within each chunk: y += (cb * decay) @ xdt, cb = C B^T shared by a group's heads.
+    decay = _decay(a)  # [b, g, r, c, q(i), q(j)]
+    cb = (Cs @ Bs.transpose(-1, -2)).unsqueeze(2)  # [b, g, 1, c, i, j]
+    dxdt = (cb * decay).transpose(-1, -2) @ dY
+    ddecay = (dY @ xdt.transpose(-1, -2)).mul_(decay)  # d(cb * decay) * decay
+    to_end = decay[..., -1, :].clone()  # [b, g, r, c, q]: each position's decay to its chunk's end
+    del decay
+    dcb = ddecay.sum(dim=2)  # [b, g, c, i, j]
+    da = _exponent_grad(ddecay.mul_(cb))
+    del ddecay, cb
+    dB = dcb.transpose(-1, -2) @ Cs
+    dC = dcb @ Bs
+    del dcb
+
+    # 2. The state each chunk makes on its own (sum_j to_end_j xdt_j B_j^T), passed along the chunks
+    # (S_c = exp(sum of chunk c's a) S_{c-1} + states_c) to the state entering each chunk.
+    def own_states(xdt):  # [b, g, r, c + 1, p n], a zero state first; made twice rather than kept through step 3
+        return F.pad(torch.einsum("bgrcqp,bgcqn->bgrcpn", xdt * to_end.unsqueeze(-1), Bs).flatten(-2), (0, 0, 1, 0))
+
+    chunk_decay = _decay(F.pad(a.sum(dim=-1), (1, 0)))  # [b, g, r, c + 1, c + 1]
+    entering = (chunk_decay[..., :-1, :] @ own_states(xdt)).unflatten(
+        -1, (x.shape[-1], B.shape[-1])
+    )  # [b, g, r, c, p, n]
+    if state_dtype != cdt:
+        entering.copy_(entering.to(state_dtype))
+
+    # 3. What the entering state adds inside each chunk: exp(a_0 + ... + a_i) C_i . S.
+    from_start = torch.exp(a.cumsum(dim=-1))  # [b, g, r, c, q]
+    dcum = (dY * torch.einsum("bgcqn,bgrcpn->bgrcqp", Cs, entering)).sum(dim=-1).mul_(from_start)
+    da += dcum.flip(-1).cumsum(dim=-1).flip(-1)  # through the cumsum: sum over i >= k
+    del dcum
+    dfrom = dY * from_start.unsqueeze(-1)
+    dC += torch.einsum("bgrcqp,bgrcpn->bgcqn", dfrom, entering)
+    dentering = torch.einsum("bgrcqp,bgcqn->bgrcpn", dfrom, Cs)
+    del dfrom, entering
+    if state_dtype != cdt:  # the rounding's gradient is rounded too, as autograd's casts do
+        dentering.copy_(dentering.to(state_dtype))
+
+    # 4. Back through the passing and the chunks' own states.
+    dpassed = F.pad(dentering.flatten(-2), (0, 0, 0, 1))  # the state after the last chunk is not used
+    del dentering
+    dchunk = _exponent_grad((dpassed @ own_states(xdt).transpose(-1, -2)).mul_(chunk_decay))  # [b, g, r, c + 1]
+    da += dchunk[..., 1:].unsqueeze(-1)
+    dstates = (chunk_decay.transpose(-1, -2) @ dpassed)[:, :, :, 1:].unflatten(-1, (x.shape[-1], B.shape[-1]))
+    del dpassed
+    dB += torch.einsum("bgrcqp,bgrcpn->bgcqn", xdt * to_end.unsqueeze(-1), dstates)
+    dz = torch.einsum("bgcqn,bgrcpn->bgrcqp", Bs, dstates)
+    del dstates
+    dxdt += dz * to_end.unsqueeze(-1)
+    # to_end is the last row of the decay matrix: its gradient reaches a[j+1..q-1] for position j.
+    dlast = (dz * xdt).sum(dim=-1).mul_(to_end)
+    da += F.pad(dlast[..., :-1].cumsum(dim=-1), (1, 0))
+    del dz, dlast
+
+    # 5. a = dt A and xdt = x dt; y's D x term.
+    del xdt
+    dxs = dxdt * dts.unsqueeze(-1)
+    if D is not None:
+        dxs += dY * D.to(cdt).view(g, -1, 1, 1, 1 if D.dim() == 1 else D.shape[-1])
+    del dY
+    ddts = (dxdt * _laid_out((x,), q, g, cdt)[0]).sum(dim=-1) + da * As
+    dAs = da * dts
+
+    def back(t, pattern):  # from the layout to the inputs' shapes, padding trimmed
+        return rearrange(t, pattern)[:, :length]
+
+    return (
+        back(dxs, "b g r c q p -> b (c q) (g r) p"),
+        back(ddts, "b g r c q -> b (c q) (g r)"),
+        back(dAs, "b g r c q -> b (c q) (g r)"),
+        back(dB, "b g c q n -> b (c q) g n"),
+        back(dC, "b g c q n -> b (c q) g n"),
+    )
+
+
 SLICE_BYTES = 32 * 2**20
-"""Budget of one ``[batch, heads, chunks, chunk, chunk]`` decay matrix in :class:`GroupSlicedScan`'s
-backward while a CUDA graph captures it: as many groups go into one slice as fit (at least one). A
-graph keeps its transients reserved in the graph pool, so its slices are smaller than eager ones;
-replaying costs no host time per slice, but small slices keep the GPU less busy. The budget is the
-smallest that keeps a graphed step about as fast as an eager one (the README's hybrid measurements).
-The recording iteration runs a region it captures next at this budget too: it is an eager iteration,
-and its peak counts as the graphed run's. An eager scan inside an eager turn keeps the eager budget,
-though its transients then stay reserved in the backward pool: this budget there doubles the eager
-scan's kernel launches, which set its time (the README's hybrid measurements)."""
+"""Budget of one ``[batch, heads, chunks, chunk, chunk]`` decay matrix in :class:`GroupSlicedScan`
+while a CUDA graph captures it: as many groups go into one slice as fit (at least one). A graph
+keeps its transients reserved in the graph pool, so its slices are smaller than eager ones;
+replaying costs no host time per slice, but small slices keep the GPU less busy. The recording
+iteration runs a region it captures next at this budget too: it is an eager iteration, and its peak
+counts as the graphed run's. An eager scan inside an eager turn keeps the eager budget, though its
+transients then stay reserved in the backward pool: this budget there doubles the eager scan's
+kernel launches, which set its time (the README's hybrid measurements)."""
 EAGER_SLICE_BYTES = 256 * 2**20
-"""The same budget when the scan runs eagerly. The host launches some 250 kernels per slice, and
-eagerly that launching is the scan's time, while the transient of one layer's backward comes and
-goes in the caching allocator like any other: so eager slices are large. Slicing changes no bit of
-the result (groups are independent, and backward takes the per-head sums over the sequence whole),
-so graphed and eager steps stay equal."""
-FORWARD_SLICES = 2
-"""Forward, which holds about a third of the matrices backward does (no autograd), fits this many
-times the budget."""
+"""The same budget when the scan runs eagerly. The host launches some 40 kernels per slice in
+forward and 110 in backward, and eagerly that launching is the scan's time, while the transient of
+one layer comes and goes in the caching allocator like any other: so eager slices are large.
+Slicing changes no bit of the result (groups are independent; backward takes the per-head sums
+over the sequence whole, and its reductions along rows), so graphed and eager steps stay equal."""
 
 
 def _slice_budget() -> int:
@@ -222,7 +353,8 @@ class GroupSlicedScan(torch.autograd.Function):
 
     Groups are independent (a head reads its own ``x``, ``dt``, ``A``, ``D`` and its
     group's ``B``, ``C``), so the output is computed slice by slice of whole groups, and
-    backward recomputes each slice under autograd and takes its gradients before the next.
+    backward recomputes what it needs of each slice and takes its gradients by hand
+    (:func:`_chunked_scan_grads`) before the next.
     The plain scan keeps about 20 float32 copies of ``x``'s size for backward (the decay
     matrices above all); this keeps the inputs, and its transient memory is one slice's.
     Same shapes on every call and no host syncs: capturable in a CUDA graph.
@@ -234,7 +366,7 @@ class GroupSlicedScan(torch.autograd.Function):
         ctx.budget = _slice_budget()  # backward slices as forward chose (it may run elsewhere: autograd's thread)
         ctx.save_for_backward(x, dt, A, B, C, D)
         y = torch.empty_like(x)
-        for heads, groups in _group_slices(x, B, chunk_size, FORWARD_SLICES * ctx.budget):
+        for heads, groups in _group_slices(x, B, chunk_size, ctx.budget):
             pieces = _slice((x, dt, A, B, C, D), heads, groups)
             with scratch():  # the slice's working memory dies here; its result goes into y
                 y[:, :, heads] = _chunked_scan(*pieces[:5], chunk_size, D=pieces[5], state_dtype=state_dtype)
@@ -263,16 +395,11 @@ def _sliced_backward(saved, needs, dy, chunk_size, state_dtype, budget=None) -> 
     # The slices cover every head and group once, so each gradient is written whole.
     grads = [torch.empty_like(t) if need else None for t, need in zip(inputs, wanted)]
     for heads, groups in _group_slices(x, B, chunk_size, _slice_budget() if budget is None else budget):
-        pieces = _slice(inputs, heads, groups)
-        leaves = [p.detach().requires_grad_(need) if p is not None else None for p, need in zip(pieces, wanted)]
-        with torch.enable_grad():
-            y = _chunked_scan(*leaves[:5], chunk_size, D=leaves[5], state_dtype=state_dtype)
-        differentiable = [leaf for leaf in leaves if leaf is not None and leaf.requires_grad]
-        found = iter(torch.autograd.grad(y, differentiable, dy[:, :, heads]))
-        for part, leaf in zip(_slice(grads, heads, groups), leaves):
-            if leaf is not None and leaf.requires_grad:
-                part.copy_(next(found))
-        del y, found, leaves
+        found = _chunked_scan_grads(*_slice(inputs, heads, groups), chunk_size, state_dtype, dy[:, :, heads])
+        for part, grad in zip(_slice(grads, heads, groups), found):
+            if part is not None:
+                part.copy_(grad)
+        del found
     dA = grads[2].sum(dim=(0, 1)) if need_A else None
     dD = None
     if need_D:  # y = ... + D x: dD sums dy x over the sequence (and the head dim for D [h])
@@ -313,7 +440,7 @@ def captured_backward_peak_bytes(
     batch: int, length: int, heads: int, head_dim: int, groups: int, state: int, chunk_size: int, dtype: torch.dtype
 ) -> int:
     """Peak bytes :class:`GroupSlicedScan`'s backward allocates while a CUDA graph captures it
-    (slices of ``SLICE_BYTES``): its gradients and one slice's recompute and autograd.
+    (slices of ``SLICE_BYTES``): its gradients and one slice's working memory.
 
     Found by running that backward on the meta device (shapes only, no data, no device)
     and counting what each operation creates while it lives: exact for this scan's
