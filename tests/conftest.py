@@ -1,8 +1,12 @@
 """Test-wide setup: the ``gpu`` marker skips without CUDA; determinism settings restored after each
 test; shared tiny models and tools."""
 
+import hashlib
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -24,6 +28,30 @@ def run_config(extra: str, world_size: int = 1):
     flags = "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
     flags += "--micro-batch-size 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 255 "
     return parse_args((flags + extra).split()).resolve(world_size=world_size)
+
+
+def run_in_own_process(module: str, function: str, *args: str, timeout: int = 600) -> dict:
+    """``module.function()`` in a fresh Python process started in the repository root (``args`` in its
+    ``sys.argv[1:]``); returns what it passed to :func:`report_to_parent`. For GPU memory tests: a
+    training process runs one trainer, and in one process the cache an earlier run leaves is reused
+    by a later eager run but not by graph pools."""
+    code = f"import sys; sys.path.insert(0, {REPO!r}); from {module} import {function}; {function}()"
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def report_to_parent(result: dict) -> None:
+    """The child's side of :func:`run_in_own_process` (``result`` must be JSON)."""
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes: equal digests, equal tensors bit for bit (across processes)."""
+    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 @pytest.fixture(autouse=True)

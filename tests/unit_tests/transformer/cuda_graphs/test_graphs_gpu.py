@@ -8,10 +8,7 @@ Bitwise: the same kernels run eagerly and inside the graphs (deterministic mode,
 
 import functools
 import gc
-import hashlib
 import itertools
-import json
-import subprocess
 import sys
 import weakref
 
@@ -25,11 +22,11 @@ from megatron.core.transformer.cuda_graphs.pool import use_expandable_segments
 from megatron.core.transformer.cuda_graphs.session import GraphState
 from megatron.training.data import build_data_iterators
 from megatron.training.training import build_trainer
-from tests.conftest import REPO
+from tests.conftest import report_to_parent, run_in_own_process, tensor_digest
 
 pytestmark = pytest.mark.gpu
 
-MODULE = "tests.unit_tests.transformer.cuda_graphs.test_graphs_gpu"  # imported by a child process from REPO
+MODULE = "tests.unit_tests.transformer.cuda_graphs.test_graphs_gpu"  # imported by a child process
 
 DENSE8 = (
     "--num-layers 8 --hidden-size 1024 --ffn-hidden-size 4096 --num-attention-heads 16 --seq-length 2048 "
@@ -364,13 +361,7 @@ def peak_reserved(flags: str, iters: int, schedule):
 def fresh_chunk_run(flags: str, pp_rank: int) -> dict:
     """Trains 6 iterations of rank ``pp_rank``'s two-chunk order in a process of its own, as a
     training process runs one trainer; returns what ``_chunk_run_child`` reports."""
-    code = f"import sys; sys.path.insert(0, {REPO!r}); from {MODULE} import _chunk_run_child; _chunk_run_child()"
-    done = subprocess.run(
-        [sys.executable, "-c", code, flags, str(pp_rank)], capture_output=True, text=True, timeout=300, cwd=REPO
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    return json.loads(line.removeprefix("RESULT "))
+    return run_in_own_process(MODULE, "_chunk_run_child", flags, str(pp_rank), timeout=300)
 
 
 def _chunk_run_child() -> None:
@@ -384,7 +375,7 @@ def _chunk_run_child() -> None:
     result = {
         "peaks": peaks,
         "losses": [loss.item().hex() for loss in losses],
-        "grads": [hashlib.sha256(g.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for g in grads],
+        "grads": [tensor_digest(g) for g in grads],
     }
     session = trainer.graphs
     if session is not None and session.captured:
@@ -393,7 +384,7 @@ def _chunk_run_child() -> None:
         result["pools"] = {slot: pool.stats().reserved_bytes for slot, pool in session.pools.items()}
         result["backward"] = session.backward_pool.stats().reserved_bytes
         result["routed"] = sum(r.transients_routed for r in session.regions)
-    print("RESULT " + json.dumps(result), flush=True)
+    report_to_parent(result)
 
 
 @pytest.mark.parametrize("pp_rank", [0, 1])
