@@ -31,6 +31,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 from einops import rearrange
+from torch.autograd.function import once_differentiable
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -373,6 +374,7 @@ class GroupSlicedScan(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # gradients by hand: no graph of their own
     def backward(ctx, dy):
         grads = _sliced_backward(
             ctx.saved_tensors, ctx.needs_input_grad[:6], dy, ctx.chunk_size, ctx.state_dtype, ctx.budget
