@@ -74,7 +74,7 @@ if [ "$PART" = gaps ]; then
         gap "vpp0_${mode/:/_}" --config dense8 --vpp-rank 0 --mode "$mode" --extra="$vpp --no-cuda-graph-postprocess"
         gap "vpp1_${mode/:/_}" --config dense8 --vpp-rank 1 --mode "$mode" --extra="$vpp"
     done
-    for mode in eager local:attn local:mlp; do
+    for mode in eager local:mamba local:attn local:mlp local:layer; do
         gap "hybrid_${mode/:/_}" --config hybrid --mode "$mode" --extra="--deterministic-mode"
     done
     for mode in eager local:attn+mlp; do
