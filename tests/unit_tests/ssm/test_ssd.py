@@ -218,6 +218,32 @@ def test_a_scan_recorded_for_capture_slices_as_the_graph_will_in_forward_and_bac
     assert budgets == [ssd.SLICE_BYTES] * 2
 
 
+def test_eager_scans_in_turns_take_the_captured_budget_when_asked(monkeypatch):
+    """MEGATRON_CG_TURN_SCAN_BUDGET=captured: an eager scan whose scratch goes to the backward graphs'
+    pool (a graphed run's, after capture) slices as a captured one; by default, and wherever the
+    scratch does not route, it keeps the eager budget. A value it does not know is an error naming it."""
+    from megatron.core.transformer.cuda_graphs import scratch as scratch_module
+
+    class Session:
+        _scratch_open = True
+
+    session = Session()
+    scratch_module.own_scratch(session)
+    try:
+        assert ssd._slice_budget() == ssd.EAGER_SLICE_BYTES
+        monkeypatch.setenv(ssd.TURN_BUDGET_ENV, "captured")
+        assert ssd._slice_budget() == ssd.SLICE_BYTES
+        session._scratch_open = False  # before capture, or the scratch stayed in the eager cache
+        assert ssd._slice_budget() == ssd.EAGER_SLICE_BYTES
+        monkeypatch.setenv(ssd.TURN_BUDGET_ENV, "small")
+        with pytest.raises(ValueError, match="MEGATRON_CG_TURN_SCAN_BUDGET='small': use eager"):
+            ssd._slice_budget()
+    finally:
+        scratch_module.disown_scratch(session)
+    monkeypatch.setenv(ssd.TURN_BUDGET_ENV, "captured")
+    assert ssd._slice_budget() == ssd.EAGER_SLICE_BYTES  # no graphed run
+
+
 def test_scan_without_gradient_or_with_states_runs_the_plain_scan():
     x, dt, A, B, C, D = inputs(1, 20, 4, 4, 2, 4)
     with torch.no_grad():

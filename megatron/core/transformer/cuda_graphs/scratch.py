@@ -45,6 +45,13 @@ def disown_scratch(session) -> None:
         _owner = None
 
 
+def scratch_routes() -> bool:
+    """Whether a :func:`scratch` block run now, outside a capture, would allocate in the backward
+    graphs' pool: an eager forward of a graphed run whose scratch blocks opened."""
+    owner = _owner() if _owner is not None else None
+    return owner is not None and owner._scratch_open
+
+
 @contextlib.contextmanager
 def scratch():
     """A block of a forward whose allocations all die inside it (working memory; its results are
