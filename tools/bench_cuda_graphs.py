@@ -43,7 +43,8 @@ DENSE_MODES = [
     "full", "mgc",
 ]  # fmt: skip
 """``local:*`` runs with the eager turns' default (every turn); ``noturn:*`` without any, ``turn:*``
-with the first only (``MEGATRON_CG_EAGER_TURN``). ``eager:fold`` is eager with DDP folding each
+with the first only (``MEGATRON_CG_EAGER_TURN``). ``scan32:*`` (hybrid) slices the eager Mamba scans
+of a graphed run at the captured budget (``MEGATRON_CG_TURN_SCAN_BUDGET=captured``). ``eager:fold`` is eager with DDP folding each
 gradient into main_grad on arrival (one add per parameter), as the trainer does wherever turns may
 open, instead of one multi-tensor fold after the backward: that part of a turn's host cost."""
 MODES = {
@@ -62,7 +63,17 @@ MODES = {
         "eager:drop-and-pad",
         "local:moe",
     ],
-    "hybrid": ["eager", "local:mamba", "noturn:mamba", "local:attn", "local:mlp", "local:layer", "mgc"],
+    "hybrid": [
+        "eager",
+        "local:mamba",
+        "noturn:mamba",
+        "local:attn",
+        "scan32:attn",
+        "local:mlp",
+        "scan32:mlp",
+        "local:layer",
+        "mgc",
+    ],  # fmt: skip
 }
 DROP_AND_PAD = "--moe-expert-capacity-factor 1 --moe-pad-expert-input-to-capacity"
 MODE_FLAGS = {("moe", "local:moe"): DROP_AND_PAD, ("moe", "eager:drop-and-pad"): DROP_AND_PAD}

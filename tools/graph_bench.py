@@ -65,6 +65,7 @@ def pipelined_ms(step) -> float:
 
 
 EAGER_TURN_SWITCH = "MEGATRON_CG_EAGER_TURN"  # megatron/core/transformer/cuda_graphs/turn.py
+TURN_SCAN_BUDGET = "MEGATRON_CG_TURN_SCAN_BUDGET"  # megatron/core/ssm/ssd.py; scan32:* sets it to captured
 
 
 def mode_flags(mode: str) -> str:
@@ -532,6 +533,8 @@ def run_child(config: str, mode: str, args, stem: str):
     for prefix, value in turns.items():
         if mode.startswith(prefix):
             env[EAGER_TURN_SWITCH] = value
+    if mode.startswith("scan32:"):
+        env[TURN_SCAN_BUDGET] = "captured"
     with open(log, "w") as f:
         rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     if rc != 0:

@@ -47,6 +47,8 @@ MODE_NAMES = {
     "noturn:attn": "graphs, `attn`, no eager turns",
     "noturn:mlp": "graphs, `mlp`, no eager turns",
     "noturn:mamba": "graphs, `mamba`, no eager turns",
+    "scan32:attn": "graphs, `attn`, eager scans at the captured slice budget",
+    "scan32:mlp": "graphs, `mlp`, eager scans at the captured slice budget",
     "turn:attn": "graphs, `attn`, eager turn in the backward pool",
     "turns:attn": "graphs, `attn`, eager turns between backward graphs too",
     "turns:mlp": "graphs, `mlp`, eager turns between backward graphs too",

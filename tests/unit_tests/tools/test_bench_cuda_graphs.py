@@ -20,7 +20,7 @@ def test_every_config_parses_with_every_mode_flag():
             cfg = parse_args(argv.split())
             impl = (
                 "local"
-                if mode.startswith(("local:", "noturn:", "turn:", "turns:"))
+                if mode.startswith(("local:", "noturn:", "turn:", "turns:", "scan32:"))
                 else "full_iteration"
                 if mode == "full"
                 else "none"
@@ -38,16 +38,24 @@ def test_turn_modes_run_their_child_with_the_eager_turns_set(monkeypatch, tmp_pa
     seen = {}
 
     def call(cmd, stdout, stderr, env):
-        seen[cmd[cmd.index("--mode") + 1]] = env.get(graph_bench.EAGER_TURN_SWITCH)
+        switches = (env.get(graph_bench.EAGER_TURN_SWITCH), env.get(graph_bench.TURN_SCAN_BUDGET))
+        seen[cmd[cmd.index("--mode") + 1]] = switches
         return 1  # a failed child: run_child prints its log's tail and returns None
 
     monkeypatch.setattr(graph_bench.subprocess, "call", call)
     monkeypatch.delenv(graph_bench.EAGER_TURN_SWITCH, raising=False)
+    monkeypatch.delenv(graph_bench.TURN_SCAN_BUDGET, raising=False)
     args = types.SimpleNamespace(iters=5, skip=1, extra="")
-    modes = ("local:attn", "noturn:attn", "turn:attn", "turns:attn")
+    modes = ("local:attn", "noturn:attn", "turn:attn", "turns:attn", "scan32:attn")
     for mode in modes:
         graph_bench.run_child("dense8", mode, args, str(tmp_path / mode.replace(":", "_")))
-    assert seen == {"local:attn": None, "noturn:attn": "0", "turn:attn": "1", "turns:attn": "all"}
+    assert seen == {
+        "local:attn": (None, None),
+        "noturn:attn": ("0", None),
+        "turn:attn": ("1", None),
+        "turns:attn": ("all", None),
+        "scan32:attn": (None, "captured"),
+    }
     assert len({graph_bench.mode_flags(m) for m in modes}) == 1
 
 
