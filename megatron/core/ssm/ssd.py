@@ -336,8 +336,8 @@ TURN_BUDGET_ENV = "MEGATRON_CG_TURN_SCAN_BUDGET"
 """``captured``: an eager scan of a graphed run whose scratch blocks and turns allocate in the backward
 graphs' pool (``cuda_graphs/scratch.py``, ``turn.py``) takes :data:`SLICE_BYTES`. That pool stays
 reserved for the largest thing made in it, while eagerly the scan's working memory reuses what the
-layers after it freed: hybrid ``attn`` and ``mlp`` scopes then peak within 1.4% of eager's instead
-of +1.4% and +5.7%, but their steps take 1.2 x as long (the README's hybrid measurements).
+layers after it freed: graphed hybrid ``attn`` and ``mlp`` steps then peak closer to eager's, and
+take longer, since an eager scan's time is its kernel launches (the README's hybrid measurements).
 ``eager`` (the default) keeps :data:`EAGER_SLICE_BYTES` there."""
 
 
