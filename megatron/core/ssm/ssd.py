@@ -133,6 +133,17 @@ def _laid_out(tensors, q: int, g: int, cdt: torch.dtype) -> list:
     ]
 
 
+def _chunk_states(xdt: torch.Tensor, to_end: torch.Tensor, Bs: torch.Tensor) -> torch.Tensor:
+    """``[b, g, r, c, p, n]``: the state each chunk makes on its own, ``sum_j to_end_j xdt_j B_j^T``
+    (``to_end [b, g, r, c, q]``: each position's decay to its chunk's end)."""
+    return torch.einsum("bgrcqp,bgcqn->bgrcpn", xdt * to_end.unsqueeze(-1), Bs)
+
+
+def _skip_weights(D: torch.Tensor, g: int, cdt: torch.dtype) -> torch.Tensor:
+    """``D [h]`` or ``[h, p]`` in the compute dtype, shaped to multiply ``[b, g, r, c, q, p]``."""
+    return D.to(cdt).view(g, -1, 1, 1, 1 if D.dim() == 1 else D.shape[-1])
+
+
 def _chunked_scan(x, dt, A, B, C, chunk_size, D=None, initial_states=None, return_final_states=False, state_dtype=None):
     """The scan itself, differentiable by autograd (``ssd_chunked_scan``'s arguments).
 
@@ -165,11 +176,11 @@ def _chunked_scan(x, dt, A, B, C, chunk_size, D=None, initial_states=None, retur
     decay = _decay(a)  # [b, g, r, c, q(i), q(j)]
     cb = Cs @ Bs.transpose(-1, -2)  # [b, g, c, i, j], shared by the heads of a group
     y = (cb.unsqueeze(2) * decay) @ xdt  # [b, g, r, c, q, p]
-    to_end = decay[..., -1, :].unsqueeze(-1).clone()  # [b, g, r, c, q, 1]: the last row of the decay matrix
+    to_end = decay[..., -1, :].clone()  # [b, g, r, c, q]: the last row of the decay matrix
     del decay, cb
 
     # 2. The state each chunk produces on its own: sum_j exp(a_{j+1} + ... + a_last) dt_j x_j B_j^T.
-    states = torch.einsum("bgrcqp,bgcqn->bgrcpn", xdt * to_end, Bs)  # [b, g, r, c, p, n]
+    states = _chunk_states(xdt, to_end, Bs)  # [b, g, r, c, p, n]
     del xdt, to_end
 
     # 3. Pass states along the chunks: S_c = exp(sum of chunk c's a) S_{c-1} + states_c.
@@ -192,7 +203,7 @@ def _chunked_scan(x, dt, A, B, C, chunk_size, D=None, initial_states=None, retur
     y += from_start * torch.einsum("bgcqn,bgrcpn->bgrcqp", Cs, entering)  # y is no saved tensor: in place
     del entering
     if D is not None:  # D [h] or [h, p]
-        y += xs * D.to(cdt).view(g, -1, 1, 1, 1 if D.dim() == 1 else D.shape[-1])
+        y += xs * _skip_weights(D, g, cdt)
 
     y = rearrange(y, "b g r c q p -> b (c q) (g r) p")[:, :length].to(out_dtype)
     if return_final_states:
@@ -257,7 +268,7 @@ def _chunked_scan_grads(x, dt, A, B, C, D, chunk_size, state_dtype, dy) -> tuple
     # 2. The state each chunk makes on its own (sum_j to_end_j xdt_j B_j^T), passed along the chunks
     # (S_c = exp(sum of chunk c's a) S_{c-1} + states_c) to the state entering each chunk.
     def own_states(xdt):  # [b, g, r, c + 1, p n], a zero state first; made twice rather than kept through step 3
-        return F.pad(torch.einsum("bgrcqp,bgcqn->bgrcpn", xdt * to_end.unsqueeze(-1), Bs).flatten(-2), (0, 0, 1, 0))
+        return F.pad(_chunk_states(xdt, to_end, Bs).flatten(-2), (0, 0, 1, 0))
 
     chunk_decay = _decay(F.pad(a.sum(dim=-1), (1, 0)))  # [b, g, r, c + 1, c + 1]
     entering = (chunk_decay[..., :-1, :] @ own_states(xdt)).unflatten(
@@ -298,7 +309,7 @@ def _chunked_scan_grads(x, dt, A, B, C, D, chunk_size, state_dtype, dy) -> tuple
     del xdt
     dxs = dxdt * dts.unsqueeze(-1)
     if D is not None:
-        dxs += dY * D.to(cdt).view(g, -1, 1, 1, 1 if D.dim() == 1 else D.shape[-1])
+        dxs += dY * _skip_weights(D, g, cdt)
     del dY
     ddts = (dxdt * _laid_out((x,), q, g, cdt)[0]).sum(dim=-1) + da * As
     dAs = da * dts

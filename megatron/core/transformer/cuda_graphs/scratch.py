@@ -45,10 +45,15 @@ def disown_scratch(session) -> None:
         _owner = None
 
 
+def _owning_session():
+    """The session that takes the scratch blocks, or None."""
+    return _owner() if _owner is not None else None
+
+
 def scratch_routes() -> bool:
     """Whether a :func:`scratch` block run now, outside a capture, would allocate in the backward
     graphs' pool: an eager forward of a graphed run whose scratch blocks opened."""
-    owner = _owner() if _owner is not None else None
+    owner = _owning_session()
     return owner is not None and owner._scratch_open
 
 
@@ -63,7 +68,7 @@ def scratch():
         with capture_detour(*pools) if pools is not None else contextlib.nullcontext():
             yield
         return
-    owner = _owner() if _owner is not None else None
+    owner = _owning_session()
     if owner is None:
         yield
         return
