@@ -54,6 +54,34 @@ def tensor_digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+def bitwise_record(losses, grads) -> dict:
+    """A run's losses as exact float hex and its ``main_grad``s as digests: what runs in two processes
+    compare bit for bit (:func:`assert_bitwise_same`)."""
+    return {"losses": [loss.item().hex() for loss in losses], "grads": [tensor_digest(g) for g in grads]}
+
+
+def _bits_equal(a, b) -> bool:
+    return a == b if isinstance(a, str) else torch.equal(a, b)
+
+
+def assert_bitwise_same(eager: tuple, graphed: tuple, what: str, grads_after: int = 3) -> None:
+    """Two runs' ``(losses, main_grads)`` equal bit for bit: tensors, or :func:`bitwise_record`'s hex
+    and digests. ``grads_after``: the iteration the gradients were taken after (for the message)."""
+    (e_losses, e_grads), (g_losses, g_grads) = eager, graphed
+    for i, (a, b) in enumerate(zip(e_losses, g_losses)):
+        value = float.fromhex if isinstance(a, str) else torch.Tensor.item
+        assert _bits_equal(a, b), (
+            f"{what}: lm loss differs at iteration {i + 1}: eager {value(a)!r} graphed {value(b)!r}"
+        )
+    differ = [k for k, (a, b) in enumerate(zip(e_grads, g_grads)) if not _bits_equal(a, b)]
+    if differ and isinstance(e_grads[differ[0]], torch.Tensor):
+        first = (e_grads[differ[0]] - g_grads[differ[0]]).abs().max().item()
+        differ_text = f"{differ} (max diff of the first: {first})"
+    else:
+        differ_text = str(differ)
+    assert not differ, f"{what}: main_grad of parameters {differ_text} differ after iteration {grads_after}"
+
+
 @pytest.fixture(autouse=True)
 def _restore_determinism():
     """Every test starts with the process's determinism settings (and cuBLAS's bf16 reduction setting) as

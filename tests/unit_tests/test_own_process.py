@@ -1,5 +1,5 @@
-"""The GPU memory tests' helpers in tests/conftest.py: a function run in a process of its own, and
-tensor digests that compare bits across processes."""
+"""The GPU tests' helpers in tests/conftest.py: a function run in a process of its own, tensor digests
+that compare bits across processes, and the bitwise comparison of two runs."""
 
 import os
 import sys
@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import report_to_parent, run_in_own_process, tensor_digest
+from tests.conftest import assert_bitwise_same, bitwise_record, report_to_parent, run_in_own_process, tensor_digest
 
 MODULE = "tests.unit_tests.test_own_process"
 
@@ -35,3 +35,20 @@ def test_a_failing_child_fails_the_test_with_its_error():
 def test_digests_tell_bits_apart():
     assert tensor_digest(torch.tensor([0.0])) != tensor_digest(torch.tensor([-0.0]))
     assert tensor_digest(torch.tensor([1.0, 2.0])[1:]) == tensor_digest(torch.tensor([2.0]))
+
+
+def test_two_runs_compare_bit_for_bit_as_tensors_or_as_records():
+    losses, grads = [torch.tensor(2.5), torch.tensor(1.25)], [torch.ones(3), torch.zeros(2)]
+    nudged = [torch.ones(3), torch.tensor([0.0, 0.5])]
+    assert_bitwise_same((losses, grads), (losses, [g.clone() for g in grads]), "same")
+    record = bitwise_record(losses, grads)
+    assert record["losses"] == [(2.5).hex(), (1.25).hex()]
+    assert_bitwise_same((record["losses"], record["grads"]), (record["losses"], record["grads"]), "same")
+    with pytest.raises(AssertionError, match=r"main_grad of parameters \[1\] \(max diff of the first: 0.5\) differ"):
+        assert_bitwise_same((losses, grads), (losses, nudged), "tensors")
+    other = bitwise_record(losses, nudged)
+    with pytest.raises(AssertionError, match=r"records: main_grad of parameters \[1\] differ after iteration 3"):
+        assert_bitwise_same((record["losses"], record["grads"]), (other["losses"], other["grads"]), "records")
+    later = bitwise_record([losses[0], torch.tensor(1.5)], grads)
+    with pytest.raises(AssertionError, match="lm loss differs at iteration 2: eager 1.25 graphed 1.5"):
+        assert_bitwise_same((record["losses"], record["grads"]), (later["losses"], later["grads"]), "loss")

@@ -19,7 +19,7 @@ from megatron.core.ssm.mamba_mixer import HAVE_MAMBA_SSM
 from megatron.core.transformer.cuda_graphs.pool import use_expandable_segments
 from megatron.training.data import build_data_iterators
 from megatron.training.training import build_trainer
-from tests.conftest import report_to_parent, run_in_own_process, tensor_digest
+from tests.conftest import assert_bitwise_same, bitwise_record, report_to_parent, run_in_own_process
 
 pytestmark = pytest.mark.gpu
 
@@ -77,21 +77,9 @@ def train(flags: str, iters: int, snapshot_at: int = 3):
 
 
 def assert_same(eager, graphed, what):
-    """Losses and ``main_grad``s equal bit for bit: tensors (one process) or their exact hex and
-    digests (:func:`fresh_train`)."""
-    for i, (a, b) in enumerate(zip(eager[0], graphed[0])):
-        same = a == b if isinstance(a, str) else torch.equal(a, b)
-        assert same, f"{what}: lm loss differs at iteration {i + 1}: eager {loss_value(a)!r} graphed {loss_value(b)!r}"
-    differ = [
-        k
-        for k, (a, b) in enumerate(zip(eager[1], graphed[1]))
-        if not (a == b if isinstance(a, str) else torch.equal(a, b))
-    ]
-    assert not differ, f"{what}: main_grad of parameters {differ} differ after iteration 3"
-
-
-def loss_value(loss) -> float:
-    return float.fromhex(loss) if isinstance(loss, str) else loss.item()
+    """Two runs' losses and ``main_grad``s equal bit for bit (tensors in one process, hex and digests
+    from :func:`fresh_train`)."""
+    assert_bitwise_same(eager[:2], graphed[:2], what)
 
 
 def fresh_train(flags: str, iters: int) -> tuple:
@@ -106,14 +94,7 @@ def _train_child() -> None:
     """``fresh_train``'s process."""
     use_expandable_segments()  # eager on the allocator settings graphed runs use
     losses, grads, facts, peaks = train(sys.argv[1], int(sys.argv[2]))
-    report_to_parent(
-        {
-            "losses": [loss.item().hex() for loss in losses],
-            "grads": [tensor_digest(g) for g in grads],
-            "facts": facts,
-            "peaks": peaks,
-        }
-    )
+    report_to_parent({**bitwise_record(losses, grads), "facts": facts, "peaks": peaks})
 
 
 def run_scopes(size: str, iters: int, memory_margin: float | None):

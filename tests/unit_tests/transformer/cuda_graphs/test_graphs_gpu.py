@@ -22,7 +22,7 @@ from megatron.core.transformer.cuda_graphs.pool import use_expandable_segments
 from megatron.core.transformer.cuda_graphs.session import GraphState
 from megatron.training.data import build_data_iterators
 from megatron.training.training import build_trainer
-from tests.conftest import report_to_parent, run_in_own_process, tensor_digest
+from tests.conftest import assert_bitwise_same, bitwise_record, report_to_parent, run_in_own_process
 
 pytestmark = pytest.mark.gpu
 
@@ -75,16 +75,8 @@ def train(flags: str, iters: int, snapshot_at: int = 3, batches=None, schedule=N
 
 
 def assert_same(eager, graphed, what):
-    e_losses, e_grads, _ = eager
-    g_losses, g_grads, _ = graphed
-    for i, (a, b) in enumerate(zip(e_losses, g_losses)):
-        assert torch.equal(a, b), (
-            f"{what}: lm loss differs at iteration {i + 1}: eager {a.item()!r} graphed {b.item()!r}"
-        )
-    for k, (a, b) in enumerate(zip(e_grads, g_grads)):
-        assert torch.equal(a, b), (
-            f"{what}: main_grad of parameter {k} differs after iteration 3 (max diff {(a - b).abs().max().item()})"
-        )
+    """``train()``'s results of two runs equal bit for bit (losses, and main_grads after iteration 3)."""
+    assert_bitwise_same(eager[:2], graphed[:2], what)
 
 
 @pytest.mark.parametrize("precision", ["--bf16", ""], ids=["bf16", "fp32"])
@@ -372,11 +364,7 @@ def _chunk_run_child() -> None:
     use_expandable_segments()
     peaks = []
     losses, grads, trainer = train(flags, 6, schedule=chunk_schedule(pp_rank), peaks=peaks)
-    result = {
-        "peaks": peaks,
-        "losses": [loss.item().hex() for loss in losses],
-        "grads": [tensor_digest(g) for g in grads],
-    }
+    result = {"peaks": peaks, **bitwise_record(losses, grads)}
     session = trainer.graphs
     if session is not None and session.captured:
         check_chunk_session(session, pp_rank)
@@ -406,10 +394,7 @@ def test_interleaved_chunks_peak_memory_within_2_percent(pp_rank):
     eager = fresh_chunk_run(flags, pp_rank)
     graphed = fresh_chunk_run(f"{flags} {graph_flags('layer')}{head}", pp_rank)
     what = f"interleaved rank {pp_rank}, dense8"
-    for i, (a, b) in enumerate(zip(eager["losses"], graphed["losses"])):
-        assert a == b, f"{what}: lm loss differs at iteration {i + 1}: eager {a} graphed {b}"
-    differ = [k for k, (a, b) in enumerate(zip(eager["grads"], graphed["grads"])) if a != b]
-    assert not differ, f"{what}: main_grad of parameters {differ} differ after iteration 3"
+    assert_bitwise_same((eager["losses"], eager["grads"]), (graphed["losses"], graphed["grads"]), what)
     eager_peak, graphed_peak = max(eager["peaks"]), max(graphed["peaks"])
     assert graphed["routed"] > 0, "several slots share the backward pool: the forwards' transients go there"
     pools_text = (
