@@ -3,10 +3,9 @@
 The all-gathers of the distributed optimizer run while the next forward starts; each module's
 forward pre-hook waits for the buckets of the parameters it uses. A module that reads weights
 its hooks do not cover reads half-gathered parameters, silently and only when the gather is
-slow. The sequential experts did (their fused loop reads the experts' weights directly); the
-likely cause of a 4-rank MoE run on the CPU that was once off by 1.3e-5 relative at iteration 6,
-against 1e-7 in other runs. Here every bucket stays "in flight" until a hook waits on it, and a
-dispatch mode records every op that reads a bucket's memory before that: the race made certain.
+slow. The sequential experts did (their fused loop reads the experts' weights directly). Here
+every bucket stays "in flight" until a hook waits on it, and a dispatch mode records every op that
+reads a bucket's memory before that: the race made certain.
 """
 
 import pytest
