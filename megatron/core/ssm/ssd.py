@@ -126,17 +126,23 @@ _LAYOUT = (
 
 
 def _laid_out(tensors, q: int, g: int, cdt: torch.dtype) -> list:
-    """``x, dt, B, C`` (None stays None) in the scan's layout: one copy each, in the compute dtype, contiguous."""
+    """``x, dt, B, C`` (None stays None) in the scan's layout: one copy each, in the compute dtype, contiguous
+    (a copy also where the dtype is already the compute dtype: the scan may write over it)."""
     return [
-        None if t is None else rearrange(t, pattern, q=q, g=g).to(cdt, memory_format=torch.contiguous_format)
+        None if t is None else rearrange(t, pattern, q=q, g=g).to(cdt, memory_format=torch.contiguous_format, copy=True)
         for t, pattern in zip(tensors, _LAYOUT)
     ]
 
 
-def _chunk_states(xdt: torch.Tensor, to_end: torch.Tensor, Bs: torch.Tensor) -> torch.Tensor:
-    """``[b, g, r, c, p, n]``: the state each chunk makes on its own, ``sum_j to_end_j xdt_j B_j^T``
-    (``to_end [b, g, r, c, q]``: each position's decay to its chunk's end)."""
-    return torch.einsum("bgrcqp,bgcqn->bgrcpn", xdt * to_end.unsqueeze(-1), Bs)
+def _times(t: torch.Tensor, factor: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """``t * factor``, written over ``t`` where ``in_place`` (no autograd records ``t``, nothing else reads it)."""
+    return t.mul_(factor) if in_place else t * factor
+
+
+def _chunk_states(weighted: torch.Tensor, Bs: torch.Tensor) -> torch.Tensor:
+    """``[b, g, r, c, p, n]``: the state each chunk makes on its own, ``sum_j to_end_j xdt_j B_j^T``,
+    from ``weighted = xdt * to_end`` (``to_end [b, g, r, c, q]``: each position's decay to its chunk's end)."""
+    return torch.einsum("bgrcqp,bgcqn->bgrcpn", weighted, Bs)
 
 
 def _skip_weights(D: torch.Tensor, g: int, cdt: torch.dtype) -> torch.Tensor:
@@ -165,22 +171,27 @@ def _chunked_scan(x, dt, A, B, C, chunk_size, D=None, initial_states=None, retur
         dt = F.pad(dt, (0, 0, 0, pad))
         A = F.pad(A, (0, 0, 0, pad)) if per_position_A else A
 
+    # Without autograd (GroupSlicedScan's forward) the steps below scale their intermediates in place
+    # and drop each once used: the transient is then two [b, g, r, c, q, q] matrices at most.
+    lean = not torch.is_grad_enabled()
     xs, dts, Bs, Cs = _laid_out((x, dt, B, C), q, g, cdt)
     As = _laid_out((None, A), q, g, cdt)[1] if per_position_A else A.to(cdt).view(g, -1, 1, 1)
     a = dts * As  # [b, g, r, c, q] (<= 0)
-    xdt = xs * dts.unsqueeze(-1)
+    # D's term reads x again: lean, as laid out in place (xs becomes x dt); under autograd, the copy,
+    # so that x's gradient is summed in the compute dtype before its one rounding.
+    skip_x = rearrange(x, _LAYOUT[0], q=q, g=g) if lean else xs
+    xdt = _times(xs, dts.unsqueeze(-1), lean)
+    del xs
 
     # 1. Within each chunk: y_i += sum_{j <= i} (C_i . B_j) exp(a_{j+1} + ... + a_i) dt_j x_j.
-    # Each intermediate is dropped once used (``del``; autograd keeps what it saves): without
-    # autograd, the transient is a few of the [b, g, r, c, q, q] matrices, not all of them.
     decay = _decay(a)  # [b, g, r, c, q(i), q(j)]
     cb = Cs @ Bs.transpose(-1, -2)  # [b, g, c, i, j], shared by the heads of a group
-    y = (cb.unsqueeze(2) * decay) @ xdt  # [b, g, r, c, q, p]
     to_end = decay[..., -1, :].clone()  # [b, g, r, c, q]: the last row of the decay matrix
+    y = _times(decay, cb.unsqueeze(2), lean) @ xdt  # [b, g, r, c, q, p]
     del decay, cb
 
     # 2. The state each chunk produces on its own: sum_j exp(a_{j+1} + ... + a_last) dt_j x_j B_j^T.
-    states = _chunk_states(xdt, to_end, Bs)  # [b, g, r, c, p, n]
+    states = _chunk_states(_times(xdt, to_end.unsqueeze(-1), lean), Bs)  # [b, g, r, c, p, n]
     del xdt, to_end
 
     # 3. Pass states along the chunks: S_c = exp(sum of chunk c's a) S_{c-1} + states_c.
@@ -200,10 +211,11 @@ def _chunked_scan(x, dt, A, B, C, chunk_size, D=None, initial_states=None, retur
 
     # 4. What the entering state contributes inside each chunk: C_i . (exp(a_0 + ... + a_i) S).
     from_start = torch.exp(a.cumsum(dim=-1)).unsqueeze(-1)  # [b, g, r, c, q, 1]
-    y += from_start * torch.einsum("bgcqn,bgrcpn->bgrcqp", Cs, entering)  # y is no saved tensor: in place
+    y += _times(torch.einsum("bgcqn,bgrcpn->bgrcqp", Cs, entering), from_start, lean)  # y is no saved tensor
     del entering
     if D is not None:  # D [h] or [h, p]
-        y += xs * _skip_weights(D, g, cdt)
+        y += skip_x * _skip_weights(D, g, cdt)
+    del skip_x
 
     y = rearrange(y, "b g r c q p -> b (c q) (g r) p")[:, :length].to(out_dtype)
     if return_final_states:
@@ -244,19 +256,18 @@ def _chunked_scan_grads(x, dt, A, B, C, D, chunk_size, state_dtype, dy) -> tuple
     if pad:
         x, B, C, dy = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C, dy))
         dt, A = (F.pad(t, (0, 0, 0, pad)) for t in (dt, A))
-    xs, dts, Bs, Cs = _laid_out((x, dt, B, C), q, g, cdt)
+    xdt, dts, Bs, Cs = _laid_out((x, dt, B, C), q, g, cdt)
     As = _laid_out((None, A), q, g, cdt)[1]
-    dY = _laid_out((dy,), q, g, cdt)[0]
+    dY = _laid_out((dy,), q, g, cdt)[0]  # for the matmuls; elementwise steps read dy as laid out, in place
     a = dts * As  # [b, g, r, c, q]
-    xdt = xs * dts.unsqueeze(-1)  # [b, g, r, c, q, p]
-    del xs  # laid out again at the end: one copy less in between
+    xdt.mul_(dts.unsqueeze(-1))  # x dt [b, g, r, c, q, p]; x is laid out again at the end
 
     # 1. Within each chunk: y += (cb * decay) @ xdt, cb = C B^T shared by a group's heads.
     decay = _decay(a)  # [b, g, r, c, q(i), q(j)]
     cb = (Cs @ Bs.transpose(-1, -2)).unsqueeze(2)  # [b, g, 1, c, i, j]
-    dxdt = (cb * decay).transpose(-1, -2) @ dY
     ddecay = (dY @ xdt.transpose(-1, -2)).mul_(decay)  # d(cb * decay) * decay
     to_end = decay[..., -1, :].clone()  # [b, g, r, c, q]: each position's decay to its chunk's end
+    dxdt = decay.mul_(cb).transpose(-1, -2) @ dY
     del decay
     dcb = ddecay.sum(dim=2)  # [b, g, c, i, j]
     da = _exponent_grad(ddecay.mul_(cb))
@@ -268,7 +279,7 @@ def _chunked_scan_grads(x, dt, A, B, C, D, chunk_size, state_dtype, dy) -> tuple
     # 2. The state each chunk makes on its own (sum_j to_end_j xdt_j B_j^T), passed along the chunks
     # (S_c = exp(sum of chunk c's a) S_{c-1} + states_c) to the state entering each chunk.
     def own_states(xdt):  # [b, g, r, c + 1, p n], a zero state first; made twice rather than kept through step 3
-        return F.pad(_chunk_states(xdt, to_end, Bs).flatten(-2), (0, 0, 1, 0))
+        return F.pad(_chunk_states(xdt * to_end.unsqueeze(-1), Bs).flatten(-2), (0, 0, 1, 0))
 
     chunk_decay = _decay(F.pad(a.sum(dim=-1), (1, 0)))  # [b, g, r, c + 1, c + 1]
     entering = (chunk_decay[..., :-1, :] @ own_states(xdt)).unflatten(
@@ -278,6 +289,8 @@ def _chunked_scan_grads(x, dt, A, B, C, D, chunk_size, state_dtype, dy) -> tuple
         entering.copy_(entering.to(state_dtype))
 
     # 3. What the entering state adds inside each chunk: exp(a_0 + ... + a_i) C_i . S.
+    del dY
+    dY = rearrange(dy, _LAYOUT[0], q=q, g=g)  # [b, g, r, c, q, p], not copied: products with it are float32
     from_start = torch.exp(a.cumsum(dim=-1))  # [b, g, r, c, q]
     dcum = (dY * torch.einsum("bgcqn,bgrcpn->bgrcqp", Cs, entering)).sum(dim=-1).mul_(from_start)
     da += dcum.flip(-1).cumsum(dim=-1).flip(-1)  # through the cumsum: sum over i >= k
@@ -296,14 +309,14 @@ def _chunked_scan_grads(x, dt, A, B, C, D, chunk_size, state_dtype, dy) -> tuple
     da += dchunk[..., 1:].unsqueeze(-1)
     dstates = (chunk_decay.transpose(-1, -2) @ dpassed)[:, :, :, 1:].unflatten(-1, (x.shape[-1], B.shape[-1]))
     del dpassed
-    dB += torch.einsum("bgrcqp,bgrcpn->bgcqn", xdt * to_end.unsqueeze(-1), dstates)
     dz = torch.einsum("bgcqn,bgrcpn->bgrcqp", Bs, dstates)
-    del dstates
     dxdt += dz * to_end.unsqueeze(-1)
     # to_end is the last row of the decay matrix: its gradient reaches a[j+1..q-1] for position j.
     dlast = (dz * xdt).sum(dim=-1).mul_(to_end)
     da += F.pad(dlast[..., :-1].cumsum(dim=-1), (1, 0))
     del dz, dlast
+    dB += torch.einsum("bgrcqp,bgrcpn->bgcqn", xdt.mul_(to_end.unsqueeze(-1)), dstates)  # xdt's last use
+    del dstates
 
     # 5. a = dt A and xdt = x dt; y's D x term.
     del xdt
