@@ -68,6 +68,8 @@ def assert_bitwise_same(eager: tuple, graphed: tuple, what: str, grads_after: in
     """Two runs' ``(losses, main_grads)`` equal bit for bit: tensors, or :func:`bitwise_record`'s hex
     and digests. ``grads_after``: the iteration the gradients were taken after (for the message)."""
     (e_losses, e_grads), (g_losses, g_grads) = eager, graphed
+    assert len(e_losses) == len(g_losses), f"{what}: {len(e_losses)} eager losses, {len(g_losses)} graphed"
+    assert len(e_grads) == len(g_grads), f"{what}: {len(e_grads)} eager main_grads, {len(g_grads)} graphed"
     for i, (a, b) in enumerate(zip(e_losses, g_losses)):
         value = float.fromhex if isinstance(a, str) else torch.Tensor.item
         assert _bits_equal(a, b), (

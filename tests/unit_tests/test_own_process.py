@@ -52,3 +52,7 @@ def test_two_runs_compare_bit_for_bit_as_tensors_or_as_records():
     later = bitwise_record([losses[0], torch.tensor(1.5)], grads)
     with pytest.raises(AssertionError, match="lm loss differs at iteration 2: eager 1.25 graphed 1.5"):
         assert_bitwise_same((record["losses"], record["grads"]), (later["losses"], later["grads"]), "loss")
+    with pytest.raises(AssertionError, match="short: 2 eager losses, 1 graphed"):
+        assert_bitwise_same((losses, grads), (losses[:1], grads), "short")
+    with pytest.raises(AssertionError, match="fewer: 2 eager main_grads, 1 graphed"):
+        assert_bitwise_same((losses, grads), (losses, grads[:1]), "fewer")

@@ -14,6 +14,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.cuda_graphs.pool import use_expandable_segments
 from megatron.training.data import build_data_iterators
 from megatron.training.training import build_trainer
+from tests.conftest import assert_bitwise_same
 from tests.unit_tests.models.hybrid import test_hybrid_graphs_gpu as hybrid
 from tests.unit_tests.transformer.cuda_graphs.test_graphs_gpu import COMMON, DENSE8, NO_DROPOUT, SMALL
 
@@ -50,12 +51,8 @@ def run(flags: str, iters: int, providers=()):
 
 
 def assert_same(eager, graphed, what: str) -> None:
-    for i, (a, b) in enumerate(zip(eager[0], graphed[0], strict=True)):
-        assert torch.equal(a, b), (
-            f"{what}: lm loss differs at iteration {i + 1}: eager {a.item()!r} graphed {b.item()!r}"
-        )
-    for k, (a, b) in enumerate(zip(eager[1], graphed[1], strict=True)):
-        assert torch.equal(a, b), f"{what}: main_grad {k} differs after iteration 3 (max {(a - b).abs().max()})"
+    """``train()``'s results of two runs equal bit for bit (losses, and main_grads after iteration 3)."""
+    assert_bitwise_same(eager[:2], graphed[:2], what)
 
 
 @pytest.mark.parametrize(

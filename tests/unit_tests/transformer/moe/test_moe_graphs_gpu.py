@@ -23,6 +23,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.training.data import build_data_iterators
 from megatron.training.training import build_trainer
+from tests.conftest import assert_bitwise_same
 
 pytestmark = [
     pytest.mark.gpu,
@@ -100,19 +101,12 @@ def train(flags: str, iters: int) -> dict:
 
 
 def assert_same(eager, graphed, what):
-    assert len(eager["losses"]) == len(graphed["losses"])
-    for i, (a, b) in enumerate(zip(eager["losses"], graphed["losses"])):
-        assert torch.equal(a, b), (
-            f"{what}: lm loss differs at iteration {i + 1}: eager {a.item()!r} graphed {b.item()!r}"
-        )
+    """Two runs' losses, and their main_grads at each iteration they were taken after, equal bit for bit."""
     assert eager["grads"].keys() == graphed["grads"].keys()
-    for at, e_grads in eager["grads"].items():
-        g_grads = graphed["grads"][at]
-        assert len(e_grads) == len(g_grads)
-        for k, (a, b) in enumerate(zip(e_grads, g_grads)):
-            assert torch.equal(a, b), (
-                f"{what}: main_grad of parameter {k} differs after iteration {at} (max diff {(a - b).abs().max()})"
-            )
+    for at in eager["grads"]:
+        assert_bitwise_same(
+            (eager["losses"], eager["grads"][at]), (graphed["losses"], graphed["grads"][at]), what, grads_after=at
+        )
 
 
 def run_scopes(size: str, num_layers: int, iters: int, memory_margin: float | None):
