@@ -172,7 +172,7 @@ def _chunked_scan(x, dt, A, B, C, chunk_size, D=None, initial_states=None, retur
         A = F.pad(A, (0, 0, 0, pad)) if per_position_A else A
 
     # Without autograd (GroupSlicedScan's forward) the steps below scale their intermediates in place
-    # and drop each once used: the transient is then two [b, g, r, c, q, q] matrices at most.
+    # and drop each once used: the transient then holds one [b, g, r, c, q, q] matrix at a time.
     lean = not torch.is_grad_enabled()
     xs, dts, Bs, Cs = _laid_out((x, dt, B, C), q, g, cdt)
     As = _laid_out((None, A), q, g, cdt)[1] if per_position_A else A.to(cdt).view(g, -1, 1, 1)
