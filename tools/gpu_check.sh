@@ -13,7 +13,9 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # tarball, since the device returns only so many files); "mem" the GPU tests with a memory bound
 # (hybrid, MoE, interleaved chunks, eager turns) and the dropped-trainer leak test, each in a
 # process of its own, about 7 minutes, their numbers in the table (and, if a dropped trainer
-# survived, tools/holders.py on a dropped interleaved-chunks run);
+# survived, tools/holders.py on a dropped interleaved-chunks run); "hybrid" the Mamba GPU tests, the
+# hybrid memory test (each run in its own process) and pool_peak.py --steady for hybrid eager, mlp and
+# whole layers, about 3 minutes on an H200;
 # unset: everything but gaps.
 PART=${PART:-all}
 case "$PART" in
@@ -22,11 +24,12 @@ case "$PART" in
                tests/unit_tests/transformer/cuda_graphs/test_graphs_gpu.py"
         SELECT="dropped_graphed or issue_config or interleaved_chunks_peak or (eager_turns and all)"
         ;;
+    hybrid) TESTS="tests/unit_tests/ssm/test_mamba_gpu.py tests/unit_tests/models/hybrid/test_hybrid_graphs_gpu.py" ;;
     a) TESTS="tests/unit_tests/transformer" ;;
     b) TESTS="tests --ignore=tests/unit_tests/transformer" ;;
     all | tests) TESTS="tests" ;;
     bench | gaps) TESTS="" ;;
-    *) echo "PART=$PART: use tests, a, b, mem, bench, gaps or leave it unset" >&2; exit 2 ;;
+    *) echo "PART=$PART: use tests, a, b, mem, hybrid, bench, gaps or leave it unset" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
@@ -54,8 +57,16 @@ if [ "$PART" = mem ]; then
             >"$OUT/holders.txt" 2>&1 || echo "holders.py: exit $?" >>"$OUT/holders.txt"
     fi
 elif [ -n "$TESTS" ]; then
-    python3 -m pytest -m gpu -q -rfE $TESTS ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
+    passes=""  # the hybrid part shows what passing tests print (their peaks)
+    [ "$PART" = hybrid ] && passes="-rP"
+    python3 -m pytest -m gpu -q -rfE $passes $TESTS ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
     tests_rc=${PIPESTATUS[0]}
+fi
+if [ "$PART" = hybrid ]; then  # where the pools' memory goes, against eager's steady peak
+    for mode in eager local:mlp local:layer; do
+        timeout 90 python3 tools/pool_peak.py --steady --top 16 --config hybrid --mode "$mode" \
+            --extra=--deterministic-mode >"$OUT/pool_peak_${mode/:/_}.txt" 2>&1 || gaps_rc=1
+    done
 fi
 if [ "$PART" = all ] || [ "$PART" = bench ]; then
     python3 tools/graph_bench.py --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
@@ -85,13 +96,17 @@ if [ "$PART" = gaps ]; then
 fi
 echo
 [ -n "$TESTS" ] && echo "== GPU tests ($TESTS): $(tail -n 1 "$OUT/pytest_gpu.log")"
-if [ "$PART" = mem ]; then
+if [ "$PART" = mem ] || [ "$PART" = hybrid ]; then
     echo "== peaks (graphed vs eager, MiB):"
     grep -E "^(scope '|rank [0-9]: graphed|(0|1|all) (attn|mlp))" "$OUT/pytest_gpu.log" | sort -u || true
     if [ -f "$OUT/holders.txt" ]; then
         echo "== a dropped graphed run of interleaved chunks (tools/holders.py, whole output in holders.txt):"
         grep -E "^(after the drop|[0-9]+ holders|holders.py)" "$OUT/holders.txt" || true
     fi
+fi
+if [ "$PART" = hybrid ]; then
+    echo "== steady peaks (tools/pool_peak.py --steady; whole output in pool_peak_*.txt):"
+    cat "$OUT"/pool_peak_*.txt | grep -E "steady peak" || true
 fi
 if [ -f "$OUT/bench.log" ]; then
     echo "== benchmark (ms/it median of it 10..50; peak = NVML used, polled; pool = our graph pool reserved):"
