@@ -302,3 +302,22 @@ def test_backward_peak_is_about_half_of_autograd_through_the_recompute():
         torch.autograd.grad(y, leaves, dy.bfloat16())
     lean = ssd._traced_backward_peak(b, length, h, p, g, n, q, torch.bfloat16, 2**40)
     assert lean < 0.6 * recompute.peak, (lean, recompute.peak)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["fp64", "fp32", "bf16"])
+@pytest.mark.parametrize("length,chunk", [(37, 8), (16, 16)], ids=["padded", "one-chunk"])
+def test_the_scan_writes_over_none_of_its_inputs(dtype, length, chunk):
+    """The scan scales its laid-out copies in place; where the dtype is already the compute dtype (or
+    the layout needs no move), those copies must still be copies, in forward and in backward."""
+    x, dt, A, B, C, D = inputs(2, length, 4, 8, 2, 16)
+    args = [x.to(dtype), dt.float(), A.float(), B.to(dtype), C.to(dtype), D.float()]
+    before = [t.clone() for t in args]
+    with torch.no_grad():
+        ssd_chunked_scan(*args[:5], chunk, D=args[5])
+    leaves = [t.requires_grad_() for t in args]
+    y = ssd_chunked_scan(*leaves[:5], chunk, D=leaves[5])
+    dy = torch.ones_like(y)
+    torch.autograd.grad(y, leaves, dy)
+    assert torch.equal(dy, torch.ones_like(y))
+    for name, t, was in zip("x dt A B C D".split(), args, before):
+        assert torch.equal(t.detach(), was), name
