@@ -44,9 +44,10 @@ DENSE_MODES = [
 ]  # fmt: skip
 """``local:*`` runs with the eager turns' default (every turn); ``noturn:*`` without any, ``turn:*``
 with the first only (``MEGATRON_CG_EAGER_TURN``). ``scan32:*`` (hybrid) slices the eager Mamba scans
-of a graphed run at the captured budget (``MEGATRON_CG_TURN_SCAN_BUDGET=captured``). ``eager:fold`` is eager with DDP folding each
-gradient into main_grad on arrival (one add per parameter), as the trainer does wherever turns may
-open, instead of one multi-tensor fold after the backward: that part of a turn's host cost."""
+of a graphed run at the captured budget (``MEGATRON_CG_TURN_SCAN_BUDGET=captured``). ``eager:fold``
+is eager with DDP folding each gradient into main_grad on arrival (one add per parameter), as the
+trainer does wherever turns may open, instead of one multi-tensor fold after the backward: that part
+of a turn's host cost."""
 MODES = {
     "small": DENSE_MODES,
     "launch16": DENSE_MODES,

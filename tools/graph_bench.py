@@ -64,6 +64,8 @@ def pipelined_ms(step) -> float:
     return (time.perf_counter() - start) * 1000 / PIPELINED
 
 
+# The switches' names, written out so that this parent process imports no torch (a test checks them
+# against the modules that read them).
 EAGER_TURN_SWITCH = "MEGATRON_CG_EAGER_TURN"  # megatron/core/transformer/cuda_graphs/turn.py
 TURN_SCAN_BUDGET = "MEGATRON_CG_TURN_SCAN_BUDGET"  # megatron/core/ssm/ssd.py; scan32:* sets it to captured
 

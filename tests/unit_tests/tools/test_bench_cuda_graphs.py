@@ -35,6 +35,11 @@ def test_every_config_parses_with_every_mode_flag():
 
 
 def test_turn_modes_run_their_child_with_the_eager_turns_set(monkeypatch, tmp_path):
+    from megatron.core.ssm import ssd
+    from megatron.core.transformer.cuda_graphs import turn
+
+    # graph_bench spells the switches out (its parent imports no torch): the names the modules read.
+    assert (graph_bench.EAGER_TURN_SWITCH, graph_bench.TURN_SCAN_BUDGET) == (turn.ENV_SWITCH, ssd.TURN_BUDGET_ENV)
     seen = {}
 
     def call(cmd, stdout, stderr, env):
