@@ -5,9 +5,11 @@ Rows, all measured in the same run on the same inputs:
 * ``scan sequential``: ``ssd_sequential_scan``, the recurrence one time step at a time
   (the naive PyTorch reference);
 * ``scan chunked Q``: ``ssd_chunked_scan`` for each ``--chunks`` size;
+* ``scan triton 128``: ``ssd_chunked_scan`` on this project's Triton kernels (``ssd_kernels``), when
+  Triton is installed;
 * ``scan mamba_ssm``: the fused Triton scan, when mamba-ssm is installed;
-* ``mixer torch`` / ``mixer mamba_ssm``: the whole MambaMixer (projections, conv, scan,
-  norm) on the PyTorch path and, when installed, on the fused kernels.
+* ``mixer torch`` / ``mixer triton`` / ``mixer mamba_ssm``: the whole MambaMixer (projections, conv,
+  scan, norm) on the PyTorch path, with the scan on ``ssd_kernels``, and on mamba-ssm's kernels.
 
 Columns: median ms of the forward and of forward+backward (CUDA events), peak memory
 above the inputs, and the norm-wise relative error of the scan output against the
@@ -20,6 +22,7 @@ Usage:
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -31,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from megatron.core.ssm import ssd  # noqa: E402
+from megatron.core.ssm import ssd, ssd_kernels  # noqa: E402
 from megatron.core.ssm.mamba_config import MambaConfig  # noqa: E402
 from megatron.core.ssm.mamba_mixer import HAVE_MAMBA_SSM, MambaMixer, mamba_chunk_scan_combined  # noqa: E402
 from megatron.core.ssm.ssd import ssd_chunked_scan, ssd_sequential_scan  # noqa: E402
@@ -63,6 +66,20 @@ def parse_args(argv=None):
         help="GroupSlicedScan's eager budget per slice (ssd.EAGER_SLICE_BYTES, in MiB): fewer slices launch fewer kernels",
     )
     return p.parse_args(argv)
+
+
+@contextlib.contextmanager
+def kernels_on():
+    """The Mamba scan on ``ssd_kernels`` (forward and backward) inside the block."""
+    before = os.environ.get(ssd_kernels.ENV_SWITCH)
+    os.environ[ssd_kernels.ENV_SWITCH] = "triton"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[ssd_kernels.ENV_SWITCH]
+        else:
+            os.environ[ssd_kernels.ENV_SWITCH] = before
 
 
 class Timer:
@@ -183,6 +200,12 @@ def main(argv=None):
                 ref,
             )
         )
+    if ssd_kernels.HAVE_TRITON and device.type == "cuda":
+        with kernels_on():
+            rows.append(
+                optional("scan triton 128", lambda: ssd_chunked_scan(x, dt, A, B, C, 128, D=D), leaves, timer, args,
+                         device, ref)
+            )  # fmt: skip
     if HAVE_MAMBA_SSM and device.type == "cuda":
         rows.append(
             optional(
@@ -208,6 +231,9 @@ def main(argv=None):
     rows.append(
         measure("mixer torch", lambda: mixer(hidden)[0], params, timer, args.iters, args.warmup, device, mixer_ref)
     )
+    if ssd_kernels.HAVE_TRITON and device.type == "cuda":
+        with kernels_on():
+            rows.append(optional("mixer triton", lambda: mixer(hidden)[0], params, timer, args, device, mixer_ref))
     if HAVE_MAMBA_SSM and device.type == "cuda":
         mixer.use_fused_kernels = True
         rows.append(optional("mixer mamba_ssm", lambda: mixer(hidden)[0], params, timer, args, device, mixer_ref))

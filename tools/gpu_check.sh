@@ -13,7 +13,8 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # tarball, since the device returns only so many files); "mem" the GPU tests with a memory bound
 # (hybrid, MoE, interleaved chunks, eager turns) and the dropped-trainer leak test, each in a
 # process of its own, about 7 minutes, their numbers in the table (and, if a dropped trainer
-# survived, tools/holders.py on a dropped interleaved-chunks run); "hybrid" the Mamba GPU tests, the
+# survived, tools/holders.py on a dropped interleaved-chunks run); "hybrid" the Mamba GPU tests (scan
+# kernels too; MEGATRON_SSD_KERNELS=triton puts every hybrid run on them), the
 # hybrid memory test (each run in its own process) and pool_peak.py --steady for hybrid eager, mlp and
 # whole layers, about 3 minutes on an H200;
 # unset: everything but gaps.
@@ -24,7 +25,8 @@ case "$PART" in
                tests/unit_tests/transformer/cuda_graphs/test_graphs_gpu.py"
         SELECT="dropped_graphed or issue_config or interleaved_chunks_peak or (eager_turns and all)"
         ;;
-    hybrid) TESTS="tests/unit_tests/ssm/test_mamba_gpu.py tests/unit_tests/models/hybrid/test_hybrid_graphs_gpu.py" ;;
+    hybrid) TESTS="tests/unit_tests/ssm/test_mamba_gpu.py tests/unit_tests/ssm/test_ssd_kernels.py
+            tests/unit_tests/models/hybrid/test_hybrid_graphs_gpu.py" ;;
     a) TESTS="tests/unit_tests/transformer" ;;
     b) TESTS="tests --ignore=tests/unit_tests/transformer" ;;
     all | tests) TESTS="tests" ;;

@@ -36,6 +36,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from megatron.core.ssm import ssd_kernels
 from megatron.core.transformer.cuda_graphs.recorder import in_recorded_region
 from megatron.core.transformer.cuda_graphs.scratch import scratch, scratch_routes
 from megatron.core.transformer.recompute import capturing
@@ -90,7 +91,8 @@ def ssd_chunked_scan(
 
     When a gradient is wanted (and no states go in or out) it runs as
     :class:`GroupSlicedScan`: it keeps only its inputs for backward and recomputes one
-    slice of groups at a time there.
+    slice of groups at a time there. Without states in or out, on CUDA, the Triton kernels of
+    ``ssd_kernels`` compute it where ``MEGATRON_SSD_KERNELS=triton``.
 
     Args:
         x: ``[b, l, h, p]`` inputs per head.
@@ -112,8 +114,11 @@ def ssd_chunked_scan(
     assert chunk_size > 0, "chunk_size must be positive"
     tensors = (x, dt, A, B, C) if D is None else (x, dt, A, B, C, D)
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    if wants_grad and initial_states is None and not return_final_states:
-        return GroupSlicedScan.apply(x, dt, A, B, C, D, chunk_size, state_dtype)
+    if initial_states is None and not return_final_states:
+        if wants_grad:
+            return GroupSlicedScan.apply(x, dt, A, B, C, D, chunk_size, state_dtype)
+        if ssd_kernels.available(x):  # evaluation: the kernels of the training forward
+            return ssd_kernels.scan(x, dt, A, B, C, chunk_size, D=D, state_dtype=state_dtype)
     return _chunked_scan(x, dt, A, B, C, chunk_size, D, initial_states, return_final_states, state_dtype)
 
 
@@ -414,7 +419,10 @@ class GroupSlicedScan(torch.autograd.Function):
         for heads, groups in _group_slices(x, B, chunk_size, ctx.budget):
             pieces = _slice((x, dt, A, B, C, D), heads, groups)
             with scratch():  # the slice's working memory dies here; its result goes into y
-                y[:, :, heads] = _chunked_scan(*pieces[:5], chunk_size, D=pieces[5], state_dtype=state_dtype)
+                if ssd_kernels.available(x):
+                    ssd_kernels.scan(*pieces[:5], chunk_size, D=pieces[5], state_dtype=state_dtype, out=y[:, :, heads])
+                else:
+                    y[:, :, heads] = _chunked_scan(*pieces[:5], chunk_size, D=pieces[5], state_dtype=state_dtype)
         return y
 
     @staticmethod
@@ -426,9 +434,10 @@ class GroupSlicedScan(torch.autograd.Function):
         return (*grads, None, None)
 
 
-def _sliced_backward(saved, needs, dy, chunk_size, state_dtype, budget=None) -> tuple:
+def _sliced_backward(saved, needs, dy, chunk_size, state_dtype, budget=None, kernels=None) -> tuple:
     """:class:`GroupSlicedScan`'s backward: the gradients of ``x, dt, A, B, C, D`` (None where not
-    needed), slices of ``budget`` bytes (default: the capture or eager one)."""
+    needed), slices of ``budget`` bytes (default: the capture or eager one), on ``ssd_kernels`` where
+    ``kernels`` (default: where they can run)."""
     x, dt, A, B, C, D = saved
     need_x, need_dt, need_A, need_B, need_C, need_D = needs
     b, length, h = dt.shape
@@ -440,18 +449,49 @@ def _sliced_backward(saved, needs, dy, chunk_size, state_dtype, budget=None) -> 
     wanted = (need_x, need_dt, need_A, need_B, need_C, False)
     # The slices cover every head and group once, so each gradient is written whole.
     grads = [torch.empty_like(t) if need else None for t, need in zip(inputs, wanted)]
+    kernels = ssd_kernels.available(x) if kernels is None else kernels
     for heads, groups in _group_slices(x, B, chunk_size, _slice_budget() if budget is None else budget):
-        found = _chunked_scan_grads(*_slice(inputs, heads, groups), chunk_size, state_dtype, dy[:, :, heads])
-        for part, grad in zip(_slice(grads, heads, groups), found):
-            if part is not None:
+        parts = _slice(grads, heads, groups)
+        if kernels:  # dx, dB, dC straight into their slices
+            found = ssd_kernels.scan_grads(
+                *_slice(inputs, heads, groups),
+                chunk_size,
+                state_dtype,
+                dy[:, :, heads],
+                dx=parts[0],
+                dB=parts[3],
+                dC=parts[4],
+            )
+        else:
+            found = _chunked_scan_grads(*_slice(inputs, heads, groups), chunk_size, state_dtype, dy[:, :, heads])
+        for part, grad in zip(parts, found):
+            if part is not None and part is not grad:
                 part.copy_(grad)
         del found
     dA = grads[2].sum(dim=(0, 1)) if need_A else None
     dD = None
-    if need_D:  # y = ... + D x: dD sums dy x over the sequence (and the head dim for D [h])
-        cdt = _compute_dtype(x.dtype)
-        dD = (dy.to(cdt) * x.to(cdt)).sum(dim=(0, 1) if D.dim() == 2 else (0, 1, 3)).to(D.dtype)
+    dD = _skip_grad(dy, x, D.dim() == 2).to(D.dtype) if need_D else None
     return grads[0], grads[1], dA, grads[3], grads[4], dD
+
+
+SKIP_GRAD_BYTES = 8 * 2**20
+"""``_skip_grad`` widens this many bytes of ``x`` (and of ``dy``) at a time."""
+
+
+def _skip_grad(dy: torch.Tensor, x: torch.Tensor, per_channel: bool) -> torch.Tensor:
+    """``D``'s gradient, ``sum dy x`` over the batch and sequence (and the head dim unless ``per_channel``),
+    in the compute dtype, a block of positions at a time: the float32 copies are a block's, not ``x``'s.
+    The blocks depend on the shapes only (not on any slicing), so the sum's order does too."""
+    cdt = _compute_dtype(x.dtype)
+    rows, xs = dy.flatten(0, 1), x.flatten(0, 1)  # [b l, h, p]
+    step = max(1, SKIP_GRAD_BYTES // (xs[0].numel() * torch.empty((), dtype=cdt).element_size()))
+    total = None
+    for start in range(0, rows.shape[0], step):
+        part = (rows[start : start + step].to(cdt) * xs[start : start + step].to(cdt)).sum(
+            dim=0 if per_channel else (0, 2)
+        )
+        total = part if total is None else total.add_(part)
+    return total
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -492,13 +532,17 @@ def captured_backward_peak_bytes(
     and counting what each operation creates while it lives: exact for this scan's
     operations, however they change. ``x``, ``B``, ``C`` in ``dtype``, ``dt``, ``A``, ``D``
     in float32, as the mixer passes them. Every Mamba layer of a model asks the same
-    question, so each answer is traced once.
+    question, so each answer is traced once. Where ``MEGATRON_SSD_KERNELS=triton`` the Triton
+    kernels' backward is traced (its allocations; the launches are skipped on the meta device).
     """
-    return _traced_backward_peak(batch, length, heads, head_dim, groups, state, chunk_size, dtype, SLICE_BYTES)
+    kernels = ssd_kernels.HAVE_TRITON and ssd_kernels.switched_on() and dtype != torch.float64
+    return _traced_backward_peak(batch, length, heads, head_dim, groups, state, chunk_size, dtype, SLICE_BYTES, kernels)
 
 
 @functools.lru_cache(maxsize=64)
-def _traced_backward_peak(batch, length, heads, head_dim, groups, state, chunk_size, dtype, budget) -> int:
+def _traced_backward_peak(
+    batch, length, heads, head_dim, groups, state, chunk_size, dtype, budget, kernels=False
+) -> int:
     meta = dict(device="meta")
     f32 = dict(dtype=torch.float32, **meta)
     saved = (
@@ -512,7 +556,7 @@ def _traced_backward_peak(batch, length, heads, head_dim, groups, state, chunk_s
     dy = torch.empty_like(saved[0])
     counter = _LiveBytes()
     with counter:
-        _sliced_backward(saved, (True,) * 6, dy, chunk_size, None, budget=budget)
+        _sliced_backward(saved, (True,) * 6, dy, chunk_size, None, budget=budget, kernels=kernels)
     return counter.peak
 
 

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from megatron.core.ssm import ssd
+from megatron.core.ssm import ssd, ssd_kernels
 from megatron.core.ssm.mamba_config import MambaConfig
 from megatron.core.ssm.mamba_mixer import HAVE_MAMBA_SSM, MambaMixer
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -49,12 +49,17 @@ def run(mixer, x, cotangent):
 
 @pytest.mark.parametrize("seq", [200, 256], ids=["seq200", "seq256"])
 @pytest.mark.parametrize(
-    "fused",
-    [False, pytest.param(True, marks=pytest.mark.skipif(not HAVE_MAMBA_SSM, reason="mamba-ssm not installed"))],
-    ids=["torch", "mamba_ssm"],
+    "path",
+    [
+        "torch",
+        pytest.param("triton", marks=pytest.mark.skipif(not ssd_kernels.HAVE_TRITON, reason="Triton not installed")),
+        pytest.param("mamba_ssm", marks=pytest.mark.skipif(not HAVE_MAMBA_SSM, reason="mamba-ssm not installed")),
+    ],
 )
-def test_bf16_forward_backward_matches_fp64_cpu_reference(seq, fused):
-    gpu, ref = mixers(fused=fused)
+def test_bf16_forward_backward_matches_fp64_cpu_reference(seq, path, monkeypatch):
+    """The scan on PyTorch, on ``ssd_kernels`` (the CPU reference takes PyTorch) or on mamba-ssm."""
+    monkeypatch.setenv(ssd_kernels.ENV_SWITCH, "triton" if path == "triton" else "torch")
+    gpu, ref = mixers(fused=path == "mamba_ssm")
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(seq, 2, 256, generator=gen).bfloat16()
     cotangent = torch.randn(seq, 2, 256, generator=gen)

@@ -1,0 +1,209 @@
+"""The SSD scan's Triton kernels (``ssd_kernels``) against the PyTorch scan in float64.
+
+On the CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, in a child process: the
+variable is read when the kernels are defined). On a GPU they run for real at the hybrid
+benchmark's shapes, sliced and captured.
+
+Tolerances (norm-wise relative error against the float64 scan on the same rounded inputs): the
+kernels compute in float32 in another order, about 1e-7 here, checked to 2e-6. bf16 inputs give
+bf16 outputs and gradients, rounded once (2^-9 relative at most), checked to 4e-3; in the
+interpreter to 8e-3, since it truncates float32 to bf16 (up to one ulp, 2^-8) where the GPU rounds.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from megatron.core.ssm import ssd, ssd_kernels
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def inputs(b, length, h, g, p, n, dtype, d_shape, device="cpu", seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, device=device)
+
+    x = rnd(b, length, h, p).to(dtype)
+    dt = torch.rand(b, length, h, generator=gen, device=device) * 0.5 + 0.05
+    A = -torch.rand(h, generator=gen, device=device) - 0.2
+    B, C = rnd(b, length, g, n).to(dtype), rnd(b, length, g, n).to(dtype)
+    D = None if d_shape is None else torch.rand(*(h, *d_shape), generator=gen, device=device)
+    return x, dt, A, B, C, D, rnd(b, length, h, p).to(dtype)
+
+
+def rel(got, want):
+    got, want = got.double(), want.double()
+    return ((got - want).norm() / want.norm()).item()
+
+
+def check_against_float64(case, dtype, d_shape, state_dtype, tol):
+    """Forward and every gradient of the kernels against ``_chunked_scan`` / ``_chunked_scan_grads`` in float64."""
+    b, length, h, g, p, n, q = case
+    x, dt, A, B, C, D, dy = inputs(b, length, h, g, p, n, dtype, d_shape)
+    wide = [None if t is None else t.double() for t in (x, dt, A, B, C, D)]
+    want_y = ssd._chunked_scan(*wide[:5], q, D=wide[5], state_dtype=state_dtype)
+    got_y = ssd_kernels.scan(x, dt, A, B, C, q, D=D, state_dtype=state_dtype)
+    assert got_y.dtype == dtype and rel(got_y, want_y) < tol, (case, rel(got_y, want_y))
+    per_position = A.expand(b, length, h)
+    want = ssd._chunked_scan_grads(*wide[:2], per_position.double(), *wide[3:], q, state_dtype, dy.double())
+    got = ssd_kernels.scan_grads(x, dt, per_position, B, C, D, q, state_dtype, dy)
+    for name, g_, w in zip(("dx", "ddt", "dA", "dB", "dC"), got, want):
+        assert rel(g_, w) < tol, (case, name, rel(g_, w))
+
+
+CASES = [
+    (2, 50, 4, 2, 8, 16, 16),  # a partial last chunk; p and n below a tile
+    (1, 130, 4, 1, 20, 24, 64),  # two row blocks a chunk in backward; sizes no power of two
+    (2, 24, 2, 2, 16, 16, 64),  # a sequence shorter than the chunk: one chunk of 24
+]
+
+
+CPU_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from megatron.core.ssm import ssd, ssd_kernels
+    from tests.unit_tests.ssm.test_ssd_kernels import CASES, check_against_float64, inputs, rel
+    assert ssd_kernels.available(torch.empty(1))
+    for case in CASES:
+        for d_shape in (None, (), (case[4],)):
+            check_against_float64(case, torch.float32, d_shape, None, 2e-6)
+    check_against_float64(CASES[0], torch.bfloat16, (), None, 8e-3)
+    check_against_float64(CASES[1], torch.bfloat16, (), torch.bfloat16, 8e-3)
+    check_against_float64(CASES[0], torch.float32, (), torch.bfloat16, 8e-3)  # the states truncated too
+
+    # Through autograd (GroupSlicedScan): one group a slice gives the bits of one slice; no input is
+    # written over.
+    x, dt, A, B, C, D, dy = inputs(2, 50, 4, 2, 8, 16, torch.float32, ())
+    leaves = [t.requires_grad_() for t in (x, dt, A, B, C, D)]
+    before = [t.detach().clone() for t in leaves]
+    runs = []
+    for budget in (2**40, 1):
+        ssd.EAGER_SLICE_BYTES = budget
+        y = ssd.ssd_chunked_scan(*leaves[:5], 16, D=leaves[5])
+        runs.append([y, *torch.autograd.grad(y, leaves, dy)])
+    assert len(ssd._group_slices(x, B, 16, 1)) == 2
+    assert all(torch.equal(a, b) for a, b in zip(*runs)), "slicing changed a bit"
+    assert all(torch.equal(t, u) for t, u in zip(leaves, before)), "an input was written over"
+    wide = [t.detach().double().requires_grad_() for t in leaves]
+    y = ssd._chunked_scan(*wide[:5], 16, D=wide[5])
+    for got, want in zip(runs[0], [y, *torch.autograd.grad(y, wide, dy.double())]):
+        assert rel(got, want) < 2e-6
+    print("ok")
+    """
+)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed (pip install -e .[test] brings it on Linux)")
+def test_kernels_match_the_float64_scan_in_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO, **{ssd_kernels.ENV_SWITCH: "triton"})
+    out = subprocess.run(
+        [sys.executable, "-c", CPU_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
+
+
+def test_the_switch(monkeypatch):
+    """Off by default; ``triton`` turns the kernels on where they can run; anything else is an error naming it."""
+    x = torch.empty(1)
+    monkeypatch.delenv(ssd_kernels.ENV_SWITCH, raising=False)
+    assert not ssd_kernels.available(x)
+    monkeypatch.setenv(ssd_kernels.ENV_SWITCH, "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not ssd_kernels.available(x)  # a CPU tensor without the interpreter
+    assert not ssd_kernels.available(x.double())
+    monkeypatch.setenv(ssd_kernels.ENV_SWITCH, "fused")
+    with pytest.raises(ValueError, match=ssd_kernels.ENV_SWITCH):
+        ssd_kernels.available(x)
+
+
+HYBRID = (2, 2048, 32, 8, 64, 128, 128)  # the hybrid benchmark's mixer: b, l, heads, groups, p, n, chunk
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "dtype,d_shape,state_dtype,tol",
+    [(torch.float32, (), None, 2e-6), (torch.bfloat16, (), None, 4e-3), (torch.bfloat16, (64,), torch.bfloat16, 4e-3)],
+    ids=["fp32", "bf16", "bf16-states"],
+)
+@pytest.mark.parametrize("case", [HYBRID, (1, 200, 4, 2, 32, 64, 64)], ids=["hybrid", "small"])
+def test_gpu_kernels_match_the_float64_scan(case, dtype, d_shape, state_dtype, tol):
+    check_against_float64(case, dtype, d_shape, state_dtype, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_sliced_captured_and_eager_give_the_same_bits(monkeypatch):
+    """With the kernels on, deterministic: one slice (eager), the captured budget's slices and one group a
+    slice give the same values and gradients, and a captured forward + backward replays them bit for bit."""
+    monkeypatch.setenv(ssd_kernels.ENV_SWITCH, "triton")
+    torch.use_deterministic_algorithms(True)
+    b, length, h, g, p, n, q = HYBRID
+    x, dt, A, B, C, D, dy = inputs(b, length, h, g, p, n, torch.bfloat16, (), device="cuda")
+    leaves = [t.requires_grad_() for t in (x, dt, A, B, C, D)]
+
+    def values_and_gradients(budget):
+        monkeypatch.setattr(ssd, "EAGER_SLICE_BYTES", budget)
+        y = ssd.ssd_chunked_scan(*leaves[:5], q, D=leaves[5])
+        return [y, *torch.autograd.grad(y, leaves, dy)]
+
+    one_slice = values_and_gradients(2**40)
+    differ = [
+        f"{name} at {budget} bytes a slice"
+        for budget in (ssd.SLICE_BYTES, 1)
+        for name, got, want in zip("y x dt A B C D".split(), values_and_gradients(budget), one_slice)
+        if not torch.equal(got, want)
+    ]
+    assert not differ, differ
+
+    monkeypatch.setattr(ssd, "EAGER_SLICE_BYTES", 2**40)
+    monkeypatch.setattr(ssd, "SLICE_BYTES", 2**40)
+    static = [t.detach().clone().requires_grad_() for t in leaves]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: compile, then capture the same specializations
+        y = ssd.ssd_chunked_scan(*static[:5], q, D=static[5])
+        torch.autograd.grad(y, static, dy)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = ssd.ssd_chunked_scan(*static[:5], q, D=static[5])
+        grads = torch.autograd.grad(y, static, dy)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(got, want) for got, want in zip([y, *grads], one_slice))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("budget", ["SLICE_BYTES", "EAGER_SLICE_BYTES"])
+def test_gpu_traced_backward_peak_is_what_the_kernels_allocate(budget, monkeypatch):
+    """``captured_backward_peak_bytes`` with the kernels on (traced on the meta device, launches
+    skipped) against the allocator's peak over a real backward at the same budget."""
+    monkeypatch.setenv(ssd_kernels.ENV_SWITCH, "triton")
+    b, length, h, g, p, n, q = HYBRID
+    monkeypatch.setattr(ssd, "SLICE_BYTES", getattr(ssd, budget))
+    traced = ssd.captured_backward_peak_bytes(b, length, h, p, g, n, q, torch.bfloat16)
+    x, dt, A, B, C, D, dy = inputs(b, length, h, g, p, n, torch.bfloat16, (), device="cuda")
+    leaves = [t.requires_grad_() for t in (x, dt, A, B, C, D)]
+    monkeypatch.setattr(ssd, "EAGER_SLICE_BYTES", ssd.SLICE_BYTES)
+    y = ssd.ssd_chunked_scan(*leaves[:5], q, D=leaves[5])
+    torch.autograd.grad(y, leaves, dy)  # compiled, and the allocator warm
+    y = ssd.ssd_chunked_scan(*leaves[:5], q, D=leaves[5])
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    grads = torch.autograd.grad(y, leaves, dy)
+    torch.cuda.synchronize()
+    real = torch.cuda.max_memory_allocated() - before
+    print(f"scan backward on the kernels at {budget}: traced {traced / 2**20:.1f} MiB, real {real / 2**20:.1f} MiB")
+    assert abs(real - traced) <= 2**20, (traced, real)
+    del grads
