@@ -68,9 +68,11 @@ def pipelined_ms(step) -> float:
 # against the modules that read them).
 EAGER_TURN_SWITCH = "MEGATRON_CG_EAGER_TURN"  # megatron/core/transformer/cuda_graphs/turn.py
 TURN_SCAN_BUDGET = "MEGATRON_CG_TURN_SCAN_BUDGET"  # megatron/core/ssm/ssd.py; scan32:* sets it to captured
+SSD_KERNELS_SWITCH = "MEGATRON_SSD_KERNELS"  # megatron/core/ssm/ssd_kernels.py; ssd:* sets it to triton
 
 
 def mode_flags(mode: str) -> str:
+    mode = mode.removeprefix(bcg.SSD_KERNELS)
     if mode.startswith("eager") or mode in ("mgc", "lean"):
         return ""
     if mode == "full":
@@ -537,6 +539,8 @@ def run_child(config: str, mode: str, args, stem: str):
             env[EAGER_TURN_SWITCH] = value
     if mode.startswith("scan32:"):
         env[TURN_SCAN_BUDGET] = "captured"
+    if mode.startswith(bcg.SSD_KERNELS):
+        env[SSD_KERNELS_SWITCH] = "triton"
     with open(log, "w") as f:
         rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     if rc != 0:

@@ -20,7 +20,7 @@ def test_every_config_parses_with_every_mode_flag():
             cfg = parse_args(argv.split())
             impl = (
                 "local"
-                if mode.startswith(("local:", "noturn:", "turn:", "turns:", "scan32:"))
+                if mode.removeprefix(bcg.SSD_KERNELS).startswith(("local:", "noturn:", "turn:", "turns:", "scan32:"))
                 else "full_iteration"
                 if mode == "full"
                 else "none"
@@ -35,33 +35,35 @@ def test_every_config_parses_with_every_mode_flag():
 
 
 def test_turn_modes_run_their_child_with_the_eager_turns_set(monkeypatch, tmp_path):
-    from megatron.core.ssm import ssd
+    from megatron.core.ssm import ssd, ssd_kernels
     from megatron.core.transformer.cuda_graphs import turn
 
     # graph_bench spells the switches out (its parent imports no torch): the names the modules read.
-    assert (graph_bench.EAGER_TURN_SWITCH, graph_bench.TURN_SCAN_BUDGET) == (turn.ENV_SWITCH, ssd.TURN_BUDGET_ENV)
+    switches = (graph_bench.EAGER_TURN_SWITCH, graph_bench.TURN_SCAN_BUDGET, graph_bench.SSD_KERNELS_SWITCH)
+    assert switches == (turn.ENV_SWITCH, ssd.TURN_BUDGET_ENV, ssd_kernels.ENV_SWITCH)
     seen = {}
 
     def call(cmd, stdout, stderr, env):
-        switches = (env.get(graph_bench.EAGER_TURN_SWITCH), env.get(graph_bench.TURN_SCAN_BUDGET))
-        seen[cmd[cmd.index("--mode") + 1]] = switches
+        seen[cmd[cmd.index("--mode") + 1]] = tuple(env.get(name) for name in switches)
         return 1  # a failed child: run_child prints its log's tail and returns None
 
     monkeypatch.setattr(graph_bench.subprocess, "call", call)
-    monkeypatch.delenv(graph_bench.EAGER_TURN_SWITCH, raising=False)
-    monkeypatch.delenv(graph_bench.TURN_SCAN_BUDGET, raising=False)
+    for name in switches:
+        monkeypatch.delenv(name, raising=False)
     args = types.SimpleNamespace(iters=5, skip=1, extra="")
-    modes = ("local:attn", "noturn:attn", "turn:attn", "turns:attn", "scan32:attn")
+    modes = ("local:attn", "noturn:attn", "turn:attn", "turns:attn", "scan32:attn", "ssd:local:attn")
     for mode in modes:
         graph_bench.run_child("dense8", mode, args, str(tmp_path / mode.replace(":", "_")))
     assert seen == {
-        "local:attn": (None, None),
-        "noturn:attn": ("0", None),
-        "turn:attn": ("1", None),
-        "turns:attn": ("all", None),
-        "scan32:attn": (None, "captured"),
+        "local:attn": (None, None, None),
+        "noturn:attn": ("0", None, None),
+        "turn:attn": ("1", None, None),
+        "turns:attn": ("all", None, None),
+        "scan32:attn": (None, "captured", None),
+        "ssd:local:attn": (None, None, "triton"),
     }
     assert len({graph_bench.mode_flags(m) for m in modes}) == 1
+    assert graph_bench.mode_flags("ssd:eager") == "" and bcg.baseline_mode("hybrid", "ssd:local:mlp") == "ssd:eager"
 
 
 def test_plan_round_robin_filters_and_estimate():
