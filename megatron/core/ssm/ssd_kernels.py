@@ -359,6 +359,9 @@ if HAVE_TRITON:
 
 _BQ_FORWARD, _BQ_BACKWARD = 64, 32
 """Rows of a chunk per program (backward holds more tiles at once)."""
+_WARPS = 8
+"""Warps of the output and backward kernels: their tiles (some 40 thousand float32 at the hybrid
+benchmark's head dim 64 and state 128) would not fit four warps' registers."""
 _PASS_BLOCK = 1024
 
 
@@ -432,7 +435,7 @@ def scan(x, dt, A, B, C, chunk_size, D=None, state_dtype=None, out=None) -> torc
         x, *x.stride(), dt, *dt.stride(), cum, B, *B.stride(), C, *C.stride(), states,
         weights, *weight_strides, out, *out.stride(),
         length, q, chunks, h, h // g, p, n,
-        HAS_D=D is not None, ROUND=_round_code(state_dtype, x.dtype), **blocks,
+        HAS_D=D is not None, ROUND=_round_code(state_dtype, x.dtype), num_warps=_WARPS, **blocks,
     )  # fmt: skip
     return out
 
@@ -470,13 +473,13 @@ def scan_grads(x, dt, A, B, C, D, chunk_size, state_dtype, dy, dx=None, dB=None,
         _backward_columns_kernel, (b * chunks, g, nblocks),
         x, *x.stride(), dt, *dt.stride(), cum, B, *B.stride(), C, *C.stride(), dy, *dy.stride(), grads,
         weights, *weight_strides, dx, *dx.stride(), dB, *dB.stride(), ddt, dcum, seg,
-        length, q, chunks, h, r, p, n, nblocks, HAS_D=D is not None, **blocks,
+        length, q, chunks, h, r, p, n, nblocks, HAS_D=D is not None, num_warps=_WARPS, **blocks,
     )  # fmt: skip
     del grads
     _launch(
         _backward_rows_kernel, (b * chunks, g, nblocks),
         x, *x.stride(), dt, *dt.stride(), cum, B, *B.stride(), C, *C.stride(), dy, *dy.stride(), states,
-        dC, *dC.stride(), drow, length, q, chunks, h, r, p, n, ROUND=round_code, **blocks,
+        dC, *dC.stride(), drow, length, q, chunks, h, r, p, n, ROUND=round_code, num_warps=_WARPS, **blocks,
     )  # fmt: skip
     del states
     # d cum_k = row sums - column sums of the scores (+ the entering state's term) - seg_k; the chunk's

@@ -80,7 +80,7 @@ CPU_SCRIPT = textwrap.dedent(
     check_against_float64(CASES[0], torch.float32, (), torch.bfloat16, 8e-3)  # the states truncated too
 
     # Through autograd (GroupSlicedScan): one group a slice gives the bits of one slice; no input is
-    # written over.
+    # written over; no-grad gives the same output.
     x, dt, A, B, C, D, dy = inputs(2, 50, 4, 2, 8, 16, torch.float32, ())
     leaves = [t.requires_grad_() for t in (x, dt, A, B, C, D)]
     before = [t.detach().clone() for t in leaves]
@@ -92,6 +92,8 @@ CPU_SCRIPT = textwrap.dedent(
     assert len(ssd._group_slices(x, B, 16, 1)) == 2
     assert all(torch.equal(a, b) for a, b in zip(*runs)), "slicing changed a bit"
     assert all(torch.equal(t, u) for t, u in zip(leaves, before)), "an input was written over"
+    with torch.no_grad():  # evaluation runs the kernels of the training forward
+        assert torch.equal(ssd.ssd_chunked_scan(x, dt, A, B, C, 16, D=D), runs[0][0])
     wide = [t.detach().double().requires_grad_() for t in leaves]
     y = ssd._chunked_scan(*wide[:5], 16, D=wide[5])
     for got, want in zip(runs[0], [y, *torch.autograd.grad(y, wide, dy.double())]):
@@ -141,11 +143,10 @@ def test_gpu_kernels_match_the_float64_scan(case, dtype, d_shape, state_dtype, t
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_sliced_captured_and_eager_give_the_same_bits(monkeypatch):
+def test_gpu_sliced_captured_and_eager_give_the_same_bits(monkeypatch, deterministic):
     """With the kernels on, deterministic: one slice (eager), the captured budget's slices and one group a
     slice give the same values and gradients, and a captured forward + backward replays them bit for bit."""
     monkeypatch.setenv(ssd_kernels.ENV_SWITCH, "triton")
-    torch.use_deterministic_algorithms(True)
     b, length, h, g, p, n, q = HYBRID
     x, dt, A, B, C, D, dy = inputs(b, length, h, g, p, n, torch.bfloat16, (), device="cuda")
     leaves = [t.requires_grad_() for t in (x, dt, A, B, C, D)]
@@ -180,6 +181,14 @@ def test_gpu_sliced_captured_and_eager_give_the_same_bits(monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(got, want) for got, want in zip([y, *grads], one_slice))
+
+
+@pytest.fixture
+def deterministic():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
 
 
 @pytest.mark.gpu
