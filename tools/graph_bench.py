@@ -533,14 +533,15 @@ def run_child(config: str, mode: str, args, stem: str):
     env = dict(os.environ)
     if mode == "eager:expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    turns = {"noturn:": "0", "turn:": "1", "turns:": "all"}  # our graphs with the eager turns set so
-    for prefix, value in turns.items():
-        if mode.startswith(prefix):
-            env[EAGER_TURN_SWITCH] = value
-    if mode.startswith("scan32:"):
-        env[TURN_SCAN_BUDGET] = "captured"
     if mode.startswith(bcg.SSD_KERNELS):
         env[SSD_KERNELS_SWITCH] = "triton"
+    base = mode.removeprefix(bcg.SSD_KERNELS)
+    turns = {"noturn:": "0", "turn:": "1", "turns:": "all"}  # our graphs with the eager turns set so
+    for prefix, value in turns.items():
+        if base.startswith(prefix):
+            env[EAGER_TURN_SWITCH] = value
+    if base.startswith("scan32:"):
+        env[TURN_SCAN_BUDGET] = "captured"
     with open(log, "w") as f:
         rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     if rc != 0:

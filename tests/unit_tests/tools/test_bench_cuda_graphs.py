@@ -51,7 +51,7 @@ def test_turn_modes_run_their_child_with_the_eager_turns_set(monkeypatch, tmp_pa
     for name in switches:
         monkeypatch.delenv(name, raising=False)
     args = types.SimpleNamespace(iters=5, skip=1, extra="")
-    modes = ("local:attn", "noturn:attn", "turn:attn", "turns:attn", "scan32:attn", "ssd:local:attn")
+    modes = ("local:attn", "noturn:attn", "turn:attn", "turns:attn", "scan32:attn", "ssd:local:attn", "ssd:scan32:attn")
     for mode in modes:
         graph_bench.run_child("dense8", mode, args, str(tmp_path / mode.replace(":", "_")))
     assert seen == {
@@ -61,6 +61,7 @@ def test_turn_modes_run_their_child_with_the_eager_turns_set(monkeypatch, tmp_pa
         "turns:attn": ("all", None, None),
         "scan32:attn": (None, "captured", None),
         "ssd:local:attn": (None, None, "triton"),
+        "ssd:scan32:attn": (None, "captured", "triton"),
     }
     assert len({graph_bench.mode_flags(m) for m in modes}) == 1
     assert graph_bench.mode_flags("ssd:eager") == "" and bcg.baseline_mode("hybrid", "ssd:local:mlp") == "ssd:eager"
