@@ -334,10 +334,11 @@ def region_transient_bytes(kinds: tuple[str, ...], sh: Shapes, k: Kernels) -> in
     """The largest working memory one backward of a region made of ``kinds`` allocates beyond
     the gradients of its saved tensors.
 
-    Only the PyTorch Mamba scan has one worth naming: its backward recomputes a slice of
-    groups and takes its gradients by hand (``ssd.GroupSlicedScan``), two ``[b, heads, chunks,
-    chunk, chunk]`` float32 matrices of the slice at once and a few of the inputs' size, traced
-    exactly by ``ssd.captured_backward_peak_bytes``. Every other kind's temporaries are within its
+    Only the Mamba scan has one worth naming: its backward recomputes a slice of groups and takes
+    its gradients by hand (``ssd.GroupSlicedScan``), two ``[b, heads, chunks, chunk, chunk]``
+    float32 matrices of the slice at once and a few of the inputs' size (on its Triton kernels,
+    ``ssd_kernels``, the slice's chunk states and their gradients), traced exactly by
+    ``ssd.captured_backward_peak_bytes``. Every other kind's temporaries are within its
     activations (``budgets.TEMPORARIES_FACTOR``); with the fused mamba-ssm kernels, theirs.
     """
     if "mamba" not in kinds or k.fused_mamba:
