@@ -10,7 +10,8 @@ a few small PyTorch ops on ``[b, l, heads]`` tensors.
 
 The math is ``ssd._chunked_scan``'s, in float32 (matrix products in IEEE float32, no TF32), in
 another order: the decay between positions ``j <= i`` of a chunk is ``exp(cum_i - cum_j)`` of the
-within-chunk sums (not a sum of the increments), the states pass along the chunks one at a time,
+within-chunk sums, taken in float64 (not a sum of the increments), the states pass along the chunks
+one at a time,
 and the gradient of the sums comes from row and column sums of the scores. So results differ from
 the PyTorch scan in the last bits, not between eager and graphed runs, which both take this path.
 Every reduction runs in one fixed order with no atomics (deterministic), and a group's heads are
@@ -72,6 +73,11 @@ def _round_code(state_dtype: torch.dtype | None, x_dtype: torch.dtype) -> int:
 if HAVE_TRITON:
 
     @triton.jit
+    def _exp32(v):
+        """``exp`` in float32 of an exponent formed in float64 (differences of the within-chunk sums)."""
+        return tl.exp(v.to(tl.float32))
+
+    @triton.jit
     def _rounded(v, ROUND: tl.constexpr):
         """``v`` (float32) rounded to the states' dtype: 1 bf16, 2 fp16, 0 unchanged."""
         if ROUND == 1:
@@ -101,7 +107,7 @@ if HAVE_TRITON:
     def _chunk_states_kernel(
         u_ptr, su_b, su_l, su_h, su_p,  # x (forward) or dy (backward): [b, l, heads, p]
         dt_ptr, sdt_b, sdt_l, sdt_h,  # [b, l, heads]
-        cum_ptr,  # [b, chunks * q, heads] contiguous float32: within-chunk sums of dt A
+        cum_ptr,  # [b, chunks * q, heads] contiguous float64: within-chunk sums of dt A
         v_ptr, sv_b, sv_l, sv_g, sv_n,  # B (forward) or C (backward): [b, l, groups, n]
         out_ptr,  # [b, chunks, heads, p, n] float32
         length, q, chunks, heads, r, p, n,
@@ -124,9 +130,9 @@ if HAVE_TRITON:
             cum = tl.load(cum_row + pos * heads, mask=t < q, other=0.0)
             if TO_END:
                 dt = tl.load(dt_ptr + bi * sdt_b + pos * sdt_l + head * sdt_h, mask=valid, other=0.0)
-                w = tl.exp(tl.where(valid, last - cum, float("-inf"))) * dt
+                w = _exp32(tl.where(valid, last - cum, float("-inf"))) * dt
             else:
-                w = tl.exp(tl.where(valid, cum, float("-inf")))
+                w = _exp32(tl.where(valid, cum, float("-inf")))
             u = _rows(u_ptr, su_b, su_l, su_h, su_p, bi, pos, head, p, valid, BP) * w[:, None]
             v = _rows(v_ptr, sv_b, sv_l, sv_g, sv_n, bi, pos, head // r, n, valid, BN)
             acc += tl.dot(tl.trans(u), v, input_precision="ieee")
@@ -149,7 +155,7 @@ if HAVE_TRITON:
             ptr = st_ptr + ((bi * chunks + c) * heads + head) * pn + offs
             own = tl.load(ptr, mask=mask, other=0.0)
             tl.store(ptr, state, mask=mask)
-            decay = tl.exp(tl.load(cum_ptr + (bi * length_q + c * q + q - 1) * heads + head))
+            decay = _exp32(tl.load(cum_ptr + (bi * length_q + c * q + q - 1) * heads + head))
             state = decay * state + own
 
     @triton.jit
@@ -171,7 +177,7 @@ if HAVE_TRITON:
             c = chunks - 1 - k
             index = ((bi * chunks + c) * heads + head) * pn + offs
             entering = _rounded(tl.load(grad_ptr + index, mask=mask, other=0.0), ROUND)
-            decay = tl.exp(tl.load(cum_ptr + (bi * length_q + c * q + q - 1) * heads + head))
+            decay = _exp32(tl.load(cum_ptr + (bi * length_q + c * q + q - 1) * heads + head))
             state = tl.load(st_ptr + index, mask=mask, other=0.0)  # S_c
             tl.store(dsum_ptr + (bh * blocks + block) * chunks + c, tl.sum(after * state, axis=0) * decay)
             tl.store(grad_ptr + index, after, mask=mask)
@@ -205,7 +211,7 @@ if HAVE_TRITON:
         cum_i = tl.load(cum_row + pos_i * heads, mask=i < q, other=0.0)
         c_i = _rows(c_ptr, sc_b, sc_l, sc_g, sc_n, bi, pos_i, group, n, valid_i, BN)
         state = _rounded(_state_tile(st_ptr, bc * heads + head, p, n, BP, BN), ROUND)
-        acc = tl.dot(c_i, tl.trans(state), input_precision="ieee") * tl.exp(cum_i)[:, None]
+        acc = tl.dot(c_i, tl.trans(state), input_precision="ieee") * _exp32(cum_i)[:, None]
         for jb in range(0, ib + 1):
             j = jb * BQ + tl.arange(0, BQ)
             pos_j = start + j
@@ -213,7 +219,7 @@ if HAVE_TRITON:
             cum_j = tl.load(cum_row + pos_j * heads, mask=j < q, other=0.0)
             dt_j = tl.load(dt_ptr + bi * sdt_b + pos_j * sdt_l + head * sdt_h, mask=valid_j, other=0.0)
             keep = (i[:, None] >= j[None, :]) & valid_j[None, :]
-            decay = tl.exp(tl.where(keep, cum_i[:, None] - cum_j[None, :], float("-inf")))
+            decay = _exp32(tl.where(keep, cum_i[:, None] - cum_j[None, :], float("-inf")))
             cb = tl.dot(c_i, tl.trans(_rows(b_ptr, sb_b, sb_l, sb_g, sb_n, bi, pos_j, group, n, valid_j, BN)),
                         input_precision="ieee")  # fmt: skip
             x_j = _rows(x_ptr, sx_b, sx_l, sx_h, sx_p, bi, pos_j, head, p, valid_j, BP)
@@ -263,7 +269,7 @@ if HAVE_TRITON:
             last = tl.load(cum_row + (start + q - 1) * heads)
             dt_j = tl.load(dt_ptr + bi * sdt_b + pos_j * sdt_l + head * sdt_h, mask=valid_j, other=0.0)
             x_j = _rows(x_ptr, sx_b, sx_l, sx_h, sx_p, bi, pos_j, head, p, valid_j, BP)
-            to_end = tl.exp(tl.where(valid_j, last - cum_j, float("-inf")))
+            to_end = _exp32(tl.where(valid_j, last - cum_j, float("-inf")))
             dst = _state_tile(dst_ptr, bc * heads + head, p, n, BP, BN)
             b_dst = tl.dot(b_j, tl.trans(dst), input_precision="ieee")  # [j, p]
             dxdt = b_dst * to_end[:, None]
@@ -278,7 +284,7 @@ if HAVE_TRITON:
                 c_i = _rows(c_ptr, sc_b, sc_l, sc_g, sc_n, bi, pos_i, group, n, valid_i, BN)
                 dy_i = _rows(dy_ptr, sdy_b, sdy_l, sdy_h, sdy_p, bi, pos_i, head, p, valid_i, BP)
                 keep = (i[None, :] >= j[:, None]) & valid_i[None, :]  # [j, i]
-                decay = tl.exp(tl.where(keep, cum_i[None, :] - cum_j[:, None], float("-inf")))
+                decay = _exp32(tl.where(keep, cum_i[None, :] - cum_j[:, None], float("-inf")))
                 scores = tl.dot(b_j, tl.trans(c_i), input_precision="ieee") * decay  # (C_i . B_j) decay, [j, i]
                 dxdt += tl.dot(scores, dy_i, input_precision="ieee")
                 dscores = tl.dot(x_j, tl.trans(dy_i), input_precision="ieee") * dt_j[:, None]  # [j, i]
@@ -332,7 +338,7 @@ if HAVE_TRITON:
             cum_i = tl.load(cum_row + pos_i * heads, mask=i < q, other=0.0)
             dy_i = _rows(dy_ptr, sdy_b, sdy_l, sdy_h, sdy_p, bi, pos_i, head, p, valid_i, BP)
             state = _rounded(_state_tile(st_ptr, bc * heads + head, p, n, BP, BN), ROUND)
-            from_start = tl.exp(cum_i)
+            from_start = _exp32(cum_i)
             dy_state = tl.dot(dy_i, state, input_precision="ieee")  # [i, n]
             dc += dy_state * from_start[:, None]
             row = tl.sum(c_i * dy_state, axis=1) * from_start
@@ -345,7 +351,7 @@ if HAVE_TRITON:
                 b_j = _rows(b_ptr, sb_b, sb_l, sb_g, sb_n, bi, pos_j, group, n, valid_j, BN)
                 x_j = _rows(x_ptr, sx_b, sx_l, sx_h, sx_p, bi, pos_j, head, p, valid_j, BP)
                 keep = (i[:, None] >= j[None, :]) & valid_j[None, :]
-                decay = tl.exp(tl.where(keep, cum_i[:, None] - cum_j[None, :], float("-inf")))
+                decay = _exp32(tl.where(keep, cum_i[:, None] - cum_j[None, :], float("-inf")))
                 dscores = tl.dot(dy_i, tl.trans(x_j), input_precision="ieee") * dt_j[None, :]  # [i, j]
                 cb = tl.dot(c_i, tl.trans(b_j), input_precision="ieee")
                 row += tl.sum(tl.where(keep & (i[:, None] > j[None, :]), dscores * cb * decay, 0.0), axis=1)
@@ -373,11 +379,14 @@ def _launch(kernel, grid, *args, **constants) -> None:
 
 
 def _cumsums(dt: torch.Tensor, A: torch.Tensor, q: int) -> tuple[torch.Tensor, int]:
-    """``[b, chunks * q, heads]`` float32 within-chunk cumulative sums of ``dt A`` (the padding adds 0),
-    and the number of chunks. ``A`` is ``[heads]`` or per position ``[b, l, heads]``."""
+    """``[b, chunks * q, heads]`` within-chunk cumulative sums of ``dt A`` (the padding adds 0), and
+    the number of chunks. ``A`` is ``[heads]`` or per position ``[b, l, heads]``. The products are
+    float32, as the PyTorch scan's; their sums float64, so that the decay ``exp(cum_i - cum_j)``
+    between two positions keeps float32 accuracy however far the sums have run (the PyTorch scan
+    sums the increments between them instead)."""
     b, length, h = dt.shape
     chunks = -(-length // q)
-    a = dt.float() * A.float()
+    a = (dt.float() * A.float()).double()
     a = F.pad(a, (0, 0, 0, chunks * q - length)).view(b, chunks, q, h)
     return a.cumsum_(dim=2).view(b, chunks * q, h), chunks
 
@@ -467,7 +476,7 @@ def scan_grads(x, dt, A, B, C, D, chunk_size, state_dtype, dy, dx=None, dB=None,
     dx = torch.empty_like(x) if dx is None else dx
     dB = torch.empty_like(B) if dB is None else dB
     dC = torch.empty_like(C) if dC is None else dC
-    ddt, dcum, seg, drow = (torch.empty_like(cum) for _ in range(4))
+    ddt, dcum, seg, drow = (torch.empty_like(cum, dtype=torch.float32) for _ in range(4))
     weights, weight_strides = _skip_weights(D, x)
     _launch(
         _backward_columns_kernel, (b * chunks, g, nblocks),
