@@ -96,6 +96,21 @@ if HAVE_TRITON:
         )
 
     @triton.jit
+    def _block(start, block, q, length, BQ: tl.constexpr):
+        """Block ``block`` of a chunk's positions: (index in the chunk, position in the sequence, in both)."""
+        index = block * BQ + tl.arange(0, BQ)
+        pos = start + index
+        return index, pos, (index < q) & (pos < length)
+
+    @triton.jit
+    def _store_rows(ptr, s_b, s_l, s_h, s_d, bi, pos, head, width, valid, value, BD: tl.constexpr):
+        """Writes ``value`` ``[len(pos), BD]`` into a ``[b, l, heads, width]`` tensor (in its dtype)."""
+        cols = tl.arange(0, BD)
+        mask = valid[:, None] & (cols[None, :] < width)
+        ptrs = ptr + bi * s_b + pos[:, None] * s_l + head * s_h + cols[None, :] * s_d
+        tl.store(ptrs, value.to(ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _state_tile(ptr, index, p, n, BP: tl.constexpr, BN: tl.constexpr):
         """``[BP, BN]`` of the ``index``-th ``[p, n]`` state of a contiguous float32 state buffer."""
         rows = tl.arange(0, BP)
@@ -205,17 +220,13 @@ if HAVE_TRITON:
         start = (bc % chunks) * q
         group = head // r
         cum_row = cum_ptr + bi * (chunks * q * heads) + head
-        i = ib * BQ + tl.arange(0, BQ)
-        pos_i = start + i
-        valid_i = (i < q) & (pos_i < length)
+        i, pos_i, valid_i = _block(start, ib, q, length, BQ)
         cum_i = tl.load(cum_row + pos_i * heads, mask=i < q, other=0.0)
         c_i = _rows(c_ptr, sc_b, sc_l, sc_g, sc_n, bi, pos_i, group, n, valid_i, BN)
         state = _rounded(_state_tile(st_ptr, bc * heads + head, p, n, BP, BN), ROUND)
         acc = tl.dot(c_i, tl.trans(state), input_precision="ieee") * _exp32(cum_i)[:, None]
         for jb in range(0, ib + 1):
-            j = jb * BQ + tl.arange(0, BQ)
-            pos_j = start + j
-            valid_j = (j < q) & (pos_j < length)
+            j, pos_j, valid_j = _block(start, jb, q, length, BQ)
             cum_j = tl.load(cum_row + pos_j * heads, mask=j < q, other=0.0)
             dt_j = tl.load(dt_ptr + bi * sdt_b + pos_j * sdt_l + head * sdt_h, mask=valid_j, other=0.0)
             keep = (i[:, None] >= j[None, :]) & valid_j[None, :]
@@ -224,13 +235,11 @@ if HAVE_TRITON:
                         input_precision="ieee")  # fmt: skip
             x_j = _rows(x_ptr, sx_b, sx_l, sx_h, sx_p, bi, pos_j, head, p, valid_j, BP)
             acc += tl.dot(cb * decay * dt_j[None, :], x_j, input_precision="ieee")
-        cols = tl.arange(0, BP)
         if HAS_D:  # D [heads, p] (a per-head D comes expanded, stride 0 along p)
+            cols = tl.arange(0, BP)
             x_i = _rows(x_ptr, sx_b, sx_l, sx_h, sx_p, bi, pos_i, head, p, valid_i, BP)
             acc += x_i * tl.load(d_ptr + head * sd_h + cols * sd_p, mask=cols < p, other=0.0)[None, :]
-        mask = valid_i[:, None] & (cols[None, :] < p)
-        tl.store(y_ptr + bi * sy_b + pos_i[:, None] * sy_l + head * sy_h + cols[None, :] * sy_p,
-                 acc.to(y_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+        _store_rows(y_ptr, sy_b, sy_l, sy_h, sy_p, bi, pos_i, head, p, valid_i, acc, BP)
 
     @triton.jit
     def _backward_columns_kernel(
@@ -256,9 +265,7 @@ if HAVE_TRITON:
         jb = tl.program_id(2)
         bi = bc // chunks
         start = (bc % chunks) * q
-        j = jb * BQ + tl.arange(0, BQ)
-        pos_j = start + j
-        valid_j = (j < q) & (pos_j < length)
+        j, pos_j, valid_j = _block(start, jb, q, length, BQ)
         b_j = _rows(b_ptr, sb_b, sb_l, sb_g, sb_n, bi, pos_j, group, n, valid_j, BN)
         db = tl.zeros([BQ, BN], dtype=tl.float32)
         cols_p = tl.arange(0, BP)
@@ -277,9 +284,7 @@ if HAVE_TRITON:
             db += tl.dot(x_j * (to_end * dt_j)[:, None], dst, input_precision="ieee")
             col = tl.zeros([BQ], dtype=tl.float32)
             for ib in range(jb, blocks):
-                i = ib * BQ + tl.arange(0, BQ)
-                pos_i = start + i
-                valid_i = (i < q) & (pos_i < length)
+                i, pos_i, valid_i = _block(start, ib, q, length, BQ)
                 cum_i = tl.load(cum_row + pos_i * heads, mask=i < q, other=0.0)
                 c_i = _rows(c_ptr, sc_b, sc_l, sc_g, sc_n, bi, pos_i, group, n, valid_i, BN)
                 dy_i = _rows(dy_ptr, sdy_b, sdy_l, sdy_h, sdy_p, bi, pos_i, head, p, valid_i, BP)
@@ -294,17 +299,12 @@ if HAVE_TRITON:
             if HAS_D:
                 dy_j = _rows(dy_ptr, sdy_b, sdy_l, sdy_h, sdy_p, bi, pos_j, head, p, valid_j, BP)
                 dx += dy_j * tl.load(d_ptr + head * sd_h + cols_p * sd_p, mask=cols_p < p, other=0.0)[None, :]
-            mask = valid_j[:, None] & (cols_p[None, :] < p)
-            tl.store(dx_ptr + bi * sdx_b + pos_j[:, None] * sdx_l + head * sdx_h + cols_p[None, :] * sdx_p,
-                     dx.to(dx_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+            _store_rows(dx_ptr, sdx_b, sdx_l, sdx_h, sdx_p, bi, pos_j, head, p, valid_j, dx, BP)
             out = bi * (chunks * q * heads) + pos_j * heads + head
             tl.store(ddt_ptr + out, tl.sum(dxdt * x_j, axis=1), mask=j < q)
             tl.store(dcum_ptr + out, -col, mask=j < q)
             tl.store(seg_ptr + out, seg, mask=j < q)
-        cols_n = tl.arange(0, BN)
-        mask = valid_j[:, None] & (cols_n[None, :] < n)
-        tl.store(db_ptr + bi * sdb_b + pos_j[:, None] * sdb_l + group * sdb_g + cols_n[None, :] * sdb_n,
-                 db.to(db_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+        _store_rows(db_ptr, sdb_b, sdb_l, sdb_g, sdb_n, bi, pos_j, group, n, valid_j, db, BN)
 
     @triton.jit
     def _backward_rows_kernel(
@@ -327,9 +327,7 @@ if HAVE_TRITON:
         ib = tl.program_id(2)
         bi = bc // chunks
         start = (bc % chunks) * q
-        i = ib * BQ + tl.arange(0, BQ)
-        pos_i = start + i
-        valid_i = (i < q) & (pos_i < length)
+        i, pos_i, valid_i = _block(start, ib, q, length, BQ)
         c_i = _rows(c_ptr, sc_b, sc_l, sc_g, sc_n, bi, pos_i, group, n, valid_i, BN)
         dc = tl.zeros([BQ, BN], dtype=tl.float32)
         for k in range(r):
@@ -343,9 +341,7 @@ if HAVE_TRITON:
             dc += dy_state * from_start[:, None]
             row = tl.sum(c_i * dy_state, axis=1) * from_start
             for jb in range(0, ib + 1):
-                j = jb * BQ + tl.arange(0, BQ)
-                pos_j = start + j
-                valid_j = (j < q) & (pos_j < length)
+                j, pos_j, valid_j = _block(start, jb, q, length, BQ)
                 cum_j = tl.load(cum_row + pos_j * heads, mask=j < q, other=0.0)
                 dt_j = tl.load(dt_ptr + bi * sdt_b + pos_j * sdt_l + head * sdt_h, mask=valid_j, other=0.0)
                 b_j = _rows(b_ptr, sb_b, sb_l, sb_g, sb_n, bi, pos_j, group, n, valid_j, BN)
@@ -357,10 +353,7 @@ if HAVE_TRITON:
                 row += tl.sum(tl.where(keep & (i[:, None] > j[None, :]), dscores * cb * decay, 0.0), axis=1)
                 dc += tl.dot(dscores * decay, b_j, input_precision="ieee")
             tl.store(drow_ptr + bi * (chunks * q * heads) + pos_i * heads + head, row, mask=i < q)
-        cols = tl.arange(0, BN)
-        mask = valid_i[:, None] & (cols[None, :] < n)
-        tl.store(dc_ptr + bi * sdc_b + pos_i[:, None] * sdc_l + group * sdc_g + cols[None, :] * sdc_n,
-                 dc.to(dc_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+        _store_rows(dc_ptr, sdc_b, sdc_l, sdc_g, sdc_n, bi, pos_i, group, n, valid_i, dc, BN)
 
 
 _BQ_FORWARD, _BQ_BACKWARD = 64, 32

@@ -109,9 +109,15 @@ def test_forward_and_backward_are_capturable_and_replay_like_eager(monkeypatch):
     assert {n for capturing, n in slices if not capturing} == {1}
 
 
-def test_slicing_changes_no_bit_on_the_gpu(monkeypatch):
-    """The scan at the hybrid benchmark's mixer shapes (bf16), deterministic: the captured budget's slices
-    (SLICE_BYTES) and one group a slice give exactly the values and gradients of one slice (eager)."""
+@pytest.mark.parametrize(
+    "path",
+    ["torch", pytest.param("triton", marks=pytest.mark.skipif(not ssd_kernels.HAVE_TRITON, reason="no Triton"))],
+)
+def test_slicing_changes_no_bit_on_the_gpu(path, monkeypatch):
+    """The scan at the hybrid benchmark's mixer shapes (bf16), deterministic, on PyTorch or on ``ssd_kernels``:
+    the captured budget's slices (SLICE_BYTES) and one group a slice give exactly the values and gradients
+    of one slice (eager)."""
+    monkeypatch.setenv(ssd_kernels.ENV_SWITCH, path)
     torch.use_deterministic_algorithms(True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     b, length, h, p, g, n = 2, 2048, 32, 64, 8, 128
