@@ -25,16 +25,12 @@ product, and only one state per chunk is passed along the sequence. What is unus
 the tests and ``tools/bench_mamba.py`` compare against.
 """
 
-import functools
 import os
-import weakref
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch.autograd.function import once_differentiable
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from megatron.core.ssm import ssd_kernels
 from megatron.core.transformer.cuda_graphs.recorder import in_recorded_region
@@ -416,10 +412,11 @@ class GroupSlicedScan(torch.autograd.Function):
         ctx.budget = _slice_budget()  # backward slices as forward chose (it may run elsewhere: autograd's thread)
         ctx.save_for_backward(x, dt, A, B, C, D)
         y = torch.empty_like(x)
+        kernels = ssd_kernels.available(x)
         for heads, groups in _group_slices(x, B, chunk_size, ctx.budget):
             pieces = _slice((x, dt, A, B, C, D), heads, groups)
             with scratch():  # the slice's working memory dies here; its result goes into y
-                if ssd_kernels.available(x):
+                if kernels:
                     ssd_kernels.scan(*pieces[:5], chunk_size, D=pieces[5], state_dtype=state_dtype, out=y[:, :, heads])
                 else:
                     y[:, :, heads] = _chunked_scan(*pieces[:5], chunk_size, D=pieces[5], state_dtype=state_dtype)
@@ -469,7 +466,6 @@ def _sliced_backward(saved, needs, dy, chunk_size, state_dtype, budget=None, ker
                 part.copy_(grad)
         del found
     dA = grads[2].sum(dim=(0, 1)) if need_A else None
-    dD = None
     dD = _skip_grad(dy, x, D.dim() == 2).to(D.dtype) if need_D else None
     return grads[0], grads[1], dA, grads[3], grads[4], dD
 
@@ -492,72 +488,6 @@ def _skip_grad(dy: torch.Tensor, x: torch.Tensor, per_channel: bool) -> torch.Te
         )
         total = part if total is None else total.add_(part)
     return total
-
-
-class _LiveBytes(TorchDispatchMode):
-    """Counts the bytes of the storages that operations create, while they live, and their peak."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
-            key, size = storage._cdata, storage.nbytes()
-            if key in self._seen or size == 0:
-                continue
-            self._seen.add(key)
-            self.live += size
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(storage, self._free, key, size)
-        return out
-
-    def _free(self, key: int, size: int) -> None:
-        self.live -= size
-        self._seen.discard(key)
-
-
-def captured_backward_peak_bytes(
-    batch: int, length: int, heads: int, head_dim: int, groups: int, state: int, chunk_size: int, dtype: torch.dtype
-) -> int:
-    """Peak bytes :class:`GroupSlicedScan`'s backward allocates while a CUDA graph captures it
-    (slices of ``SLICE_BYTES``): its gradients and one slice's working memory.
-
-    Found by running that backward on the meta device (shapes only, no data, no device)
-    and counting what each operation creates while it lives: exact for this scan's
-    operations, however they change. ``x``, ``B``, ``C`` in ``dtype``, ``dt``, ``A``, ``D``
-    in float32, as the mixer passes them. Every Mamba layer of a model asks the same
-    question, so each answer is traced once. Where ``MEGATRON_SSD_KERNELS=triton`` the Triton
-    kernels' backward is traced (its allocations; the launches are skipped on the meta device).
-    """
-    kernels = ssd_kernels.HAVE_TRITON and ssd_kernels.switched_on() and dtype != torch.float64
-    return _traced_backward_peak(batch, length, heads, head_dim, groups, state, chunk_size, dtype, SLICE_BYTES, kernels)
-
-
-@functools.lru_cache(maxsize=64)
-def _traced_backward_peak(
-    batch, length, heads, head_dim, groups, state, chunk_size, dtype, budget, kernels=False
-) -> int:
-    meta = dict(device="meta")
-    f32 = dict(dtype=torch.float32, **meta)
-    saved = (
-        torch.empty(batch, length, heads, head_dim, dtype=dtype, **meta),
-        torch.empty(batch, length, heads, **f32),
-        torch.empty(heads, **f32),
-        torch.empty(batch, length, groups, state, dtype=dtype, **meta),
-        torch.empty(batch, length, groups, state, dtype=dtype, **meta),
-        torch.empty(heads, **f32),
-    )
-    dy = torch.empty_like(saved[0])
-    counter = _LiveBytes()
-    with counter:
-        _sliced_backward(saved, (True,) * 6, dy, chunk_size, None, budget=budget, kernels=kernels)
-    return counter.peak
 
 
 def _slice(tensors, heads: slice, groups: slice) -> tuple:

@@ -366,7 +366,7 @@ _PASS_BLOCK = 1024
 
 def _launch(kernel, grid, *args, **constants) -> None:
     """``kernel[grid](*args, **constants)``, skipped on the meta device: there only what the scan
-    allocates is traced (``ssd.captured_backward_peak_bytes``)."""
+    allocates is traced (``ssd_trace.captured_backward_peak_bytes``)."""
     if args[0].device.type != "meta":
         kernel[grid](*args, **constants)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.core.ssm import ssd
+from megatron.core.ssm import ssd, ssd_trace
 from megatron.core.ssm.ssd import ssd_chunked_scan, ssd_sequential_scan
 
 # (batch, length, heads, head dim, groups, state dim, chunk): lengths mostly not multiples of the chunk.
@@ -253,7 +253,7 @@ def test_scan_without_gradient_or_with_states_runs_the_plain_scan():
 
 
 def test_live_bytes_counts_storages_while_they_live():
-    counter = ssd._LiveBytes()
+    counter = ssd_trace._LiveBytes()
     with counter:
         a = torch.empty(256, dtype=torch.float32)  # 1 KiB
         b = torch.empty(512, dtype=torch.float32)
@@ -272,12 +272,12 @@ def test_traced_backward_peak_is_what_a_real_backward_allocates(slices, monkeypa
     b, length, h, p, g, n, q = 2, 96, 8, 8, 4, 16, 32
     per_group = b * (h // g) * (length // q) * q * q * 4
     slice_budget(monkeypatch, g // slices * per_group)
-    traced = ssd.captured_backward_peak_bytes(b, length, h, p, g, n, q, torch.bfloat16)
+    traced = ssd_trace.captured_backward_peak_bytes(b, length, h, p, g, n, q, torch.bfloat16)
     x, dt, A, B, C, D = inputs(b, length, h, p, g, n)
     leaves = [t.requires_grad_() for t in (x.bfloat16(), dt.float(), A.float(), B.bfloat16(), C.bfloat16(), D.float())]
     y = ssd_chunked_scan(*leaves[:5], q, D=leaves[5])
     dy = torch.randn_like(y)
-    counter = ssd._LiveBytes()
+    counter = ssd_trace._LiveBytes()
     with counter:
         torch.autograd.backward(y, dy)
     assert len(ssd._group_slices(leaves[0], leaves[3], q, ssd.SLICE_BYTES)) == slices
@@ -294,13 +294,13 @@ def test_backward_peak_is_about_half_of_autograd_through_the_recompute():
     dt, A = torch.empty(b, length, h, **meta), torch.empty(h, **meta).expand(b, length, h)
     B, C = (torch.empty(b, length, g, n, dtype=torch.bfloat16, **meta) for _ in range(2))
     D = torch.empty(h, **meta)
-    recompute = ssd._LiveBytes()
+    recompute = ssd_trace._LiveBytes()
     with recompute:
         leaves = [t.detach().requires_grad_() for t in (x, dt, A, B, C)]
         with torch.enable_grad():
             y = ssd._chunked_scan(*leaves, q, D=D)
         torch.autograd.grad(y, leaves, dy.bfloat16())
-    lean = ssd._traced_backward_peak(b, length, h, p, g, n, q, torch.bfloat16, 2**40)
+    lean = ssd_trace._traced_backward_peak(b, length, h, p, g, n, q, torch.bfloat16, 2**40)
     assert lean < 0.6 * recompute.peak, (lean, recompute.peak)
 
 

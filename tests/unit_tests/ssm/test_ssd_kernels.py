@@ -19,7 +19,7 @@ import textwrap
 import pytest
 import torch
 
-from megatron.core.ssm import ssd, ssd_kernels
+from megatron.core.ssm import ssd, ssd_kernels, ssd_trace
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -187,7 +187,7 @@ def test_gpu_traced_backward_peak_is_what_the_kernels_allocate(budget, monkeypat
     monkeypatch.setenv(ssd_kernels.ENV_SWITCH, "triton")
     b, length, h, g, p, n, q = HYBRID
     monkeypatch.setattr(ssd, "SLICE_BYTES", getattr(ssd, budget))
-    traced = ssd.captured_backward_peak_bytes(b, length, h, p, g, n, q, torch.bfloat16)
+    traced = ssd_trace.captured_backward_peak_bytes(b, length, h, p, g, n, q, torch.bfloat16)
     x, dt, A, B, C, D, dy = inputs(b, length, h, g, p, n, torch.bfloat16, (), device="cuda")
     leaves = [t.requires_grad_() for t in (x, dt, A, B, C, D)]
     monkeypatch.setattr(ssd, "EAGER_SLICE_BYTES", ssd.SLICE_BYTES)

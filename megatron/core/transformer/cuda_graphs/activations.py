@@ -338,17 +338,17 @@ def region_transient_bytes(kinds: tuple[str, ...], sh: Shapes, k: Kernels) -> in
     its gradients by hand (``ssd.GroupSlicedScan``), two ``[b, heads, chunks, chunk, chunk]``
     float32 matrices of the slice at once and a few of the inputs' size (on its Triton kernels,
     ``ssd_kernels``, the slice's chunk states and their gradients), traced exactly by
-    ``ssd.captured_backward_peak_bytes``. Every other kind's temporaries are within its
+    ``ssd_trace.captured_backward_peak_bytes``. Every other kind's temporaries are within its
     activations (``budgets.TEMPORARIES_FACTOR``); with the fused mamba-ssm kernels, theirs.
     """
     if "mamba" not in kinds or k.fused_mamba:
         return 0
-    from megatron.core.ssm import ssd
+    from megatron.core.ssm import ssd_trace
     from megatron.core.ssm.mamba_mixer import SCAN_CHUNK
 
     # fp16 and bf16 both compute in float32: the bytes are the same.
     dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[sh.element_bytes]
-    return ssd.captured_backward_peak_bytes(
+    return ssd_trace.captured_backward_peak_bytes(
         sh.micro_batch, sh.seq, sh.mamba_heads, sh.mamba_head_dim, sh.mamba_groups, sh.mamba_state, SCAN_CHUNK, dtype
     )
 

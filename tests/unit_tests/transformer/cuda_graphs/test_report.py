@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from megatron.core.ssm import ssd
+from megatron.core.ssm import ssd_trace
 from megatron.core.transformer.cuda_graphs import budgets
 from megatron.core.transformer.cuda_graphs import report as report_lib
 from megatron.core.transformer.cuda_graphs.activations import (
@@ -332,7 +332,7 @@ def test_mamba_regions_carry_the_scans_backward_working_memory(tool):
     rep = report_lib.eager_report(cfg, Kernels())
     mamba, *others = rep.regions
     assert mamba.kinds == ("mamba",) and [r.kinds for r in others] == [("attn",), ("mlp",), ("postprocess",)]
-    assert mamba.transient_bytes == ssd.captured_backward_peak_bytes(2, 64, 8, 16, 2, 16, 64, torch.bfloat16)
+    assert mamba.transient_bytes == ssd_trace.captured_backward_peak_bytes(2, 64, 8, 16, 2, 16, 64, torch.bfloat16)
     assert mamba.transient_bytes > 2 * mamba.activation_bytes  # more than TEMPORARIES_FACTOR allows alone
     assert all(r.transient_bytes == 0 for r in others)
     assert region_transient_bytes(("mamba",), Shapes.from_config(cfg), Kernels(fused_mamba=True)) == 0  # theirs
