@@ -10,7 +10,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4,<2.15", "numpy>=1.24", "einops>=0.7"],
     extras_require={
-        # Triton: the fused cross-entropy kernels are tested on the CPU in its interpreter.
+        # Triton: the fused cross-entropy and Mamba scan kernels are tested on the CPU in its interpreter.
         "test": [
             "pytest>=7",
             # Pinned: another ruff version may format differently, and CI checks the format.
