@@ -47,19 +47,23 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def switched_on() -> bool:
+def _switched_on() -> bool:
     value = os.environ.get(ENV_SWITCH, "torch")
     if value not in ("torch", "triton"):
         raise ValueError(f"{ENV_SWITCH}={value!r}: use torch (the default) or triton")
     return value == "triton"
 
 
+def takes(dtype: torch.dtype) -> bool:
+    """Whether a scan of ``dtype`` inputs on a device Triton runs on takes these kernels: Triton
+    importable, :data:`ENV_SWITCH` set to ``triton``, and a float32, bf16 or fp16 ``dtype``."""
+    return _switched_on() and HAVE_TRITON and dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
 def available(x: torch.Tensor) -> bool:
-    """Whether the scan of ``x`` runs on these kernels: Triton importable, ``x`` on CUDA (or the
-    interpreter on), a float32/bf16/fp16 ``x``, and :data:`ENV_SWITCH` set to ``triton``."""
-    if not switched_on() or not HAVE_TRITON or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
-    return x.is_cuda or _interpreting()
+    """Whether the scan of ``x`` runs on these kernels: :func:`takes` its dtype, and ``x`` is on CUDA
+    (or the interpreter is on)."""
+    return takes(x.dtype) and (x.is_cuda or _interpreting())
 
 
 def _pow2(value: int, least: int = 16) -> int:
@@ -111,6 +115,12 @@ if HAVE_TRITON:
         tl.store(ptrs, value.to(ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _skip_row(d_ptr, sd_h, sd_p, head, p, BP: tl.constexpr):
+        """``[1, BP]``: head ``head``'s row of ``D [heads, p]`` (a per-head D comes with stride 0 along p)."""
+        cols = tl.arange(0, BP)
+        return tl.load(d_ptr + head * sd_h + cols * sd_p, mask=cols < p, other=0.0)[None, :]
+
+    @triton.jit
     def _state_tile(ptr, index, p, n, BP: tl.constexpr, BN: tl.constexpr):
         """``[BP, BN]`` of the ``index``-th ``[p, n]`` state of a contiguous float32 state buffer."""
         rows = tl.arange(0, BP)
@@ -138,10 +148,8 @@ if HAVE_TRITON:
         cum_row = cum_ptr + bi * (chunks * q * heads) + head
         last = tl.load(cum_row + (start + q - 1) * heads)
         acc = tl.zeros([BP, BN], dtype=tl.float32)
-        for t0 in range(0, q, BQ):
-            t = t0 + tl.arange(0, BQ)
-            pos = start + t
-            valid = (t < q) & (pos < length)
+        for tb in range(0, tl.cdiv(q, BQ)):
+            t, pos, valid = _block(start, tb, q, length, BQ)
             cum = tl.load(cum_row + pos * heads, mask=t < q, other=0.0)
             if TO_END:
                 dt = tl.load(dt_ptr + bi * sdt_b + pos * sdt_l + head * sdt_h, mask=valid, other=0.0)
@@ -235,10 +243,10 @@ if HAVE_TRITON:
                         input_precision="ieee")  # fmt: skip
             x_j = _rows(x_ptr, sx_b, sx_l, sx_h, sx_p, bi, pos_j, head, p, valid_j, BP)
             acc += tl.dot(cb * decay * dt_j[None, :], x_j, input_precision="ieee")
-        if HAS_D:  # D [heads, p] (a per-head D comes expanded, stride 0 along p)
-            cols = tl.arange(0, BP)
-            x_i = _rows(x_ptr, sx_b, sx_l, sx_h, sx_p, bi, pos_i, head, p, valid_i, BP)
-            acc += x_i * tl.load(d_ptr + head * sd_h + cols * sd_p, mask=cols < p, other=0.0)[None, :]
+        if HAS_D:
+            acc += _rows(x_ptr, sx_b, sx_l, sx_h, sx_p, bi, pos_i, head, p, valid_i, BP) * _skip_row(
+                d_ptr, sd_h, sd_p, head, p, BP
+            )
         _store_rows(y_ptr, sy_b, sy_l, sy_h, sy_p, bi, pos_i, head, p, valid_i, acc, BP)
 
     @triton.jit
@@ -268,7 +276,6 @@ if HAVE_TRITON:
         j, pos_j, valid_j = _block(start, jb, q, length, BQ)
         b_j = _rows(b_ptr, sb_b, sb_l, sb_g, sb_n, bi, pos_j, group, n, valid_j, BN)
         db = tl.zeros([BQ, BN], dtype=tl.float32)
-        cols_p = tl.arange(0, BP)
         for k in range(r):
             head = group * r + k
             cum_row = cum_ptr + bi * (chunks * q * heads) + head
@@ -298,7 +305,7 @@ if HAVE_TRITON:
             dx = dxdt * dt_j[:, None]
             if HAS_D:
                 dy_j = _rows(dy_ptr, sdy_b, sdy_l, sdy_h, sdy_p, bi, pos_j, head, p, valid_j, BP)
-                dx += dy_j * tl.load(d_ptr + head * sd_h + cols_p * sd_p, mask=cols_p < p, other=0.0)[None, :]
+                dx += dy_j * _skip_row(d_ptr, sd_h, sd_p, head, p, BP)
             _store_rows(dx_ptr, sdx_b, sdx_l, sdx_h, sdx_p, bi, pos_j, head, p, valid_j, dx, BP)
             out = bi * (chunks * q * heads) + pos_j * heads + head
             tl.store(ddt_ptr + out, tl.sum(dxdt * x_j, axis=1), mask=j < q)
@@ -422,14 +429,21 @@ def _states(x, dt, cum, B, chunks, q, r, blocks) -> torch.Tensor:
     return states
 
 
+def _entering_states(x, dt, A, B, chunk_size, rows):
+    """What forward and backward both start with: the shapes ``(b, length, h, p, g, n, q)``, ``dt`` in
+    float32, the within-chunk sums and the number of chunks, the tile sizes (``rows`` of a chunk per
+    program), and the state entering each chunk."""
+    shapes = b, length, h, p, g, n, q = _shapes(x, B, chunk_size)
+    dt = dt.float()
+    cum, chunks = _cumsums(dt, A, q)
+    blocks = dict(BQ=min(rows, _pow2(q)), BP=_pow2(p), BN=_pow2(n))
+    return shapes, dt, cum, chunks, blocks, _states(x, dt, cum, B, chunks, q, h // g, blocks)
+
+
 def scan(x, dt, A, B, C, chunk_size, D=None, state_dtype=None, out=None) -> torch.Tensor:
     """``ssd._chunked_scan(x, dt, A, B, C, chunk_size, D, state_dtype=state_dtype)`` (no states in or
     out) on the kernels, written into ``out`` (default: a new tensor like ``x``)."""
-    b, length, h, p, g, n, q = _shapes(x, B, chunk_size)
-    dt = dt.float()
-    cum, chunks = _cumsums(dt, A, q)
-    blocks = dict(BQ=min(_BQ_FORWARD, _pow2(q)), BP=_pow2(p), BN=_pow2(n))
-    states = _states(x, dt, cum, B, chunks, q, h // g, blocks)
+    (b, length, h, p, g, n, q), dt, cum, chunks, blocks, states = _entering_states(x, dt, A, B, chunk_size, _BQ_FORWARD)
     out = torch.empty_like(x) if out is None else out
     weights, weight_strides = _skip_weights(D, x)
     _launch(
@@ -446,14 +460,12 @@ def scan_grads(x, dt, A, B, C, D, chunk_size, state_dtype, dy, dx=None, dB=None,
     """The gradients of :func:`scan` for ``A`` per position ``[b, l, heads]``: ``(dx, ddt, dA, dB,
     dC)``. ``dx``, ``dB``, ``dC`` are written into the given tensors (views are fine; default: new
     ones like the inputs); ``ddt`` and ``dA`` come per position in float32."""
-    b, length, h, p, g, n, q = _shapes(x, B, chunk_size)
+    (b, length, h, p, g, n, q), dt, cum, chunks, blocks, states = _entering_states(
+        x, dt, A, B, chunk_size, _BQ_BACKWARD
+    )
     r = h // g
-    dt = dt.float()
-    cum, chunks = _cumsums(dt, A, q)
-    blocks = dict(BQ=min(_BQ_BACKWARD, _pow2(q)), BP=_pow2(p), BN=_pow2(n))
     nblocks = triton.cdiv(q, blocks["BQ"])
     round_code = _round_code(state_dtype, x.dtype)
-    states = _states(x, dt, cum, B, chunks, q, r, blocks)
     grads = torch.empty_like(states)  # of the entering states, then in place of the chunks' own states
     _launch(
         _chunk_states_kernel, (b * chunks, h),
@@ -493,4 +505,4 @@ def scan_grads(x, dt, A, B, C, D, chunk_size, state_dtype, dy, dx=None, dB=None,
     dcum[:, :, -1] += extra
     da = dcum.flip(2).cumsum(dim=2).flip(2).reshape(b, chunks * q, h)[:, :length]  # cum_k sums a_0..a_k
     ddt = ddt[:, :length] + da * A.float()
-    return dx, ddt, da * dt.float(), dB, dC
+    return dx, ddt, da * dt, dB, dC

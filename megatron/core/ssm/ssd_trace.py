@@ -55,7 +55,7 @@ def captured_backward_peak_bytes(
     question, so each answer is traced once. Where ``MEGATRON_SSD_KERNELS=triton`` the Triton
     kernels' backward is traced (its allocations; the launches are skipped on the meta device).
     """
-    kernels = ssd_kernels.HAVE_TRITON and ssd_kernels.switched_on() and dtype != torch.float64
+    kernels = ssd_kernels.takes(dtype)
     return _traced_backward_peak(
         batch, length, heads, head_dim, groups, state, chunk_size, dtype, ssd.SLICE_BYTES, kernels
     )
