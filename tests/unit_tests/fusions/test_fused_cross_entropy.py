@@ -5,10 +5,7 @@ process: the variable is read when the kernels are defined); on a GPU they run f
 at the benchmark's size and inside a CUDA graph.
 """
 
-import importlib.util
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -17,9 +14,7 @@ import torch.nn.functional as F
 
 from megatron.core.fusions import fused_cross_entropy as fce
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
+from tests.unit_tests.interpreted import needs_triton, run_interpreted
 
 
 def reference(logits, target, grad):
@@ -62,13 +57,9 @@ CPU_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed (pip install -e .[test] brings it on Linux)")
+@needs_triton
 def test_kernels_match_reference_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
-    out = subprocess.run(
-        [sys.executable, "-c", CPU_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
+    run_interpreted(CPU_SCRIPT, timeout=300)
 
 
 def test_cpu_logits_take_the_torch_path():

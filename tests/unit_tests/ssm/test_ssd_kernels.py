@@ -10,19 +10,13 @@ bf16 outputs and gradients, rounded once (2^-9 relative at most), checked to 4e-
 interpreter to 8e-3, since it truncates float32 to bf16 (up to one ulp, 2^-8) where the GPU rounds.
 """
 
-import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
 from megatron.core.ssm import ssd, ssd_kernels, ssd_trace
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
+from tests.unit_tests.interpreted import needs_triton, run_interpreted
 
 
 def inputs(b, length, h, g, p, n, dtype, d_shape, device="cpu", seed=0):
@@ -103,13 +97,9 @@ CPU_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed (pip install -e .[test] brings it on Linux)")
+@needs_triton
 def test_kernels_match_the_float64_scan_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO, **{ssd_kernels.ENV_SWITCH: "triton"})
-    out = subprocess.run(
-        [sys.executable, "-c", CPU_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
+    run_interpreted(CPU_SCRIPT, timeout=600, **{ssd_kernels.ENV_SWITCH: "triton"})
 
 
 def test_the_switch(monkeypatch):
