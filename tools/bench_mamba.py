@@ -22,12 +22,12 @@ Usage:
 """
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import sys
 import time
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -68,18 +68,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-@contextlib.contextmanager
 def kernels_on():
     """The Mamba scan on ``ssd_kernels`` (forward and backward) inside the block."""
-    before = os.environ.get(ssd_kernels.ENV_SWITCH)
-    os.environ[ssd_kernels.ENV_SWITCH] = "triton"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[ssd_kernels.ENV_SWITCH]
-        else:
-            os.environ[ssd_kernels.ENV_SWITCH] = before
+    return mock.patch.dict(os.environ, {ssd_kernels.ENV_SWITCH: "triton"})
 
 
 class Timer:
