@@ -8,12 +8,13 @@ within-chunk cumulative sums of ``dt A``, so memory holds only the per-chunk sta
 entering each chunk; in backward also their gradients). Forward is three kernels, backward six, plus
 a few small PyTorch ops on ``[b, l, heads]`` tensors.
 
-The math is ``ssd._chunked_scan``'s, in float32 (matrix products in IEEE float32, no TF32), in
-another order: the decay between positions ``j <= i`` of a chunk is ``exp(cum_i - cum_j)`` of the
-within-chunk sums, taken in float64 (not a sum of the increments), the states pass along the chunks
-one at a time,
-and the gradient of the sums comes from row and column sums of the scores. So results differ from
-the PyTorch scan in the last bits, not between eager and graphed runs, which both take this path.
+The math is ``ssd._chunked_scan``'s, in float32, in another order. Matrix products of float32
+tiles are IEEE float32 (no TF32); those of two bf16 or fp16 input tiles, such as ``C B^T``, run on
+the tensor cores (the products are exact in float32, the sums float32). The decay between
+positions ``j <= i`` of a chunk is ``exp(cum_i - cum_j)`` of the within-chunk sums, taken in
+float64 (not a sum of the increments); the states pass along the chunks one at a time; the gradient
+of the sums comes from row and column sums of the scores. So results differ from the PyTorch scan
+in the last bits, not between eager and graphed runs, which both take this path.
 Every reduction runs in one fixed order with no atomics (deterministic), and a group's heads are
 summed inside one program, so slicing the heads into whole groups changes no bit.
 
@@ -91,13 +92,31 @@ if HAVE_TRITON:
         return v
 
     @triton.jit
-    def _rows(ptr, s_b, s_l, s_h, s_d, bi, pos, head, width, valid, BD: tl.constexpr):
-        """``[len(pos), BD]`` float32 tile of a ``[b, l, heads, width]`` tensor (zeros outside)."""
+    def _raw_rows(ptr, s_b, s_l, s_h, s_d, bi, pos, head, width, valid, BD: tl.constexpr):
+        """``[len(pos), BD]`` tile of a ``[b, l, heads, width]`` tensor in its dtype (zeros outside)."""
         cols = tl.arange(0, BD)
         mask = valid[:, None] & (cols[None, :] < width)
-        return tl.load(ptr + bi * s_b + pos[:, None] * s_l + head * s_h + cols[None, :] * s_d, mask=mask, other=0.0).to(
-            tl.float32
-        )
+        return tl.load(ptr + bi * s_b + pos[:, None] * s_l + head * s_h + cols[None, :] * s_d, mask=mask, other=0.0)
+
+    @triton.jit
+    def _rows(ptr, s_b, s_l, s_h, s_d, bi, pos, head, width, valid, BD: tl.constexpr):
+        """:func:`_raw_rows` in float32."""
+        return _raw_rows(ptr, s_b, s_l, s_h, s_d, bi, pos, head, width, valid, BD).to(tl.float32)
+
+    _HALF_DOTS_IN_FLOAT32 = tl.constexpr(_interpreting())
+    """The interpreter multiplies bf16 tiles as their raw bits: there they go to float32 first (the
+    same products, exact in float32 either way)."""
+
+    @triton.jit
+    def _dot(a, b):
+        """``a @ b`` in float32: IEEE float32 products of float32 tiles (no TF32); bf16 or fp16 tiles
+        on the tensor cores, whose products are exact in float32, summed in float32."""
+        if a.dtype == tl.float32:
+            return tl.dot(a, b, input_precision="ieee")
+        elif _HALF_DOTS_IN_FLOAT32:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            return tl.dot(a, b, out_dtype=tl.float32)
 
     @triton.jit
     def _block(start, block, q, length, BQ: tl.constexpr):
@@ -230,17 +249,16 @@ if HAVE_TRITON:
         cum_row = cum_ptr + bi * (chunks * q * heads) + head
         i, pos_i, valid_i = _block(start, ib, q, length, BQ)
         cum_i = tl.load(cum_row + pos_i * heads, mask=i < q, other=0.0)
-        c_i = _rows(c_ptr, sc_b, sc_l, sc_g, sc_n, bi, pos_i, group, n, valid_i, BN)
+        c_raw = _raw_rows(c_ptr, sc_b, sc_l, sc_g, sc_n, bi, pos_i, group, n, valid_i, BN)
         state = _rounded(_state_tile(st_ptr, bc * heads + head, p, n, BP, BN), ROUND)
-        acc = tl.dot(c_i, tl.trans(state), input_precision="ieee") * _exp32(cum_i)[:, None]
+        acc = _dot(c_raw.to(tl.float32), tl.trans(state)) * _exp32(cum_i)[:, None]
         for jb in range(0, ib + 1):
             j, pos_j, valid_j = _block(start, jb, q, length, BQ)
             cum_j = tl.load(cum_row + pos_j * heads, mask=j < q, other=0.0)
             dt_j = tl.load(dt_ptr + bi * sdt_b + pos_j * sdt_l + head * sdt_h, mask=valid_j, other=0.0)
             keep = (i[:, None] >= j[None, :]) & valid_j[None, :]
             decay = _exp32(tl.where(keep, cum_i[:, None] - cum_j[None, :], float("-inf")))
-            cb = tl.dot(c_i, tl.trans(_rows(b_ptr, sb_b, sb_l, sb_g, sb_n, bi, pos_j, group, n, valid_j, BN)),
-                        input_precision="ieee")  # fmt: skip
+            cb = _dot(c_raw, tl.trans(_raw_rows(b_ptr, sb_b, sb_l, sb_g, sb_n, bi, pos_j, group, n, valid_j, BN)))
             x_j = _rows(x_ptr, sx_b, sx_l, sx_h, sx_p, bi, pos_j, head, p, valid_j, BP)
             acc += tl.dot(cb * decay * dt_j[None, :], x_j, input_precision="ieee")
         if HAS_D:
@@ -274,7 +292,8 @@ if HAVE_TRITON:
         bi = bc // chunks
         start = (bc % chunks) * q
         j, pos_j, valid_j = _block(start, jb, q, length, BQ)
-        b_j = _rows(b_ptr, sb_b, sb_l, sb_g, sb_n, bi, pos_j, group, n, valid_j, BN)
+        b_raw = _raw_rows(b_ptr, sb_b, sb_l, sb_g, sb_n, bi, pos_j, group, n, valid_j, BN)
+        b_j = b_raw.to(tl.float32)
         db = tl.zeros([BQ, BN], dtype=tl.float32)
         for k in range(r):
             head = group * r + k
@@ -282,7 +301,8 @@ if HAVE_TRITON:
             cum_j = tl.load(cum_row + pos_j * heads, mask=j < q, other=0.0)
             last = tl.load(cum_row + (start + q - 1) * heads)
             dt_j = tl.load(dt_ptr + bi * sdt_b + pos_j * sdt_l + head * sdt_h, mask=valid_j, other=0.0)
-            x_j = _rows(x_ptr, sx_b, sx_l, sx_h, sx_p, bi, pos_j, head, p, valid_j, BP)
+            x_raw = _raw_rows(x_ptr, sx_b, sx_l, sx_h, sx_p, bi, pos_j, head, p, valid_j, BP)
+            x_j = x_raw.to(tl.float32)
             to_end = _exp32(tl.where(valid_j, last - cum_j, float("-inf")))
             dst = _state_tile(dst_ptr, bc * heads + head, p, n, BP, BN)
             b_dst = tl.dot(b_j, tl.trans(dst), input_precision="ieee")  # [j, p]
@@ -293,15 +313,15 @@ if HAVE_TRITON:
             for ib in range(jb, blocks):
                 i, pos_i, valid_i = _block(start, ib, q, length, BQ)
                 cum_i = tl.load(cum_row + pos_i * heads, mask=i < q, other=0.0)
-                c_i = _rows(c_ptr, sc_b, sc_l, sc_g, sc_n, bi, pos_i, group, n, valid_i, BN)
-                dy_i = _rows(dy_ptr, sdy_b, sdy_l, sdy_h, sdy_p, bi, pos_i, head, p, valid_i, BP)
+                c_raw = _raw_rows(c_ptr, sc_b, sc_l, sc_g, sc_n, bi, pos_i, group, n, valid_i, BN)
+                dy_raw = _raw_rows(dy_ptr, sdy_b, sdy_l, sdy_h, sdy_p, bi, pos_i, head, p, valid_i, BP)
                 keep = (i[None, :] >= j[:, None]) & valid_i[None, :]  # [j, i]
                 decay = _exp32(tl.where(keep, cum_i[None, :] - cum_j[:, None], float("-inf")))
-                scores = tl.dot(b_j, tl.trans(c_i), input_precision="ieee") * decay  # (C_i . B_j) decay, [j, i]
-                dxdt += tl.dot(scores, dy_i, input_precision="ieee")
-                dscores = tl.dot(x_j, tl.trans(dy_i), input_precision="ieee") * dt_j[:, None]  # [j, i]
+                scores = _dot(b_raw, tl.trans(c_raw)) * decay  # (C_i . B_j) decay, [j, i]
+                dxdt += _dot(scores, dy_raw.to(tl.float32))
+                dscores = _dot(x_raw, tl.trans(dy_raw)) * dt_j[:, None]  # [j, i]
                 col += tl.sum(tl.where(keep & (i[None, :] > j[:, None]), dscores * scores, 0.0), axis=1)
-                db += tl.dot(dscores * decay, c_i, input_precision="ieee")
+                db += _dot(dscores * decay, c_raw.to(tl.float32))
             dx = dxdt * dt_j[:, None]
             if HAS_D:
                 dy_j = _rows(dy_ptr, sdy_b, sdy_l, sdy_h, sdy_p, bi, pos_j, head, p, valid_j, BP)
@@ -335,39 +355,42 @@ if HAVE_TRITON:
         bi = bc // chunks
         start = (bc % chunks) * q
         i, pos_i, valid_i = _block(start, ib, q, length, BQ)
-        c_i = _rows(c_ptr, sc_b, sc_l, sc_g, sc_n, bi, pos_i, group, n, valid_i, BN)
+        c_raw = _raw_rows(c_ptr, sc_b, sc_l, sc_g, sc_n, bi, pos_i, group, n, valid_i, BN)
+        c_i = c_raw.to(tl.float32)
         dc = tl.zeros([BQ, BN], dtype=tl.float32)
         for k in range(r):
             head = group * r + k
             cum_row = cum_ptr + bi * (chunks * q * heads) + head
             cum_i = tl.load(cum_row + pos_i * heads, mask=i < q, other=0.0)
-            dy_i = _rows(dy_ptr, sdy_b, sdy_l, sdy_h, sdy_p, bi, pos_i, head, p, valid_i, BP)
+            dy_raw = _raw_rows(dy_ptr, sdy_b, sdy_l, sdy_h, sdy_p, bi, pos_i, head, p, valid_i, BP)
             state = _rounded(_state_tile(st_ptr, bc * heads + head, p, n, BP, BN), ROUND)
             from_start = _exp32(cum_i)
-            dy_state = tl.dot(dy_i, state, input_precision="ieee")  # [i, n]
+            dy_state = _dot(dy_raw.to(tl.float32), state)  # [i, n]
             dc += dy_state * from_start[:, None]
             row = tl.sum(c_i * dy_state, axis=1) * from_start
             for jb in range(0, ib + 1):
                 j, pos_j, valid_j = _block(start, jb, q, length, BQ)
                 cum_j = tl.load(cum_row + pos_j * heads, mask=j < q, other=0.0)
                 dt_j = tl.load(dt_ptr + bi * sdt_b + pos_j * sdt_l + head * sdt_h, mask=valid_j, other=0.0)
-                b_j = _rows(b_ptr, sb_b, sb_l, sb_g, sb_n, bi, pos_j, group, n, valid_j, BN)
-                x_j = _rows(x_ptr, sx_b, sx_l, sx_h, sx_p, bi, pos_j, head, p, valid_j, BP)
+                b_raw = _raw_rows(b_ptr, sb_b, sb_l, sb_g, sb_n, bi, pos_j, group, n, valid_j, BN)
+                x_raw = _raw_rows(x_ptr, sx_b, sx_l, sx_h, sx_p, bi, pos_j, head, p, valid_j, BP)
                 keep = (i[:, None] >= j[None, :]) & valid_j[None, :]
                 decay = _exp32(tl.where(keep, cum_i[:, None] - cum_j[None, :], float("-inf")))
-                dscores = tl.dot(dy_i, tl.trans(x_j), input_precision="ieee") * dt_j[None, :]  # [i, j]
-                cb = tl.dot(c_i, tl.trans(b_j), input_precision="ieee")
+                dscores = _dot(dy_raw, tl.trans(x_raw)) * dt_j[None, :]  # [i, j]
+                cb = _dot(c_raw, tl.trans(b_raw))
                 row += tl.sum(tl.where(keep & (i[:, None] > j[None, :]), dscores * cb * decay, 0.0), axis=1)
-                dc += tl.dot(dscores * decay, b_j, input_precision="ieee")
+                dc += _dot(dscores * decay, b_raw.to(tl.float32))
             tl.store(drow_ptr + bi * (chunks * q * heads) + pos_i * heads + head, row, mask=i < q)
         _store_rows(dc_ptr, sdc_b, sdc_l, sdc_g, sdc_n, bi, pos_i, group, n, valid_i, dc, BN)
 
 
-_BQ_FORWARD, _BQ_BACKWARD = 64, 32
-"""Rows of a chunk per program (backward holds more tiles at once)."""
+_BQ_FORWARD, _BQ_BACKWARD = 32, 32
+"""Rows of a chunk per program. Compiled for sm_90 at the hybrid benchmark's shapes
+(``tools/ssd_kernel_resources.py``), 32 rows and 8 warps are where the forward kernels spill no
+register in float32 and bf16 (64 rows spilled 576 bytes a thread, 4 warps up to 11 KB); the two
+big backward kernels spill 1 to 4 KB a thread at any size tried (16 rows: 0.3 to 1.5 KB)."""
 _WARPS = 8
-"""Warps of the output and backward kernels: their tiles (some 40 thousand float32 at the hybrid
-benchmark's head dim 64 and state 128) would not fit four warps' registers."""
+"""Warps of every kernel but the passing ones."""
 _PASS_BLOCK = 1024
 
 
@@ -420,7 +443,7 @@ def _states(x, dt, cum, B, chunks, q, r, blocks) -> torch.Tensor:
     _launch(
         _chunk_states_kernel, (b * chunks, h),
         x, *x.stride(), dt, *dt.stride(), cum, B, *B.stride(), states,
-        length, q, chunks, h, r, p, n, TO_END=True, **blocks,
+        length, q, chunks, h, r, p, n, TO_END=True, num_warps=_WARPS, **blocks,
     )  # fmt: skip
     _launch(
         _pass_states_kernel, (b * h, triton.cdiv(p * n, _PASS_BLOCK)),
@@ -470,7 +493,7 @@ def scan_grads(x, dt, A, B, C, D, chunk_size, state_dtype, dy, dx=None, dB=None,
     _launch(
         _chunk_states_kernel, (b * chunks, h),
         dy, *dy.stride(), dt, *dt.stride(), cum, C, *C.stride(), grads,
-        length, q, chunks, h, r, p, n, TO_END=False, **blocks,
+        length, q, chunks, h, r, p, n, TO_END=False, num_warps=_WARPS, **blocks,
     )  # fmt: skip
     pass_blocks = triton.cdiv(p * n, _PASS_BLOCK)
     dsum = torch.empty(b, h, pass_blocks, chunks, device=x.device, dtype=torch.float32)

@@ -10,6 +10,8 @@ bf16 outputs and gradients, rounded once (2^-9 relative at most), checked to 4e-
 interpreter to 8e-3, since it truncates float32 to bf16 (up to one ulp, 2^-8) where the GPU rounds.
 """
 
+import os
+import shutil
 import textwrap
 
 import pytest
@@ -193,3 +195,29 @@ def test_gpu_traced_backward_peak_is_what_the_kernels_allocate(budget, monkeypat
     print(f"scan backward on the kernels at {budget}: traced {traced / 2**20:.1f} MiB, real {real / 2**20:.1f} MiB")
     assert abs(real - traced) <= 2**20, (traced, real)
     del grads
+
+
+def _nvidia_backend() -> bool:
+    if not ssd_kernels.HAVE_TRITON:
+        return False
+    from tools.ssd_kernel_resources import cuobjdump
+
+    return os.path.exists(cuobjdump()) or shutil.which(cuobjdump()) is not None
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="needs Triton's NVIDIA backend (ptxas, cuobjdump)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernels_compile_for_hopper_within_its_shared_memory(dtype):
+    """Every kernel of a forward and a backward at the hybrid benchmark's shapes, as launched (tiles,
+    warps, dtypes), compiles for sm_90 ahead of time with no GPU, and asks for no more shared memory
+    than an H100/H200 block may have (else it would fail at its first launch there). Registers and
+    spills are printed (``-rP``), not bounded: they are speed, and move with Triton's version."""
+    from tools.ssd_kernel_resources import HOPPER_SHARED_BYTES, recorded_launches, table
+
+    b, length, h, g, p, n, q = HYBRID
+    launches = recorded_launches(dtype, batch=b, seq=length, heads=h, head_dim=p, groups=g, state=n, chunk=q)
+    names = {kernel.__name__ for kernel, _, _ in launches}
+    assert len(launches) == 9 and len(names) == 6, names  # forward 3 launches, backward 6
+    for row in table(launches):
+        print(row)
+        assert row["shared"] <= HOPPER_SHARED_BYTES, row
