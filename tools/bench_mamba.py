@@ -5,8 +5,9 @@ Rows, all measured in the same run on the same inputs:
 * ``scan sequential``: ``ssd_sequential_scan``, the recurrence one time step at a time
   (the naive PyTorch reference);
 * ``scan chunked Q``: ``ssd_chunked_scan`` for each ``--chunks`` size;
-* ``scan triton 128``: ``ssd_chunked_scan`` on this project's Triton kernels (``ssd_kernels``), when
-  Triton is installed;
+* ``scan triton 128 F,B``: ``ssd_chunked_scan`` on this project's Triton kernels (``ssd_kernels``), when
+  Triton is installed, with ``F`` and ``B`` rows of a chunk per program forward and backward (one
+  row per ``--triton-rows`` pair);
 * ``scan mamba_ssm``: the fused Triton scan, when mamba-ssm is installed;
 * ``mixer torch`` / ``mixer triton`` / ``mixer mamba_ssm``: the whole MambaMixer (projections, conv,
   scan, norm) on the PyTorch path, with the scan on ``ssd_kernels``, and on mamba-ssm's kernels.
@@ -65,7 +66,20 @@ def parse_args(argv=None):
         default=None,
         help="GroupSlicedScan's eager budget per slice (ssd.EAGER_SLICE_BYTES, in MiB): fewer slices launch fewer kernels",
     )
+    p.add_argument(
+        "--triton-rows",
+        nargs="+",
+        default=[f"{ssd_kernels._BQ_FORWARD},{ssd_kernels._BQ_BACKWARD}"],
+        metavar="FWD,BWD",
+        help="rows of a chunk per program of the Triton scan's forward and backward kernels: one row each",
+    )
     return p.parse_args(argv)
+
+
+def tiles(spec: str):
+    """``--triton-rows``' ``FWD,BWD`` as a patch of ``ssd_kernels``' tile rows."""
+    forward, backward = (int(v) for v in spec.split(","))
+    return mock.patch.multiple(ssd_kernels, _BQ_FORWARD=forward, _BQ_BACKWARD=backward)
 
 
 def kernels_on():
@@ -192,11 +206,12 @@ def main(argv=None):
             )
         )
     if ssd_kernels.HAVE_TRITON and device.type == "cuda":
-        with kernels_on():
-            rows.append(
-                optional("scan triton 128", lambda: ssd_chunked_scan(x, dt, A, B, C, 128, D=D), leaves, timer, args,
-                         device, ref)
-            )  # fmt: skip
+        for spec in args.triton_rows:
+            with kernels_on(), tiles(spec):
+                rows.append(
+                    optional(f"scan triton 128 {spec}", lambda: ssd_chunked_scan(x, dt, A, B, C, 128, D=D), leaves,
+                             timer, args, device, ref)
+                )  # fmt: skip
     if HAVE_MAMBA_SSM and device.type == "cuda":
         rows.append(
             optional(
@@ -235,14 +250,14 @@ def main(argv=None):
         f"groups {args.groups}, {args.dtype}, {device} "
         f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), torch {torch.__version__}"
     )
-    print(f"{'row':<22}{'fwd ms':>10}{'fwd+bwd ms':>12}{'peak MiB':>10}{'rel err':>10}")
+    print(f"{'row':<26}{'fwd ms':>10}{'fwd+bwd ms':>12}{'peak MiB':>10}{'rel err':>10}")
     for r in rows:
         if r["fwd_ms"] is None:
-            print(f"{r['row']:<22}{'failed':>10}")
+            print(f"{r['row']:<26}{'failed':>10}")
             continue
         peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
         err = "-" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
-        print(f"{r['row']:<22}{r['fwd_ms']:>10.2f}{r['fwd_bwd_ms']:>12.2f}{peak:>10}{err:>10}")
+        print(f"{r['row']:<26}{r['fwd_ms']:>10.2f}{r['fwd_bwd_ms']:>12.2f}{peak:>10}{err:>10}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "torch": torch.__version__, "rows": rows}, f, indent=2)
