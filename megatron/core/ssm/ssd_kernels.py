@@ -92,11 +92,17 @@ if HAVE_TRITON:
         return v
 
     @triton.jit
-    def _raw_rows(ptr, s_b, s_l, s_h, s_d, bi, pos, head, width, valid, BD: tl.constexpr):
-        """``[len(pos), BD]`` tile of a ``[b, l, heads, width]`` tensor in its dtype (zeros outside)."""
-        cols = tl.arange(0, BD)
+    def _row_slice(ptr, s_b, s_l, s_h, s_d, bi, pos, head, width, valid, first, BD: tl.constexpr):
+        """``[len(pos), BD]`` tile of a ``[b, l, heads, width]`` tensor, columns from ``first``, in its
+        dtype (zeros outside)."""
+        cols = first + tl.arange(0, BD)
         mask = valid[:, None] & (cols[None, :] < width)
         return tl.load(ptr + bi * s_b + pos[:, None] * s_l + head * s_h + cols[None, :] * s_d, mask=mask, other=0.0)
+
+    @triton.jit
+    def _raw_rows(ptr, s_b, s_l, s_h, s_d, bi, pos, head, width, valid, BD: tl.constexpr):
+        """``[len(pos), BD]`` tile of a ``[b, l, heads, width]`` tensor in its dtype (zeros outside)."""
+        return _row_slice(ptr, s_b, s_l, s_h, s_d, bi, pos, head, width, valid, 0, BD)
 
     @triton.jit
     def _rows(ptr, s_b, s_l, s_h, s_d, bi, pos, head, width, valid, BD: tl.constexpr):
@@ -140,12 +146,45 @@ if HAVE_TRITON:
         return tl.load(d_ptr + head * sd_h + cols * sd_p, mask=cols < p, other=0.0)[None, :]
 
     @triton.jit
-    def _state_tile(ptr, index, p, n, BP: tl.constexpr, BN: tl.constexpr):
-        """``[BP, BN]`` of the ``index``-th ``[p, n]`` state of a contiguous float32 state buffer."""
-        rows = tl.arange(0, BP)
-        cols = tl.arange(0, BN)
+    def _state_slice(ptr, index, p, n, row, col, BP: tl.constexpr, BN: tl.constexpr):
+        """``[BP, BN]`` from ``(row, col)`` of the ``index``-th ``[p, n]`` state of a contiguous float32
+        state buffer (zeros outside)."""
+        rows = row + tl.arange(0, BP)
+        cols = col + tl.arange(0, BN)
         mask = (rows[:, None] < p) & (cols[None, :] < n)
         return tl.load(ptr + index * p * n + rows[:, None] * n + cols[None, :], mask=mask, other=0.0)
+
+    # Products with a state run _BK of their inner dim (n or p) at a time: a float32 product holds
+    # its operands' whole inner dim in registers, which spilled kilobytes a thread at n = 128. The
+    # slices add up in the inner dim's order, as one product would.
+
+    @triton.jit
+    def _rows_times_state_t(
+        ptr, s_b, s_l, s_h, s_d, bi, pos, head, valid, st_ptr, index, p, n,
+        ROUND: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
+        """``[BQ, BP]`` float32: rows ``pos`` of a ``[b, l, heads, n]`` tensor times the transposed
+        ``index``-th state (``[p, n]``, rounded by ``ROUND``)."""
+        acc = tl.zeros([BQ, BP], dtype=tl.float32)
+        for k in range(0, tl.cdiv(n, BK)):
+            rows = _row_slice(ptr, s_b, s_l, s_h, s_d, bi, pos, head, n, valid, k * BK, BK).to(tl.float32)
+            state = _rounded(_state_slice(st_ptr, index, p, n, 0, k * BK, BP, BK), ROUND)
+            acc = tl.dot(rows, tl.trans(state), acc, input_precision="ieee")
+        return acc
+
+    @triton.jit
+    def _rows_times_state(
+        ptr, s_b, s_l, s_h, s_d, bi, pos, head, valid, weights, st_ptr, index, p, n,
+        ROUND: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
+        """``[BQ, BN]`` float32: rows ``pos`` of a ``[b, l, heads, p]`` tensor, each times its
+        ``weights`` entry, times the ``index``-th state (``[p, n]``, rounded by ``ROUND``)."""
+        acc = tl.zeros([BQ, BN], dtype=tl.float32)
+        for k in range(0, tl.cdiv(p, BK)):
+            rows = _row_slice(ptr, s_b, s_l, s_h, s_d, bi, pos, head, p, valid, k * BK, BK).to(tl.float32)
+            state = _rounded(_state_slice(st_ptr, index, p, n, k * BK, 0, BK, BN), ROUND)
+            acc = tl.dot(rows * weights[:, None], state, acc, input_precision="ieee")
+        return acc
 
     @triton.jit
     def _chunk_states_kernel(
@@ -236,7 +275,7 @@ if HAVE_TRITON:
         d_ptr, sd_h, sd_p,
         y_ptr, sy_b, sy_l, sy_h, sy_p,
         length, q, chunks, heads, r, p, n,
-        HAS_D: tl.constexpr, ROUND: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+        HAS_D: tl.constexpr, ROUND: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ):  # fmt: skip
         """``y_i = exp(cum_i) C_i . S + sum_{j <= i} (C_i . B_j) exp(cum_i - cum_j) dt_j x_j (+ D x_i)``
         for one block of rows ``i`` of one chunk and head."""
@@ -250,8 +289,28 @@ if HAVE_TRITON:
         i, pos_i, valid_i = _block(start, ib, q, length, BQ)
         cum_i = tl.load(cum_row + pos_i * heads, mask=i < q, other=0.0)
         c_raw = _raw_rows(c_ptr, sc_b, sc_l, sc_g, sc_n, bi, pos_i, group, n, valid_i, BN)
-        state = _rounded(_state_tile(st_ptr, bc * heads + head, p, n, BP, BN), ROUND)
-        acc = _dot(c_raw.to(tl.float32), tl.trans(state)) * _exp32(cum_i)[:, None]
+        acc = (
+            _rows_times_state_t(
+                c_ptr,
+                sc_b,
+                sc_l,
+                sc_g,
+                sc_n,
+                bi,
+                pos_i,
+                group,
+                valid_i,
+                st_ptr,
+                bc * heads + head,
+                p,
+                n,
+                ROUND,
+                BQ,
+                BP,
+                BK,
+            )
+            * _exp32(cum_i)[:, None]
+        )
         for jb in range(0, ib + 1):
             j, pos_j, valid_j = _block(start, jb, q, length, BQ)
             cum_j = tl.load(cum_row + pos_j * heads, mask=j < q, other=0.0)
@@ -281,7 +340,7 @@ if HAVE_TRITON:
         db_ptr, sdb_b, sdb_l, sdb_g, sdb_n,
         ddt_ptr, dcum_ptr, seg_ptr,  # [b, chunks * q, heads] float32 each
         length, q, chunks, heads, r, p, n, blocks,
-        HAS_D: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+        HAS_D: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ):  # fmt: skip
         """One block of columns ``j`` (source positions) of one chunk and group: ``dx``, ``dB``, the
         ``x``-side part of ``ddt``, and per head the column sums of the scores (``dcum_j``) and the
@@ -293,7 +352,6 @@ if HAVE_TRITON:
         start = (bc % chunks) * q
         j, pos_j, valid_j = _block(start, jb, q, length, BQ)
         b_raw = _raw_rows(b_ptr, sb_b, sb_l, sb_g, sb_n, bi, pos_j, group, n, valid_j, BN)
-        b_j = b_raw.to(tl.float32)
         db = tl.zeros([BQ, BN], dtype=tl.float32)
         for k in range(r):
             head = group * r + k
@@ -304,11 +362,32 @@ if HAVE_TRITON:
             x_raw = _raw_rows(x_ptr, sx_b, sx_l, sx_h, sx_p, bi, pos_j, head, p, valid_j, BP)
             x_j = x_raw.to(tl.float32)
             to_end = _exp32(tl.where(valid_j, last - cum_j, float("-inf")))
-            dst = _state_tile(dst_ptr, bc * heads + head, p, n, BP, BN)
-            b_dst = tl.dot(b_j, tl.trans(dst), input_precision="ieee")  # [j, p]
+            index = bc * heads + head
+            b_dst = _rows_times_state_t(
+                b_ptr, sb_b, sb_l, sb_g, sb_n, bi, pos_j, group, valid_j, dst_ptr, index, p, n, 0, BQ, BP, BK
+            )  # [j, p]
             dxdt = b_dst * to_end[:, None]
             seg = tl.sum(x_j * dxdt, axis=1) * dt_j
-            db += tl.dot(x_j * (to_end * dt_j)[:, None], dst, input_precision="ieee")
+            db += _rows_times_state(
+                x_ptr,
+                sx_b,
+                sx_l,
+                sx_h,
+                sx_p,
+                bi,
+                pos_j,
+                head,
+                valid_j,
+                to_end * dt_j,
+                dst_ptr,
+                index,
+                p,
+                n,
+                0,
+                BQ,
+                BN,
+                BK,
+            )
             col = tl.zeros([BQ], dtype=tl.float32)
             for ib in range(jb, blocks):
                 i, pos_i, valid_i = _block(start, ib, q, length, BQ)
@@ -345,7 +424,7 @@ if HAVE_TRITON:
         dc_ptr, sdc_b, sdc_l, sdc_g, sdc_n,
         drow_ptr,  # [b, chunks * q, heads] float32
         length, q, chunks, heads, r, p, n,
-        ROUND: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+        ROUND: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ):  # fmt: skip
         """One block of rows ``i`` (output positions) of one chunk and group: ``dC``, and per head the
         row sums of the scores plus the entering state's term (``dcum_i``)."""
@@ -363,9 +442,27 @@ if HAVE_TRITON:
             cum_row = cum_ptr + bi * (chunks * q * heads) + head
             cum_i = tl.load(cum_row + pos_i * heads, mask=i < q, other=0.0)
             dy_raw = _raw_rows(dy_ptr, sdy_b, sdy_l, sdy_h, sdy_p, bi, pos_i, head, p, valid_i, BP)
-            state = _rounded(_state_tile(st_ptr, bc * heads + head, p, n, BP, BN), ROUND)
             from_start = _exp32(cum_i)
-            dy_state = _dot(dy_raw.to(tl.float32), state)  # [i, n]
+            dy_state = _rows_times_state(
+                dy_ptr,
+                sdy_b,
+                sdy_l,
+                sdy_h,
+                sdy_p,
+                bi,
+                pos_i,
+                head,
+                valid_i,
+                tl.full([BQ], 1.0, tl.float32),
+                st_ptr,
+                bc * heads + head,
+                p,
+                n,
+                ROUND,
+                BQ,
+                BN,
+                BK,
+            )  # [i, n]
             dc += dy_state * from_start[:, None]
             row = tl.sum(c_i * dy_state, axis=1) * from_start
             for jb in range(0, ib + 1):
@@ -384,13 +481,15 @@ if HAVE_TRITON:
         _store_rows(dc_ptr, sdc_b, sdc_l, sdc_g, sdc_n, bi, pos_i, group, n, valid_i, dc, BN)
 
 
-_BQ_FORWARD, _BQ_BACKWARD = 32, 32
+_BQ_FORWARD, _BQ_BACKWARD = 32, 16
 """Rows of a chunk per program. Compiled for sm_90 at the hybrid benchmark's shapes
-(``tools/ssd_kernel_resources.py``), 32 rows and 8 warps are where the forward kernels spill no
-register in float32 and bf16 (64 rows spilled 576 bytes a thread, 4 warps up to 11 KB); the two
-big backward kernels spill 1 to 4 KB a thread at any size tried (16 rows: 0.3 to 1.5 KB)."""
+(``tools/ssd_kernel_resources.py``, Triton 3.9), with 8 warps: the forward kernels spill no register
+at 32 rows in float32 and bf16 (64 rows spilled 576 bytes a thread); the two big backward kernels
+spill 64 to 192 bytes a thread at 16 rows, 0.8 to 1.2 KB at 32."""
 _WARPS = 8
 """Warps of every kernel but the passing ones."""
+_BK = 16
+"""Inner-dim slice of the products with a state (the least ``tl.dot`` takes)."""
 _PASS_BLOCK = 1024
 
 
@@ -474,7 +573,7 @@ def scan(x, dt, A, B, C, chunk_size, D=None, state_dtype=None, out=None) -> torc
         x, *x.stride(), dt, *dt.stride(), cum, B, *B.stride(), C, *C.stride(), states,
         weights, *weight_strides, out, *out.stride(),
         length, q, chunks, h, h // g, p, n,
-        HAS_D=D is not None, ROUND=_round_code(state_dtype, x.dtype), num_warps=_WARPS, **blocks,
+        HAS_D=D is not None, ROUND=_round_code(state_dtype, x.dtype), num_warps=_WARPS, BK=_BK, **blocks,
     )  # fmt: skip
     return out
 
@@ -510,13 +609,13 @@ def scan_grads(x, dt, A, B, C, D, chunk_size, state_dtype, dy, dx=None, dB=None,
         _backward_columns_kernel, (b * chunks, g, nblocks),
         x, *x.stride(), dt, *dt.stride(), cum, B, *B.stride(), C, *C.stride(), dy, *dy.stride(), grads,
         weights, *weight_strides, dx, *dx.stride(), dB, *dB.stride(), ddt, dcum, seg,
-        length, q, chunks, h, r, p, n, nblocks, HAS_D=D is not None, num_warps=_WARPS, **blocks,
+        length, q, chunks, h, r, p, n, nblocks, HAS_D=D is not None, num_warps=_WARPS, BK=_BK, **blocks,
     )  # fmt: skip
     del grads
     _launch(
         _backward_rows_kernel, (b * chunks, g, nblocks),
         x, *x.stride(), dt, *dt.stride(), cum, B, *B.stride(), C, *C.stride(), dy, *dy.stride(), states,
-        dC, *dC.stride(), drow, length, q, chunks, h, r, p, n, ROUND=round_code, num_warps=_WARPS, **blocks,
+        dC, *dC.stride(), drow, length, q, chunks, h, r, p, n, ROUND=round_code, num_warps=_WARPS, BK=_BK, **blocks,
     )  # fmt: skip
     del states
     # d cum_k = row sums - column sums of the scores (+ the entering state's term) - seg_k; the chunk's
