@@ -289,28 +289,9 @@ if HAVE_TRITON:
         i, pos_i, valid_i = _block(start, ib, q, length, BQ)
         cum_i = tl.load(cum_row + pos_i * heads, mask=i < q, other=0.0)
         c_raw = _raw_rows(c_ptr, sc_b, sc_l, sc_g, sc_n, bi, pos_i, group, n, valid_i, BN)
-        acc = (
-            _rows_times_state_t(
-                c_ptr,
-                sc_b,
-                sc_l,
-                sc_g,
-                sc_n,
-                bi,
-                pos_i,
-                group,
-                valid_i,
-                st_ptr,
-                bc * heads + head,
-                p,
-                n,
-                ROUND,
-                BQ,
-                BP,
-                BK,
-            )
-            * _exp32(cum_i)[:, None]
-        )
+        acc = _rows_times_state_t(
+            c_ptr, sc_b, sc_l, sc_g, sc_n, bi, pos_i, group, valid_i, st_ptr, bc * heads + head, p, n, ROUND, BQ, BP, BK,
+        ) * _exp32(cum_i)[:, None]  # fmt: skip
         for jb in range(0, ib + 1):
             j, pos_j, valid_j = _block(start, jb, q, length, BQ)
             cum_j = tl.load(cum_row + pos_j * heads, mask=j < q, other=0.0)
@@ -369,25 +350,8 @@ if HAVE_TRITON:
             dxdt = b_dst * to_end[:, None]
             seg = tl.sum(x_j * dxdt, axis=1) * dt_j
             db += _rows_times_state(
-                x_ptr,
-                sx_b,
-                sx_l,
-                sx_h,
-                sx_p,
-                bi,
-                pos_j,
-                head,
-                valid_j,
-                to_end * dt_j,
-                dst_ptr,
-                index,
-                p,
-                n,
-                0,
-                BQ,
-                BN,
-                BK,
-            )
+                x_ptr, sx_b, sx_l, sx_h, sx_p, bi, pos_j, head, valid_j, to_end * dt_j, dst_ptr, index, p, n, 0, BQ, BN, BK,
+            )  # fmt: skip
             col = tl.zeros([BQ], dtype=tl.float32)
             for ib in range(jb, blocks):
                 i, pos_i, valid_i = _block(start, ib, q, length, BQ)
@@ -444,25 +408,9 @@ if HAVE_TRITON:
             dy_raw = _raw_rows(dy_ptr, sdy_b, sdy_l, sdy_h, sdy_p, bi, pos_i, head, p, valid_i, BP)
             from_start = _exp32(cum_i)
             dy_state = _rows_times_state(
-                dy_ptr,
-                sdy_b,
-                sdy_l,
-                sdy_h,
-                sdy_p,
-                bi,
-                pos_i,
-                head,
-                valid_i,
-                tl.full([BQ], 1.0, tl.float32),
-                st_ptr,
-                bc * heads + head,
-                p,
-                n,
-                ROUND,
-                BQ,
-                BN,
-                BK,
-            )  # [i, n]
+                dy_ptr, sdy_b, sdy_l, sdy_h, sdy_p, bi, pos_i, head, valid_i, tl.full([BQ], 1.0, tl.float32), st_ptr,
+                bc * heads + head, p, n, ROUND, BQ, BN, BK,
+            )  # fmt: skip
             dc += dy_state * from_start[:, None]
             row = tl.sum(c_i * dy_state, axis=1) * from_start
             for jb in range(0, ib + 1):
