@@ -433,7 +433,8 @@ _BQ_FORWARD, _BQ_BACKWARD = 32, 16
 """Rows of a chunk per program. Compiled for sm_90 at the hybrid benchmark's shapes
 (``tools/ssd_kernel_resources.py``, Triton 3.9), with 8 warps: the forward kernels spill no register
 at 32 rows in float32 and bf16 (64 rows spilled 576 bytes a thread); the two big backward kernels
-spill 64 to 192 bytes a thread at 16 rows, 0.8 to 1.2 KB at 32."""
+spill 64 to 192 bytes a thread at 16 rows, 0.8 to 1.2 KB at 32. Triton 3.6 (the GPU machine's):
+at most 312 bytes, in the bf16 backward."""
 _WARPS = 8
 """Warps of every kernel but the passing ones."""
 _BK = 16
