@@ -35,9 +35,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float64: "*fp64"}
 
 
-def recorded_launches(dtype, batch=1, seq=512, heads=16, head_dim=64, groups=8, state=128, chunk=128, D=True):
-    """``[(kernel, args, constants)]`` of one forward and one backward of the scan at these shapes,
-    on the meta device (nothing runs)."""
+def recorded_launches(dtype, batch=2, seq=2048, heads=32, head_dim=64, groups=8, state=128, chunk=128, D=True):
+    """``[(kernel, args, constants)]`` of one forward and one backward of the scan at these shapes
+    (default: the hybrid benchmark's mixer), on the meta device (nothing runs)."""
     launches = []
 
     def record(kernel, grid, *args, **constants):

@@ -156,7 +156,7 @@ if HAVE_TRITON:
 
     # Products with a state run _BK of their inner dim (n or p) at a time: a float32 product holds
     # its operands' whole inner dim in registers, which spilled kilobytes a thread at n = 128. The
-    # slices add up in the inner dim's order, as one product would.
+    # slices add up in the inner dim's order.
 
     @triton.jit
     def _rows_times_state_t(
@@ -430,11 +430,9 @@ if HAVE_TRITON:
 
 
 _BQ_FORWARD, _BQ_BACKWARD = 32, 16
-"""Rows of a chunk per program. Compiled for sm_90 at the hybrid benchmark's shapes
-(``tools/ssd_kernel_resources.py``, Triton 3.9), with 8 warps: the forward kernels spill no register
-at 32 rows in float32 and bf16 (64 rows spilled 576 bytes a thread); the two big backward kernels
-spill 64 to 192 bytes a thread at 16 rows, 0.8 to 1.2 KB at 32. Triton 3.6 (the GPU machine's):
-at most 312 bytes, in the bf16 backward."""
+"""Rows of a chunk per program: with 8 warps, the most at which the kernels spill few or no
+registers on sm_90 at the hybrid benchmark's shapes (``tools/ssd_kernel_resources.py`` prints them;
+the README has the numbers)."""
 _WARPS = 8
 """Warps of every kernel but the passing ones."""
 _BK = 16
