@@ -26,7 +26,6 @@ float16 only (float64 takes the PyTorch scan). On the CPU the kernels run in Tri
 import os
 
 import torch
-import torch.nn.functional as F
 
 try:
     import triton
@@ -449,15 +448,16 @@ def _launch(kernel, grid, *args, **constants) -> None:
 
 def _cumsums(dt: torch.Tensor, A: torch.Tensor, q: int) -> tuple[torch.Tensor, int]:
     """``[b, chunks * q, heads]`` within-chunk cumulative sums of ``dt A`` (the padding adds 0), and
-    the number of chunks. ``A`` is ``[heads]`` or per position ``[b, l, heads]``. The products are
-    float32, as the PyTorch scan's; their sums float64, so that the decay ``exp(cum_i - cum_j)``
-    between two positions keeps float32 accuracy however far the sums have run (the PyTorch scan
-    sums the increments between them instead)."""
+    the number of chunks. ``A`` is ``[heads]`` or per position ``[b, l, heads]``. The sums are
+    contiguous whatever ``dt``'s strides (the kernels index them so). The products are float32, as
+    the PyTorch scan's; their sums float64, so that the decay ``exp(cum_i - cum_j)`` between two
+    positions keeps float32 accuracy however far the sums have run (the PyTorch scan sums the
+    increments between them instead)."""
     b, length, h = dt.shape
     chunks = -(-length // q)
-    a = (dt.float() * A.float()).double()
-    a = F.pad(a, (0, 0, 0, chunks * q - length)).view(b, chunks, q, h)
-    return a.cumsum_(dim=2).view(b, chunks * q, h), chunks
+    a = dt.new_zeros(b, chunks * q, h, dtype=torch.float64)  # contiguous, whatever dt's strides
+    a[:, :length] = dt.float() * A.float()
+    return a.view(b, chunks, q, h).cumsum_(dim=2).view(b, chunks * q, h), chunks
 
 
 def _total(t: torch.Tensor, dim: int) -> torch.Tensor:

@@ -15,7 +15,9 @@ from megatron.core.ssm import ssd, ssd_kernels
 
 
 class _LiveBytes(TorchDispatchMode):
-    """Counts the bytes of the storages that operations create, while they live, and their peak."""
+    """Counts the bytes of the storages that operations create, while they live, and their peak. An
+    output on an input's storage (a view, an in-place result) creates none, even where that input
+    was made before counting began."""
 
     def __init__(self):
         super().__init__()
@@ -24,12 +26,13 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor):
                 continue
             storage = t.untyped_storage()
             key, size = storage._cdata, storage.nbytes()
-            if key in self._seen or size == 0:
+            if key in self._seen or key in inputs or size == 0:
                 continue
             self._seen.add(key)
             self.live += size

@@ -253,15 +253,18 @@ def test_scan_without_gradient_or_with_states_runs_the_plain_scan():
 
 
 def test_live_bytes_counts_storages_while_they_live():
+    before = torch.empty(1024)
     counter = ssd_trace._LiveBytes()
     with counter:
         a = torch.empty(256, dtype=torch.float32)  # 1 KiB
         b = torch.empty(512, dtype=torch.float32)
         view = b[:10]  # no storage of its own
+        old_view = before[:512]  # nor a view of a tensor made before counting
+        before.mul_(2)
         del a
         c = torch.empty(128, dtype=torch.float32)
     assert counter.peak == 3 * 1024 and counter.live == 2 * 1024 + 512
-    del b, view, c
+    del b, view, c, old_view
     assert counter.live == 0
 
 

@@ -63,8 +63,12 @@ CASES = [
 
 CPU_SCRIPT = textwrap.dedent(
     """
+    import os
     import torch
     from megatron.core.ssm import ssd, ssd_kernels
+    from megatron.core.ssm.mamba_config import MambaConfig
+    from megatron.core.ssm.mamba_mixer import MambaMixer
+    from megatron.core.transformer.transformer_config import TransformerConfig
     from tests.unit_tests.ssm.test_ssd_kernels import CASES, check_against_float64, inputs, rel
     assert ssd_kernels.available(torch.empty(1))
     for case in CASES:
@@ -93,6 +97,39 @@ CPU_SCRIPT = textwrap.dedent(
     y = ssd._chunked_scan(*wide[:5], 16, D=wide[5])
     for got, want in zip(runs[0], [y, *torch.autograd.grad(y, wide, dy.double())]):
         assert rel(got, want) < 2e-6
+
+    # Each input in other memory layouts (the mixer's are views of [s, b, d] and [b, d, s] tensors),
+    # batch 2, whole chunks (no padding copy): the same bits as contiguous.
+    x, dt, A, B, C, D, dy = inputs(2, 48, 4, 2, 8, 16, torch.float32, ())
+    named = dict(x=x, dt=dt, B=B, C=C, dy=dy)
+
+    def both(t):
+        return [ssd_kernels.scan(t["x"], t["dt"], A, t["B"], t["C"], 16, D=D),
+                *ssd_kernels.scan_grads(t["x"], t["dt"], A.expand(2, 48, 4), t["B"], t["C"], D, 16, None, t["dy"])]
+
+    want = both(named)
+    for name, t in named.items():
+        for order in ((1, 0, *range(2, t.dim())), (0, *range(2, t.dim()), 1)):  # sequence first, last
+            inverse = [order.index(k) for k in range(t.dim())]
+            relaid = t.permute(order).contiguous().permute(inverse)
+            assert torch.equal(relaid, t) and relaid.stride() != t.stride()
+            got = both(dict(named, **{name: relaid}))
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (name, relaid.stride())
+
+    # The whole mixer, batch 2 (its scan inputs are views): the kernels against the PyTorch scan, both
+    # float32 (they differ in the last bits: about 1e-7, the parameters' gradients up to 3e-6).
+    cfg = TransformerConfig(hidden_size=64, num_attention_heads=4, num_layers=1).finalize()
+    torch.manual_seed(0)
+    mixer = MambaMixer(cfg, MambaConfig(mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2), chunk_size=16)
+    hidden = torch.randn(48, 2, 64)
+    outs = []
+    for switch in ("torch", "triton"):
+        os.environ[ssd_kernels.ENV_SWITCH] = switch
+        inp = hidden.clone().requires_grad_()
+        out = mixer(inp)[0]
+        outs.append([out, *torch.autograd.grad(out.float().square().sum(), [inp, *mixer.parameters()])])
+    for name, a, b in zip(["out", "dx", *dict(mixer.named_parameters())], *outs):
+        assert rel(a, b) < 1e-5, (name, rel(a, b))
     print("ok")
     """
 )
@@ -172,10 +209,11 @@ def deterministic():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("budget", ["SLICE_BYTES", "EAGER_SLICE_BYTES"])
-def test_gpu_traced_backward_peak_is_what_the_kernels_allocate(budget, monkeypatch):
-    """``captured_backward_peak_bytes`` with the kernels on (traced on the meta device, launches
-    skipped) against the allocator's peak over a real backward at the same budget."""
-    monkeypatch.setenv(ssd_kernels.ENV_SWITCH, "triton")
+@pytest.mark.parametrize("switch", ["torch", "triton"])
+def test_gpu_traced_backward_peak_is_what_the_scan_allocates(switch, budget, monkeypatch):
+    """``captured_backward_peak_bytes`` (traced on the meta device; the kernels' launches skipped)
+    against the allocator's peak over a real backward at the same budget, on either scan."""
+    monkeypatch.setenv(ssd_kernels.ENV_SWITCH, switch)
     b, length, h, g, p, n, q = HYBRID
     monkeypatch.setattr(ssd, "SLICE_BYTES", getattr(ssd, budget))
     traced = ssd_trace.captured_backward_peak_bytes(b, length, h, p, g, n, q, torch.bfloat16)
@@ -191,7 +229,7 @@ def test_gpu_traced_backward_peak_is_what_the_kernels_allocate(budget, monkeypat
     grads = torch.autograd.grad(y, leaves, dy)
     torch.cuda.synchronize()
     real = torch.cuda.max_memory_allocated() - before
-    print(f"scan backward on the kernels at {budget}: traced {traced / 2**20:.1f} MiB, real {real / 2**20:.1f} MiB")
+    print(f"scan backward on {switch} at {budget}: traced {traced / 2**20:.1f} MiB, real {real / 2**20:.1f} MiB")
     assert abs(real - traced) <= 2**20, (traced, real)
     del grads
 
