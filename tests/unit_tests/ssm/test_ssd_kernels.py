@@ -39,10 +39,11 @@ def rel(got, want):
     return ((got - want).norm() / want.norm()).item()
 
 
-def check_against_float64(case, dtype, d_shape, state_dtype, tol):
-    """Forward and every gradient of the kernels against ``_chunked_scan`` / ``_chunked_scan_grads`` in float64."""
+def check_against_float64(case, dtype, d_shape, state_dtype, tol, device="cpu"):
+    """Forward and every gradient of the kernels against ``_chunked_scan`` / ``_chunked_scan_grads`` in
+    float64 (on ``device``)."""
     b, length, h, g, p, n, q = case
-    x, dt, A, B, C, D, dy = inputs(b, length, h, g, p, n, dtype, d_shape)
+    x, dt, A, B, C, D, dy = inputs(b, length, h, g, p, n, dtype, d_shape, device=device)
     wide = [None if t is None else t.double() for t in (x, dt, A, B, C, D)]
     want_y = ssd._chunked_scan(*wide[:5], q, D=wide[5], state_dtype=state_dtype)
     got_y = ssd_kernels.scan(x, dt, A, B, C, q, D=D, state_dtype=state_dtype)
@@ -166,7 +167,7 @@ HYBRID = (2, 2048, 32, 8, 64, 128, 128)  # the hybrid benchmark's mixer: b, l, h
 )
 @pytest.mark.parametrize("case", [HYBRID, (1, 200, 4, 2, 32, 64, 64)], ids=["hybrid", "small"])
 def test_gpu_kernels_match_the_float64_scan(case, dtype, d_shape, state_dtype, tol):
-    check_against_float64(case, dtype, d_shape, state_dtype, tol)
+    check_against_float64(case, dtype, d_shape, state_dtype, tol, device="cuda")
 
 
 @pytest.mark.gpu
