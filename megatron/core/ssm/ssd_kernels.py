@@ -428,10 +428,10 @@ if HAVE_TRITON:
         _store_rows(dc_ptr, sdc_b, sdc_l, sdc_g, sdc_n, bi, pos_i, group, n, valid_i, dc, BN)
 
 
-_BQ_FORWARD, _BQ_BACKWARD = 32, 16
-"""Rows of a chunk per program: with 8 warps, the most at which the kernels spill few or no
-registers on sm_90 at the hybrid benchmark's shapes (``tools/ssd_kernel_resources.py`` prints them;
-the README has the numbers)."""
+_BQ_FORWARD, _BQ_BACKWARD = 64, 32
+"""Rows of a chunk per program: the fastest of the tiles timed on an H100 at the hybrid benchmark's
+shapes (``tools/bench_mamba.py --triton-rows``), though the backward kernels spill some registers
+there (``tools/ssd_kernel_resources.py`` prints them; the README has the numbers)."""
 _WARPS = 8
 """Warps of every kernel but the passing ones."""
 _BK = 16
