@@ -166,11 +166,13 @@ HYBRID = (2, 2048, 32, 8, 64, 128, 128)  # the hybrid benchmark's mixer: b, l, h
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
     "dtype,d_shape,state_dtype,tol",
-    [(torch.float32, (), None, 2e-6), (torch.bfloat16, (), None, 4e-3), (torch.bfloat16, (64,), torch.bfloat16, 4e-3)],
+    [(torch.float32, (), None, 2e-6), (torch.bfloat16, (), None, 4e-3), (torch.bfloat16, "p", torch.bfloat16, 4e-3)],
     ids=["fp32", "bf16", "bf16-states"],
 )
 @pytest.mark.parametrize("case", [HYBRID, (1, 200, 4, 2, 32, 64, 64)], ids=["hybrid", "small"])
 def test_gpu_kernels_match_the_float64_scan(case, dtype, d_shape, state_dtype, tol):
+    """``d_shape`` ``()`` is a D per head, ``"p"`` one per channel (``[heads, p]``)."""
+    d_shape = (case[4],) if d_shape == "p" else d_shape
     check_against_float64(case, dtype, d_shape, state_dtype, tol, device="cuda")
 
 
