@@ -44,8 +44,8 @@ DENSE_MODES = [
 ]  # fmt: skip
 """``local:*`` runs with the eager turns' default (every turn); ``noturn:*`` without any, ``turn:*``
 with the first only (``MEGATRON_CG_EAGER_TURN``). ``scan32:*`` (hybrid) slices the eager Mamba scans
-of a graphed run at the captured budget (``MEGATRON_CG_TURN_SCAN_BUDGET=captured``); ``ssd:*`` runs the
-mode with the scan on its Triton kernels, against ``ssd:eager``. ``eager:fold``
+of a graphed run at the captured budget (``MEGATRON_CG_TURN_SCAN_BUDGET=captured``); ``torchscan:*`` runs
+the mode with the scan on PyTorch instead of its Triton kernels, against ``torchscan:eager``. ``eager:fold``
 is eager with DDP folding each gradient into main_grad on arrival (one add per parameter), as the
 trainer does wherever turns may open, instead of one multi-tensor fold after the backward: that part
 of a turn's host cost."""
@@ -75,17 +75,18 @@ MODES = {
         "scan32:mlp",
         "local:layer",
         "mgc",
-        "ssd:eager",
-        "ssd:local:mamba",
-        "ssd:local:attn",
-        "ssd:local:mlp",
-        "ssd:local:layer",
+        "torchscan:eager",
+        "torchscan:local:mamba",
+        "torchscan:local:attn",
+        "torchscan:local:mlp",
+        "torchscan:local:layer",
     ],  # fmt: skip
 }
 DROP_AND_PAD = "--moe-expert-capacity-factor 1 --moe-pad-expert-input-to-capacity"
 MODE_FLAGS = {("moe", "local:moe"): DROP_AND_PAD, ("moe", "eager:drop-and-pad"): DROP_AND_PAD}
-SSD_KERNELS = "ssd:"
-"""A mode's prefix that runs it with the Mamba scan on its Triton kernels (``MEGATRON_SSD_KERNELS=triton``)."""
+TORCH_SCAN = "torchscan:"
+"""A mode's prefix that runs it with the Mamba scan on PyTorch (``MEGATRON_SSD_KERNELS=torch``), not on
+its Triton kernels (the default)."""
 BASELINE = {("moe", "local:moe"): "eager:drop-and-pad"}
 """The eager mode a graphed mode is compared with, where it is not ``eager``."""
 
@@ -104,8 +105,8 @@ def mode_extra(config: str, mode: str) -> str:
 
 
 def baseline_mode(config: str, mode: str) -> str:
-    if mode.startswith(SSD_KERNELS):  # a run on the scan kernels against eager on them
-        return SSD_KERNELS + "eager"
+    if mode.startswith(TORCH_SCAN):  # a run on the PyTorch scan against eager on it
+        return TORCH_SCAN + "eager"
     return BASELINE.get((config, mode), "eager")
 
 

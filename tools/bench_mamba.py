@@ -4,7 +4,8 @@ Rows, all measured in the same run on the same inputs:
 
 * ``scan sequential``: ``ssd_sequential_scan``, the recurrence one time step at a time
   (the naive PyTorch reference);
-* ``scan chunked Q``: ``ssd_chunked_scan`` for each ``--chunks`` size;
+* ``scan chunked Q``: ``ssd_chunked_scan`` on PyTorch (``MEGATRON_SSD_KERNELS=torch``) for each
+  ``--chunks`` size;
 * ``scan triton 128 F,B``: ``ssd_chunked_scan`` on this project's Triton kernels (``ssd_kernels``), when
   Triton is installed, with ``F`` and ``B`` rows of a chunk per program forward and backward (one
   row per ``--triton-rows`` pair);
@@ -82,9 +83,9 @@ def tiles(spec: str):
     return mock.patch.multiple(ssd_kernels, _BQ_FORWARD=forward, _BQ_BACKWARD=backward)
 
 
-def kernels_on():
-    """The Mamba scan on ``ssd_kernels`` (forward and backward) inside the block."""
-    return mock.patch.dict(os.environ, {ssd_kernels.ENV_SWITCH: "triton"})
+def scan_on(switch: str):
+    """The Mamba scan on ``ssd_kernels`` (``triton``) or on PyTorch (``torch``) inside the block."""
+    return mock.patch.dict(os.environ, {ssd_kernels.ENV_SWITCH: switch})
 
 
 class Timer:
@@ -193,21 +194,22 @@ def main(argv=None):
             )
         )
     for q in args.chunks:
-        rows.append(
-            measure(
-                f"scan chunked {q}",
-                lambda q=q: ssd_chunked_scan(x, dt, A, B, C, q, D=D),
-                leaves,
-                timer,
-                args.iters,
-                args.warmup,
-                device,
-                ref,
+        with scan_on("torch"):
+            rows.append(
+                measure(
+                    f"scan chunked {q}",
+                    lambda q=q: ssd_chunked_scan(x, dt, A, B, C, q, D=D),
+                    leaves,
+                    timer,
+                    args.iters,
+                    args.warmup,
+                    device,
+                    ref,
+                )
             )
-        )
     if ssd_kernels.HAVE_TRITON and device.type == "cuda":
         for spec in args.triton_rows:
-            with kernels_on(), tiles(spec):
+            with scan_on("triton"), tiles(spec):
                 rows.append(
                     optional(f"scan triton 128 {spec}", lambda: ssd_chunked_scan(x, dt, A, B, C, 128, D=D), leaves,
                              timer, args, device, ref)
@@ -232,13 +234,14 @@ def main(argv=None):
     mixer = MambaMixer(cfg, mc, device=device, use_fused_kernels=False)
     hidden = torch.randn(args.seq, args.batch, args.hidden, generator=gen).to(device, dtype).requires_grad_()
     params = [hidden, *mixer.parameters()]
-    with torch.no_grad():
-        mixer_ref = mixer(hidden)[0].double()
-    rows.append(
-        measure("mixer torch", lambda: mixer(hidden)[0], params, timer, args.iters, args.warmup, device, mixer_ref)
-    )
+    with scan_on("torch"):
+        with torch.no_grad():
+            mixer_ref = mixer(hidden)[0].double()
+        rows.append(
+            measure("mixer torch", lambda: mixer(hidden)[0], params, timer, args.iters, args.warmup, device, mixer_ref)
+        )
     if ssd_kernels.HAVE_TRITON and device.type == "cuda":
-        with kernels_on():
+        with scan_on("triton"):
             rows.append(optional("mixer triton", lambda: mixer(hidden)[0], params, timer, args, device, mixer_ref))
     if HAVE_MAMBA_SSM and device.type == "cuda":
         mixer.use_fused_kernels = True

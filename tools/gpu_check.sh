@@ -14,7 +14,7 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # (hybrid, MoE, interleaved chunks, eager turns) and the dropped-trainer leak test, each in a
 # process of its own, about 7 minutes, their numbers in the table (and, if a dropped trainer
 # survived, tools/holders.py on a dropped interleaved-chunks run); "hybrid" the Mamba GPU tests (scan
-# kernels too; MEGATRON_SSD_KERNELS=triton puts every hybrid run on them), the
+# kernels too; MEGATRON_SSD_KERNELS=torch puts every hybrid run on the PyTorch scan), the
 # hybrid memory test (each run in its own process) and pool_peak.py --steady for hybrid eager, mlp and
 # whole layers, about 3 minutes on an H200;
 # unset: everything but gaps.

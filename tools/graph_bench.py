@@ -68,11 +68,11 @@ def pipelined_ms(step) -> float:
 # against the modules that read them).
 EAGER_TURN_SWITCH = "MEGATRON_CG_EAGER_TURN"  # megatron/core/transformer/cuda_graphs/turn.py
 TURN_SCAN_BUDGET = "MEGATRON_CG_TURN_SCAN_BUDGET"  # megatron/core/ssm/ssd.py; scan32:* sets it to captured
-SSD_KERNELS_SWITCH = "MEGATRON_SSD_KERNELS"  # megatron/core/ssm/ssd_kernels.py; ssd:* sets it to triton
+SSD_KERNELS_SWITCH = "MEGATRON_SSD_KERNELS"  # megatron/core/ssm/ssd_kernels.py; torchscan:* sets it to torch
 
 
 def mode_flags(mode: str) -> str:
-    mode = mode.removeprefix(bcg.SSD_KERNELS)
+    mode = mode.removeprefix(bcg.TORCH_SCAN)
     if mode.startswith("eager") or mode in ("mgc", "lean"):
         return ""
     if mode == "full":
@@ -533,9 +533,9 @@ def run_child(config: str, mode: str, args, stem: str):
     env = dict(os.environ)
     if mode == "eager:expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    if mode.startswith(bcg.SSD_KERNELS):
-        env[SSD_KERNELS_SWITCH] = "triton"
-    base = mode.removeprefix(bcg.SSD_KERNELS)
+    if mode.startswith(bcg.TORCH_SCAN):
+        env[SSD_KERNELS_SWITCH] = "torch"
+    base = mode.removeprefix(bcg.TORCH_SCAN)
     turns = {"noturn:": "0", "turn:": "1", "turns:": "all"}  # our graphs with the eager turns set so
     for prefix, value in turns.items():
         if base.startswith(prefix):

@@ -88,7 +88,7 @@ def ssd_chunked_scan(
     When a gradient is wanted (and no states go in or out) it runs as
     :class:`GroupSlicedScan`: it keeps only its inputs for backward and recomputes one
     slice of groups at a time there. Without states in or out, on CUDA, the Triton kernels of
-    ``ssd_kernels`` compute it where ``MEGATRON_SSD_KERNELS=triton``.
+    ``ssd_kernels`` compute it unless ``MEGATRON_SSD_KERNELS=torch``.
 
     Args:
         x: ``[b, l, h, p]`` inputs per head.

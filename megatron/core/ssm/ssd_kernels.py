@@ -36,8 +36,8 @@ except ImportError:  # CPU-only installs, or a platform without Triton
     HAVE_TRITON = False
 
 ENV_SWITCH = "MEGATRON_SSD_KERNELS"
-"""``triton`` runs the Mamba scan on these kernels on CUDA; ``torch`` (the default until they have run on
-a GPU) keeps the PyTorch scan."""
+"""``triton`` (the default) runs the Mamba scan on these kernels where they can run (CUDA, or the
+interpreter); ``torch`` keeps the PyTorch scan everywhere."""
 
 _ROUND = {torch.bfloat16: 1, torch.float16: 2}
 """How the states entering each chunk are rounded (``state_dtype``), as a kernel constant (0: not)."""
@@ -48,15 +48,15 @@ def _interpreting() -> bool:
 
 
 def _switched_on() -> bool:
-    value = os.environ.get(ENV_SWITCH, "torch")
+    value = os.environ.get(ENV_SWITCH, "triton")
     if value not in ("torch", "triton"):
-        raise ValueError(f"{ENV_SWITCH}={value!r}: use torch (the default) or triton")
+        raise ValueError(f"{ENV_SWITCH}={value!r}: use triton (the default) or torch")
     return value == "triton"
 
 
 def takes(dtype: torch.dtype) -> bool:
     """Whether a scan of ``dtype`` inputs on a device Triton runs on takes these kernels: Triton
-    importable, :data:`ENV_SWITCH` set to ``triton``, and a float32, bf16 or fp16 ``dtype``."""
+    importable, :data:`ENV_SWITCH` not ``torch``, and a float32, bf16 or fp16 ``dtype``."""
     return _switched_on() and HAVE_TRITON and dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 

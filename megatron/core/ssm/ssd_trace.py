@@ -55,7 +55,7 @@ def captured_backward_peak_bytes(
     and counting what each operation creates while it lives: exact for this scan's
     operations, however they change. ``x``, ``B``, ``C`` in ``dtype``, ``dt``, ``A``, ``D``
     in float32, as the mixer passes them. Every Mamba layer of a model asks the same
-    question, so each answer is traced once. Where ``MEGATRON_SSD_KERNELS=triton`` the Triton
+    question, so each answer is traced once. Unless ``MEGATRON_SSD_KERNELS=torch`` the Triton
     kernels' backward is traced (its allocations; the launches are skipped on the meta device).
     """
     kernels = ssd_kernels.takes(dtype)

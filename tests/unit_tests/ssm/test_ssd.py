@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.core.ssm import ssd, ssd_trace
+from megatron.core.ssm import ssd, ssd_kernels, ssd_trace
 from megatron.core.ssm.ssd import ssd_chunked_scan, ssd_sequential_scan
 
 # (batch, length, heads, head dim, groups, state dim, chunk): lengths mostly not multiples of the chunk.
@@ -275,6 +275,7 @@ def test_traced_backward_peak_is_what_a_real_backward_allocates(slices, monkeypa
     b, length, h, p, g, n, q = 2, 96, 8, 8, 4, 16, 32
     per_group = b * (h // g) * (length // q) * q * q * 4
     slice_budget(monkeypatch, g // slices * per_group)
+    monkeypatch.setenv(ssd_kernels.ENV_SWITCH, "torch")  # the CPU backward runs the PyTorch scan
     traced = ssd_trace.captured_backward_peak_bytes(b, length, h, p, g, n, q, torch.bfloat16)
     x, dt, A, B, C, D = inputs(b, length, h, p, g, n)
     leaves = [t.requires_grad_() for t in (x.bfloat16(), dt.float(), A.float(), B.bfloat16(), C.bfloat16(), D.float())]

@@ -146,14 +146,18 @@ def test_kernels_match_the_float64_scan_in_the_interpreter():
 
 
 def test_the_switch(monkeypatch):
-    """Off by default; ``triton`` turns the kernels on where they can run; anything else is an error naming it."""
+    """On by default where the kernels can run (``triton``); ``torch`` turns them off; anything else is
+    an error naming it."""
     x = torch.empty(1)
     monkeypatch.delenv(ssd_kernels.ENV_SWITCH, raising=False)
-    assert not ssd_kernels.available(x)
-    monkeypatch.setenv(ssd_kernels.ENV_SWITCH, "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not ssd_kernels.available(x)  # a CPU tensor without the interpreter
-    assert not ssd_kernels.available(x.double())
+    assert ssd_kernels.takes(torch.bfloat16) == ssd_kernels.HAVE_TRITON
+    assert not ssd_kernels.takes(torch.float64)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert ssd_kernels.available(x) == ssd_kernels.HAVE_TRITON
+    monkeypatch.setenv(ssd_kernels.ENV_SWITCH, "torch")
+    assert not ssd_kernels.available(x) and not ssd_kernels.takes(torch.bfloat16)
     monkeypatch.setenv(ssd_kernels.ENV_SWITCH, "fused")
     with pytest.raises(ValueError, match=ssd_kernels.ENV_SWITCH):
         ssd_kernels.available(x)

@@ -20,7 +20,7 @@ def test_every_config_parses_with_every_mode_flag():
             cfg = parse_args(argv.split())
             impl = (
                 "local"
-                if mode.removeprefix(bcg.SSD_KERNELS).startswith(("local:", "noturn:", "turn:", "turns:", "scan32:"))
+                if mode.removeprefix(bcg.TORCH_SCAN).startswith(("local:", "noturn:", "turn:", "turns:", "scan32:"))
                 else "full_iteration"
                 if mode == "full"
                 else "none"
@@ -51,7 +51,15 @@ def test_turn_modes_run_their_child_with_the_eager_turns_set(monkeypatch, tmp_pa
     for name in switches:
         monkeypatch.delenv(name, raising=False)
     args = types.SimpleNamespace(iters=5, skip=1, extra="")
-    modes = ("local:attn", "noturn:attn", "turn:attn", "turns:attn", "scan32:attn", "ssd:local:attn", "ssd:scan32:attn")
+    modes = (
+        "local:attn",
+        "noturn:attn",
+        "turn:attn",
+        "turns:attn",
+        "scan32:attn",
+        "torchscan:local:attn",
+        "torchscan:scan32:attn",
+    )
     for mode in modes:
         graph_bench.run_child("dense8", mode, args, str(tmp_path / mode.replace(":", "_")))
     assert seen == {
@@ -60,11 +68,12 @@ def test_turn_modes_run_their_child_with_the_eager_turns_set(monkeypatch, tmp_pa
         "turn:attn": ("1", None, None),
         "turns:attn": ("all", None, None),
         "scan32:attn": (None, "captured", None),
-        "ssd:local:attn": (None, None, "triton"),
-        "ssd:scan32:attn": (None, "captured", "triton"),
+        "torchscan:local:attn": (None, None, "torch"),
+        "torchscan:scan32:attn": (None, "captured", "torch"),
     }
     assert len({graph_bench.mode_flags(m) for m in modes}) == 1
-    assert graph_bench.mode_flags("ssd:eager") == "" and bcg.baseline_mode("hybrid", "ssd:local:mlp") == "ssd:eager"
+    assert graph_bench.mode_flags("torchscan:eager") == ""
+    assert bcg.baseline_mode("hybrid", "torchscan:local:mlp") == "torchscan:eager"
 
 
 def test_plan_round_robin_filters_and_estimate():

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from megatron.core.ssm import ssd_trace
+from megatron.core.ssm import ssd_kernels, ssd_trace
 from megatron.core.transformer.cuda_graphs import budgets
 from megatron.core.transformer.cuda_graphs import report as report_lib
 from megatron.core.transformer.cuda_graphs.activations import (
@@ -319,9 +319,11 @@ def test_slot_weights_fall_back_to_layers_for_an_unknown_layer_class(tool):
     assert Trainer._slot_weights(trainer, torch.nn.Sequential(layer)) is None
 
 
-def test_mamba_regions_carry_the_scans_backward_working_memory(tool):
+def test_mamba_regions_carry_the_scans_backward_working_memory(tool, monkeypatch):
     """The PyTorch Mamba scan's backward recomputes a slice under autograd: its traced peak is
-    the Mamba region's working memory (none elsewhere), and the budget gives it room, no more."""
+    the Mamba region's working memory (none elsewhere), and the budget gives it room, no more.
+    On the scan's Triton kernels (the default where they run) it is theirs, traced the same way."""
+    monkeypatch.setenv(ssd_kernels.ENV_SWITCH, "torch")
     hybrid = (
         "--hybrid-layer-pattern M*- --hidden-size 64 --num-attention-heads 4 --mamba-head-dim 16 "
         "--mamba-num-groups 2 --mamba-state-dim 16 --seq-length 64 --max-position-embeddings 64 "
@@ -336,6 +338,11 @@ def test_mamba_regions_carry_the_scans_backward_working_memory(tool):
     assert mamba.transient_bytes > 2 * mamba.activation_bytes  # more than TEMPORARIES_FACTOR allows alone
     assert all(r.transient_bytes == 0 for r in others)
     assert region_transient_bytes(("mamba",), Shapes.from_config(cfg), Kernels(fused_mamba=True)) == 0  # theirs
+    monkeypatch.setenv(ssd_kernels.ENV_SWITCH, "triton")
+    on_kernels = region_transient_bytes(("mamba",), Shapes.from_config(cfg), Kernels())
+    assert on_kernels == ssd_trace.captured_backward_peak_bytes(2, 64, 8, 16, 2, 16, 64, torch.bfloat16)
+    assert 0 < on_kernels and (on_kernels < mamba.transient_bytes) == ssd_kernels.HAVE_TRITON
+    monkeypatch.setenv(ssd_kernels.ENV_SWITCH, "torch")
     # With the Mamba layer eager the loss head stays eager too, as attach decides.
     mlp = report_lib.eager_report(config(tool, f"{hybrid} --cuda-graph-scope mlp"), Kernels())
     assert [r.name for r in mlp.regions] == ["decoder.layers.2.layer"]  # an MLP layer is whole in its scope
