@@ -16,6 +16,7 @@ setup(
             # Pinned: another ruff version may format differently, and CI checks the format.
             "ruff==0.17.6",
             "pytest-timeout>=2.1",
+            "pytest-xdist>=3.0",  # -n: the suite in one worker per core (README)
             "pyyaml>=6",
             "tensorboard>=2.14",
             "matplotlib>=3.7",
