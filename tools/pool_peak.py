@@ -31,6 +31,7 @@ import collections
 import os
 import sys
 from collections.abc import Sequence
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -189,6 +190,17 @@ def main():
         print("pool segments (reserved, live at the peak, stream):")
         for total, live, stream in segments_at_peak(snapshot, handle, device, blocks):
             print(f"  {total / 2**20:9.1f} MiB reserved {live / 2**20:9.1f} MiB live  stream {stream:#x}")
+        grew = [g for g in pool_growth(snapshot, handle, device) if g.fragmented]
+        print(
+            f"growth the free bytes would have held ({len(grew)}: the reserve grew for want of a free run long enough):"
+        )
+        for g in grew:
+            during = [c for c in captures if c[0] <= g.index][-1:]
+            print(
+                f"  +{g.mapped / 2**20:.1f} MiB to {g.reserved / 2**20:.1f} for {g.request / 2**20:.1f} MiB, "
+                f"{g.live / 2**20:.1f} MiB live, during the "
+                f"{during[0][2] + ' capture of ' + during[0][1] if during else 'set-up'}: {g.site}"
+            )
     parallel_state.destroy(trainer.pg)
 
 
@@ -301,6 +313,59 @@ def segments_at_peak(snapshot: dict, pool_id, device: int, blocks: Sequence[dict
         live = sum(b["size"] for b in blocks if lo <= b["addr"] < hi)
         rows.append((s["total_size"], live, s.get("stream", 0)))
     return rows
+
+
+class Growth(NamedTuple):
+    """One time a pool's segment grew: ``mapped`` bytes at trace ``index``, to ``reserved`` bytes of that
+    segment, for the next allocation in it (``request`` bytes at ``site``) while ``live`` bytes were
+    allocated in it."""
+
+    index: int
+    mapped: int
+    reserved: int
+    live: int
+    request: int
+    site: str
+
+    @property
+    def fragmented(self) -> bool:
+        """The segment's free bytes before the growth would have held the request, had they been one run."""
+        return self.reserved - self.mapped - self.live >= self.request
+
+
+def pool_growth(snapshot: dict, pool_id, device: int) -> list[Growth]:
+    """Every growth of one pool's segments in the trace of ``device``, each segment on its own (small
+    and large requests are served from different segments): expandable segments map pages
+    (``segment_map``), others allocate whole segments (``segment_alloc``)."""
+    want = _pool_id(pool_id)
+    ranges = [
+        (s["address"], s["address"] + s["total_size"])
+        for s in snapshot["segments"]
+        if s.get("device", device) == device and _pool_id(s.get("segment_pool_id", (0, 0))) == want
+    ]
+    sizes: dict[int, tuple[int, int]] = {}  # address -> (segment, bytes)
+    live, reserved = [0] * len(ranges), [0] * len(ranges)
+    pending: dict[int, list[tuple[int, int, int, int]]] = {}  # segment -> growths awaiting their request
+    rows = []
+    for i, entry in enumerate(snapshot["device_traces"][device]):
+        addr = entry.get("addr")
+        seg = next((k for k, (lo, hi) in enumerate(ranges) if addr is not None and lo <= addr < hi), None)
+        if seg is None:
+            continue
+        action = entry["action"]
+        if action in ("segment_map", "segment_alloc"):
+            reserved[seg] += entry["size"]
+            pending.setdefault(seg, []).append((i, entry["size"], reserved[seg], live[seg]))
+        elif action in ("segment_unmap", "segment_free"):
+            reserved[seg] -= entry["size"]
+        elif action == "alloc":
+            rows += [Growth(*p, entry["size"], allocation_site(entry)) for p in pending.pop(seg, [])]
+            sizes[addr] = (seg, entry["size"])
+            live[seg] += entry["size"]
+        elif action == "free_requested" and addr in sizes:
+            seg, size = sizes.pop(addr)
+            live[seg] -= size
+    return sorted(rows)
 
 
 def steady(trainer, args) -> None:

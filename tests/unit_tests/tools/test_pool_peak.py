@@ -86,3 +86,42 @@ def test_vpp_rank_runs_the_interleaved_order_of_two_chunks():
     schedule = pool_peak.with_schedule(trainer, 1).schedule
     assert schedule.func is simulate.forward_backward_chunks
     assert schedule.keywords == {"num_chunks": 2, "pp_size": 2, "pp_rank": 1}
+
+
+def test_growth_the_free_bytes_would_have_held_is_flagged():
+    """Pages mapped while the segment's free bytes exceeded the request are fragmentation; pages mapped
+    because the free bytes were too few are not. Each segment counts its own (a small request is not
+    served from a large segment); other pools' maps are not this pool's growth."""
+    mib = 2**20
+    snapshot = {
+        "segments": [
+            {"device": 0, "address": 0, "total_size": 60 * mib, "segment_pool_id": (7, 1)},
+            {"device": 0, "address": 500 * mib, "total_size": 2 * mib, "segment_pool_id": (7, 1)},  # small
+            {"device": 0, "address": 1000 * mib, "total_size": 20 * mib, "segment_pool_id": (0, 0)},
+        ],
+        "device_traces": [
+            [
+                {"action": "segment_map", "addr": 0, "size": 20 * mib},
+                _alloc(0, 8 * mib, ("a.py", 1, "fwd")),
+                _alloc(8 * mib, 8 * mib, ("a.py", 2, "fwd")),
+                {"action": "segment_map", "addr": 1000 * mib, "size": 20 * mib},  # the regular cache
+                _alloc(1000 * mib, 20 * mib, ("b.py", 1, "eager")),
+                _free(0, 8 * mib),  # free: 8 at the start, 4 at the end; live 8
+                {"action": "segment_map", "addr": 20 * mib, "size": 20 * mib},
+                _alloc(16 * mib, 10 * mib, ("c.py", 3, "bwd")),  # 12 free would have held 10: fragmented
+                {"action": "segment_map", "addr": 40 * mib, "size": 20 * mib},
+                _alloc(26 * mib, 30 * mib, ("c.py", 4, "bwd")),  # 22 free, 30 wanted: needed
+                {"action": "segment_map", "addr": 500 * mib, "size": 2 * mib},
+                _alloc(500 * mib, 512, ("d.py", 5, "small")),  # the large segment's 4 free do not count
+            ]
+        ],
+    }
+    rows = pool_peak.pool_growth(snapshot, (7, 1), 0)
+    assert [(g.index, g.reserved // mib, g.live // mib, g.request // mib) for g in rows] == [
+        (0, 20, 0, 8),
+        (6, 40, 8, 10),
+        (8, 60, 18, 30),
+        (10, 2, 0, 0),
+    ]
+    assert [g.fragmented for g in rows] == [False, True, False, False]
+    assert rows[1].site == "c.py:3:bwd"
