@@ -38,6 +38,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron.core.transformer.cuda_graphs.pool import _pool_id  # noqa: E402
 
 
+def pool_ranges(snapshot: dict, pool_ids, device: int) -> list[tuple[int, int]]:
+    """``(first, end)`` addresses of every segment of ``device`` that belongs to one of ``pool_ids``."""
+    wanted = {_pool_id(p) for p in pool_ids}
+    return [
+        (s["address"], s["address"] + s["total_size"])
+        for s in snapshot["segments"]
+        if s.get("device", device) == device and _pool_id(s.get("segment_pool_id", (0, 0))) in wanted
+    ]
+
+
 def pool_peak(snapshot: dict, pool_id, device: int) -> tuple[int, int, list[dict]]:
     """``(peak live bytes, trace index of the peak, blocks live then)`` of one pool.
 
@@ -46,12 +56,7 @@ def pool_peak(snapshot: dict, pool_id, device: int) -> tuple[int, int, list[dict
         pool_id: The pool's id (``(int, int)``); its segments are found in the snapshot.
         device: Device index whose trace is replayed.
     """
-    want = _pool_id(pool_id)
-    ranges = [
-        (s["address"], s["address"] + s["total_size"])
-        for s in snapshot["segments"]
-        if s.get("device", device) == device and _pool_id(s.get("segment_pool_id", (0, 0))) == want
-    ]
+    ranges = pool_ranges(snapshot, [pool_id], device)
     live: dict[int, dict] = {}
     current = peak = peak_at = 0
     peak_live: list[dict] = []
@@ -74,12 +79,7 @@ def outside_peak(snapshot: dict, pool_ids, device: int) -> tuple[int, list[dict]
     ``pool_ids`` are skipped (the pools' reserved bytes are counted separately). Blocks
     already live when recording began are not in the trace and not counted.
     """
-    wanted = {_pool_id(p) for p in pool_ids}
-    ranges = [
-        (s["address"], s["address"] + s["total_size"])
-        for s in snapshot["segments"]
-        if s.get("device", device) == device and _pool_id(s.get("segment_pool_id", (0, 0))) in wanted
-    ]
+    ranges = pool_ranges(snapshot, pool_ids, device)
     live: dict[int, dict] = {}
     current = peak = 0
     peak_live: list[dict] = []
@@ -337,12 +337,7 @@ def pool_growth(snapshot: dict, pool_id, device: int) -> list[Growth]:
     """Every growth of one pool's segments in the trace of ``device``, each segment on its own (small
     and large requests are served from different segments): expandable segments map pages
     (``segment_map``), others allocate whole segments (``segment_alloc``)."""
-    want = _pool_id(pool_id)
-    ranges = [
-        (s["address"], s["address"] + s["total_size"])
-        for s in snapshot["segments"]
-        if s.get("device", device) == device and _pool_id(s.get("segment_pool_id", (0, 0))) == want
-    ]
+    ranges = pool_ranges(snapshot, [pool_id], device)
     sizes: dict[int, tuple[int, int]] = {}  # address -> (segment, bytes)
     live, reserved = [0] * len(ranges), [0] * len(ranges)
     pending: dict[int, list[tuple[int, int, int, int]]] = {}  # segment -> growths awaiting their request
