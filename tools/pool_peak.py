@@ -4,7 +4,8 @@ The pool's reserved size is set during capture, at the moment its live bytes pea
 replays allocate nothing. This tool records the allocator's history while iteration 1
 records and captures, replays the trace of the pool's segments, finds that moment and
 prints what was live then: bytes and block count per allocation site (the innermost
-frames in this repository), and which capture (region, forward or backward) was running.
+frames in this repository), and which capture (region, forward or backward) was running;
+then each time a segment grew though its free bytes would have held the request (fragmentation).
 
 ``--dump FILE`` writes the trace read (with allocation sites) as gzipped JSON, small enough
 to copy off the GPU machine and study there.
@@ -336,7 +337,9 @@ class Growth(NamedTuple):
 def pool_growth(snapshot: dict, pool_id, device: int) -> list[Growth]:
     """Every growth of one pool's segments in the trace of ``device``, each segment on its own (small
     and large requests are served from different segments): expandable segments map pages
-    (``segment_map``), others allocate whole segments (``segment_alloc``)."""
+    (``segment_map``), others allocate whole segments (``segment_alloc``). Only the first kind can be
+    judged ``fragmented``: a new whole segment starts empty, and the other segments' free runs are
+    not weighed."""
     ranges = pool_ranges(snapshot, [pool_id], device)
     sizes: dict[int, tuple[int, int]] = {}  # address -> (segment, bytes)
     live, reserved = [0] * len(ranges), [0] * len(ranges)
