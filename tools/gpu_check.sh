@@ -15,8 +15,9 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # process of its own, about 7 minutes, their numbers in the table (and, if a dropped trainer
 # survived, tools/holders.py on a dropped interleaved-chunks run); "hybrid" the Mamba GPU tests (scan
 # kernels too; MEGATRON_SSD_KERNELS=torch puts every hybrid run on the PyTorch scan), the
-# hybrid memory test (each run in its own process) and pool_peak.py --steady for hybrid eager, mlp and
-# whole layers, about 3 minutes on an H200;
+# hybrid memory test (each run in its own process), pool_peak.py --steady for hybrid eager, mlp and
+# whole layers and the capture-time view of whole layers (every pool, with each growth its free bytes
+# would have held), about 3 minutes on an H200;
 # unset: everything but gaps.
 PART=${PART:-all}
 case "$PART" in
@@ -69,6 +70,8 @@ if [ "$PART" = hybrid ]; then  # where the pools' memory goes, against eager's s
         timeout 90 python3 tools/pool_peak.py --steady --top 16 --config hybrid --mode "$mode" \
             --extra=--deterministic-mode >"$OUT/pool_peak_${mode/:/_}.txt" 2>&1 || gaps_rc=1
     done
+    timeout 90 python3 tools/pool_peak.py --all-pools --top 16 --config hybrid --mode local:layer \
+        --extra=--deterministic-mode >"$OUT/pool_capture_local_layer.txt" 2>&1 || gaps_rc=1
 fi
 if [ "$PART" = all ] || [ "$PART" = bench ]; then
     python3 tools/graph_bench.py --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
@@ -109,6 +112,8 @@ fi
 if [ "$PART" = hybrid ]; then
     echo "== steady peaks (tools/pool_peak.py --steady; whole output in pool_peak_*.txt):"
     cat "$OUT"/pool_peak_*.txt | grep -E "steady peak" || true
+    echo "== whole layers at capture (pool_capture_local_layer.txt):"
+    grep -E "pool reserved|^growth|^  \+" "$OUT/pool_capture_local_layer.txt" || true
 fi
 if [ -f "$OUT/bench.log" ]; then
     echo "== benchmark (ms/it median of it 10..50; peak = NVML used, polled; pool = our graph pool reserved):"
