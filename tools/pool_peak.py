@@ -180,11 +180,9 @@ def main():
             path = args.dump if not args.all_pools else args.dump.replace(".json", f".{name.replace(' ', '_')}.json")
             dump_trace(snapshot, handle, device, captures, path)
         peak, at, blocks = pool_peak(snapshot, handle, device)
-        during = [c for c in captures if c[0] <= at][-1:]
         print(
             f"{args.config} {args.mode}: {name} pool reserved {pools[name].stats().reserved_bytes / 2**20:.1f} MiB; "
-            f"live peak {peak / 2**20:.1f} MiB during the "
-            f"{during[0][2] + ' capture of ' + during[0][1] if during else 'set-up'}"
+            f"live peak {peak / 2**20:.1f} MiB during the {capture_at(captures, at)}"
         )
         for site, nbytes, n in by_site(blocks)[: args.top]:
             print(f"  {nbytes / 2**20:9.1f} MiB  x{n:<4d} {site}")
@@ -196,13 +194,17 @@ def main():
             f"growth the free bytes would have held ({len(grew)}: the reserve grew for want of a free run long enough):"
         )
         for g in grew:
-            during = [c for c in captures if c[0] <= g.index][-1:]
             print(
                 f"  +{g.mapped / 2**20:.1f} MiB to {g.reserved / 2**20:.1f} for {g.request / 2**20:.1f} MiB, "
-                f"{g.live / 2**20:.1f} MiB live, during the "
-                f"{during[0][2] + ' capture of ' + during[0][1] if during else 'set-up'}: {g.site}"
+                f"{g.live / 2**20:.1f} MiB live, during the {capture_at(captures, g.index)}: {g.site}"
             )
     parallel_state.destroy(trainer.pg)
+
+
+def capture_at(captures: list, index: int) -> str:
+    """Which capture was running at trace ``index`` (``captures``: ``(start index, region, phase)``)."""
+    during = [c for c in captures if c[0] <= index][-1:]
+    return f"{during[0][2]} capture of {during[0][1]}" if during else "set-up"
 
 
 def dump_trace(snapshot: dict, pool_id, device: int, captures: list, path: str) -> None:

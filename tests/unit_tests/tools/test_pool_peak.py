@@ -125,3 +125,10 @@ def test_growth_the_free_bytes_would_have_held_is_flagged():
     ]
     assert [g.fragmented for g in rows] == [False, True, False, False]
     assert rows[1].site == "c.py:3:bwd"
+
+
+def test_capture_at_names_the_capture_running_at_a_trace_index():
+    captures = [(3, "layers.0", "forward"), (7, "layers.0", "backward")]
+    assert pool_peak.capture_at(captures, 2) == "set-up"
+    assert pool_peak.capture_at(captures, 3) == "forward capture of layers.0"
+    assert pool_peak.capture_at(captures, 9) == "backward capture of layers.0"
