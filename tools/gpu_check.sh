@@ -16,8 +16,9 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # survived, tools/holders.py on a dropped interleaved-chunks run); "hybrid" the Mamba GPU tests (scan
 # kernels too; MEGATRON_SSD_KERNELS=torch puts every hybrid run on the PyTorch scan), the
 # hybrid memory test (each run in its own process), pool_peak.py --steady for hybrid eager, mlp and
-# whole layers and the capture-time view of whole layers (every pool, with each growth its free bytes
-# would have held), about 3 minutes on an H200;
+# whole layers, the capture-time view of whole layers (every pool, with each growth its free bytes
+# would have held) and every growth of the eager cache (pool_peak.py --growth: eager, whole layers,
+# whole layers releasing the cache's unused pages after capture), about 4 minutes on an H200;
 # unset: everything but gaps.
 PART=${PART:-all}
 case "$PART" in
@@ -72,6 +73,11 @@ if [ "$PART" = hybrid ]; then  # where the pools' memory goes, against eager's s
     done
     timeout 90 python3 tools/pool_peak.py --all-pools --top 16 --config hybrid --mode local:layer \
         --extra=--deterministic-mode >"$OUT/pool_capture_local_layer.txt" 2>&1 || gaps_rc=1
+    for run in "eager" "local:layer" "local:layer --empty-cache-after-capture"; do  # the eager cache's reserve
+        name=${run/:/_}
+        timeout 120 python3 tools/pool_peak.py --growth --config hybrid --mode $run --extra=--deterministic-mode \
+            >"$OUT/growth_${name// --/_}.txt" 2>&1 || gaps_rc=1
+    done
 fi
 if [ "$PART" = all ] || [ "$PART" = bench ]; then
     python3 tools/graph_bench.py --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
@@ -114,6 +120,11 @@ if [ "$PART" = hybrid ]; then
     cat "$OUT"/pool_peak_*.txt | grep -E "steady peak" || true
     echo "== whole layers at capture (pool_capture_local_layer.txt):"
     grep -E "pool reserved|^growth|^  \+" "$OUT/pool_capture_local_layer.txt" || true
+    echo "== the eager cache's growths after the model's build (growth_*.txt; * its free bytes would have held it):"
+    for f in "$OUT"/growth_*.txt; do
+        echo "-- $(basename "$f" .txt)"
+        grep -E "^  .*during (iteration|the capture)|^eager cache at|^pools reserved|Error" "$f" || true
+    done
 fi
 if [ -f "$OUT/bench.log" ]; then
     echo "== benchmark (ms/it median of it 10..50; peak = NVML used, polled; pool = our graph pool reserved):"

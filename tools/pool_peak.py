@@ -15,6 +15,11 @@ longer allocate then, so the device's peak is the pools' reserved bytes plus the
 everything else; it prints that peak and what was live at it, grouped the same way. Run
 it for an eager mode too (``--mode eager``) to see what the graphs added and removed.
 
+With ``--growth`` it lists every growth of the eager cache (the segments outside our pools), from
+before the model is built to the end of iteration 3: the phase, the request that made it, whether the
+segment's free bytes would have held it. It shows where a graphed run's cache reserves more than it
+holds (``--empty-cache-after-capture``: what if the capture ended by releasing the unused pages).
+
 ``--vpp-rank R`` runs the model as two chunks in the interleaved order of rank R of a
 two-stage pipeline, in one process (``simulate.forward_backward_chunks``, as the one-GPU
 VPP memory test does); the capture analysis follows slot 0's pool, or with
@@ -32,7 +37,7 @@ import collections
 import os
 import sys
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -136,6 +141,14 @@ def main():
     parser.add_argument("--vpp-rank", type=int, choices=(0, 1), help="two chunks in rank R's interleaved order")
     parser.add_argument("--all-pools", action="store_true", help="every slot's pool and the shared backward pool")
     parser.add_argument(
+        "--growth", action="store_true", help="every growth of the eager cache from the model's build on (docstring)"
+    )
+    parser.add_argument(
+        "--empty-cache-after-capture",
+        action="store_true",
+        help="with --growth: what if the eager cache's unused pages went back to the driver once the capture ends",
+    )
+    parser.add_argument(
         "--dump",
         help="gzipped JSON for offline study: the first pool's capture trace (with --all-pools one file per pool, "
         "the pool's name before .json; with --steady: the measured iteration's)",
@@ -144,10 +157,13 @@ def main():
 
     argv = f"{CONFIGS[args.config]} {COMMON} --train-iters 10 {mode_flags(args.mode)} {args.extra}".split()
     providers = pretrain_hybrid.providers(argv)
-    if args.steady:
+    if args.steady or args.growth:
         from megatron.core.transformer.cuda_graphs.pool import use_expandable_segments
 
         use_expandable_segments()  # eager on the allocator settings graphs use, for a fair comparison
+    if args.growth:
+        return growth(lambda: with_schedule(build_trainer(argv, **providers), args.vpp_rank), args)
+    if args.steady:
         return steady(with_schedule(build_trainer(argv, **providers), args.vpp_rank), args)
     trainer = with_schedule(build_trainer(argv, **providers), args.vpp_rank)
     device = torch.cuda.current_device()
@@ -201,10 +217,16 @@ def main():
     parallel_state.destroy(trainer.pg)
 
 
+def last_mark(marks: list, index: int):
+    """The last of ``marks`` (tuples, trace index first, in order) at or before trace ``index``; None if none."""
+    during = [m for m in marks if m[0] <= index][-1:]
+    return during[0] if during else None
+
+
 def capture_at(captures: list, index: int) -> str:
     """Which capture was running at trace ``index`` (``captures``: ``(start index, region, phase)``)."""
-    during = [c for c in captures if c[0] <= index][-1:]
-    return f"{during[0][2]} capture of {during[0][1]}" if during else "set-up"
+    during = last_mark(captures, index)
+    return f"{during[2]} capture of {during[1]}" if during else "set-up"
 
 
 def dump_trace(snapshot: dict, pool_id, device: int, captures: list, path: str) -> None:
@@ -343,29 +365,141 @@ def pool_growth(snapshot: dict, pool_id, device: int) -> list[Growth]:
     judged ``fragmented``: a new whole segment starts empty, and the other segments' free runs are
     not weighed."""
     ranges = pool_ranges(snapshot, [pool_id], device)
-    sizes: dict[int, tuple[int, int]] = {}  # address -> (segment, bytes)
-    live, reserved = [0] * len(ranges), [0] * len(ranges)
-    pending: dict[int, list[tuple[int, int, int, int]]] = {}  # segment -> growths awaiting their request
-    rows = []
-    for i, entry in enumerate(snapshot["device_traces"][device]):
+
+    def segment(entry: dict) -> int | None:
         addr = entry.get("addr")
-        seg = next((k for k, (lo, hi) in enumerate(ranges) if addr is not None and lo <= addr < hi), None)
-        if seg is None:
-            continue
+        return next((k for k, (lo, hi) in enumerate(ranges) if addr is not None and lo <= addr < hi), None)
+
+    return _growths(snapshot["device_traces"][device], segment, segment)
+
+
+SMALL_BLOCK = 2**20
+"""The caching allocator serves requests up to this size from its small-block segments."""
+
+
+def cache_growth(snapshot: dict, pool_ids, device: int) -> list[Growth]:
+    """Every growth of the segments outside the given pools (the eager cache), per stream and block
+    size (each pair has segments of its own), as :func:`pool_growth` lists a pool's. Their addresses
+    need not lie in segments the snapshot still has (``empty_cache`` unmaps), so a growth belongs to
+    the stream it happens on and to the small or large segments by the request that follows it; the
+    trace should begin before the first allocation, or the segments' live bytes are short."""
+    ranges = pool_ranges(snapshot, pool_ids, device)
+
+    def outside(entry: dict) -> bool:
+        addr = entry.get("addr")
+        return addr is not None and not any(lo <= addr < hi for lo, hi in ranges)
+
+    return _growths(
+        snapshot["device_traces"][device],
+        lambda e: e.get("stream", 0) if outside(e) else None,
+        lambda e: (e.get("stream", 0), "small" if e["size"] <= SMALL_BLOCK else "large") if outside(e) else None,
+    )
+
+
+def _growths(trace: list[dict], growth_key, block_key) -> list[Growth]:
+    """The growths of ``trace`` (see :class:`Growth`). ``growth_key(entry)``: where a growth happens
+    (None: not counted); it is charged to the segment (``block_key``) of the next allocation with
+    the same ``growth_key``, which it was made for. A release is charged to the segment whose
+    growths spanned its address."""
+    blocks: dict[int, tuple[Any, int]] = {}  # address -> (segment, bytes)
+    live: collections.Counter = collections.Counter()
+    reserved: collections.Counter = collections.Counter()
+    spans: dict[Any, tuple[int, int]] = {}  # segment -> (lowest, end) address its growths mapped
+    pending: dict[Any, list[tuple[int, dict]]] = {}  # growth key -> growths awaiting their request
+    rows = []
+    for i, entry in enumerate(trace):
         action = entry["action"]
         if action in ("segment_map", "segment_alloc"):
-            reserved[seg] += entry["size"]
-            pending.setdefault(seg, []).append((i, entry["size"], reserved[seg], live[seg]))
+            key = growth_key(entry)
+            if key is not None:
+                pending.setdefault(key, []).append((i, entry))
         elif action in ("segment_unmap", "segment_free"):
-            reserved[seg] -= entry["size"]
-        elif action == "alloc":
-            rows += [Growth(*p, entry["size"], allocation_site(entry)) for p in pending.pop(seg, [])]
-            sizes[addr] = (seg, entry["size"])
+            addr = entry["addr"]
+            seg = next((s for s, (lo, hi) in spans.items() if lo <= addr < hi), None)
+            if seg is not None:
+                reserved[seg] -= entry["size"]
+        elif action == "alloc" and (seg := block_key(entry)) is not None:
+            for index, grown in pending.pop(growth_key(entry), []):
+                reserved[seg] += grown["size"]
+                lo, hi = spans.get(seg, (grown["addr"], grown["addr"]))
+                spans[seg] = (min(lo, grown["addr"]), max(hi, grown["addr"] + grown["size"]))
+                rows.append(
+                    Growth(index, grown["size"], reserved[seg], live[seg], entry["size"], allocation_site(entry))
+                )
+            blocks[entry["addr"]] = (seg, entry["size"])
             live[seg] += entry["size"]
-        elif action == "free_requested" and addr in sizes:
-            seg, size = sizes.pop(addr)
+        elif action == "free_requested" and entry.get("addr") in blocks:
+            seg, size = blocks.pop(entry["addr"])
             live[seg] -= size
     return sorted(rows)
+
+
+def growth(build, args) -> None:
+    """Prints every growth of the eager cache (the segments outside our pools) from before the model is
+    built to the end of iteration 3, with the phase it happened in, the request that made it, and whether
+    the segment's free bytes would have held that request; then what the cache and the pools reserve.
+    With ``--empty-cache-after-capture``, ``torch.cuda.empty_cache()`` runs once the capture ends."""
+    import torch
+
+    from megatron.core import parallel_state
+    from megatron.training.data import build_data_iterators
+
+    device = torch.cuda.current_device()
+    marks = []  # (trace length, phase beginning there)
+
+    def mark(phase: str) -> None:
+        torch.cuda.synchronize()
+        marks.append((len(torch.cuda.memory._snapshot()["device_traces"][device]), phase))
+
+    torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
+    mark("the model's build")
+    trainer = build()
+    it = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0).train
+    trainer.model.train()
+    session = trainer.graphs
+    if session is not None and session.active:
+        capture = session.capture
+
+        def marked_capture():
+            mark("the capture")
+            capture()
+            if args.empty_cache_after_capture:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            mark("iteration 1 after the capture")
+
+        session.capture = marked_capture
+    for i in (1, 2, 3):
+        mark(f"iteration {i}")
+        trainer.train_step(it)
+    torch.cuda.synchronize()
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    pools = [p.handle for p in session.all_pools()] if session is not None and session.captured else []
+    rows = cache_growth(snapshot, pools, device)
+    mib = 2**20
+    print(f"{args.config} {args.mode} {args.extra}: every growth of the eager cache ({len(rows)}; * the free bytes")
+    print("would have held the request; reserved and live: that stream's segments of that block size)")
+    for g in rows:
+        print(
+            f"  {'*' if g.fragmented else ' '} +{g.mapped / mib:.1f} MiB to {g.reserved / mib:.1f} for "
+            f"{g.request / mib:.2f} MiB, {g.live / mib:.1f} MiB live, during {last_mark(marks, g.index)[1]}: {g.site}"
+        )
+    ours = {_pool_id(p) for p in pools}
+    cache = [s for s in snapshot["segments"] if _pool_id(s.get("segment_pool_id", (0, 0))) not in ours]
+    for kind in ("large", "small"):
+        held = [s for s in cache if s.get("segment_type") == kind]
+        print(
+            f"eager cache at the end, {kind} blocks: reserved {sum(s['total_size'] for s in held) / mib:.1f} MiB, "
+            f"allocated {sum(s['allocated_size'] for s in held) / mib:.1f} MiB, "
+            f"{len({s.get('stream') for s in held})} stream(s)"
+        )
+    reserved = session.pool_stats()[0] if pools else 0
+    print(
+        f"pools reserved {reserved / mib:.1f} MiB; max reserved {torch.cuda.max_memory_reserved() / mib:.1f} MiB, "
+        f"max allocated {torch.cuda.max_memory_allocated() / mib:.1f} MiB (from the model's build on)"
+    )
+    parallel_state.destroy(trainer.pg)
 
 
 def steady(trainer, args) -> None:

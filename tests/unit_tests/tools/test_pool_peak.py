@@ -132,3 +132,53 @@ def test_capture_at_names_the_capture_running_at_a_trace_index():
     assert pool_peak.capture_at(captures, 2) == "set-up"
     assert pool_peak.capture_at(captures, 3) == "forward capture of layers.0"
     assert pool_peak.capture_at(captures, 9) == "backward capture of layers.0"
+
+
+def test_cache_growth_is_per_stream_and_block_size_and_skips_our_pools():
+    """The eager cache's growths: each stream's large and small segments count their own reserve and
+    live bytes, a page release lowers the reserve of the segment that mapped it, and our pools' maps
+    and blocks are not the cache's."""
+    mib = 2**20
+
+    def on(stream, entry):
+        return {**entry, "stream": stream}
+
+    snapshot = {
+        "segments": [{"device": 0, "address": 900 * mib, "total_size": 20 * mib, "segment_pool_id": (7, 1)}],
+        "device_traces": [
+            [
+                on(1, {"action": "segment_map", "addr": 0, "size": 20 * mib}),
+                on(1, _alloc(0, 12 * mib, ("a.py", 1, "weights"))),
+                on(2, {"action": "segment_map", "addr": 400 * mib, "size": 20 * mib}),  # another stream
+                on(2, _alloc(400 * mib, 4 * mib, ("b.py", 1, "step"))),
+                on(2, {"action": "segment_map", "addr": 900 * mib, "size": 20 * mib}),  # our pool: not counted
+                on(2, _alloc(900 * mib, 16 * mib, ("c.py", 1, "graph"))),
+                on(1, {"action": "segment_map", "addr": 200 * mib, "size": 2 * mib}),
+                on(1, _alloc(200 * mib, 512, ("a.py", 2, "small"))),  # stream 1's small blocks
+                on(1, _free(0, 12 * mib)),
+                on(1, {"action": "segment_unmap", "addr": 0, "size": 20 * mib}),  # empty_cache
+                on(1, {"action": "segment_map", "addr": 0, "size": 20 * mib}),
+                on(1, _alloc(0, 8 * mib, ("a.py", 3, "again"))),  # 0 free after the release: needed
+                on(2, {"action": "segment_map", "addr": 420 * mib, "size": 20 * mib}),
+                on(2, _alloc(404 * mib, 10 * mib, ("b.py", 2, "step"))),  # 16 free would have held 10
+            ]
+        ],
+    }
+    rows = pool_peak.cache_growth(snapshot, [(7, 1)], 0)
+    assert [(g.index, g.reserved // mib, g.live // mib, g.request // mib, g.fragmented) for g in rows] == [
+        (0, 20, 0, 12, False),
+        (2, 20, 0, 4, False),
+        (6, 2, 0, 0, False),
+        (10, 20, 0, 8, False),
+        (12, 40, 4, 10, True),
+    ]
+    assert rows[-1].site == "b.py:2:step"
+    # Without our pool listed, its growth is the cache's.
+    assert len(pool_peak.cache_growth(snapshot, [], 0)) == 6
+
+
+def test_last_mark_is_the_latest_at_or_before_an_index():
+    marks = [(0, "build"), (5, "iteration 1"), (9, "capture")]
+    assert pool_peak.last_mark(marks, 4) == (0, "build")
+    assert pool_peak.last_mark(marks, 9) == (9, "capture")
+    assert pool_peak.last_mark([(3, "x")], 2) is None
