@@ -389,7 +389,9 @@ def cache_growth(snapshot: dict, pool_ids, device: int) -> list[Growth]:
     size (each pair has segments of its own), as :func:`pool_growth` lists a pool's. Their addresses
     need not lie in segments the snapshot still has (``empty_cache`` unmaps), so a growth belongs to
     the stream it happens on and to the small or large segments by the request that follows it; the
-    trace should begin before the first allocation, or the segments' live bytes are short."""
+    trace should begin before the first allocation, or the segments' live bytes are short. A release is
+    told apart by address, which is exact with expandable segments (each stream's small and large blocks
+    map pages in an address range of their own) and a guess with whole segments."""
     ranges = pool_ranges(snapshot, pool_ids, device)
 
     def outside(entry: dict) -> bool:
