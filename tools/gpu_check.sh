@@ -18,8 +18,9 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # hybrid memory test (each run in its own process), pool_peak.py --steady for hybrid eager, mlp and
 # whole layers, the capture-time view of whole layers (every pool, with each growth its free bytes
 # would have held) and every growth of the eager cache (pool_peak.py --growth: eager, whole layers,
-# whole layers releasing the cache's unused pages after capture, whole layers with the model and
-# optimizer allocated on the training stream), about 4 minutes on an H200;
+# and whole layers under three what-ifs, alone and together: the cache's unused pages released after
+# capture, the model and optimizer allocated on the training stream, the embedding's forward in the
+# backward pool), about 6 minutes on an H200;
 # unset: everything but gaps.
 PART=${PART:-all}
 case "$PART" in
@@ -74,11 +75,12 @@ if [ "$PART" = hybrid ]; then  # where the pools' memory goes, against eager's s
     done
     timeout 90 python3 tools/pool_peak.py --all-pools --top 16 --config hybrid --mode local:layer \
         --extra=--deterministic-mode >"$OUT/pool_capture_local_layer.txt" 2>&1 || gaps_rc=1
-    for run in "eager" "local:layer" "local:layer --empty-cache-after-capture" \
-        "local:layer --build-on-training-stream"; do  # the eager cache's reserve, and two what-ifs
+    for run in "eager" "local:layer" "local:layer --empty-cache-after-capture" "local:layer --build-on-training-stream" \
+        "local:layer --embedding-in-pool" \
+        "local:layer --embedding-in-pool --build-on-training-stream --empty-cache-after-capture"; do  # and what-ifs
         name=${run/:/_}
         timeout 120 python3 tools/pool_peak.py --growth --config hybrid --mode $run --extra=--deterministic-mode \
-            >"$OUT/growth_${name// --/_}.txt" 2>&1 || gaps_rc=1
+            >"$OUT/growth_${name// --/_}.txt" 2>&1 || gaps_rc=1  # e.g. growth_local_layer_embedding-in-pool.txt
     done
 fi
 if [ "$PART" = all ] || [ "$PART" = bench ]; then

@@ -19,7 +19,8 @@ With ``--growth`` it lists every growth of the eager cache (the segments outside
 before the model is built to the end of iteration 3: the phase, the request that made it, whether the
 segment's free bytes would have held it. It shows where a graphed run's cache reserves more than it
 holds (``--empty-cache-after-capture``: what if the capture ended by releasing the unused pages;
-``--build-on-training-stream``: what if the model and optimizer were allocated on the training stream).
+``--build-on-training-stream``: what if the model and optimizer were allocated on the training stream;
+``--embedding-in-pool``: what if the embedding's output and sums were made in the backward pool, free then).
 
 ``--vpp-rank R`` runs the model as two chunks in the interleaved order of rank R of a
 two-stage pipeline, in one process (``simulate.forward_backward_chunks``, as the one-GPU
@@ -154,6 +155,12 @@ def main():
         action="store_true",
         help="with --growth: what if weights, gradient buffers and optimizer state were allocated on the stream a "
         "graphed run trains on (the eager cache keeps one set of segments per stream)",
+    )
+    parser.add_argument(
+        "--embedding-in-pool",
+        action="store_true",
+        help="with --growth: what if the embedding's forward allocated in the backward pool after capture (free "
+        "then; sound only where nothing it makes outlives the first graph's copy: no embedding dropout)",
     )
     parser.add_argument(
         "--dump",
@@ -448,12 +455,15 @@ def growth(build, args) -> None:
     built to the end of iteration 3, with the phase it happened in, the request that made it, and whether
     the segment's free bytes would have held that request; then what the cache and the pools reserve.
     With ``--empty-cache-after-capture``, ``torch.cuda.empty_cache()`` runs once the capture ends; with
-    ``--build-on-training-stream`` the trainer is built on the side stream graphed runs train on."""
+    ``--build-on-training-stream`` the trainer is built on the side stream graphed runs train on; with
+    ``--embedding-in-pool`` the embedding's forward allocates in the backward pool once captured."""
     import contextlib
 
     import torch
 
     from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_model import LanguageModelEmbedding
+    from megatron.core.transformer.cuda_graphs.pool import allocate_into_pool
     from megatron.core.transformer.cuda_graphs.streams import side_stream
     from megatron.training.data import build_data_iterators
 
@@ -483,7 +493,21 @@ def growth(build, args) -> None:
             if args.empty_cache_after_capture:
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
+            if args.embedding_in_pool:
+                route_embedding(session.backward_pool)
             mark("iteration 1 after the capture")
+
+        def route_embedding(pool) -> None:
+            if pool is None:
+                raise SystemExit("--embedding-in-pool: this run has no backward pool of its own (no eager turns)")
+            (embedding,) = [m for m in trainer.model.modules() if isinstance(m, LanguageModelEmbedding)]
+            forward = embedding.forward
+
+            def routed(*a, **k):
+                with allocate_into_pool(pool):
+                    return forward(*a, **k)
+
+            embedding.forward = routed
 
         session.capture = marked_capture
     for i in (1, 2, 3):
