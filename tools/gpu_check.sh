@@ -20,8 +20,8 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # would have held) and every growth of the eager cache (pool_peak.py --growth: eager, whole layers,
 # and whole layers under three what-ifs, alone and together: the cache's unused pages released after
 # capture, the model and optimizer allocated on the training stream, the embedding's forward in the
-# backward pool), about 6 minutes on an H200;
-# unset: everything but gaps.
+# backward pool), about 6 minutes on an H200; "growth" those growth runs alone (about 3 minutes);
+# unset: every GPU test and the benchmark.
 PART=${PART:-all}
 case "$PART" in
     mem)
@@ -34,8 +34,8 @@ case "$PART" in
     a) TESTS="tests/unit_tests/transformer" ;;
     b) TESTS="tests --ignore=tests/unit_tests/transformer" ;;
     all | tests) TESTS="tests" ;;
-    bench | gaps) TESTS="" ;;
-    *) echo "PART=$PART: use tests, a, b, mem, hybrid, bench, gaps or leave it unset" >&2; exit 2 ;;
+    bench | gaps | growth) TESTS="" ;;
+    *) echo "PART=$PART: use tests, a, b, mem, hybrid, growth, bench, gaps or leave it unset" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
@@ -75,6 +75,8 @@ if [ "$PART" = hybrid ]; then  # where the pools' memory goes, against eager's s
     done
     timeout 90 python3 tools/pool_peak.py --all-pools --top 16 --config hybrid --mode local:layer \
         --extra=--deterministic-mode >"$OUT/pool_capture_local_layer.txt" 2>&1 || gaps_rc=1
+fi
+if [ "$PART" = hybrid ] || [ "$PART" = growth ]; then
     for run in "eager" "local:layer" "local:layer --empty-cache-after-capture" "local:layer --build-on-training-stream" \
         "local:layer --embedding-in-pool" \
         "local:layer --embedding-in-pool --build-on-training-stream --empty-cache-after-capture"; do  # and what-ifs
@@ -124,6 +126,8 @@ if [ "$PART" = hybrid ]; then
     cat "$OUT"/pool_peak_*.txt | grep -E "steady peak" || true
     echo "== whole layers at capture (pool_capture_local_layer.txt):"
     grep -E "pool reserved|^growth|^  \+" "$OUT/pool_capture_local_layer.txt" || true
+fi
+if [ "$PART" = hybrid ] || [ "$PART" = growth ]; then
     echo "== the eager cache's growths after the model's build (growth_*.txt; * its free bytes would have held it):"
     for f in "$OUT"/growth_*.txt; do
         echo "-- $(basename "$f" .txt)"
