@@ -16,11 +16,12 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # survived, tools/holders.py on a dropped interleaved-chunks run); "hybrid" the Mamba GPU tests (scan
 # kernels too; MEGATRON_SSD_KERNELS=torch puts every hybrid run on the PyTorch scan), the
 # hybrid memory test (each run in its own process), pool_peak.py --steady for hybrid eager, mlp and
-# whole layers, the capture-time view of whole layers (every pool, with each growth its free bytes
-# would have held) and every growth of the eager cache (pool_peak.py --growth: eager, whole layers,
-# and whole layers under three what-ifs, alone and together: the cache's unused pages released after
-# capture, the model and optimizer allocated on the training stream, the embedding's forward in the
-# backward pool), about 6 minutes on an H200; "growth" those growth runs alone (about 3 minutes);
+# whole layers and the capture-time view of whole layers (every pool, with each growth its free bytes
+# would have held), about 3 minutes on an H200; "growth" every growth of the hybrid eager cache
+# (pool_peak.py --growth: eager, whole layers, and whole layers under three what-ifs, alone and
+# together: the cache's unused pages released after capture, the model and optimizer allocated on the
+# training stream, the embedding's forward in the backward pool; mamba and mlp scopes without and
+# with what applies to them), about 5 minutes;
 # unset: every GPU test and the benchmark.
 PART=${PART:-all}
 case "$PART" in
@@ -76,10 +77,12 @@ if [ "$PART" = hybrid ]; then  # where the pools' memory goes, against eager's s
     timeout 90 python3 tools/pool_peak.py --all-pools --top 16 --config hybrid --mode local:layer \
         --extra=--deterministic-mode >"$OUT/pool_capture_local_layer.txt" 2>&1 || gaps_rc=1
 fi
-if [ "$PART" = hybrid ] || [ "$PART" = growth ]; then
+if [ "$PART" = growth ]; then
     for run in "eager" "local:layer" "local:layer --empty-cache-after-capture" "local:layer --build-on-training-stream" \
         "local:layer --embedding-in-pool" \
-        "local:layer --embedding-in-pool --build-on-training-stream --empty-cache-after-capture"; do  # and what-ifs
+        "local:layer --embedding-in-pool --build-on-training-stream --empty-cache-after-capture" \
+        "local:mamba" "local:mamba --embedding-in-pool --build-on-training-stream" \
+        "local:mlp" "local:mlp --build-on-training-stream"; do  # and what-ifs
         name=${run/:/_}
         timeout 120 python3 tools/pool_peak.py --growth --config hybrid --mode $run --extra=--deterministic-mode \
             >"$OUT/growth_${name// --/_}.txt" 2>&1 || gaps_rc=1  # e.g. growth_local_layer_embedding-in-pool.txt
@@ -127,7 +130,7 @@ if [ "$PART" = hybrid ]; then
     echo "== whole layers at capture (pool_capture_local_layer.txt):"
     grep -E "pool reserved|^growth|^  \+" "$OUT/pool_capture_local_layer.txt" || true
 fi
-if [ "$PART" = hybrid ] || [ "$PART" = growth ]; then
+if [ "$PART" = growth ]; then
     echo "== the eager cache's growths after the model's build (growth_*.txt; * its free bytes would have held it):"
     for f in "$OUT"/growth_*.txt; do
         echo "-- $(basename "$f" .txt)"

@@ -313,6 +313,11 @@ def growth(build, args) -> None:
         def route_embedding(pool) -> None:
             if pool is None:
                 raise SystemExit("--embedding-in-pool: this run has no backward pool of its own (no eager turns)")
+            first = session.regions[session.order[0].region].name  # the embedding's output must go there only
+            if ".layers.0." not in f"{first}.":
+                raise SystemExit(
+                    f"--embedding-in-pool: the first graph, {first}, is not the first layer's (eager code reads the embedding's output)"
+                )
             (embedding,) = [m for m in trainer.model.modules() if isinstance(m, LanguageModelEmbedding)]
             forward = embedding.forward
 
