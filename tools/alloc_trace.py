@@ -18,14 +18,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron.core.transformer.cuda_graphs.pool import _pool_id  # noqa: E402
 
 
+def segment_pool(segment: dict) -> tuple[int, int]:
+    """The id of the pool a snapshot segment belongs to (``(0, 0)``: the eager cache)."""
+    return _pool_id(segment.get("segment_pool_id", (0, 0)))
+
+
+def pool_segments(snapshot: dict, pool_ids, device: int) -> list[dict]:
+    """The segments of ``device`` that belong to one of ``pool_ids``."""
+    wanted = {_pool_id(p) for p in pool_ids}
+    return [s for s in snapshot["segments"] if s.get("device", device) == device and segment_pool(s) in wanted]
+
+
 def pool_ranges(snapshot: dict, pool_ids, device: int) -> list[tuple[int, int]]:
     """``(first, end)`` addresses of every segment of ``device`` that belongs to one of ``pool_ids``."""
-    wanted = {_pool_id(p) for p in pool_ids}
-    return [
-        (s["address"], s["address"] + s["total_size"])
-        for s in snapshot["segments"]
-        if s.get("device", device) == device and _pool_id(s.get("segment_pool_id", (0, 0))) in wanted
-    ]
+    return [(s["address"], s["address"] + s["total_size"]) for s in pool_segments(snapshot, pool_ids, device)]
 
 
 def pool_peak(snapshot: dict, pool_id, device: int) -> tuple[int, int, list[dict]]:
@@ -108,11 +114,8 @@ def capture_at(captures: list, index: int) -> str:
 
 def segments_at_peak(snapshot: dict, pool_id, device: int, blocks: Sequence[dict]) -> list[tuple[int, int, int]]:
     """``(reserved bytes, bytes of ``blocks`` inside it, stream)`` per segment of one pool."""
-    want = _pool_id(pool_id)
     rows = []
-    for s in snapshot["segments"]:
-        if s.get("device", device) != device or _pool_id(s.get("segment_pool_id", (0, 0))) != want:
-            continue
+    for s in pool_segments(snapshot, [pool_id], device):
         lo, hi = s["address"], s["address"] + s["total_size"]
         live = sum(b["size"] for b in blocks if lo <= b["addr"] < hi)
         rows.append((s["total_size"], live, s.get("stream", 0)))

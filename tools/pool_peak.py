@@ -52,6 +52,8 @@ from tools.alloc_trace import (  # noqa: E402
     outside_peak,
     pool_growth,
     pool_peak,
+    pool_segments,
+    segment_pool,
     segments_at_peak,
 )
 
@@ -167,11 +169,9 @@ def main():
 
 def dump_trace(snapshot: dict, pool_id, device: int, captures: list, path: str) -> None:
     """Writes one pool's segments and its alloc/free trace and the captures' start indices (see ``_dump``)."""
-    want = _pool_id(pool_id)
     segments = [
         {"address": s["address"], "total_size": s["total_size"], "stream": s.get("stream", 0)}
-        for s in snapshot["segments"]
-        if s.get("device", device) == device and _pool_id(s.get("segment_pool_id", (0, 0))) == want
+        for s in pool_segments(snapshot, [pool_id], device)
     ]
     ranges = [(s["address"], s["address"] + s["total_size"]) for s in segments]
 
@@ -345,7 +345,7 @@ def growth(build, args) -> None:
             f"{g.request / mib:.2f} MiB, {g.live / mib:.1f} MiB live, during {last_mark(marks, g.index)[1]}: {g.site}"
         )
     ours = {_pool_id(p) for p in pools}
-    cache = [s for s in snapshot["segments"] if _pool_id(s.get("segment_pool_id", (0, 0))) not in ours]
+    cache = [s for s in snapshot["segments"] if segment_pool(s) not in ours]
     for kind in ("large", "small"):
         held = [s for s in cache if s.get("segment_type") == kind]
         print(
@@ -416,9 +416,7 @@ def steady(trainer, args) -> None:
     if args.dump:
         dump_steady(snapshot, device, args.dump)
     outside_before = before - sum(  # live pool blocks are counted in memory_allocated too
-        int(s["allocated_size"])
-        for s in snapshot["segments"]
-        if _pool_id(s.get("segment_pool_id", (0, 0))) in {_pool_id(p) for p in pools}
+        int(s["allocated_size"]) for s in pool_segments(snapshot, pools, device)
     )
     mib = 2**20
     print(

@@ -171,3 +171,20 @@ def test_last_mark_is_the_latest_at_or_before_an_index():
     assert alloc_trace.last_mark(marks, 4) == (0, "build")
     assert alloc_trace.last_mark(marks, 9) == (9, "capture")
     assert alloc_trace.last_mark([(3, "x")], 2) is None
+
+
+def test_pool_segments_pick_one_device_and_pools_and_count_the_blocks_inside():
+    snapshot = {
+        "segments": [
+            {"device": 0, "address": 1000, "total_size": 500, "segment_pool_id": (7, 1), "stream": 3},
+            {"device": 0, "address": 2000, "total_size": 500, "segment_pool_id": (0, 0), "stream": 3},
+            {"device": 1, "address": 3000, "total_size": 500, "segment_pool_id": (7, 1), "stream": 3},
+            {"device": 0, "address": 4000, "total_size": 300, "segment_pool_id": (7, 1), "stream": 3},
+        ]
+    }
+    assert [s["address"] for s in alloc_trace.pool_segments(snapshot, [(7, 1)], 0)] == [1000, 4000]
+    assert alloc_trace.pool_ranges(snapshot, [(7, 1)], 0) == [(1000, 1500), (4000, 4300)]
+    assert alloc_trace.segment_pool(snapshot["segments"][1]) == (0, 0)
+    assert alloc_trace.segment_pool({}) == (0, 0)
+    blocks = [{"addr": 1100, "size": 40}, {"addr": 2100, "size": 99}, {"addr": 4000, "size": 60}]
+    assert alloc_trace.segments_at_peak(snapshot, (7, 1), 0, blocks) == [(500, 40, 3), (300, 60, 3)]
