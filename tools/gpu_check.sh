@@ -18,10 +18,9 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # hybrid memory test (each run in its own process), pool_peak.py --steady for hybrid eager, mlp and
 # whole layers and the capture-time view of whole layers (every pool, with each growth its free bytes
 # would have held), about 3 minutes on an H200; "growth" every growth of the hybrid eager cache
-# (pool_peak.py --growth: eager, whole layers, and whole layers under three what-ifs, alone and
-# together: the cache's unused pages released after capture, the model and optimizer allocated on the
-# training stream, the embedding's forward in the backward pool; mamba and mlp scopes without and
-# with what applies to them), about 5 minutes;
+# and each phase's peak reserved (pool_peak.py --growth: eager, every scope, and two what-ifs: the
+# cache's unused pages released after capture, the model and optimizer allocated on the training
+# stream), about 5 minutes;
 # unset: every GPU test and the benchmark.
 PART=${PART:-all}
 case "$PART" in
@@ -79,13 +78,11 @@ if [ "$PART" = hybrid ]; then  # where the pools' memory goes, against eager's s
 fi
 if [ "$PART" = growth ]; then
     for run in "eager" "local:layer" "local:layer --empty-cache-after-capture" "local:layer --build-on-training-stream" \
-        "local:layer --embedding-in-pool" \
-        "local:layer --embedding-in-pool --build-on-training-stream --empty-cache-after-capture" \
-        "local:mamba" "local:mamba --embedding-in-pool --build-on-training-stream" \
+        "local:mamba" "local:mamba --build-on-training-stream" "local:attn" \
         "local:mlp" "local:mlp --build-on-training-stream"; do  # and what-ifs
         name=${run/:/_}
         timeout 120 python3 tools/pool_peak.py --growth --config hybrid --mode $run --extra=--deterministic-mode \
-            >"$OUT/growth_${name// --/_}.txt" 2>&1 || gaps_rc=1  # e.g. growth_local_layer_embedding-in-pool.txt
+            >"$OUT/growth_${name// --/_}.txt" 2>&1 || gaps_rc=1  # e.g. growth_local_mlp_build-on-training-stream.txt
     done
 fi
 if [ "$PART" = all ] || [ "$PART" = bench ]; then
@@ -134,7 +131,7 @@ if [ "$PART" = growth ]; then
     echo "== the eager cache's growths after the model's build (growth_*.txt; * its free bytes would have held it):"
     for f in "$OUT"/growth_*.txt; do
         echo "-- $(basename "$f" .txt)"
-        grep -E "^  .*during (iteration|the capture)|^eager cache at|^pools reserved|Error" "$f" || true
+        grep -E "^  .*during (iteration|the capture)|^eager cache at|^peak reserved per phase|^pools reserved|Error" "$f" || true
     done
 fi
 if [ -f "$OUT/bench.log" ]; then

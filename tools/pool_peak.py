@@ -19,10 +19,10 @@ it for an eager mode too (``--mode eager``) to see what the graphs added and rem
 
 With ``--growth`` it lists every growth of the eager cache (the segments outside our pools), from
 before the model is built to the end of iteration 3: the phase, the request that made it, whether the
-segment's free bytes would have held it. It shows where a graphed run's cache reserves more than it
-holds (``--empty-cache-after-capture``: what if the capture ended by releasing the unused pages;
-``--build-on-training-stream``: what if the model and optimizer were allocated on the training stream;
-``--embedding-in-pool``: what if the embedding's output and sums were made in the backward pool, free then).
+segment's free bytes would have held it; then each phase's peak reserved memory (which phase sets the
+run's: the capture or the steady iterations). It shows where a graphed run's cache reserves more than
+it holds (``--empty-cache-after-capture``: what if the capture ended by releasing the unused pages;
+``--build-on-training-stream``: what if the model and optimizer were allocated on the training stream).
 
 ``--vpp-rank R`` runs the model as two chunks in the interleaved order of rank R of a
 two-stage pipeline, in one process (``simulate.forward_backward_chunks``, as the one-GPU
@@ -91,12 +91,6 @@ def main():
         action="store_true",
         help="with --growth: what if weights, gradient buffers and optimizer state were allocated on the stream a "
         "graphed run trains on (the eager cache keeps one set of segments per stream)",
-    )
-    parser.add_argument(
-        "--embedding-in-pool",
-        action="store_true",
-        help="with --growth: what if the embedding's forward allocated in the backward pool after capture (free "
-        "then; sound only where nothing it makes outlives the first graph's copy: no embedding dropout)",
     )
     parser.add_argument(
         "--dump",
@@ -266,26 +260,29 @@ class StepTrace:
 def growth(build, args) -> None:
     """Prints every growth of the eager cache (the segments outside our pools) from before the model is
     built to the end of iteration 3, with the phase it happened in, the request that made it, and whether
-    the segment's free bytes would have held that request; then what the cache and the pools reserve.
-    With ``--empty-cache-after-capture``, ``torch.cuda.empty_cache()`` runs once the capture ends; with
-    ``--build-on-training-stream`` the trainer is built on the side stream graphed runs train on; with
-    ``--embedding-in-pool`` the embedding's forward allocates in the backward pool once captured."""
+    the segment's free bytes would have held that request; then what the cache and the pools reserve, and
+    each phase's peak reserved memory. With ``--empty-cache-after-capture``, ``torch.cuda.empty_cache()``
+    runs once the capture ends; with ``--build-on-training-stream`` the trainer is built on the side
+    stream graphed runs train on."""
     import contextlib
 
     import torch
 
     from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_model import LanguageModelEmbedding
-    from megatron.core.transformer.cuda_graphs.pool import allocate_into_pool
     from megatron.core.transformer.cuda_graphs.streams import side_stream
     from megatron.training.data import build_data_iterators
 
     device = torch.cuda.current_device()
     marks = []  # (trace length, phase beginning there)
+    peaks = []  # (phase, its peak reserved bytes)
 
-    def mark(phase: str) -> None:
+    def mark(phase: str | None) -> None:
         torch.cuda.synchronize()
-        marks.append((len(torch.cuda.memory._snapshot()["device_traces"][device]), phase))
+        if marks:
+            peaks.append((marks[-1][1], torch.cuda.max_memory_reserved()))
+        torch.cuda.reset_peak_memory_stats()
+        if phase is not None:
+            marks.append((len(torch.cuda.memory._snapshot()["device_traces"][device]), phase))
 
     torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
     mark("the model's build")
@@ -306,32 +303,13 @@ def growth(build, args) -> None:
             if args.empty_cache_after_capture:
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
-            if args.embedding_in_pool:
-                route_embedding(session.backward_pool)
             mark("iteration 1 after the capture")
-
-        def route_embedding(pool) -> None:
-            if pool is None:
-                raise SystemExit("--embedding-in-pool: this run has no backward pool of its own (no eager turns)")
-            first = session.regions[session.order[0].region].name  # the embedding's output must go there only
-            if ".layers.0." not in f"{first}.":
-                raise SystemExit(
-                    f"--embedding-in-pool: the first graph, {first}, is not the first layer's (eager code reads the embedding's output)"
-                )
-            (embedding,) = [m for m in trainer.model.modules() if isinstance(m, LanguageModelEmbedding)]
-            forward = embedding.forward
-
-            def routed(*a, **k):
-                with allocate_into_pool(pool):
-                    return forward(*a, **k)
-
-            embedding.forward = routed
 
         session.capture = marked_capture
     for i in (1, 2, 3):
         mark(f"iteration {i}")
         trainer.train_step(it)
-    torch.cuda.synchronize()
+    mark(None)
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     pools = [p.handle for p in session.all_pools()] if session is not None and session.captured else []
@@ -354,9 +332,10 @@ def growth(build, args) -> None:
             f"{len({s.get('stream') for s in held})} stream(s)"
         )
     reserved = session.pool_stats()[0] if pools else 0
+    print("peak reserved per phase (MiB): " + ", ".join(f"{phase} {peak / mib:.1f}" for phase, peak in peaks))
     print(
-        f"pools reserved {reserved / mib:.1f} MiB; max reserved {torch.cuda.max_memory_reserved() / mib:.1f} MiB, "
-        f"max allocated {torch.cuda.max_memory_allocated() / mib:.1f} MiB (from the model's build on)"
+        f"pools reserved {reserved / mib:.1f} MiB; max reserved {max(p for _, p in peaks) / mib:.1f} MiB "
+        "(from the model's build on)"
     )
     parallel_state.destroy(trainer.pg)
 

@@ -13,7 +13,10 @@ SCRIPT = ROOT / "tools" / "gpu_check.sh"
 STUB = """#!/usr/bin/env bash
 echo "$(basename "$0") $*" >>"$CALLS"
 if [[ "$*" == *"--collect-only"* ]]; then echo "tests/x_gpu.py::test_one"; fi
-if [[ "$*" == *"--growth"* ]]; then echo "eager cache at the end, large blocks: reserved 1.0 MiB"; fi
+if [[ "$*" == *"--growth"* ]]; then
+    echo "eager cache at the end, large blocks: reserved 1.0 MiB"
+    echo "peak reserved per phase (MiB): the capture 3.0"
+fi
 exit 0
 """
 
@@ -52,18 +55,18 @@ def test_growth_runs_eager_whole_layers_and_each_what_if_into_its_own_file(tmp_p
         "local:layer",
         "local:layer --empty-cache-after-capture",
         "local:layer --build-on-training-stream",
-        "local:layer --embedding-in-pool",
-        "local:layer --embedding-in-pool --build-on-training-stream --empty-cache-after-capture",
         "local:mamba",
-        "local:mamba --embedding-in-pool --build-on-training-stream",
+        "local:mamba --build-on-training-stream",
+        "local:attn",
         "local:mlp",
         "local:mlp --build-on-training-stream",
     ]
     assert all(c.endswith("--extra=--deterministic-mode") for c in runs)
     assert not any("pytest" in c for c in calls), "the growth part runs no test"
     files = sorted(p.name for p in (tmp_path / "out").glob("growth_*.txt"))
-    assert len(files) == 10 and "growth_local_layer_embedding-in-pool.txt" in files
-    assert done.stdout.count("eager cache at the end") == 10
+    assert len(files) == 9 and "growth_local_mlp_build-on-training-stream.txt" in files
+    assert done.stdout.count("eager cache at the end") == 9
+    assert done.stdout.count("peak reserved per phase") == 9
 
 
 @pytest.mark.parametrize("part", ["hybrid", "mem", "a", "b"])
