@@ -43,19 +43,7 @@ def pool_peak(snapshot: dict, pool_id, device: int) -> tuple[int, int, list[dict
         device: Device index whose trace is replayed.
     """
     ranges = pool_ranges(snapshot, [pool_id], device)
-    live: dict[int, dict] = {}
-    current = peak = peak_at = 0
-    peak_live: list[dict] = []
-    for i, entry in enumerate(snapshot["device_traces"][device]):
-        addr = entry.get("addr")
-        if entry["action"] == "alloc" and any(lo <= addr < hi for lo, hi in ranges):
-            live[addr] = entry
-            current += entry["size"]
-            if current > peak:
-                peak, peak_at, peak_live = current, i, list(live.values())
-        elif entry["action"] == "free_requested" and addr in live:
-            current -= live.pop(addr)["size"]
-    return peak, peak_at, peak_live
+    return _live_peak(snapshot["device_traces"][device], lambda addr: _within(ranges, addr))
 
 
 def outside_peak(snapshot: dict, pool_ids, device: int) -> tuple[int, list[dict]]:
@@ -66,19 +54,30 @@ def outside_peak(snapshot: dict, pool_ids, device: int) -> tuple[int, list[dict]
     already live when recording began are not in the trace and not counted.
     """
     ranges = pool_ranges(snapshot, pool_ids, device)
+    peak, _, peak_live = _live_peak(snapshot["device_traces"][device], lambda addr: not _within(ranges, addr))
+    return peak, peak_live
+
+
+def _within(ranges: list[tuple[int, int]], addr: int | None) -> bool:
+    return addr is not None and any(lo <= addr < hi for lo, hi in ranges)
+
+
+def _live_peak(trace: list[dict], counted) -> tuple[int, int, list[dict]]:
+    """``(peak live bytes, trace index of the peak, blocks live then)`` of the allocations whose
+    address ``counted(addr)`` accepts."""
     live: dict[int, dict] = {}
-    current = peak = 0
+    current = peak = peak_at = 0
     peak_live: list[dict] = []
-    for entry in snapshot["device_traces"][device]:
+    for i, entry in enumerate(trace):
         addr = entry.get("addr")
-        if entry["action"] == "alloc" and not any(lo <= addr < hi for lo, hi in ranges):
+        if entry["action"] == "alloc" and counted(addr):
             live[addr] = entry
             current += entry["size"]
             if current > peak:
-                peak, peak_live = current, list(live.values())
+                peak, peak_at, peak_live = current, i, list(live.values())
         elif entry["action"] == "free_requested" and addr in live:
             current -= live.pop(addr)["size"]
-    return peak, peak_live
+    return peak, peak_at, peak_live
 
 
 def allocation_site(entry: dict, root: str = "/megatron/", depth: int = 3) -> str:
@@ -170,8 +169,7 @@ def cache_growth(snapshot: dict, pool_ids, device: int) -> list[Growth]:
     ranges = pool_ranges(snapshot, pool_ids, device)
 
     def outside(entry: dict) -> bool:
-        addr = entry.get("addr")
-        return addr is not None and not any(lo <= addr < hi for lo, hi in ranges)
+        return entry.get("addr") is not None and not _within(ranges, entry["addr"])
 
     return _growths(
         snapshot["device_traces"][device],
