@@ -36,6 +36,7 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
 )
 from megatron.core.tensor_parallel.random import fork_if
+from megatron.core.transformer.cuda_graphs.feed import feed
 from megatron.core.transformer.cuda_graphs.regions import HeadRegion
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_block import TransformerBlock
@@ -92,6 +93,10 @@ class LanguageModelEmbedding(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids [b, s]`` (and ``position_ids [b, s]``) -> ``[s, b, h]`` contiguous
         (``[s / TP, b, h]``, this rank's rows, with sequence parallelism)."""
+        with feed(self):  # graphed: in the backward graphs' pool, idle at this time (cuda_graphs/feed.py)
+            return self._embed(input_ids, position_ids)
+
+    def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         embeddings = self.word_embeddings(input_ids.t())  # [s, b, h]: gather in the transposed order
         if self.position_embeddings is not None:
             if position_ids is None:

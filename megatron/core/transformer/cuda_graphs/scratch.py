@@ -45,7 +45,7 @@ def disown_scratch(session) -> None:
         _owner = None
 
 
-def _owning_session():
+def owning_session():
     """The session that takes the scratch blocks, or None."""
     return _owner() if _owner is not None else None
 
@@ -53,7 +53,7 @@ def _owning_session():
 def scratch_routes() -> bool:
     """Whether a :func:`scratch` block run now, outside a capture, would allocate in the backward
     graphs' pool: an eager forward of a graphed run whose scratch blocks opened."""
-    owner = _owning_session()
+    owner = owning_session()
     return owner is not None and owner._scratch_open
 
 
@@ -68,7 +68,7 @@ def scratch():
         with capture_detour(*pools) if pools is not None else contextlib.nullcontext():
             yield
         return
-    owner = _owning_session()
+    owner = owning_session()
     if owner is None:
         yield
         return

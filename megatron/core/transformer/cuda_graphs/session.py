@@ -51,6 +51,7 @@ import torch
 from megatron.core.transformer.cuda_graphs import capture as capture_lib
 from megatron.core.transformer.cuda_graphs import transients
 from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
+from megatron.core.transformer.cuda_graphs.feed import FeedHooks
 from megatron.core.transformer.cuda_graphs.pipeline_hooks import PipelineHooks
 from megatron.core.transformer.cuda_graphs.plan import (
     BWD,
@@ -120,7 +121,7 @@ class RoutedMethod:
         return types.MethodType(self.func, copy)  # the copy runs its own weights, eagerly
 
 
-class GraphSession(PipelineHooks, TurnHooks, ScratchHooks):
+class GraphSession(PipelineHooks, TurnHooks, ScratchHooks, FeedHooks):
     """Owns the regions, the pools, the recorded order, the replay cursor and teardown.
 
     Args:
@@ -220,6 +221,7 @@ class GraphSession(PipelineHooks, TurnHooks, ScratchHooks):
                 del region.module.__dict__[region.method_name]
             region.slots.clear()
         self._close_turn()
+        self._close_feed()
         self._close_scratch()
         self.buffers.clear()
         self._poison.clear()
@@ -317,6 +319,7 @@ class GraphSession(PipelineHooks, TurnHooks, ScratchHooks):
 
     def _record(self, region: GraphedRegion, slot: int, args: tuple):
         """Eager forward that also records metadata, sources and the backward order."""
+        args = self._feed_region_forward(args)
         if region.arg_meta is None:
             region.arg_meta = arg_metadata(args)
             region.sources = self.recorder.sources(region.index, args, slot)
@@ -358,6 +361,7 @@ class GraphSession(PipelineHooks, TurnHooks, ScratchHooks):
         (the logits) stay cached in pieces other sizes cannot reuse, and the pools captured next start above eager's
         peak. One device sync per region, in this one iteration."""
         self._watch_backward_next(grads, event)
+        self._feed_backward_begins()
         self.recorder.event(event)
         torch.cuda.empty_cache()  # a no-op until CUDA is initialised (CPU recording)
 
@@ -459,6 +463,7 @@ class GraphSession(PipelineHooks, TurnHooks, ScratchHooks):
     def capture(self) -> None:
         start = time.perf_counter()
         watch = self._end_watch()
+        feed_watch = self._end_feed_watch()  # pushed before the turns' watch
         plans = self.make_plans()
         self.recorder.clear_identities()
         share = backward_runs_alone(self.order, self.runs) and not any(
@@ -489,6 +494,12 @@ class GraphSession(PipelineHooks, TurnHooks, ScratchHooks):
         if turns is not None:
             self._turn = TurnRouter(self.backward_pool, turns.first[0] if turns.first else None, turns.after_backward)
         self._open_scratch()
+        first_forward = next((e.region for e in self.order if e.phase == FWD), None)
+        self._open_feed(
+            feed_watch,
+            first_turn=turns is not None and turns.first is not None,
+            first_forward_in_backward_pool=first_forward in self.forwards_in_backward_pool,
+        )
         if self.config.cuda_graph_debug:
             for slot, plan in plans.items():
                 for position, tensors in capture_lib.poison_plan(plan, self.buffers[slot]).items():
@@ -555,6 +566,7 @@ class GraphSession(PipelineHooks, TurnHooks, ScratchHooks):
             "eager_turn": self._turn is not None,
             "forward_scratch_in_backward_pool": self._scratch_open,
             "captured_scratch_in_backward_pool": self.scratch_captured,
+            "embedding_in_backward_pool": self._feed_open,
             "pool_reserved_bytes": int(reserved),
             "pool_live_bytes": int(live),
             "strong_bytes": int(self.strong_bytes()),
@@ -584,6 +596,8 @@ class GraphSession(PipelineHooks, TurnHooks, ScratchHooks):
         if stage is not None and stage[1] > 1:
             line = line.replace("graph pool |", f"graph pool | pipeline rank: {stage[0]} of {stage[1]} |", 1)
         scratch = " | forward scratch in the backward pool" if self._scratch_open or self.scratch_captured else ""
+        if self._feed_open:
+            scratch += " | embedding in the backward pool"
         if self._turn is not None:
             return f"{line} | eager turns in the backward pool: {self._turn.count()}{scratch}"
         shared = " (backward pool shared)" if self.backward_pool is not None else ""
