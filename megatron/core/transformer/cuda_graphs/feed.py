@@ -131,7 +131,7 @@ class FeedHooks:
     ``recording``, ``captured``, ``captures_next``, ``backward_pool``, ``_turn``)."""
 
     _feed_watch: FeedWatch | None = None
-    _feed_open = False  # after capture: feed blocks allocate in the backward pool
+    feed_open = False  # after capture: feed blocks allocate in the backward pool
 
     @contextlib.contextmanager
     def _feed_block(self):
@@ -147,7 +147,7 @@ class FeedHooks:
             finally:
                 self._feed_watch.block_ends()
             return
-        if not (self._feed_open and self.captured) or (self._turn is not None and self._turn.routing()):
+        if not (self.feed_open and self.captured) or (self._turn is not None and self._turn.routing()):
             yield
             return
         with allocate_into_pool(self.backward_pool):
@@ -173,14 +173,14 @@ class FeedHooks:
         """After capture: feed blocks allocate in the backward pool if the recording saw them and
         nothing read or kept their tensors past the first graph, and the session's layout allows it
         (module docstring)."""
-        self._feed_open = False
+        self.feed_open = False
         if watch is None or not watch.seen:
             return
         why = watch.verdict()
         if why is not None:
             warnings.warn(why, stacklevel=5)  # the trainer's line
             return
-        self._feed_open = (
+        self.feed_open = (
             enabled()
             and self.eager_turn_allowed
             and self.backward_pool is not None
@@ -192,7 +192,7 @@ class FeedHooks:
         )
 
     def _close_feed(self) -> None:
-        self._feed_open = False
+        self.feed_open = False
         try:
             self._end_feed_watch()
         except RuntimeError:  # not on top of the mode stack any more (an error in the recording)

@@ -566,7 +566,7 @@ class GraphSession(PipelineHooks, TurnHooks, ScratchHooks, FeedHooks):
             "eager_turn": self._turn is not None,
             "forward_scratch_in_backward_pool": self._scratch_open,
             "captured_scratch_in_backward_pool": self.scratch_captured,
-            "embedding_in_backward_pool": self._feed_open,
+            "embedding_in_backward_pool": self.feed_open,
             "pool_reserved_bytes": int(reserved),
             "pool_live_bytes": int(live),
             "strong_bytes": int(self.strong_bytes()),
@@ -596,7 +596,7 @@ class GraphSession(PipelineHooks, TurnHooks, ScratchHooks, FeedHooks):
         if stage is not None and stage[1] > 1:
             line = line.replace("graph pool |", f"graph pool | pipeline rank: {stage[0]} of {stage[1]} |", 1)
         scratch = " | forward scratch in the backward pool" if self._scratch_open or self.scratch_captured else ""
-        if self._feed_open:
+        if self.feed_open:
             scratch += " | embedding in the backward pool"
         if self._turn is not None:
             return f"{line} | eager turns in the backward pool: {self._turn.count()}{scratch}"

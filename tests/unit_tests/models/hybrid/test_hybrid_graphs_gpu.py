@@ -67,6 +67,7 @@ def train(flags: str, iters: int, snapshot_at: int = 3):
             "regions": [r.name for r in trainer.graphs.regions],
             "scratch_captured": trainer.graphs.scratch_captured,
             "transients_routed": sum(r.transients_routed for r in trainer.graphs.regions),
+            "embedding_in_backward_pool": trainer.graphs.feed_open,
         }
         peaks = (torch.cuda.max_memory_allocated() - base_allocated, torch.cuda.max_memory_reserved() - base_reserved)
         return losses, grads, facts, peaks
@@ -121,7 +122,8 @@ def run_scopes(size: str, iters: int, memory_margin: float | None):
             (e_alloc, e_reserved), (g_alloc, g_reserved) = eager[3], graphed[3]
             print(  # shown with pytest -rP: the numbers behind a pass
                 f"scope {scope!r}: peak reserved {g_reserved / 2**20:.0f} vs eager {e_reserved / 2**20:.0f} MiB, "
-                f"allocated {g_alloc / 2**20:.0f} vs {e_alloc / 2**20:.0f} MiB"
+                f"allocated {g_alloc / 2**20:.0f} vs {e_alloc / 2**20:.0f} MiB, "
+                f"embedding in the backward pool: {facts['embedding_in_backward_pool']}"
             )
             if g_reserved > e_reserved * (1 + memory_margin):
                 over.append(

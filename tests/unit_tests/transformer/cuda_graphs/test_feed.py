@@ -188,20 +188,20 @@ def test_the_feed_opens_only_where_the_backward_pool_is_idle_at_the_forward(what
     if what is not None:
         setattr(session, *CLOSES[what])
     session._open_feed(clean_watch(), first_turn=False, first_forward_in_backward_pool=False)
-    assert session._feed_open == (what is None)
+    assert session.feed_open == (what is None)
 
 
 def test_the_feed_stays_closed_beside_a_first_turn_a_first_forward_in_the_pool_or_turns_switched_off(monkeypatch):
     session = CapturedSession()
     session._open_feed(clean_watch(), first_turn=True, first_forward_in_backward_pool=False)
-    assert not session._feed_open
+    assert not session.feed_open
     session._open_feed(clean_watch(), first_turn=False, first_forward_in_backward_pool=True)
-    assert not session._feed_open
+    assert not session.feed_open
     monkeypatch.setenv(turn.ENV_SWITCH, "0")
     session._open_feed(clean_watch(), first_turn=False, first_forward_in_backward_pool=False)
-    assert not session._feed_open
+    assert not session.feed_open
     session._open_feed(None, first_turn=False, first_forward_in_backward_pool=False)  # no feed recorded
-    assert not session._feed_open
+    assert not session.feed_open
 
 
 def test_a_feed_that_escaped_stays_closed_with_a_warning():
@@ -210,4 +210,4 @@ def test_a_feed_that_escaped_stays_closed_with_a_warning():
     session = CapturedSession()
     with pytest.warns(UserWarning, match="embedding's output .*native_dropout"):
         session._open_feed(watch, first_turn=False, first_forward_in_backward_pool=False)
-    assert not session._feed_open
+    assert not session.feed_open
