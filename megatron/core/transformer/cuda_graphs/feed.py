@@ -16,9 +16,10 @@ what the pool keeps across it is allocated, never handed out), so the feed alloc
 * Forward graphs may write into the backward pool as they replay (a Mamba layer's captured scan
   slices, the forwards captured next to their backward). So once the micro-batch's first forward
   graph has copied the feed's output in, nothing may read it again. The recording iteration
-  watches every op (:class:`FeedWatch`) and leaves the feed in the eager cache, with a warning that
-  names the op, if a tensor the feed made is read after the first graphed forward began, or is
-  alive when the backward begins (autograd saved it).
+  watches every op (:class:`FeedWatch`) and leaves the feed in the eager cache if a tensor the feed
+  made is read after the first graphed forward began, or is alive when the backward begins (autograd
+  saved it: an eager first layer's norm, embedding dropout's mask). That is no error and needs no
+  change from the user, so it says nothing; the pools' log line says when the feed is in the pool.
 * The recording runs the first graphed region on a copy of what the feed made, as its replay runs on
   its static input: autograd's saved tensors then hold the copy, and the watch sees whether anything
   else keeps the feed's output.
@@ -27,7 +28,6 @@ what the pool keeps across it is allocated, never handed out), so the feed alloc
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
 
 import torch
@@ -116,15 +116,6 @@ class FeedWatch(TorchDispatchMode):
         """The micro-batch's first backward event: whatever the feed made must be dead."""
         self.escaped += [f"{what}, alive when the backward began" for what in self.fed.values()]
 
-    def verdict(self) -> str | None:
-        """Why the feed stays in the eager cache after this recording, or None."""
-        if not self.escaped:
-            return None
-        return (
-            "CUDA graphs: the embedding's output is read after the first forward graph began, or kept "
-            f"({'; '.join(dict.fromkeys(self.escaped))}), so it stays in the eager cache."
-        )
-
 
 class FeedHooks:
     """The feed's side of a graph session (a mixin of ``GraphSession``, whose state it uses:
@@ -173,15 +164,11 @@ class FeedHooks:
         """After capture: feed blocks allocate in the backward pool if the recording saw them and
         nothing read or kept their tensors past the first graph, and the session's layout allows it
         (module docstring)."""
-        self.feed_open = False
-        if watch is None or not watch.seen:
-            return
-        why = watch.verdict()
-        if why is not None:
-            warnings.warn(why, stacklevel=5)  # the trainer's line
-            return
         self.feed_open = (
-            enabled()
+            watch is not None
+            and watch.seen
+            and not watch.escaped
+            and enabled()
             and self.eager_turn_allowed
             and self.backward_pool is not None
             and len(self.pools) == 1

@@ -117,6 +117,9 @@ def run_scopes(size: str, iters: int, memory_margin: float | None):
         assert len(facts["regions"]) == N_REGIONS[scope], facts["regions"]
         assert facts["scratch_captured"], "one slot: the forward graphs' scan slices belong in the backward pool"
         assert facts["transients_routed"] > 0, "the forwards' transients belong in the backward pool"
+        # The embedding allocates in the backward pool where the first graph is the first layer's and
+        # the loss head is graphed (no first turn); an eager Mamba layer 0 keeps it for its backward.
+        assert facts["embedding_in_backward_pool"] == (scope in ("layer", "mamba attn mlp")), facts
         assert_same(eager, graphed, f"scope {scope!r}")
         if memory_margin is not None:
             (e_alloc, e_reserved), (g_alloc, g_reserved) = eager[3], graphed[3]

@@ -76,7 +76,7 @@ def test_the_embedding_feeds_the_first_graph_and_nothing_else(build, scope, monk
     """The embedding (GPT: word and position tables; hybrid: the word table; no dropout) is read by
     the first graphed region only and is dead when the backward begins, micro-batch after micro-batch."""
     watch = recorded_watch(scope, monkeypatch, build)
-    assert watch.seen and watch.escaped == [] and watch.verdict() is None
+    assert watch.seen and watch.escaped == []
     assert watch.fed == {}
 
 
@@ -91,7 +91,6 @@ def test_embedding_dropout_keeps_its_mask_for_the_backward(monkeypatch):
     """The dropout mask is made in the feed and autograd keeps it: the feed stays in the eager cache."""
     watch = recorded_watch([], monkeypatch, embedding_dropout=0.1)
     assert watch.escaped and all("alive when the backward began" in e for e in watch.escaped)
-    assert "stays in the eager cache" in watch.verdict()
 
 
 class WatchedSession(FeedHooks):
@@ -204,10 +203,10 @@ def test_the_feed_stays_closed_beside_a_first_turn_a_first_forward_in_the_pool_o
     assert not session.feed_open
 
 
-def test_a_feed_that_escaped_stays_closed_with_a_warning():
+def test_a_feed_that_escaped_stays_closed_without_a_word(recwarn):
+    """Nothing for the user to change: the feed is an optimisation, and the pools' line says when it is on."""
     watch = clean_watch()
     watch.escaped.append("aten.native_dropout -> (4, 8) torch.float32, alive when the backward began")
     session = CapturedSession()
-    with pytest.warns(UserWarning, match="embedding's output .*native_dropout"):
-        session._open_feed(watch, first_turn=False, first_forward_in_backward_pool=False)
-    assert not session.feed_open
+    session._open_feed(watch, first_turn=False, first_forward_in_backward_pool=False)
+    assert not session.feed_open and len(recwarn) == 0

@@ -92,6 +92,10 @@ def test_dense8_graphed_equals_eager_every_scope(precision):
         n_regions = {"layer": 9, "attn": 8, "mlp": 9, "attn mlp": 9}[scope]
         assert len(trainer.graphs.regions) == n_regions
         assert trainer.graphs.num_graphs() == 2 * n_regions
+        # The embedding's output goes to the backward pool (cuda_graphs/feed.py) where the first graph
+        # is the first layer's attention or whole layer and the loss head is graphed (no first turn);
+        # with `mlp`, the eager attention's norm keeps it for its backward.
+        assert trainer.graphs.feed_open == (scope in ("layer", "attn mlp")), trainer.graphs.summary_line()
         assert_same(eager, graphed, f"scope {scope!r} {precision or 'fp32'}")
         del graphed, trainer
         torch.cuda.empty_cache()
