@@ -4,7 +4,8 @@ the backward graphs' pool.
 Eagerly, the embedding's output lives in the eager cache until the model's forward ends, and the
 layers' activations later reuse that memory. Graphed, the first forward graph copies it into its
 static input and the activations go to the pools: the output sits in the eager cache on top of them
-for the whole forward (24 MiB of the hybrid issue config's excess over eager). When a micro-batch's
+for the whole forward (on the hybrid issue config, whole layers peaked 20 MiB lower with the feed;
+README, hybrid models). When a micro-batch's
 forward starts, the backward graphs' pool holds no data (the backward pass before it has ended, and
 what the pool keeps across it is allocated, never handed out), so the feed allocates there:
 
