@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
-from megatron.core.models.gpt.loss import masked_mean_loss
 from megatron.core.models.hybrid.hybrid_model import build_hybrid_model
 from megatron.core.parallel_state import ProcessGroups
 from megatron.core.transformer import cuda_graphs
@@ -18,7 +17,7 @@ from megatron.core.transformer.cuda_graphs.feed import FeedHooks, FeedWatch
 from megatron.training.config import DDPConfig
 from tests.unit_tests.models.hybrid.test_hybrid_model import configs
 from tests.unit_tests.transformer.cuda_graphs.test_session_cpu import tiny_gpt
-from tests.unit_tests.transformer.cuda_graphs.test_turn import CpuWatch
+from tests.unit_tests.transformer.cuda_graphs.test_turn import CpuWatch, record_two_microbatches
 
 
 def cpu_feed_watch(device_type: str) -> FeedWatch:
@@ -55,11 +54,7 @@ def recorded_watch(scope, monkeypatch, build=gpt, embedding_dropout=0.0):
     )
     scratch.own_scratch(session)  # as a session on CUDA does
     try:
-        tokens = torch.randint(0, 64, (2, 16))
-        for _ in range(2):
-            loss, _ = masked_mean_loss(ddp(tokens, None, tokens), torch.ones(2, 16))
-            loss.backward()
-        ddp.finish_grad_sync()
+        record_two_microbatches(ddp)
         session._end_watch()  # the capture's order: the turns' watch, then the feed's
         return session._end_feed_watch()
     finally:

@@ -27,6 +27,16 @@ from tests.unit_tests.models.hybrid.test_hybrid_model import configs
 from tests.unit_tests.transformer.cuda_graphs.test_session_cpu import tiny_gpt
 
 
+def record_two_microbatches(ddp) -> None:
+    """The recording iteration of a model behind ``ddp`` (vocabulary 64): two micro-batches of 2 x 16
+    tokens, forward and backward, then DDP's gradient sync."""
+    tokens = torch.randint(0, 64, (2, 16))
+    for _ in range(2):
+        loss, _ = masked_mean_loss(ddp(tokens, None, tokens), torch.ones(2, 16))
+        loss.backward()
+    ddp.finish_grad_sync()
+
+
 def test_watch_reports_what_outlives_the_turn():
     x = torch.randn(64, 64)
     with TurnWatch("cpu") as watch:
@@ -278,11 +288,7 @@ def test_recording_watches_the_turn_of_a_real_session(scope, fold, fusion, monke
         record_without_cuda=True,
     )
     try:
-        tokens = torch.randint(0, 64, (2, 16))
-        for _ in range(2):  # two micro-batches: two turns
-            loss, _ = masked_mean_loss(ddp(tokens, None, tokens), torch.ones(2, 16))
-            loss.backward()
-        ddp.finish_grad_sync()
+        record_two_microbatches(ddp)  # two turns
         watch = session._end_watch()
     finally:
         session.close()
@@ -342,16 +348,12 @@ def test_a_dropped_session_and_its_model_are_freed_after_the_recording(scope, mo
     ddp.fold_grads_on_arrival()
     config = CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=scope)
     session = cuda_graphs.attach(model, config, grad_sinks=[ddp], record_without_cuda=True)
-    tokens = torch.randint(0, 64, (2, 16))
-    for _ in range(2):
-        loss, _ = masked_mean_loss(ddp(tokens, None, tokens), torch.ones(2, 16))
-        loss.backward()
-    ddp.finish_grad_sync()
+    record_two_microbatches(ddp)
     assert session._region_hooks, "the recording hooked the regions' inputs"
     session._end_watch()  # as the capture does first; no close(): a dropped trainer never calls it
     assert session._region_hooks == ()
     refs = weakref.ref(session), weakref.ref(model)
-    del session, model, ddp, loss
+    del session, model, ddp
     gc.collect()
     assert [r() for r in refs] == [None, None]
 
@@ -490,11 +492,7 @@ def test_a_hybrid_recording_opens_its_turns_and_its_scratch(scope, monkeypatch):
     session = cuda_graphs.attach(model, config, grad_sinks=[ddp], record_without_cuda=True)
     scratch.own_scratch(session)
     try:
-        tokens = torch.randint(0, 64, (2, 16))
-        for _ in range(2):
-            loss, _ = masked_mean_loss(ddp(tokens, None, tokens), torch.ones(2, 16))
-            loss.backward()
-        ddp.finish_grad_sync()
+        record_two_microbatches(ddp)
         watch = session._end_watch()
         assert session._scratch_seen and session._scratch_escaped is None
         assert watch.escaped == [] and watch.backward_escaped == []
