@@ -125,6 +125,7 @@ def test_pool_line_as_the_session_prints_it():
         _turn=None,
         _scratch_open=False,
         scratch_captured=False,
+        feed_open=False,
     )
     text = "> " + GraphSession.summary_line(session, stage=(1, 2)) + "\n> " + GraphSession.summary_line(session)
     assert two_gpu_logs.parse_pool_lines(text) == [
