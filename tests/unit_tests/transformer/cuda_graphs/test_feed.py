@@ -7,17 +7,12 @@ import types
 import pytest
 import torch
 
-from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron.core.models.hybrid.hybrid_model import build_hybrid_model
-from megatron.core.parallel_state import ProcessGroups
-from megatron.core.transformer import cuda_graphs
 from megatron.core.transformer.cuda_graphs import feed, scratch, turn
-from megatron.core.transformer.cuda_graphs.config import CudaGraphConfig
 from megatron.core.transformer.cuda_graphs.feed import FeedHooks, FeedWatch
-from megatron.training.config import DDPConfig
 from tests.unit_tests.models.hybrid.test_hybrid_model import configs
 from tests.unit_tests.transformer.cuda_graphs.test_session_cpu import tiny_gpt
-from tests.unit_tests.transformer.cuda_graphs.test_turn import CpuWatch, record_two_microbatches
+from tests.unit_tests.transformer.cuda_graphs.test_turn import CpuWatch, attach_recording, record_two_microbatches
 
 
 def cpu_feed_watch(device_type: str) -> FeedWatch:
@@ -44,14 +39,7 @@ def recorded_watch(scope, monkeypatch, build=gpt, embedding_dropout=0.0):
     monkeypatch.setattr(feed, "FeedWatch", cpu_feed_watch)
     model = build()
     model.embedding.embedding_dropout = embedding_dropout
-    ddp = DistributedDataParallel(model, config=DDPConfig(), pg=ProcessGroups.single())
-    ddp.fold_grads_on_arrival()
-    session = cuda_graphs.attach(
-        model,
-        CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=scope),
-        grad_sinks=[ddp],
-        record_without_cuda=True,
-    )
+    ddp, session = attach_recording(model, scope)
     scratch.own_scratch(session)  # as a session on CUDA does
     try:
         record_two_microbatches(ddp)

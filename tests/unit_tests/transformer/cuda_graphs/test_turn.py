@@ -27,6 +27,16 @@ from tests.unit_tests.models.hybrid.test_hybrid_model import configs
 from tests.unit_tests.transformer.cuda_graphs.test_session_cpu import tiny_gpt
 
 
+def attach_recording(model, scope: str, fold: bool = True):
+    """``(ddp, session)``: ``model`` behind DDP (gradients folded on arrival unless ``fold`` is False)
+    and a graph session of ``scope`` on it that records on the CPU."""
+    ddp = DistributedDataParallel(model, config=DDPConfig(), pg=ProcessGroups.single())
+    if fold:
+        ddp.fold_grads_on_arrival()
+    config = CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=scope)
+    return ddp, cuda_graphs.attach(model, config, grad_sinks=[ddp], record_without_cuda=True)
+
+
 def record_two_microbatches(ddp) -> None:
     """The recording iteration of a model behind ``ddp`` (vocabulary 64): two micro-batches of 2 x 16
     tokens, forward and backward, then DDP's gradient sync."""
@@ -278,15 +288,7 @@ def test_recording_watches_the_turn_of_a_real_session(scope, fold, fusion, monke
     monkeypatch.setattr(turn.TurnHooks, "captures_next", True)
     monkeypatch.setattr(turn, "TurnWatch", CpuWatch)
     model, _ = tiny_gpt(layers=2, gradient_accumulation_fusion=fusion)
-    ddp = DistributedDataParallel(model, config=DDPConfig(), pg=ProcessGroups.single())
-    if fold:
-        ddp.fold_grads_on_arrival()
-    session = cuda_graphs.attach(
-        model,
-        CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=scope),
-        grad_sinks=[ddp],
-        record_without_cuda=True,
-    )
+    ddp, session = attach_recording(model, scope, fold)
     try:
         record_two_microbatches(ddp)  # two turns
         watch = session._end_watch()
@@ -344,10 +346,7 @@ def test_a_dropped_session_and_its_model_are_freed_after_the_recording(scope, mo
     monkeypatch.setattr(turn.TurnHooks, "captures_next", True)
     monkeypatch.setattr(turn, "TurnWatch", CpuWatch)
     model, _ = tiny_gpt(layers=2)
-    ddp = DistributedDataParallel(model, config=DDPConfig(), pg=ProcessGroups.single())
-    ddp.fold_grads_on_arrival()
-    config = CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=scope)
-    session = cuda_graphs.attach(model, config, grad_sinks=[ddp], record_without_cuda=True)
+    ddp, session = attach_recording(model, scope)
     record_two_microbatches(ddp)
     assert session._region_hooks, "the recording hooked the regions' inputs"
     session._end_watch()  # as the capture does first; no close(): a dropped trainer never calls it
@@ -486,10 +485,7 @@ def test_a_hybrid_recording_opens_its_turns_and_its_scratch(scope, monkeypatch):
     cfg, mc = configs("M*M-M*M-", position_embedding_type="none", normalization="RMSNorm")
     torch.manual_seed(0)
     model = build_hybrid_model(cfg, mc, 64, device="cpu")
-    ddp = DistributedDataParallel(model, config=DDPConfig(), pg=ProcessGroups.single())
-    ddp.fold_grads_on_arrival()
-    config = CudaGraphConfig(cuda_graph_impl="local", cuda_graph_scope=scope)
-    session = cuda_graphs.attach(model, config, grad_sinks=[ddp], record_without_cuda=True)
+    ddp, session = attach_recording(model, scope)
     scratch.own_scratch(session)
     try:
         record_two_microbatches(ddp)
