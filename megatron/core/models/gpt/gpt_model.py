@@ -146,54 +146,44 @@ def build_output_layer(
     return layer
 
 
-def _tied_head_params(model: "GPTModel") -> list[torch.nn.Parameter]:
+def _tied_head_params(model: "LanguageModel") -> list[torch.nn.Parameter]:
     # The tied embedding weight gets gradient from the head and from the eager embedding
     # lookup; autograd must sum both in the parameter's dtype, as in eager.
     shared = model.shared_embedding_or_output_weight() if model.pre_process else None
     return [shared] if shared is not None else []
 
 
-class GPTModel(torch.nn.Module):
-    """Decoder-only transformer language model.
+class LanguageModel(torch.nn.Module):
+    """What the GPT and hybrid models share: the embedding (first pipeline stage) before a
+    decoder stack, the output layer and loss head (last stage) after it, and the pipeline
+    stage's input. A subclass builds ``self.decoder`` between :meth:`_build_embedding` and
+    :meth:`_build_output_layer` (construction order is initialisation order).
 
     Graph head: ``_postprocess`` (final norm, output layer, cross entropy) on the stage
     that has it.
-
-    Args:
-        config: Finalized ``TransformerConfig``.
-        layer_spec: Spec of one transformer layer (e.g. ``get_gpt_layer_local_spec()``).
-        vocab_size: Padded vocabulary size.
-        max_sequence_length: Rows of the learned position table.
-        pg: ``ProcessGroups`` (or ``None`` for a world of one).
-        pre_process: Holds the embeddings (first pipeline stage).
-        post_process: Holds the final norm and output layer (last pipeline stage).
-        share_embeddings_and_output_weights: Output layer reuses the word-embedding weight.
-        position_embedding_type: ``learned_absolute``, ``rope`` or ``none``.
-        device: Device for the parameters (default: torch's default device).
     """
 
     graph_head = HeadRegion("_postprocess", shared_params=_tied_head_params, present=lambda model: model.post_process)
+    final_norm_name = "final_layernorm"  # the decoder's final norm (Megatron's names differ per stack)
 
-    def __init__(
+    def _build_embedding(
         self,
         config,
-        layer_spec,
         vocab_size: int,
         max_sequence_length: int,
-        pg=None,
+        pg,
         *,
-        pre_process: bool = True,
-        post_process: bool = True,
-        share_embeddings_and_output_weights: bool = True,
-        position_embedding_type: str = "learned_absolute",
-        device=None,
-        num_layers: int | None = None,
-        layer_offset: int = 0,
-    ):
-        super().__init__()
+        pre_process: bool,
+        post_process: bool,
+        share_embeddings_and_output_weights: bool,
+        position_embedding_type: str,
+        device,
+    ) -> torch.device:
+        """Checks the position embedding, keeps the arguments, builds the embedding (first stage) and
+        the rotary table (RoPE); returns the device the parameters go on."""
         if position_embedding_type not in ("learned_absolute", "rope", "none"):
             raise ValueError(
-                f"--position-embedding-type {position_embedding_type!r} is unknown; use learned_absolute or rope."
+                f"--position-embedding-type {position_embedding_type!r} is unknown; use learned_absolute, rope or none."
             )
         if position_embedding_type == "rope" and config.position_embedding_type != "rope":
             # The layers read the config to decide whether rotary embeddings are required.
@@ -206,34 +196,29 @@ class GPTModel(torch.nn.Module):
         self.post_process = post_process
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.position_embedding_type = position_embedding_type
+        self.input_tensor: torch.Tensor | None = None  # a later pipeline stage's input (set_input_tensor)
         device = resolve_device(device)
-
-        # Construction order = initialisation order (the default generator is consumed in it).
+        self.embedding = None
         if pre_process:
             self.embedding = LanguageModelEmbedding(
                 config, vocab_size, max_sequence_length, position_embedding_type, pg=pg, device=device
             )
-        else:
-            self.embedding = None
-        if position_embedding_type == "rope":
-            self.rotary_pos_emb = rotary_embedding(config)
-        else:
-            self.rotary_pos_emb = None
-        self.decoder = TransformerBlock(
-            config,
-            layer_spec,
-            pg,
-            num_layers=num_layers,
-            layer_offset=layer_offset,
-            pre_process=pre_process,
-            post_process=post_process,
-            device=device,
-        )
-        self.input_tensor: torch.Tensor | None = None  # a later pipeline stage's input (set_input_tensor)
+        self.rotary_pos_emb = rotary_embedding(config) if position_embedding_type == "rope" else None
+        return device
+
+    def _build_output_layer(self, device: torch.device) -> None:
+        """The output layer (last stage; a tied one elsewhere too, see :func:`build_output_layer`), after
+        the decoder; with sequence parallelism, marks the decoder's replicated parameters."""
         self.output_layer = build_output_layer(
-            config, vocab_size, pg, pre_process, post_process, share_embeddings_and_output_weights, device
+            self.config,
+            self.vocab_size,
+            self.pg,
+            self.pre_process,
+            self.post_process,
+            self.share_embeddings_and_output_weights,
+            device,
         )
-        if uses_sequence_parallel(pg):
+        if uses_sequence_parallel(self.pg):
             # Replicated decoder parameters (norms, row-parallel biases, routers) see one
             # sequence shard per TP rank: their gradients are partial sums over TP.
             for param in self.decoder.parameters():
@@ -297,8 +282,9 @@ class GPTModel(torch.nn.Module):
         ``hidden_states [s, b, h]`` from the last layer; returns the fp32 loss ``[b, s]``,
         or ``logits [b, s, v]`` when ``labels`` is None. One graphable region (``graph_head``).
         """
-        if self.decoder.final_layernorm is not None:
-            hidden_states = self.decoder.final_layernorm(hidden_states)
+        final_norm = getattr(self.decoder, self.final_norm_name)
+        if final_norm is not None:
+            hidden_states = final_norm(hidden_states)
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, v]
         logits = scale_logits(logits, self.config)
@@ -324,6 +310,63 @@ class GPTModel(torch.nn.Module):
             if self.output_layer is not None and self.output_layer.weight is not None:
                 excluded.add(id(self.output_layer.weight))
         return sum(p.numel() for p in self.parameters() if id(p) not in excluded)
+
+
+class GPTModel(LanguageModel):
+    """Decoder-only transformer language model.
+
+    Args:
+        config: Finalized ``TransformerConfig``.
+        layer_spec: Spec of one transformer layer (e.g. ``get_gpt_layer_local_spec()``).
+        vocab_size: Padded vocabulary size.
+        max_sequence_length: Rows of the learned position table.
+        pg: ``ProcessGroups`` (or ``None`` for a world of one).
+        pre_process: Holds the embeddings (first pipeline stage).
+        post_process: Holds the final norm and output layer (last pipeline stage).
+        share_embeddings_and_output_weights: Output layer reuses the word-embedding weight.
+        position_embedding_type: ``learned_absolute``, ``rope`` or ``none``.
+        device: Device for the parameters (default: torch's default device).
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_spec,
+        vocab_size: int,
+        max_sequence_length: int,
+        pg=None,
+        *,
+        pre_process: bool = True,
+        post_process: bool = True,
+        share_embeddings_and_output_weights: bool = True,
+        position_embedding_type: str = "learned_absolute",
+        device=None,
+        num_layers: int | None = None,
+        layer_offset: int = 0,
+    ):
+        super().__init__()
+        device = self._build_embedding(
+            config,
+            vocab_size,
+            max_sequence_length,
+            pg,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+            position_embedding_type=position_embedding_type,
+            device=device,
+        )
+        self.decoder = TransformerBlock(
+            config,
+            layer_spec,
+            pg,
+            num_layers=num_layers,
+            layer_offset=layer_offset,
+            pre_process=pre_process,
+            post_process=post_process,
+            device=device,
+        )
+        self._build_output_layer(device)
 
 
 def build_gpt_model(config, vocab_size: int, pg=None, device=None) -> GPTModel:

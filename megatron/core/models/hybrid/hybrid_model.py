@@ -13,8 +13,7 @@ as in GPT.
 
 import torch
 
-from megatron.core.models.common.rotary import rotary_embedding
-from megatron.core.models.gpt.gpt_model import GPTModel, LanguageModelEmbedding, build_output_layer, scale_logits
+from megatron.core.models.gpt.gpt_model import LanguageModel, LanguageModelEmbedding
 from megatron.core.models.hybrid.hybrid_block import HybridStack
 from megatron.core.models.hybrid.hybrid_layer_allocation import (
     Symbols,
@@ -22,20 +21,12 @@ from megatron.core.models.hybrid.hybrid_layer_allocation import (
     select_pipeline_segment,
     virtual_pipeline_size,
 )
-from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron.core.tensor_parallel.layers import resolve_device, uses_sequence_parallel
+from megatron.core.tensor_parallel.layers import resolve_device
 from megatron.core.transformer.cuda_graphs import regions
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 
-def _tied_head_params(model: "HybridModel") -> list[torch.nn.Parameter]:
-    # The tied embedding weight gets gradient from the head and from the eager embedding
-    # lookup; autograd must sum both in the parameter's dtype, as in eager.
-    shared = model.shared_embedding_or_output_weight() if model.pre_process else None
-    return [shared] if shared is not None else []
-
-
-class HybridModel(torch.nn.Module):
+class HybridModel(LanguageModel):
     """Decoder-only hybrid Mamba/attention language model (one pipeline chunk of it).
 
     Graph head: ``_postprocess`` (final norm, output layer, cross entropy) on the stage
@@ -56,9 +47,7 @@ class HybridModel(torch.nn.Module):
         device: Device for the parameters (default: torch's default device).
     """
 
-    graph_head = regions.HeadRegion(
-        "_postprocess", shared_params=_tied_head_params, present=lambda model: model.post_process
-    )
+    final_norm_name = "final_norm"  # Megatron's name in the hybrid stack
 
     def __init__(
         self,
@@ -79,36 +68,21 @@ class HybridModel(torch.nn.Module):
         super().__init__()
         if mamba_config.hybrid_layer_pattern is None:
             raise ValueError("a hybrid model needs --hybrid-layer-pattern (e.g. M*M-M*M-).")
-        if position_embedding_type not in ("learned_absolute", "rope", "none"):
-            raise ValueError(
-                f"--position-embedding-type {position_embedding_type!r} is unknown; use none, learned_absolute or rope."
-            )
-        if position_embedding_type == "rope" and config.position_embedding_type != "rope":
-            raise ValueError("position_embedding_type='rope' needs config.position_embedding_type == 'rope'.")
-        self.config = config
-        self.pg = pg
-        self.vocab_size = vocab_size
-        self.pre_process = pre_process
-        self.post_process = post_process
-        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
-        self.position_embedding_type = position_embedding_type
-        device = resolve_device(device)
         self.pattern = parse_hybrid_pattern(mamba_config.hybrid_layer_pattern)
         pp_size = getattr(pg, "pp_size", 1) if pg is not None else 1
         pp_rank = getattr(pg, "pp_rank", 0) if pg is not None else 0
         self.layer_types, layer_offset = select_pipeline_segment(self.pattern, pp_rank, pp_size, vp_stage)
-
-        # Construction order = initialisation order (the default generator is consumed in it).
-        if pre_process:
-            self.embedding = LanguageModelEmbedding(
-                config, vocab_size, max_sequence_length, position_embedding_type, pg=pg, device=device
-            )
-        else:
-            self.embedding = None
-        if position_embedding_type == "rope":
-            self.rotary_pos_emb = rotary_embedding(config)
-        else:
-            self.rotary_pos_emb = None
+        device = self._build_embedding(
+            config,
+            vocab_size,
+            max_sequence_length,
+            pg,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+            position_embedding_type=position_embedding_type,
+            device=device,
+        )
         self.decoder = HybridStack(
             config,
             mamba_config,
@@ -120,36 +94,7 @@ class HybridModel(torch.nn.Module):
             post_process=post_process,
             device=device,
         )
-        self.output_layer = build_output_layer(
-            config, vocab_size, pg, pre_process, post_process, share_embeddings_and_output_weights, device
-        )
-        self.input_tensor: torch.Tensor | None = None  # a later pipeline stage's input (set_input_tensor)
-        if uses_sequence_parallel(pg):
-            # As in the GPT model: replicated decoder parameters (norms) see one sequence
-            # shard per TP rank, so their gradients are partial sums over TP.
-            for param in self.decoder.parameters():
-                if not getattr(param, "tensor_model_parallel", False):
-                    param.sequence_parallel = True
-
-    shared_embedding_or_output_weight = GPTModel.shared_embedding_or_output_weight
-    set_input_tensor = GPTModel.set_input_tensor
-    # input_ids [b, s] -> per-token loss [b, s] (fp32), logits [b, s, v] without labels, or a
-    # stage's hidden states [s, b, h] before the last pipeline stage: the GPT model's path.
-    forward = GPTModel.forward
-
-    def _postprocess(self, hidden_states: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Loss head: final norm -> output layer -> per-token cross entropy (one graphable region, ``graph_head``)."""
-        if self.decoder.final_norm is not None:
-            hidden_states = self.decoder.final_norm(hidden_states)
-        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, v]
-        logits = scale_logits(logits, self.config)
-        if labels is None:
-            return logits.transpose(0, 1).contiguous()
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), pg=self.pg, fused=self.config.cross_entropy_loss_fusion)
-        return loss.t().contiguous()  # [b, s]
-
-    num_parameters = GPTModel.num_parameters
+        self._build_output_layer(device)
 
 
 def pattern_layer_classes(mamba_config, stack_submodules=None) -> list[type]:
