@@ -5,7 +5,8 @@ layers of one pipeline chunk from that chunk's symbols of ``--hybrid-layer-patte
 (``hybrid_layer_allocation.select_pipeline_segment`` picks them), numbers them
 globally (``layer_offset + i + 1``), marks ``is_first_layer`` / ``is_last_layer``
 within the chunk (the layers at a chunk's edges read from or feed communication),
-names them to the CUDA-graph session (``graph_layers``), runs them in order and applies the final
+names them to the CUDA-graph session (``graph_layers``), runs them in order (with
+``--recompute-granularity full``, in recomputed chunks, as ``TransformerBlock`` does) and applies the final
 norm on the last stage. Every layer takes and returns ``[s, b, h]``; attention
 layers also read the rotary table, the others ignore it. ``G`` layers build the
 ``gdn_layer`` spec with its attention swapped for ``GatedDeltaNet2`` when
@@ -20,6 +21,7 @@ import torch
 
 from megatron.core.models.hybrid.hybrid_layer_allocation import PATTERN_FLAG, Symbols
 from megatron.core.transformer.norm import build_norm
+from megatron.core.transformer.recompute import run_layers
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 
@@ -142,8 +144,7 @@ class HybridStack(torch.nn.Module):
         it inside its loss head, so the head is one graphable region). ``attention_mask``
         (``--reset-attention-mask``) reaches the attention layers; Mamba layers run on.
         """
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, rotary_pos_emb=rotary_pos_emb, attention_mask=attention_mask)
+        hidden_states = run_layers(self.layers, hidden_states, rotary_pos_emb, self.config, attention_mask)
         if final_norm and self.final_norm is not None:
             hidden_states = self.final_norm(hidden_states)
         return hidden_states

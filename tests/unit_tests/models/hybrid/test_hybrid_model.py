@@ -140,3 +140,37 @@ def test_pretrain_gpt_refuses_a_hybrid_pattern(tiny_argv):
 
     with pytest.raises(ValueError, match="run pretrain_hybrid.py with the same flags"):
         build_trainer(tiny_argv("--train-iters 1 --hybrid-layer-pattern M* --mamba-num-groups 1 --mamba-head-dim 16"))
+
+
+@pytest.mark.parametrize("method,layers", [("uniform", 2), ("block", 3)])
+def test_full_recompute_of_a_hybrid_stack_recomputes_and_trains_like_none(method, layers, tmp_path):
+    """--recompute-granularity full in a hybrid model, as Megatron's hybrid block does: the recomputed
+    layers run their forward again in backward, and losses, gradient norms and final weights are bit
+    for bit those without recompute (dropout on: the recompute replays the masks)."""
+    from megatron.training.training import build_trainer
+
+    flags = (
+        "--hybrid-layer-pattern M*M- --hidden-size 32 --num-attention-heads 4 --mamba-state-dim 8 "
+        "--mamba-head-dim 8 --mamba-num-groups 2 --position-embedding-type none --normalization RMSNorm "
+        "--seq-length 16 --micro-batch-size 2 --global-batch-size 4 --lr 3e-3 --train-iters 3 --mock-data "
+        "--vocab-size 64 --tokenizer-type NullTokenizer --num-workers 0 --hidden-dropout 0.1 "
+        f"--attention-dropout 0.1 --log-interval 1 --eval-iters 0 --use-cpu --data-cache-path {tmp_path}"
+    ).split()
+    recompute = f"--recompute-granularity full --recompute-method {method} --recompute-num-layers {layers}".split()
+    runs, histories, calls = [], [], []
+    for extra in ([], recompute):
+        trainer = build_trainer(flags + extra, pretrain_hybrid.model_provider, pretrain_hybrid.forward_step)
+        count = [0] * 4  # forward calls begun per layer (a recompute stops once the saved tensors are back)
+        for i, layer in enumerate(trainer.model.module.decoder.layers):
+            layer.register_forward_pre_hook(lambda *_, i=i, count=count: count.__setitem__(i, count[i] + 1))
+        histories.append(trainer.train())
+        runs.append(trainer)
+        calls.append(count)
+    for key in ("lm loss", "grad-norm"):
+        values = [[r[key] for r in history] for history in histories]
+        assert len(values[0]) == 3 and values[0] == values[1], key
+    for (name, a), (_, b) in zip(*(run.model.module.named_parameters() for run in runs)):
+        assert torch.equal(a, b), name
+    runs_per_layer = 3 * 2  # iterations x micro-batches
+    recomputed = [2, 2, 2, 2] if method == "uniform" else [2, 2, 2, 1]
+    assert calls == [[runs_per_layer] * 4, [runs_per_layer * n for n in recomputed]]
