@@ -14,7 +14,53 @@ from megatron.core.transformer.recompute import run_layers
 from megatron.core.transformer.spec_utils import build_module
 
 
-class TransformerBlock(torch.nn.Module):
+class LayerStack(torch.nn.Module):
+    """What a transformer block and a hybrid stack share: their layers in order, marked at the
+    chunk's edges, the final norm on the last pipeline stage (named ``final_norm_name``, as Megatron
+    names it in each), and the forward pass (with ``--recompute-granularity full``, in recomputed
+    chunks). A subclass builds its layers and hands them to :meth:`_set_layers`."""
+
+    final_norm_name = "final_layernorm"
+
+    def _set_layers(self, layers, config, *, post_layer_norm: bool, post_process: bool, device) -> None:
+        self.layers = torch.nn.ModuleList(layers)
+        for i, layer in enumerate(self.layers):
+            layer.is_first_layer = i == 0
+            layer.is_last_layer = i == len(self.layers) - 1
+        norm = build_norm(config, config.hidden_size, device=device) if post_layer_norm and post_process else None
+        setattr(self, self.final_norm_name, norm)
+
+    @property
+    def final_norm_layer(self) -> torch.nn.Module | None:
+        """The final norm (on the last pipeline stage), whatever its name in this stack."""
+        return getattr(self, self.final_norm_name)
+
+    def graph_layers(self) -> list[torch.nn.Module]:
+        """The layers the CUDA-graph session may route (this chunk's own, in order)."""
+        return list(self.layers)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        rotary_pos_emb: torch.Tensor | None = None,
+        *,
+        final_norm: bool = True,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``[s, b, h] -> [s, b, h]``.
+
+        ``final_norm=False`` leaves the final norm to the caller (the language model applies it
+        inside its loss head, so the head is one graphable region). ``attention_mask``: bool
+        ``[b, 1, s, s]``, True where attention is allowed, or None (causal); layers without
+        attention ignore it and the rotary table.
+        """
+        hidden_states = run_layers(self.layers, hidden_states, rotary_pos_emb, self.config, attention_mask)
+        if final_norm and self.final_norm_layer is not None:
+            hidden_states = self.final_norm_layer(hidden_states)
+        return hidden_states
+
+
+class TransformerBlock(LayerStack):
     """Runs ``layers`` in order, then ``final_layernorm`` when present.
 
     Args:
@@ -52,37 +98,8 @@ class TransformerBlock(torch.nn.Module):
         if len(specs) == config.num_layers != num_layers:  # the whole model's list: take this chunk's part
             specs = specs[layer_offset : layer_offset + num_layers]
         assert len(specs) == num_layers, f"{len(specs)} layer specs for {num_layers} layers"
-        self.layers = torch.nn.ModuleList(
+        layers = [
             build_module(specs[i], config=config, layer_number=layer_offset + i + 1, pg=pg, device=device)
             for i in range(num_layers)
-        )
-        for i, layer in enumerate(self.layers):
-            layer.is_first_layer = i == 0
-            layer.is_last_layer = i == num_layers - 1
-        if post_layer_norm and post_process:
-            self.final_layernorm = build_norm(config, config.hidden_size, device=device)
-        else:
-            self.final_layernorm = None
-
-    def graph_layers(self) -> list[torch.nn.Module]:
-        """The layers the CUDA-graph session may route (this block's own, in order)."""
-        return list(self.layers)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        rotary_pos_emb: torch.Tensor | None = None,
-        *,
-        final_norm: bool = True,
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``[s, b, h] -> [s, b, h]``.
-
-        ``final_norm=False`` leaves ``final_layernorm`` to the caller (the GPT model
-        applies it inside its loss head, so the head is one graphable region).
-        ``attention_mask``: bool ``[b, 1, s, s]``, True where attention is allowed, or None (causal).
-        """
-        hidden_states = run_layers(self.layers, hidden_states, rotary_pos_emb, self.config, attention_mask)
-        if final_norm and self.final_layernorm is not None:
-            hidden_states = self.final_layernorm(hidden_states)
-        return hidden_states
+        ]
+        self._set_layers(layers, config, post_layer_norm=post_layer_norm, post_process=post_process, device=device)

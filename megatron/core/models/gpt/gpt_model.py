@@ -164,7 +164,6 @@ class LanguageModel(torch.nn.Module):
     """
 
     graph_head = HeadRegion("_postprocess", shared_params=_tied_head_params, present=lambda model: model.post_process)
-    final_norm_name = "final_layernorm"  # the decoder's final norm (Megatron's names differ per stack)
 
     def _build_embedding(
         self,
@@ -282,9 +281,8 @@ class LanguageModel(torch.nn.Module):
         ``hidden_states [s, b, h]`` from the last layer; returns the fp32 loss ``[b, s]``,
         or ``logits [b, s, v]`` when ``labels`` is None. One graphable region (``graph_head``).
         """
-        final_norm = getattr(self.decoder, self.final_norm_name)
-        if final_norm is not None:
-            hidden_states = final_norm(hidden_states)
+        if self.decoder.final_norm_layer is not None:
+            hidden_states = self.decoder.final_norm_layer(hidden_states)
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, v]
         logits = scale_logits(logits, self.config)

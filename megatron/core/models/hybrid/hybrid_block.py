@@ -17,12 +17,9 @@ import copy
 import dataclasses
 from typing import Any
 
-import torch
-
 from megatron.core.models.hybrid.hybrid_layer_allocation import PATTERN_FLAG, Symbols
-from megatron.core.transformer.norm import build_norm
-from megatron.core.transformer.recompute import run_layers
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_block import LayerStack
 
 
 @dataclasses.dataclass
@@ -61,7 +58,7 @@ def gdn_layer_spec(spec, config):
     return spec
 
 
-class HybridStack(torch.nn.Module):
+class HybridStack(LayerStack):
     """Runs the layers of one chunk in order, then ``final_norm`` when present.
 
     Args:
@@ -76,6 +73,8 @@ class HybridStack(torch.nn.Module):
         post_process: This chunk is on the last pipeline stage.
         device: Device for the parameters (default: torch's default device).
     """
+
+    final_norm_name = "final_norm"  # Megatron's name in the hybrid stack
 
     def __init__(
         self,
@@ -117,34 +116,4 @@ class HybridStack(torch.nn.Module):
             if symbol == Symbols.GDN:
                 spec = gdn_layer_spec(spec, config)
             layers.append(build_module(spec, **kwargs))
-        self.layers = torch.nn.ModuleList(layers)
-        for i, layer in enumerate(self.layers):
-            layer.is_first_layer = i == 0
-            layer.is_last_layer = i == len(self.layers) - 1
-        if post_layer_norm and post_process:
-            self.final_norm = build_norm(config, config.hidden_size, device=device)
-        else:
-            self.final_norm = None
-
-    def graph_layers(self) -> list[torch.nn.Module]:
-        """The layers the CUDA-graph session may route (this chunk's own, in order)."""
-        return list(self.layers)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        rotary_pos_emb: torch.Tensor | None = None,
-        *,
-        final_norm: bool = True,
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``[s, b, h] -> [s, b, h]``.
-
-        ``final_norm=False`` leaves ``final_norm`` to the caller (the hybrid model applies
-        it inside its loss head, so the head is one graphable region). ``attention_mask``
-        (``--reset-attention-mask``) reaches the attention layers; Mamba layers run on.
-        """
-        hidden_states = run_layers(self.layers, hidden_states, rotary_pos_emb, self.config, attention_mask)
-        if final_norm and self.final_norm is not None:
-            hidden_states = self.final_norm(hidden_states)
-        return hidden_states
+        self._set_layers(layers, config, post_layer_norm=post_layer_norm, post_process=post_process, device=device)

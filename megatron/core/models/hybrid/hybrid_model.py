@@ -47,8 +47,6 @@ class HybridModel(LanguageModel):
         device: Device for the parameters (default: torch's default device).
     """
 
-    final_norm_name = "final_norm"  # Megatron's name in the hybrid stack
-
     def __init__(
         self,
         config,
