@@ -158,10 +158,10 @@ def test_attention_backends_agree_on_the_cpu(backend):
 @pytest.mark.parametrize("model", ["dense", "moe"])
 def test_full_recompute_trains_like_no_recompute_with_fused_wgrad(model, tmp_path):
     """Through the trainer, where the weight gradients go straight into ``main_grad`` (Megatron's
-    gradient-accumulation fusion, on by default): recomputation gives the same losses bit for bit.
-    (Recomputation hands the saved weights back as plain tensors; the wgrad must still find the
-    parameter's ``main_grad``.)"""
-    from megatron.training.training import pretrain
+    gradient-accumulation fusion, on by default): recomputation gives the same losses bit for bit,
+    and each layer's forward runs again in backward. (Recomputation hands the saved weights back as
+    plain tensors; the wgrad must still find the parameter's ``main_grad``.)"""
+    from megatron.training.training import build_trainer
 
     argv = (
         "--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
@@ -171,8 +171,16 @@ def test_full_recompute_trains_like_no_recompute_with_fused_wgrad(model, tmp_pat
     if model == "moe":
         argv += "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-aux-loss-coeff 0.01".split()
     recompute = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
-    losses = [[r["lm loss"] for r in pretrain(argv + extra).history] for extra in ([], recompute)]
+    losses, calls = [], []
+    for extra in ([], recompute):
+        trainer = build_trainer(argv + extra)
+        count = [0, 0]  # forward calls begun per layer (a recompute stops once the saved tensors are back)
+        for i, layer in enumerate(trainer.model.module.decoder.layers):
+            layer.register_forward_pre_hook(lambda *_, i=i, count=count: count.__setitem__(i, count[i] + 1))
+        losses.append([r["lm loss"] for r in trainer.train()])
+        calls.append(count)
     assert len(losses[0]) == 3 and losses[0] == losses[1]
+    assert calls == [[3 * 2] * 2, [2 * 3 * 2] * 2]  # iterations x micro-batches, twice with recompute
 
 
 @pytest.mark.parametrize(
