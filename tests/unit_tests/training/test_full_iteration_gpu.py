@@ -108,15 +108,21 @@ def test_dense8_full_iteration_equals_eager_and_peak_within_2_percent():
     )
 
 
-def test_hybrid_full_iteration_equals_eager():
+@pytest.mark.parametrize(
+    "extra", ["", "--recompute-granularity full --recompute-method uniform --recompute-num-layers 2"]
+)
+def test_hybrid_full_iteration_equals_eager(extra):
+    """The hybrid model in one graph, also with its layers recomputed inside it (Mamba scans included)."""
     import pretrain_hybrid
 
     providers = (pretrain_hybrid.model_provider, pretrain_hybrid.forward_step)
-    flags = f"{hybrid.SMALL} {hybrid.COMMON}"
+    flags = f"{hybrid.SMALL} {hybrid.COMMON} {extra}"
     eager = run(flags, 5, providers)
     graphed = run(f"{flags} {FULL}", 5, providers)
     assert graphed[2] == 1
-    assert_same(eager, graphed, "hybrid full iteration")
+    assert_same(eager, graphed, f"hybrid full iteration {extra}")
+    if extra:  # and as without recompute
+        assert_same(run(f"{hybrid.SMALL} {hybrid.COMMON}", 5, providers), eager, "hybrid recompute")
 
 
 def test_transformer_engine_impl_is_the_local_graphs():
