@@ -5,6 +5,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # the A/B runs below work in another folder
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # PART splits the run for the device's 10-minute calls: "tests" every GPU test (close to 10 minutes
 # on an H100, so a and b in two calls are safer), "a" the transformer tests (graphs, MoE), "b" the
@@ -22,12 +23,16 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # cache's unused pages released after capture, the model and optimizer allocated on the training
 # stream), about 2.5 minutes on an H100, every run's output in growth.tgz;
 # unset: every GPU test and the benchmark.
+# With PART=mem, MEM_SELECT replaces the tests' selection (a pytest -k expression) and AB_TREE names
+# a folder holding another tree (e.g. `git archive BRANCH | tar x -C ab_tree`, untracked so that it
+# travels to the device): each test then runs in this tree and in that one, one after the other, so
+# both are measured on the same machine at about the same time; that tree's log is pytest_gpu_ab.log.
 PART=${PART:-all}
 case "$PART" in
     mem)
         TESTS="tests/unit_tests/models/hybrid/test_hybrid_graphs_gpu.py tests/unit_tests/transformer/moe/test_moe_graphs_gpu.py
                tests/unit_tests/transformer/cuda_graphs/test_graphs_gpu.py"
-        SELECT="dropped_graphed or issue_config or interleaved_chunks_peak or (eager_turns and all)"
+        SELECT=${MEM_SELECT:-"dropped_graphed or issue_config or interleaved_chunks_peak or (eager_turns and all)"}
         ;;
     hybrid) TESTS="tests/unit_tests/ssm/test_mamba_gpu.py tests/unit_tests/ssm/test_ssd_kernels.py
             tests/unit_tests/models/hybrid/test_hybrid_graphs_gpu.py" ;;
@@ -45,15 +50,25 @@ if [ "$PART" = mem ]; then
     # process (allocator segments, sessions) moved these peaks by up to 300 MiB (README, VPP).
     mapfile -t ids < <(python3 -m pytest -m gpu -q --collect-only $TESTS -k "$SELECT" 2>/dev/null | grep '::')
     : >"$OUT/pytest_gpu.log"
+    trees=(.)
+    if [ -n "${AB_TREE:-}" ]; then
+        [ -d "$AB_TREE" ] || { echo "AB_TREE=$AB_TREE: no such folder" >&2; exit 2; }
+        trees+=("$AB_TREE")
+        : >"$OUT/pytest_gpu_ab.log"
+    fi
     passed=0 failed=0 leaked=0
     for id in "${ids[@]}"; do
-        if python3 -m pytest -m gpu -q -rfE -rP "$id" ${PYTEST_ARGS:-} >>"$OUT/pytest_gpu.log" 2>&1; then
-            passed=$((passed + 1))
-        else
-            failed=$((failed + 1))
-            [[ $id == *dropped_graphed* ]] && leaked=1
-            echo "FAILED $id"
-        fi
+        for tree in "${trees[@]}"; do
+            log="$OUT/pytest_gpu.log"
+            [ "$tree" = . ] || log="$OUT/pytest_gpu_ab.log"
+            if (cd "$tree" && python3 -m pytest -m gpu -q -rfE -rP "$id" ${PYTEST_ARGS:-}) >>"$log" 2>&1; then
+                passed=$((passed + 1))
+            else
+                failed=$((failed + 1))
+                [[ $id == *dropped_graphed* && $tree == . ]] && leaked=1
+                echo "FAILED $id${AB_TREE:+ in $tree}"
+            fi
+        done
     done
     echo "one process per test: $passed passed, $failed failed" | tee -a "$OUT/pytest_gpu.log"
     tests_rc=$((failed > 0 || ${#ids[@]} == 0))
@@ -115,8 +130,11 @@ fi
 echo
 [ -n "$TESTS" ] && echo "== GPU tests ($TESTS): $(tail -n 1 "$OUT/pytest_gpu.log")"
 if [ "$PART" = mem ] || [ "$PART" = hybrid ]; then
-    echo "== peaks (graphed vs eager, MiB):"
-    grep -E "^(scope '|rank [0-9]: graphed|(0|1|all) (attn|mlp))" "$OUT/pytest_gpu.log" | sort -u || true
+    for log in "$OUT/pytest_gpu.log" "$OUT/pytest_gpu_ab.log"; do
+        [ -f "$log" ] || continue
+        echo "== peaks (graphed vs eager, MiB)$([ "$log" = "$OUT/pytest_gpu.log" ] || echo " in AB_TREE=$AB_TREE"):"
+        grep -E "^(scope '|rank [0-9]: graphed|(0|1|all) (attn|mlp))" "$log" | sort -u || true
+    done
     if [ -f "$OUT/holders.txt" ]; then
         echo "== a dropped graphed run of interleaved chunks (tools/holders.py, whole output in holders.txt):"
         grep -E "^(after the drop|[0-9]+ holders|holders.py)" "$OUT/holders.txt" || true

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "tools" / "gpu_check.sh"
 STUB = """#!/usr/bin/env bash
 echo "$(basename "$0") $*" >>"$CALLS"
+echo "$PWD" >>"$CALLS.cwd"
 if [[ "$*" == *"--collect-only"* ]]; then echo "tests/x_gpu.py::test_one"; fi
 if [[ "$*" == *"--growth"* ]]; then
     echo "eager cache at the end, large blocks: reserved 1.0 MiB"
@@ -22,7 +23,7 @@ exit 0
 """
 
 
-def run_part(tmp_path: Path, part: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+def run_part(tmp_path: Path, part: str, **more_env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
     stubs = tmp_path / "bin"
     stubs.mkdir()
     for name in ("python3", "nvidia-smi"):
@@ -31,6 +32,7 @@ def run_part(tmp_path: Path, part: str) -> tuple[subprocess.CompletedProcess, li
     calls = tmp_path / "calls.txt"
     env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "CALLS": str(calls), "PART": part}
     env["OUT"] = str(tmp_path / "out")
+    env.update(more_env)
     done = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
     return done, calls.read_text().splitlines() if calls.exists() else []
 
@@ -88,3 +90,22 @@ def test_test_parts_run_pytest_on_their_files(tmp_path, part):
         assert sum("pool_peak.py --steady" in c for c in calls) == 3
         assert not any("pool_peak.py --growth" in c for c in calls), "PART=growth runs those"
     assert "== GPU tests" in done.stdout
+
+
+def test_mem_runs_each_test_in_this_tree_and_then_in_ab_tree(tmp_path):
+    other = tmp_path / "ab_tree"
+    other.mkdir()
+    done, calls = run_part(tmp_path, "mem", AB_TREE=str(other), MEM_SELECT="eager_turns and all")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "-k eager_turns and all" in next(c for c in calls if "--collect-only" in c)
+    tests = [i for i, c in enumerate(calls) if "-m pytest -m gpu" in c and "--collect-only" not in c]
+    assert [calls[i] for i in tests] == ["python3 -m pytest -m gpu -q -rfE -rP tests/x_gpu.py::test_one"] * 2
+    cwd = (tmp_path / "calls.txt.cwd").read_text().splitlines()
+    assert [cwd[i] for i in tests] == [str(ROOT), str(other)]
+    assert (tmp_path / "out" / "pytest_gpu_ab.log").exists()
+    assert f"peaks (graphed vs eager, MiB) in AB_TREE={other}" in done.stdout
+
+
+def test_mem_refuses_an_ab_tree_that_is_not_there(tmp_path):
+    done, _ = run_part(tmp_path, "mem", AB_TREE=str(tmp_path / "missing"))
+    assert done.returncode == 2 and "AB_TREE=" in done.stderr and "no such folder" in done.stderr
