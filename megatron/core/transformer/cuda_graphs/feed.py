@@ -4,10 +4,9 @@ the backward graphs' pool.
 Eagerly, the embedding's output lives in the eager cache until the model's forward ends, and the
 layers' activations later reuse that memory. Graphed, the first forward graph copies it into its
 static input and the activations go to the pools: the output sits in the eager cache on top of them
-for the whole forward (on the hybrid issue config, whole layers peaked 20 MiB lower with the feed;
-README, hybrid models). When a micro-batch's
-forward starts, the backward graphs' pool holds no data (the backward pass before it has ended, and
-what the pool keeps across it is allocated, never handed out), so the feed allocates there:
+for the whole forward (what that costs: README, hybrid models). When a micro-batch's forward starts,
+the backward graphs' pool holds no data (the backward pass before it has ended, and what the pool
+keeps across it is allocated, never handed out), so the feed allocates there:
 
 * Only where the backward graphs have a pool of their own, with one slot, no pipeline schedule, the
   eager turns allowed (``TurnHooks.eager_turn_allowed`` and ``MEGATRON_CG_EAGER_TURN`` not 0), no
@@ -114,8 +113,12 @@ class FeedWatch(TorchDispatchMode):
         return args
 
     def backward_begins(self) -> None:
-        """The micro-batch's first backward event: whatever the feed made must be dead."""
+        """A backward event: the first after a micro-batch's graphs began finds whatever the feed made
+        dead, or notes it; the next micro-batch's first graph is still to come."""
+        if not self.graphed:
+            return
         self.escaped += [f"{what}, alive when the backward began" for what in self.fed.values()]
+        self.graphed = False
 
 
 class FeedHooks:
@@ -150,10 +153,9 @@ class FeedHooks:
         return args if self._feed_watch is None else self._feed_watch.region_forward(args)
 
     def _feed_backward_begins(self) -> None:
-        """Recording: the backward of a micro-batch starts (its first backward event)."""
-        if self._feed_watch is not None and self._feed_watch.graphed:
+        """Recording: a backward event is next."""
+        if self._feed_watch is not None:
             self._feed_watch.backward_begins()
-            self._feed_watch.graphed = False
 
     def _end_feed_watch(self) -> FeedWatch | None:
         watch, self._feed_watch = self._feed_watch, None
