@@ -98,8 +98,7 @@ def main():
         "--one-pool",
         action="store_true",
         help="with --growth: what if a run with one micro-batch in flight captured its backward graphs into its "
-        "forward graphs' pool instead of a backward pool of their own (no eager turns, forward transients or "
-        "embedding in a backward pool then)",
+        "forward graphs' pool instead of a backward pool of their own (MEGATRON_CG_ONE_POOL=1)",
     )
     parser.add_argument(
         "--dump",
@@ -272,8 +271,9 @@ def growth(build, args) -> None:
     the segment's free bytes would have held that request; then what the cache and the pools reserve, and
     each phase's peak reserved memory. With ``--empty-cache-after-capture``, ``torch.cuda.empty_cache()``
     runs once the capture ends; with ``--build-on-training-stream`` the trainer is built on the side
-    stream graphed runs train on; with ``--one-pool`` the session is told that backward graphs never run
-    alone, so it keeps them in the slot's pool (where turns open they still get a pool of their own)."""
+    stream graphed runs train on; with ``--one-pool`` it runs with ``MEGATRON_CG_ONE_POOL=1`` (the
+    backward graphs in the slot's pool unless turns open; the embedding's output there too where the feed
+    opens)."""
     import contextlib
 
     import torch
@@ -284,7 +284,7 @@ def growth(build, args) -> None:
     from megatron.training.data import build_data_iterators
 
     if args.one_pool:
-        session_module.backward_runs_alone = lambda order, runs: False
+        os.environ[session_module.ONE_POOL_SWITCH] = "1"
     device = torch.cuda.current_device()
     marks = []  # (trace length, phase beginning there)
     peaks = []  # (phase, its peak reserved bytes)

@@ -8,8 +8,9 @@ for the whole forward (what that costs: README, hybrid models). When a micro-bat
 the backward graphs' pool holds no data (the backward pass before it has ended, and what the pool
 keeps across it is allocated, never handed out), so the feed allocates there:
 
-* Only where the backward graphs have a pool of their own, with one slot, no pipeline schedule, the
-  eager turns allowed (``TurnHooks.eager_turn_allowed`` and ``MEGATRON_CG_EAGER_TURN`` not 0), no
+* Only where the backward graphs have a pool of their own (or, with ``MEGATRON_CG_ONE_POOL=1``, share
+  the forwards' one pool, where no eager work but the feed's is routed: no turns, no scratch), with
+  one slot, no pipeline schedule, the eager turns allowed (``TurnHooks.eager_turn_allowed`` and ``MEGATRON_CG_EAGER_TURN`` not 0), no
   first eager turn (the memory it shapes in that pool would find the feed's output still alive),
   the first forward graph captured in its forward pool, and not under ``--cuda-graph-debug`` (which
   reads a region's inputs after its replay); only in training forwards with gradients on.
@@ -123,10 +124,12 @@ class FeedWatch(TorchDispatchMode):
 
 class FeedHooks:
     """The feed's side of a graph session (a mixin of ``GraphSession``, whose state it uses:
-    ``recording``, ``captured``, ``captures_next``, ``backward_pool``, ``_turn``)."""
+    ``recording``, ``captured``, ``captures_next``, ``pools``, ``backward_pool``, ``_turn``,
+    ``_scratch_open``)."""
 
     _feed_watch: FeedWatch | None = None
-    feed_open = False  # after capture: feed blocks allocate in the backward pool
+    feed_open = False  # after capture: feed blocks allocate in feed_pool
+    feed_pool = None
 
     @contextlib.contextmanager
     def _feed_block(self):
@@ -145,7 +148,7 @@ class FeedHooks:
         if not (self.feed_open and self.captured) or (self._turn is not None and self._turn.routing()):
             yield
             return
-        with allocate_into_pool(self.backward_pool):
+        with allocate_into_pool(self.feed_pool):
             yield
 
     def _feed_region_forward(self, args: tuple) -> tuple:
@@ -164,16 +167,18 @@ class FeedHooks:
         return watch
 
     def _open_feed(self, watch: FeedWatch | None, first_turn: bool, first_forward_in_backward_pool: bool) -> None:
-        """After capture: feed blocks allocate in the backward pool if the recording saw them and
+        """After capture: feed blocks allocate in the pool idle at a forward's start (:meth:`_idle_pool`)
+        if the recording saw them and
         nothing read or kept their tensors past the first graph, and the session's layout allows it
         (module docstring)."""
+        self.feed_pool = self._idle_pool()
         self.feed_open = (
             watch is not None
             and watch.seen
             and not watch.escaped
             and enabled()
             and self.eager_turn_allowed
-            and self.backward_pool is not None
+            and self.feed_pool is not None
             and len(self.pools) == 1
             and self.recorded_schedule is None
             and not first_turn
@@ -181,8 +186,19 @@ class FeedHooks:
             and not self.config.cuda_graph_debug
         )
 
+    def _idle_pool(self):
+        """The pool that holds no data when a micro-batch's forward starts: the backward graphs' own,
+        or the one slot's only pool (forwards and backwards in it, ``MEGATRON_CG_ONE_POOL``) where no
+        other eager work is routed into it; else None."""
+        if self.backward_pool is not None:
+            return self.backward_pool
+        if len(self.pools) == 1 and self._turn is None and not self._scratch_open:
+            return next(iter(self.pools.values()))
+        return None
+
     def _close_feed(self) -> None:
         self.feed_open = False
+        self.feed_pool = None
         try:
             self._end_feed_watch()
         except RuntimeError:  # not on top of the mode stack any more (an error in the recording)

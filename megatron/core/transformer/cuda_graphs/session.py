@@ -24,7 +24,8 @@ again after :meth:`GraphSession.close`). Model classes carry no capture code.
   buffer.
 - Pools: one per slot; when the slots' backward runs never interleave (the
   schedules' backward steps), one more that every slot's backward graphs share
-  (``plan.backward_runs_alone``).
+  (``plan.backward_runs_alone``); with one slot and ``MEGATRON_CG_ONE_POOL=1``, none more
+  unless eager turns open (:data:`ONE_POOL_SWITCH`).
 - Eval and no-grad calls always run eagerly.
 - Backward replays mark their parameters ready on the grad sinks (DDP buffers) with an
   event recorded after the replay.
@@ -39,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import os
 import time
 import types
 import warnings
@@ -74,6 +76,21 @@ from megatron.core.transformer.cuda_graphs.region import GraphedRegion, arg_meta
 from megatron.core.transformer.cuda_graphs.replay import GraphReplay, RecordBackward
 from megatron.core.transformer.cuda_graphs.scratch import ScratchHooks, own_scratch
 from megatron.core.transformer.cuda_graphs.turn import TurnHooks, TurnRouter, enabled
+
+ONE_POOL_SWITCH = "MEGATRON_CG_ONE_POOL"
+"""``1``: with one micro-batch in flight, the backward graphs are captured into the forwards' pool
+instead of a backward pool of their own (unless eager turns open, which need one); ``0`` (the
+default): a backward pool of their own wherever backward runs alone. One pool packs the backward's
+working memory where the last layers' activations were; two keep the forwards' pool free of the
+backwards' holes and let forward transients and the scratch go to the backward pool."""
+
+
+def one_pool() -> bool:
+    value = os.environ.get(ONE_POOL_SWITCH, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ONE_POOL_SWITCH}={value!r}: use 1 (one pool per slot) or 0 (a backward pool, the default)")
+    return value == "1"
+
 
 NEXT_EVENT = "next event"
 """``note_send(..., until=NEXT_EVENT)``: the send is waited on before the producing slot's
@@ -465,9 +482,13 @@ class GraphSession(PipelineHooks, TurnHooks, ScratchHooks, FeedHooks, Accounting
         feed_watch = self._end_feed_watch()  # pushed before the turns' watch
         plans = self.make_plans()
         self.recorder.clear_identities()
-        share = backward_runs_alone(self.order, self.runs) and not any(
-            read.until is not None and read.until[0] == FWD and read.key[0] == "grad_input"
-            for _, read in self.comm_reads
+        share = (
+            not (one_pool() and len(self.cycles) == 1)
+            and backward_runs_alone(self.order, self.runs)
+            and not any(
+                read.until is not None and read.until[0] == FWD and read.key[0] == "grad_input"
+                for _, read in self.comm_reads
+            )
         )
         communicating = {c.key[1] for comm in self.comms.values() for c in comm}
         next_to_backward = frozenset(forwards_next_to_backward(self.order, communicating))

@@ -1,5 +1,5 @@
 """The feed (``cuda_graphs/feed.py``) on the CPU: the recording's watch of the embedding, and when the
-capture lets it allocate in the backward pool. The graphed runs with it open are the GPU tests'
+capture lets it allocate in the backward pool (or, with one pool, the slot's). The graphed runs with it open are the GPU tests'
 (``test_graphs_gpu.py``, ``test_hybrid_graphs_gpu.py``: whole layers)."""
 
 import types
@@ -146,11 +146,12 @@ class CapturedSession(FeedHooks):
     pools = {0: object()}
     recorded_schedule = None
     config = types.SimpleNamespace(cuda_graph_debug=False)
+    _turn = None
+    _scratch_open = False
 
 
 CLOSES = {
     "turns off": ("eager_turn_allowed", False),
-    "no backward pool of its own": ("backward_pool", None),
     "two slots": ("pools", {0: object(), 1: object()}),
     "a pipeline schedule": ("recorded_schedule", "1f1b"),
     "debug mode": ("config", types.SimpleNamespace(cuda_graph_debug=True)),
@@ -171,6 +172,24 @@ def test_the_feed_opens_only_where_the_backward_pool_is_idle_at_the_forward(what
         setattr(session, *CLOSES[what])
     session._open_feed(clean_watch(), first_turn=False, first_forward_in_backward_pool=False)
     assert session.feed_open == (what is None)
+    assert session.feed_pool is session.backward_pool
+
+
+@pytest.mark.parametrize(
+    "what, opens",
+    [(None, True), ("a turn routes", False), ("scratch routes", False), ("two slots", False)],
+)
+def test_without_a_backward_pool_the_feed_goes_to_the_one_slots_pool_where_nothing_else_is_routed(what, opens):
+    """MEGATRON_CG_ONE_POOL=1: forwards and backwards share the slot's pool, idle at a forward's start too;
+    eager turns or scratch blocks routed there would find the feed's output still allocated."""
+    session = CapturedSession()
+    session.backward_pool = None
+    session.pools = {0: object(), 1: object()} if what == "two slots" else {0: object()}
+    session._turn = object() if what == "a turn routes" else None
+    session._scratch_open = what == "scratch routes"
+    session._open_feed(clean_watch(), first_turn=False, first_forward_in_backward_pool=False)
+    assert session.feed_open == opens
+    assert session.feed_pool is (session.pools[0] if opens else None)
 
 
 def test_the_feed_stays_closed_beside_a_first_turn_a_first_forward_in_the_pool_or_turns_switched_off(monkeypatch):

@@ -5,6 +5,7 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_model import LanguageModelEmbedding
+from megatron.core.transformer.cuda_graphs.session import ONE_POOL_SWITCH
 from megatron.training.data import build_data_iterators
 from megatron.training.training import build_trainer
 from tests.unit_tests.transformer.cuda_graphs.test_graphs_gpu import COMMON, NO_DROPOUT, SMALL, train
@@ -18,9 +19,12 @@ def segment_pool(ptr: int) -> tuple[int, int]:
     return tuple(segment["segment_pool_id"])
 
 
-def test_the_embedding_allocates_in_the_backward_pool_once_captured():
+@pytest.mark.parametrize("one_pool", [False, True], ids=["backward pool", "one pool"])
+def test_the_embedding_allocates_in_the_backward_pool_once_captured(one_pool, monkeypatch):
     """Iteration 1 records (the eager cache); from iteration 2 on the embedding's output lies in the
-    backward graphs' pool, and training goes on bit for bit as eagerly."""
+    backward graphs' pool (with MEGATRON_CG_ONE_POOL=1: the slot's only pool, which the backward graphs
+    share), and training goes on bit for bit as eagerly."""
+    monkeypatch.setenv(ONE_POOL_SWITCH, "1" if one_pool else "0")
     flags = f"{SMALL} {COMMON} {NO_DROPOUT} --bf16"
     eager = train(flags, 4)
     trainer = build_trainer(f"{flags} --train-iters 4 --cuda-graph-impl local".split())
@@ -32,9 +36,11 @@ def test_the_embedding_allocates_in_the_backward_pool_once_captured():
         trainer.model.train()
         losses = [trainer.train_step(it)[0].detach().clone() for _ in range(4)]
         session = trainer.graphs
-        assert session.feed_open and "embedding in the backward pool" in session.summary_line()
-        assert session.stats()["embedding_in_backward_pool"]
-        assert pools == [(0, 0)] + [session.backward_pool.handle] * 3
+        where = "graph" if one_pool else "backward"
+        assert session.feed_open and f"embedding in the {where} pool" in session.summary_line()
+        assert session.stats()["embedding_in_graph_pool"]
+        assert (session.backward_pool is None) == one_pool
+        assert pools == [(0, 0)] + [(session.pools[0] if one_pool else session.backward_pool).handle] * 3
         assert torch.equal(torch.stack(losses), torch.stack(eager[0]))
     finally:
         parallel_state.destroy(trainer.pg)
