@@ -8,12 +8,13 @@ for the whole forward (what that costs: README, hybrid models). When a micro-bat
 the backward graphs' pool holds no data (the backward pass before it has ended, and what the pool
 keeps across it is allocated, never handed out), so the feed allocates there:
 
-* Only where the backward graphs have a pool of their own (or, with ``MEGATRON_CG_ONE_POOL=1``, share
-  the forwards' one pool, where no eager work but the feed's is routed: no turns, no scratch), with
-  one slot, no pipeline schedule, the eager turns allowed (``TurnHooks.eager_turn_allowed`` and ``MEGATRON_CG_EAGER_TURN`` not 0), no
-  first eager turn (the memory it shapes in that pool would find the feed's output still alive),
-  the first forward graph captured in its forward pool, and not under ``--cuda-graph-debug`` (which
-  reads a region's inputs after its replay); only in training forwards with gradients on.
+* Only where the backward graphs have a pool of their own (or, with ``MEGATRON_CG_ONE_POOL=1``,
+  share the forwards' one pool, where no eager work but the feed's is routed: no turns, no
+  scratch), with one slot, no pipeline schedule, the eager turns allowed
+  (``TurnHooks.eager_turn_allowed`` and ``MEGATRON_CG_EAGER_TURN`` not 0), no first eager turn
+  (the memory it shapes in that pool would find the feed's output still alive), the first forward
+  graph not captured into the backward pool, and not under ``--cuda-graph-debug`` (which reads a
+  region's inputs after its replay); only in training forwards with gradients on.
 * Forward graphs may write into the backward pool as they replay (a Mamba layer's captured scan
   slices, the forwards captured next to their backward). So once the micro-batch's first forward
   graph has copied the feed's output in, nothing may read it again. The recording iteration
@@ -168,9 +169,8 @@ class FeedHooks:
 
     def _open_feed(self, watch: FeedWatch | None, first_turn: bool, first_forward_in_backward_pool: bool) -> None:
         """After capture: feed blocks allocate in the pool idle at a forward's start (:meth:`_idle_pool`)
-        if the recording saw them and
-        nothing read or kept their tensors past the first graph, and the session's layout allows it
-        (module docstring)."""
+        if the recording saw them and nothing read or kept their tensors past the first graph, and the
+        session's layout allows it (module docstring)."""
         self.feed_pool = self._idle_pool()
         self.feed_open = (
             watch is not None
