@@ -123,7 +123,7 @@ def run_scopes(size: str, iters: int, memory_margin: float | None):
         if not single:
             assert facts["scratch_captured"], "one slot: the forward graphs' scan slices belong in the backward pool"
             assert facts["transients_routed"] > 0, "the forwards' transients belong in the backward pool"
-        # The embedding allocates in the backward pool where the first graph is the first layer's and
+        # The embedding allocates in a graph pool where the first graph is the first layer's and
         # the loss head is graphed (no first turn); an eager Mamba layer 0 keeps it for its backward.
         assert facts["embedding_in_graph_pool"] == (scope in ("layer", "mamba attn mlp")), facts
         assert_same(eager, graphed, f"scope {scope!r}")

@@ -1,6 +1,6 @@
 """The feed (``cuda_graphs/feed.py``) on the CPU: the recording's watch of the embedding, and when the
-capture lets it allocate in the backward pool (or, with one pool, the slot's). The graphed runs with it open are the GPU tests'
-(``test_graphs_gpu.py``, ``test_hybrid_graphs_gpu.py``: whole layers)."""
+capture lets it allocate in the backward pool (or, with one pool, the slot's). The graphed runs with
+it open are the GPU tests' (``test_graphs_gpu.py``, ``test_hybrid_graphs_gpu.py``: whole layers)."""
 
 import types
 
