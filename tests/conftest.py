@@ -84,6 +84,15 @@ def assert_bitwise_same(eager: tuple, graphed: tuple, what: str, grads_after: in
     assert not differ, f"{what}: main_grad of parameters {differ_text} differ after iteration {grads_after}"
 
 
+def count_forwards(modules) -> list[int]:
+    """A list that counts the forward calls begun on each of ``modules`` from now on (pre-hooks: a
+    recompute stops once the saved tensors are back, so its forward may never return)."""
+    count = [0] * len(modules)
+    for i, module in enumerate(modules):
+        module.register_forward_pre_hook(lambda *_, i=i: count.__setitem__(i, count[i] + 1))
+    return count
+
+
 @pytest.fixture(autouse=True)
 def _restore_determinism():
     """Every test starts with the process's determinism settings (and cuBLAS's bf16 reduction setting) as

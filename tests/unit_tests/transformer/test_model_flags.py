@@ -14,7 +14,7 @@ from megatron.core.transformer.norm import build_norm
 from megatron.core.transformer.recompute import recomputed_chunks
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.conftest import run_config
+from tests.conftest import count_forwards, run_config
 
 
 def config(**kw):
@@ -174,9 +174,7 @@ def test_full_recompute_trains_like_no_recompute_with_fused_wgrad(model, tmp_pat
     losses, calls = [], []
     for extra in ([], recompute):
         trainer = build_trainer(argv + extra)
-        count = [0, 0]  # forward calls begun per layer (a recompute stops once the saved tensors are back)
-        for i, layer in enumerate(trainer.model.module.decoder.layers):
-            layer.register_forward_pre_hook(lambda *_, i=i, count=count: count.__setitem__(i, count[i] + 1))
+        count = count_forwards(trainer.model.module.decoder.layers)
         losses.append([r["lm loss"] for r in trainer.train()])
         calls.append(count)
     assert len(losses[0]) == 3 and losses[0] == losses[1]

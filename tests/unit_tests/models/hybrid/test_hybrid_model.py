@@ -7,6 +7,7 @@ import pretrain_hybrid
 from megatron.core.models.hybrid.hybrid_model import HybridModel, build_hybrid_model, num_floating_point_operations
 from megatron.core.ssm.mamba_config import MambaConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.conftest import count_forwards
 
 VOCAB = 64
 
@@ -160,9 +161,7 @@ def test_full_recompute_of_a_hybrid_stack_recomputes_and_trains_like_none(method
     runs, histories, calls = [], [], []
     for extra in ([], recompute):
         trainer = build_trainer(flags + extra, pretrain_hybrid.model_provider, pretrain_hybrid.forward_step)
-        count = [0] * 4  # forward calls begun per layer (a recompute stops once the saved tensors are back)
-        for i, layer in enumerate(trainer.model.module.decoder.layers):
-            layer.register_forward_pre_hook(lambda *_, i=i, count=count: count.__setitem__(i, count[i] + 1))
+        count = count_forwards(trainer.model.module.decoder.layers)
         histories.append(trainer.train())
         runs.append(trainer)
         calls.append(count)
