@@ -172,6 +172,7 @@ class GraphSession(PipelineHooks, TurnHooks, ScratchHooks, FeedHooks, Accounting
         self.pools: dict = {}  # slot -> GraphPool
         self.backward_pool = None  # the GraphPool every slot's backward graphs share, if they do
         self.forwards_in_backward_pool: frozenset[int] = frozenset()  # regions whose forwards join it
+        self.capture_keep: frozenset = frozenset()  # owner keys held for eager copies (turn, feed) in a pool
         self.buffers: dict[int, dict] = {}
         self.cursor = 0
         self.slot = 0
@@ -499,6 +500,9 @@ class GraphSession(PipelineHooks, TurnHooks, ScratchHooks, FeedHooks, Accounting
             if turns.first is not None:  # the first turn's work would overwrite those forwards' outputs
                 next_to_backward = frozenset()
         self.forwards_in_backward_pool = next_to_backward if share else frozenset()
+        self.capture_keep = (turns.keep if turns is not None else frozenset()) | self._feed_keep(
+            feed_watch, plans, share, turns is not None
+        )
         self.pools, self.backward_pool, self.buffers = capture_lib.capture_all(
             self.regions,
             self.cycles,
@@ -506,7 +510,7 @@ class GraphSession(PipelineHooks, TurnHooks, ScratchHooks, FeedHooks, Accounting
             self.config.cuda_graph_warmup_steps,
             share_backward=share,
             forwards_in_backward_pool=self.forwards_in_backward_pool,
-            keep=turns.keep if turns is not None else frozenset(),
+            keep=self.capture_keep,
             turn_pattern=turns.pattern if turns is not None else None,
             scratch_to_backward=self._capture_scratch(share, len(self.cycles)),
             forward_transients=transients.enabled(),

@@ -2,6 +2,7 @@
 capture lets it allocate in the backward pool (or, with one pool, the slot's). The graphed runs with
 it open are the GPU tests' (``test_graphs_gpu.py``, ``test_hybrid_graphs_gpu.py``: whole layers)."""
 
+import contextlib
 import types
 
 import pytest
@@ -10,6 +11,8 @@ import torch
 from megatron.core.models.hybrid.hybrid_model import build_hybrid_model
 from megatron.core.transformer.cuda_graphs import feed, scratch, turn
 from megatron.core.transformer.cuda_graphs.feed import FeedHooks, FeedWatch
+from megatron.core.transformer.cuda_graphs.plan import FWD
+from megatron.core.transformer.cuda_graphs.region import TensorMeta
 from tests.unit_tests.models.hybrid.test_hybrid_model import configs
 from tests.unit_tests.transformer.cuda_graphs.test_session_cpu import tiny_gpt
 from tests.unit_tests.transformer.cuda_graphs.test_turn import CpuWatch, attach_recording, record_two_microbatches
@@ -30,9 +33,10 @@ def hybrid():
     return build_hybrid_model(cfg, mc, 64, device="cpu")
 
 
-def recorded_watch(scope, monkeypatch, build=gpt, embedding_dropout=0.0):
-    """The feed's watch after a recording iteration of two micro-batches on the CPU, driven by the
-    session, of the model ``build`` makes."""
+@contextlib.contextmanager
+def recorded(scope, monkeypatch, build=gpt, embedding_dropout=0.0):
+    """``(session, feed watch)`` after a recording iteration of two micro-batches on the CPU, driven by
+    the session, of the model ``build`` makes; the session closes on leaving."""
     monkeypatch.setenv(turn.ENV_SWITCH, "all")
     monkeypatch.setattr(turn.TurnHooks, "captures_next", True)
     monkeypatch.setattr(turn, "TurnWatch", CpuWatch)
@@ -44,10 +48,16 @@ def recorded_watch(scope, monkeypatch, build=gpt, embedding_dropout=0.0):
     try:
         record_two_microbatches(ddp)
         session._end_watch()  # the capture's order: the turns' watch, then the feed's
-        return session._end_feed_watch()
+        yield session, session._end_feed_watch()
     finally:
         session.close()
         scratch.disown_scratch(session)
+
+
+def recorded_watch(scope, monkeypatch, build=gpt, embedding_dropout=0.0):
+    """The feed's watch after :func:`recorded`."""
+    with recorded(scope, monkeypatch, build, embedding_dropout) as (_, watch):
+        return watch
 
 
 @pytest.mark.parametrize(
@@ -61,6 +71,29 @@ def test_the_embedding_feeds_the_first_graph_and_nothing_else(build, scope, monk
     watch = recorded_watch(scope, monkeypatch, build)
     assert watch.seen and watch.escaped == []
     assert watch.fed == {}
+
+
+@pytest.mark.parametrize("build,scope", [(gpt, []), (gpt, ["attn"]), (hybrid, ["mamba", "attn", "mlp"])])
+def test_with_one_pool_the_first_graphs_copied_inputs_are_held_beside_the_feed(build, scope, monkeypatch):
+    """MEGATRON_CG_ONE_POOL=1: the feed allocates in the pool the graphs use, and the first forward
+    graph's replay then copies its inputs into their static buffers. Released, those buffers' memory
+    would be free to the feed, whose output could lie across one of them and be overwritten before
+    it is copied in: the capture holds them. The first graph saves them for its backward, the
+    cycle's last event, so holding them costs nothing. With a backward pool, eager turns or a feed
+    that stays closed, nothing is held."""
+    with recorded(scope, monkeypatch, build) as (session, watch):
+        plans = session.make_plans()
+        ((slot, cycle),) = session.cycles.items()
+        first = cycle[0]
+        assert first.phase == FWD
+        region = session.regions[first.region]
+        copied = {("input", first.region, i) for i, m in enumerate(region.arg_meta) if isinstance(m, TensorMeta)}
+        assert session._feed_keep(watch, plans, share_backward=False, turns_open=False) == copied
+        assert all(plans[slot].buffers[k].dead_after == len(cycle) - 1 for k in copied)
+        assert session._feed_keep(watch, plans, share_backward=True, turns_open=False) == frozenset()
+        assert session._feed_keep(watch, plans, share_backward=False, turns_open=True) == frozenset()
+        watch.escaped.append("aten.native_dropout -> (4, 8) torch.float32, alive when the backward began")
+        assert session._feed_keep(watch, plans, share_backward=False, turns_open=False) == frozenset()
 
 
 def test_an_eager_layer_before_the_first_graph_keeps_the_embedding_for_its_backward(monkeypatch):
