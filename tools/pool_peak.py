@@ -22,9 +22,7 @@ before the model is built to the end of iteration 3: the phase, the request that
 segment's free bytes would have held it; then each phase's peak reserved memory (which phase sets the
 run's: the capture or the steady iterations). It shows where a graphed run's cache reserves more than
 it holds (``--empty-cache-after-capture``: what if the capture ended by releasing the unused pages;
-``--build-on-training-stream``: what if the model and optimizer were allocated on the training stream;
-``--one-pool``: what if one micro-batch's forward and backward graphs shared one pool, with no shared
-backward pool beside it).
+``--build-on-training-stream``: what if the model and optimizer were allocated on the training stream).
 
 ``--vpp-rank R`` runs the model as two chunks in the interleaved order of rank R of a
 two-stage pipeline, in one process (``simulate.forward_backward_chunks``, as the one-GPU
@@ -93,12 +91,6 @@ def main():
         action="store_true",
         help="with --growth: what if weights, gradient buffers and optimizer state were allocated on the stream a "
         "graphed run trains on (the eager cache keeps one set of segments per stream)",
-    )
-    parser.add_argument(
-        "--one-pool",
-        action="store_true",
-        help="with --growth: what if a run with one micro-batch in flight captured its backward graphs into its "
-        "forward graphs' pool instead of a backward pool of their own (MEGATRON_CG_ONE_POOL=1)",
     )
     parser.add_argument(
         "--dump",
@@ -271,20 +263,15 @@ def growth(build, args) -> None:
     the segment's free bytes would have held that request; then what the cache and the pools reserve, and
     each phase's peak reserved memory. With ``--empty-cache-after-capture``, ``torch.cuda.empty_cache()``
     runs once the capture ends; with ``--build-on-training-stream`` the trainer is built on the side
-    stream graphed runs train on; with ``--one-pool`` it runs with ``MEGATRON_CG_ONE_POOL=1`` (the
-    backward graphs in the slot's pool unless turns open; the embedding's output there too where the feed
-    opens)."""
+    stream graphed runs train on."""
     import contextlib
 
     import torch
 
     from megatron.core import parallel_state
-    from megatron.core.transformer.cuda_graphs import session as session_module
     from megatron.core.transformer.cuda_graphs.streams import side_stream
     from megatron.training.data import build_data_iterators
 
-    if args.one_pool:
-        os.environ[session_module.ONE_POOL_SWITCH] = "1"
     device = torch.cuda.current_device()
     marks = []  # (trace length, phase beginning there)
     peaks = []  # (phase, its peak reserved bytes)
@@ -345,8 +332,6 @@ def growth(build, args) -> None:
             f"{len({s.get('stream') for s in held})} stream(s)"
         )
     reserved = session.pool_stats()[0] if pools else 0
-    if session is not None and session.captured:
-        print(f"pools: {len(session.all_pools())} (shared backward pool: {session.backward_pool is not None})")
     print("peak reserved per phase (MiB): " + ", ".join(f"{phase} {peak / mib:.1f}" for phase, peak in peaks))
     print(
         f"pools reserved {reserved / mib:.1f} MiB; max reserved {max(p for _, p in peaks) / mib:.1f} MiB "

@@ -54,7 +54,7 @@ class Accounting:
             "eager_turn": self._turn is not None,
             "forward_scratch_in_backward_pool": self._scratch_open,
             "captured_scratch_in_backward_pool": self.scratch_captured,
-            "embedding_in_graph_pool": self.feed_open,
+            "embedding_in_backward_pool": self.feed_open,
             "pool_reserved_bytes": int(reserved),
             "pool_live_bytes": int(live),
             "strong_bytes": int(self.strong_bytes()),
@@ -85,7 +85,7 @@ class Accounting:
             line = line.replace("graph pool |", f"graph pool | pipeline rank: {stage[0]} of {stage[1]} |", 1)
         scratch = " | forward scratch in the backward pool" if self._scratch_open or self.scratch_captured else ""
         if self.feed_open:
-            scratch += f" | embedding in the {'backward' if self.feed_pool is self.backward_pool else 'graph'} pool"
+            scratch += " | embedding in the backward pool"
         if self._turn is not None:
             return f"{line} | eager turns in the backward pool: {self._turn.count()}{scratch}"
         shared = " (backward pool shared)" if self.backward_pool is not None else ""

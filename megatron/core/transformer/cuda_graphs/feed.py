@@ -8,15 +8,11 @@ for the whole forward (what that costs: README, hybrid models). When a micro-bat
 the backward graphs' pool holds no data (the backward pass before it has ended, and what the pool
 keeps across it is allocated, never handed out), so the feed allocates there:
 
-* Only where the backward graphs have a pool of their own (or, with ``MEGATRON_CG_ONE_POOL=1``,
-  share the forwards' one pool, where no eager work but the feed's is routed: no turns, no
-  scratch; the capture then holds the first forward graph's static inputs, which its replay
-  copies into while the feed's output may still be unread), with one slot, no pipeline
-  schedule, the eager turns allowed
-  (``TurnHooks.eager_turn_allowed`` and ``MEGATRON_CG_EAGER_TURN`` not 0), no first eager turn
-  (the memory it shapes in that pool would find the feed's output still alive), the first forward
-  graph not captured into the backward pool, and not under ``--cuda-graph-debug`` (which reads a
-  region's inputs after its replay); only in training forwards with gradients on.
+* Only where the backward graphs have a pool of their own, with one slot, no pipeline schedule, the
+  eager turns allowed (``TurnHooks.eager_turn_allowed`` and ``MEGATRON_CG_EAGER_TURN`` not 0), no
+  first eager turn (the memory it shapes in that pool would find the feed's output still alive),
+  the first forward graph captured in its forward pool, and not under ``--cuda-graph-debug`` (which
+  reads a region's inputs after its replay); only in training forwards with gradients on.
 * Forward graphs may write into the backward pool as they replay (a Mamba layer's captured scan
   slices, the forwards captured next to their backward). So once the micro-batch's first forward
   graph has copied the feed's output in, nothing may read it again. The recording iteration
@@ -38,9 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from megatron.core.transformer.cuda_graphs.plan import FWD
 from megatron.core.transformer.cuda_graphs.pool import allocate_into_pool
-from megatron.core.transformer.cuda_graphs.region import TensorMeta
 from megatron.core.transformer.cuda_graphs.scratch import owning_session
 from megatron.core.transformer.cuda_graphs.transients import made_storages
 from megatron.core.transformer.cuda_graphs.turn import enabled
@@ -129,12 +123,10 @@ class FeedWatch(TorchDispatchMode):
 
 class FeedHooks:
     """The feed's side of a graph session (a mixin of ``GraphSession``, whose state it uses:
-    ``recording``, ``captured``, ``captures_next``, ``cycles``, ``regions``, ``pools``, ``backward_pool``,
-    ``_turn``, ``_scratch_open``)."""
+    ``recording``, ``captured``, ``captures_next``, ``backward_pool``, ``_turn``)."""
 
     _feed_watch: FeedWatch | None = None
-    feed_open = False  # after capture: feed blocks allocate in feed_pool
-    feed_pool = None
+    feed_open = False  # after capture: feed blocks allocate in the backward pool
 
     @contextlib.contextmanager
     def _feed_block(self):
@@ -153,7 +145,7 @@ class FeedHooks:
         if not (self.feed_open and self.captured) or (self._turn is not None and self._turn.routing()):
             yield
             return
-        with allocate_into_pool(self.feed_pool):
+        with allocate_into_pool(self.backward_pool):
             yield
 
     def _feed_region_forward(self, args: tuple) -> tuple:
@@ -171,60 +163,26 @@ class FeedHooks:
             watch.__exit__(None, None, None)
         return watch
 
-    def _feed_may_open(self, watch: FeedWatch | None) -> bool:
-        """What the recording and the session's switches allow, whatever pools the capture makes."""
-        return (
+    def _open_feed(self, watch: FeedWatch | None, first_turn: bool, first_forward_in_backward_pool: bool) -> None:
+        """After capture: feed blocks allocate in the backward pool if the recording saw them and
+        nothing read or kept their tensors past the first graph, and the session's layout allows it
+        (module docstring)."""
+        self.feed_open = (
             watch is not None
             and watch.seen
             and not watch.escaped
             and enabled()
             and self.eager_turn_allowed
+            and self.backward_pool is not None
+            and len(self.pools) == 1
             and self.recorded_schedule is None
+            and not first_turn
+            and not first_forward_in_backward_pool
             and not self.config.cuda_graph_debug
         )
 
-    def _feed_keep(self, watch: FeedWatch | None, plans: dict, share_backward: bool, turns_open: bool) -> frozenset:
-        """Before capture: owner keys of the static inputs the first forward graph's replay copies
-        into, to hold for good where the feed may open into the slot's only pool (no backward pool,
-        one slot, no turns). Released, their memory is free to the allocator at a forward's start, so
-        the feed's output could be placed on or across one of them, and the copies into them before
-        the replay would overwrite it or copy it onto part of itself. Held, they cost nothing where
-        the first graph saves them for its backward (the last event of the capture)."""
-        if share_backward or turns_open or len(self.cycles) != 1 or not self._feed_may_open(watch):
-            return frozenset()
-        ((slot, cycle),) = self.cycles.items()
-        first = next((e.region for e in cycle if e.phase == FWD), None)
-        if first is None:
-            return frozenset()
-        metas = enumerate(self.regions[first].arg_meta)
-        return frozenset(plans[slot].owner(("input", first, i)) for i, m in metas if isinstance(m, TensorMeta))
-
-    def _open_feed(self, watch: FeedWatch | None, first_turn: bool, first_forward_in_backward_pool: bool) -> None:
-        """After capture: feed blocks allocate in the pool idle at a forward's start (:meth:`_idle_pool`)
-        if the recording saw them and nothing read or kept their tensors past the first graph, and the
-        session's layout allows it (module docstring)."""
-        self.feed_pool = self._idle_pool()
-        self.feed_open = (
-            self._feed_may_open(watch)
-            and self.feed_pool is not None
-            and len(self.pools) == 1
-            and not first_turn
-            and not first_forward_in_backward_pool
-        )
-
-    def _idle_pool(self):
-        """The pool that holds no data when a micro-batch's forward starts: the backward graphs' own,
-        or the one slot's only pool (forwards and backwards in it, ``MEGATRON_CG_ONE_POOL``) where no
-        other eager work is routed into it; else None."""
-        if self.backward_pool is not None:
-            return self.backward_pool
-        if len(self.pools) == 1 and self._turn is None and not self._scratch_open:
-            return next(iter(self.pools.values()))
-        return None
-
     def _close_feed(self) -> None:
         self.feed_open = False
-        self.feed_pool = None
         try:
             self._end_feed_watch()
         except RuntimeError:  # not on top of the mode stack any more (an error in the recording)

@@ -363,11 +363,10 @@ def graphed_report(
                 keep += out
             turn_bytes = 0
             turns = session.turn_plan
-            if turns is not None and turns.first is not None:
+            if turns is not None and turns.first is not None:  # the first backward's static gradients, held
                 turn_bytes = turns.shaped_bytes if turns.first_region == region.index else 0
-            # held for eager copies in the pool: the first turn's gradients, the first forward's inputs beside the feed
-            kept = [session.buffers[slot].get(k) for k in session.capture_keep if k[1] == region.index]
-            keep += sum(_nbytes(t) for t in kept if t is not None)
+                kept = [session.buffers[slot].get(k) for k in turns.keep if k[1] == region.index]
+                keep += sum(_nbytes(t) for t in kept if t is not None)
             for c in session.comms.get(slot, ()):  # received into, or read by a send waited on after the cycle
                 t = session.buffers.get(slot, {}).get(c.key)
                 held_for_good = isinstance(c, CommRecv) or c.until is None

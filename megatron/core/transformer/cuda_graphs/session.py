@@ -24,8 +24,7 @@ again after :meth:`GraphSession.close`). Model classes carry no capture code.
   buffer.
 - Pools: one per slot; when the slots' backward runs never interleave (the
   schedules' backward steps), one more that every slot's backward graphs share
-  (``plan.backward_runs_alone``); with one slot and ``MEGATRON_CG_ONE_POOL=1``, none more
-  unless eager turns open (:data:`ONE_POOL_SWITCH`).
+  (``plan.backward_runs_alone``).
 - Eval and no-grad calls always run eagerly.
 - Backward replays mark their parameters ready on the grad sinks (DDP buffers) with an
   event recorded after the replay.
@@ -40,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-import os
 import time
 import types
 import warnings
@@ -76,21 +74,6 @@ from megatron.core.transformer.cuda_graphs.region import GraphedRegion, arg_meta
 from megatron.core.transformer.cuda_graphs.replay import GraphReplay, RecordBackward
 from megatron.core.transformer.cuda_graphs.scratch import ScratchHooks, own_scratch
 from megatron.core.transformer.cuda_graphs.turn import TurnHooks, TurnRouter, enabled
-
-ONE_POOL_SWITCH = "MEGATRON_CG_ONE_POOL"
-"""``1``: with one micro-batch in flight, the backward graphs are captured into the forwards' pool
-instead of a backward pool of their own (unless eager turns open, which need one); ``0`` (the
-default): a backward pool of their own wherever backward runs alone. One pool packs the backward's
-working memory where the last layers' activations were; two keep the forwards' pool free of the
-backwards' holes and let forward transients and the scratch go to the backward pool."""
-
-
-def one_pool() -> bool:
-    value = os.environ.get(ONE_POOL_SWITCH, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{ONE_POOL_SWITCH}={value!r}: use 1 (one pool per slot) or 0 (a backward pool, the default)")
-    return value == "1"
-
 
 NEXT_EVENT = "next event"
 """``note_send(..., until=NEXT_EVENT)``: the send is waited on before the producing slot's
@@ -172,7 +155,6 @@ class GraphSession(PipelineHooks, TurnHooks, ScratchHooks, FeedHooks, Accounting
         self.pools: dict = {}  # slot -> GraphPool
         self.backward_pool = None  # the GraphPool every slot's backward graphs share, if they do
         self.forwards_in_backward_pool: frozenset[int] = frozenset()  # regions whose forwards join it
-        self.capture_keep: frozenset = frozenset()  # owner keys held for eager copies (turn, feed) in a pool
         self.buffers: dict[int, dict] = {}
         self.cursor = 0
         self.slot = 0
@@ -483,13 +465,9 @@ class GraphSession(PipelineHooks, TurnHooks, ScratchHooks, FeedHooks, Accounting
         feed_watch = self._end_feed_watch()  # pushed before the turns' watch
         plans = self.make_plans()
         self.recorder.clear_identities()
-        share = (
-            not (one_pool() and len(self.cycles) == 1)
-            and backward_runs_alone(self.order, self.runs)
-            and not any(
-                read.until is not None and read.until[0] == FWD and read.key[0] == "grad_input"
-                for _, read in self.comm_reads
-            )
+        share = backward_runs_alone(self.order, self.runs) and not any(
+            read.until is not None and read.until[0] == FWD and read.key[0] == "grad_input"
+            for _, read in self.comm_reads
         )
         communicating = {c.key[1] for comm in self.comms.values() for c in comm}
         next_to_backward = frozenset(forwards_next_to_backward(self.order, communicating))
@@ -500,9 +478,6 @@ class GraphSession(PipelineHooks, TurnHooks, ScratchHooks, FeedHooks, Accounting
             if turns.first is not None:  # the first turn's work would overwrite those forwards' outputs
                 next_to_backward = frozenset()
         self.forwards_in_backward_pool = next_to_backward if share else frozenset()
-        self.capture_keep = (turns.keep if turns is not None else frozenset()) | self._feed_keep(
-            feed_watch, plans, share, turns is not None
-        )
         self.pools, self.backward_pool, self.buffers = capture_lib.capture_all(
             self.regions,
             self.cycles,
@@ -510,7 +485,7 @@ class GraphSession(PipelineHooks, TurnHooks, ScratchHooks, FeedHooks, Accounting
             self.config.cuda_graph_warmup_steps,
             share_backward=share,
             forwards_in_backward_pool=self.forwards_in_backward_pool,
-            keep=self.capture_keep,
+            keep=turns.keep if turns is not None else frozenset(),
             turn_pattern=turns.pattern if turns is not None else None,
             scratch_to_backward=self._capture_scratch(share, len(self.cycles)),
             forward_transients=transients.enabled(),

@@ -17,7 +17,6 @@ import pretrain_hybrid
 from megatron.core import parallel_state
 from megatron.core.ssm.mamba_mixer import HAVE_MAMBA_SSM
 from megatron.core.transformer.cuda_graphs.pool import use_expandable_segments
-from megatron.core.transformer.cuda_graphs.session import one_pool
 from megatron.training.data import build_data_iterators
 from megatron.training.training import build_trainer
 from tests.conftest import assert_bitwise_same, bitwise_record, report_to_parent, run_in_own_process
@@ -68,8 +67,7 @@ def train(flags: str, iters: int, snapshot_at: int = 3):
             "regions": [r.name for r in trainer.graphs.regions],
             "scratch_captured": trainer.graphs.scratch_captured,
             "transients_routed": sum(r.transients_routed for r in trainer.graphs.regions),
-            "embedding_in_graph_pool": trainer.graphs.feed_open,
-            "pools": len(trainer.graphs.all_pools()),
+            "embedding_in_backward_pool": trainer.graphs.feed_open,
         }
         peaks = (torch.cuda.max_memory_allocated() - base_allocated, torch.cuda.max_memory_reserved() - base_reserved)
         return losses, grads, facts, peaks
@@ -117,22 +115,18 @@ def run_scopes(size: str, iters: int, memory_margin: float | None):
         facts = graphed[2]
         assert facts["captured"]
         assert len(facts["regions"]) == N_REGIONS[scope], facts["regions"]
-        # MEGATRON_CG_ONE_POOL=1 keeps the backward graphs in the slot's pool where no eager turn opens.
-        single = one_pool() and scope in ("layer", "mamba attn mlp")
-        assert facts["pools"] == (1 if single else 2), facts
-        if not single:
-            assert facts["scratch_captured"], "one slot: the forward graphs' scan slices belong in the backward pool"
-            assert facts["transients_routed"] > 0, "the forwards' transients belong in the backward pool"
-        # The embedding allocates in a graph pool where the first graph is the first layer's and
+        assert facts["scratch_captured"], "one slot: the forward graphs' scan slices belong in the backward pool"
+        assert facts["transients_routed"] > 0, "the forwards' transients belong in the backward pool"
+        # The embedding allocates in the backward pool where the first graph is the first layer's and
         # the loss head is graphed (no first turn); an eager Mamba layer 0 keeps it for its backward.
-        assert facts["embedding_in_graph_pool"] == (scope in ("layer", "mamba attn mlp")), facts
+        assert facts["embedding_in_backward_pool"] == (scope in ("layer", "mamba attn mlp")), facts
         assert_same(eager, graphed, f"scope {scope!r}")
         if memory_margin is not None:
             (e_alloc, e_reserved), (g_alloc, g_reserved) = eager[3], graphed[3]
             print(  # shown with pytest -rP: the numbers behind a pass
                 f"scope {scope!r}: peak reserved {g_reserved / 2**20:.0f} vs eager {e_reserved / 2**20:.0f} MiB, "
                 f"allocated {g_alloc / 2**20:.0f} vs {e_alloc / 2**20:.0f} MiB, "
-                f"embedding in a graph pool: {facts['embedding_in_graph_pool']}, pools: {facts['pools']}"
+                f"embedding in the backward pool: {facts['embedding_in_backward_pool']}"
             )
             if g_reserved > e_reserved * (1 + memory_margin):
                 over.append(

@@ -1,8 +1,7 @@
 """The feed (``cuda_graphs/feed.py``) on the CPU: the recording's watch of the embedding, and when the
-capture lets it allocate in the backward pool (or, with one pool, the slot's). The graphed runs with
-it open are the GPU tests' (``test_graphs_gpu.py``, ``test_hybrid_graphs_gpu.py``: whole layers)."""
+capture lets it allocate in the backward pool. The graphed runs with it open are the GPU tests'
+(``test_graphs_gpu.py``, ``test_hybrid_graphs_gpu.py``: whole layers)."""
 
-import contextlib
 import types
 
 import pytest
@@ -11,8 +10,6 @@ import torch
 from megatron.core.models.hybrid.hybrid_model import build_hybrid_model
 from megatron.core.transformer.cuda_graphs import feed, scratch, turn
 from megatron.core.transformer.cuda_graphs.feed import FeedHooks, FeedWatch
-from megatron.core.transformer.cuda_graphs.plan import FWD
-from megatron.core.transformer.cuda_graphs.region import TensorMeta
 from tests.unit_tests.models.hybrid.test_hybrid_model import configs
 from tests.unit_tests.transformer.cuda_graphs.test_session_cpu import tiny_gpt
 from tests.unit_tests.transformer.cuda_graphs.test_turn import CpuWatch, attach_recording, record_two_microbatches
@@ -33,10 +30,9 @@ def hybrid():
     return build_hybrid_model(cfg, mc, 64, device="cpu")
 
 
-@contextlib.contextmanager
-def recorded(scope, monkeypatch, build=gpt, embedding_dropout=0.0):
-    """``(session, feed watch)`` after a recording iteration of two micro-batches on the CPU, driven by
-    the session, of the model ``build`` makes; the session closes on leaving."""
+def recorded_watch(scope, monkeypatch, build=gpt, embedding_dropout=0.0):
+    """The feed's watch after a recording iteration of two micro-batches on the CPU, driven by the
+    session, of the model ``build`` makes."""
     monkeypatch.setenv(turn.ENV_SWITCH, "all")
     monkeypatch.setattr(turn.TurnHooks, "captures_next", True)
     monkeypatch.setattr(turn, "TurnWatch", CpuWatch)
@@ -48,16 +44,10 @@ def recorded(scope, monkeypatch, build=gpt, embedding_dropout=0.0):
     try:
         record_two_microbatches(ddp)
         session._end_watch()  # the capture's order: the turns' watch, then the feed's
-        yield session, session._end_feed_watch()
+        return session._end_feed_watch()
     finally:
         session.close()
         scratch.disown_scratch(session)
-
-
-def recorded_watch(scope, monkeypatch, build=gpt, embedding_dropout=0.0):
-    """The feed's watch after :func:`recorded`."""
-    with recorded(scope, monkeypatch, build, embedding_dropout) as (_, watch):
-        return watch
 
 
 @pytest.mark.parametrize(
@@ -71,29 +61,6 @@ def test_the_embedding_feeds_the_first_graph_and_nothing_else(build, scope, monk
     watch = recorded_watch(scope, monkeypatch, build)
     assert watch.seen and watch.escaped == []
     assert watch.fed == {}
-
-
-@pytest.mark.parametrize("build,scope", [(gpt, []), (gpt, ["attn"]), (hybrid, ["mamba", "attn", "mlp"])])
-def test_with_one_pool_the_first_graphs_copied_inputs_are_held_beside_the_feed(build, scope, monkeypatch):
-    """MEGATRON_CG_ONE_POOL=1: the feed allocates in the pool the graphs use, and the first forward
-    graph's replay then copies its inputs into their static buffers. Released, those buffers' memory
-    would be free to the feed, whose output could lie across one of them and be overwritten before
-    it is copied in: the capture holds them. The first graph saves them for its backward, the
-    cycle's last event, so holding them costs nothing. With a backward pool, eager turns or a feed
-    that stays closed, nothing is held."""
-    with recorded(scope, monkeypatch, build) as (session, watch):
-        plans = session.make_plans()
-        ((slot, cycle),) = session.cycles.items()
-        first = cycle[0]
-        assert first.phase == FWD
-        region = session.regions[first.region]
-        copied = {("input", first.region, i) for i, m in enumerate(region.arg_meta) if isinstance(m, TensorMeta)}
-        assert session._feed_keep(watch, plans, share_backward=False, turns_open=False) == copied
-        assert all(plans[slot].buffers[k].dead_after == len(cycle) - 1 for k in copied)
-        assert session._feed_keep(watch, plans, share_backward=True, turns_open=False) == frozenset()
-        assert session._feed_keep(watch, plans, share_backward=False, turns_open=True) == frozenset()
-        watch.escaped.append("aten.native_dropout -> (4, 8) torch.float32, alive when the backward began")
-        assert session._feed_keep(watch, plans, share_backward=False, turns_open=False) == frozenset()
 
 
 def test_an_eager_layer_before_the_first_graph_keeps_the_embedding_for_its_backward(monkeypatch):
@@ -179,12 +146,11 @@ class CapturedSession(FeedHooks):
     pools = {0: object()}
     recorded_schedule = None
     config = types.SimpleNamespace(cuda_graph_debug=False)
-    _turn = None
-    _scratch_open = False
 
 
 CLOSES = {
     "turns off": ("eager_turn_allowed", False),
+    "no backward pool of its own": ("backward_pool", None),
     "two slots": ("pools", {0: object(), 1: object()}),
     "a pipeline schedule": ("recorded_schedule", "1f1b"),
     "debug mode": ("config", types.SimpleNamespace(cuda_graph_debug=True)),
@@ -205,24 +171,6 @@ def test_the_feed_opens_only_where_the_backward_pool_is_idle_at_the_forward(what
         setattr(session, *CLOSES[what])
     session._open_feed(clean_watch(), first_turn=False, first_forward_in_backward_pool=False)
     assert session.feed_open == (what is None)
-    assert session.feed_pool is session.backward_pool
-
-
-@pytest.mark.parametrize(
-    "what, opens",
-    [(None, True), ("a turn routes", False), ("scratch routes", False), ("two slots", False)],
-)
-def test_without_a_backward_pool_the_feed_goes_to_the_one_slots_pool_where_nothing_else_is_routed(what, opens):
-    """MEGATRON_CG_ONE_POOL=1: forwards and backwards share the slot's pool, idle at a forward's start too;
-    eager turns or scratch blocks routed there would find the feed's output still allocated."""
-    session = CapturedSession()
-    session.backward_pool = None
-    session.pools = {0: object(), 1: object()} if what == "two slots" else {0: object()}
-    session._turn = object() if what == "a turn routes" else None
-    session._scratch_open = what == "scratch routes"
-    session._open_feed(clean_watch(), first_turn=False, first_forward_in_backward_pool=False)
-    assert session.feed_open == opens
-    assert session.feed_pool is (session.pools[0] if opens else None)
 
 
 def test_the_feed_stays_closed_beside_a_first_turn_a_first_forward_in_the_pool_or_turns_switched_off(monkeypatch):

@@ -258,18 +258,3 @@ def test_new_micro_batch_count_after_capture_replays_the_one_slot_cycle_that_oft
     manager.cursor = 0
     with pytest.raises(RuntimeError, match="out of capture order"):
         manager._advance(cycle[1], manager.regions[cycle[1].region])
-
-
-@pytest.mark.parametrize("value, one", [(None, False), ("0", False), ("1", True), ("yes", None)])
-def test_one_pool_switch(monkeypatch, value, one):
-    from megatron.core.transformer.cuda_graphs import session
-
-    if value is None:
-        monkeypatch.delenv(session.ONE_POOL_SWITCH, raising=False)
-    else:
-        monkeypatch.setenv(session.ONE_POOL_SWITCH, value)
-    if one is None:
-        with pytest.raises(ValueError, match="MEGATRON_CG_ONE_POOL='yes': use 1"):
-            session.one_pool()
-    else:
-        assert session.one_pool() == one
