@@ -58,6 +58,21 @@ def outside_peak(snapshot: dict, pool_ids, device: int) -> tuple[int, list[dict]
     return peak, peak_live
 
 
+def live_outside(snapshot: dict, pool_ids, device: int, since: int, at: int) -> list[tuple[int, dict]]:
+    """``(trace index, alloc entry)`` of every block outside the given pools that was allocated at or
+    after trace index ``since`` and is still live just before index ``at``: what a phase left behind
+    (e.g. ``since`` the end of the model's build, ``at`` the start of the capture)."""
+    ranges = pool_ranges(snapshot, pool_ids, device)
+    live: dict[int, tuple[int, dict]] = {}
+    for i, entry in enumerate(snapshot["device_traces"][device][:at]):
+        addr = entry.get("addr")
+        if entry["action"] == "alloc" and i >= since and not _within(ranges, addr):
+            live[addr] = (i, entry)
+        elif entry["action"] == "free_requested":
+            live.pop(addr, None)
+    return list(live.values())
+
+
 def _within(ranges: list[tuple[int, int]], addr: int | None) -> bool:
     return addr is not None and any(lo <= addr < hi for lo, hi in ranges)
 

@@ -37,6 +37,7 @@ Usage (on a GPU):
 """
 
 import argparse
+import collections
 import os
 import sys
 
@@ -49,6 +50,7 @@ from tools.alloc_trace import (  # noqa: E402
     cache_growth,
     capture_at,
     last_mark,
+    live_outside,
     outside_peak,
     pool_growth,
     pool_peak,
@@ -331,6 +333,16 @@ def growth(build, args) -> None:
             f"allocated {sum(s['allocated_size'] for s in held) / mib:.1f} MiB, "
             f"{len({s.get('stream') for s in held})} stream(s)"
         )
+    built = next(at for at, phase in marks if phase == "iteration 1")
+    ends = [(at, f"the start of {phase}") for at, phase in marks if phase == "the capture"]
+    for at, when in ends + [(len(snapshot["device_traces"][device]), "the end")]:
+        left = live_outside(snapshot, pools, device, built, at)
+        print(f"live outside the pools at {when}, allocated after the model's build, by stream and site:")
+        rows = collections.Counter()
+        for i, e in left:
+            rows[(e.get("stream", 0), last_mark(marks, i)[1], allocation_site(e))] += e["size"]
+        for (stream, phase, site), nbytes in rows.most_common(args.top):
+            print(f"  {nbytes / mib:8.2f} MiB  stream {stream:#x}, during {phase}: {site}")
     reserved = session.pool_stats()[0] if pools else 0
     print("peak reserved per phase (MiB): " + ", ".join(f"{phase} {peak / mib:.1f}" for phase, peak in peaks))
     print(

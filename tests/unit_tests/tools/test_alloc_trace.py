@@ -188,3 +188,22 @@ def test_pool_segments_pick_one_device_and_pools_and_count_the_blocks_inside():
     assert alloc_trace.segment_pool({}) == (0, 0)
     blocks = [{"addr": 1100, "size": 40}, {"addr": 2100, "size": 99}, {"addr": 4000, "size": 60}]
     assert alloc_trace.segments_at_peak(snapshot, (7, 1), 0, blocks) == [(500, 40, 3), (300, 60, 3)]
+
+
+def test_live_outside_lists_what_a_phase_left_behind():
+    snapshot = {
+        "segments": [{"device": 0, "address": 1000, "total_size": 1000, "segment_pool_id": (7, 1)}],
+        "device_traces": [
+            [
+                _alloc(5000, 100, ("build.py", 1, "init")),  # 0: before `since`
+                _alloc(5100, 200, ("step.py", 2, "act")),  # 1: freed before `at`
+                _alloc(5300, 32, ("step.py", 3, "keep")),  # 2: left behind
+                _alloc(1000, 64, ("a.py", 3, "fwd")),  # 3: in our pool
+                _free(5100, 200),
+                _alloc(5400, 8, ("step.py", 4, "late")),  # 5: at `at`, not yet
+            ]
+        ],
+    }
+    rows = alloc_trace.live_outside(snapshot, [(7, 1)], 0, since=1, at=5)
+    assert [(i, e["addr"]) for i, e in rows] == [(2, 5300)]
+    assert [i for i, _ in alloc_trace.live_outside(snapshot, [], 0, since=0, at=6)] == [0, 2, 3, 5]
