@@ -20,9 +20,9 @@ it for an eager mode too (``--mode eager``) to see what the graphs added and rem
 With ``--growth`` it lists every growth of the eager cache (the segments outside our pools), from
 before the model is built to the end of iteration 3: the phase, the request that made it, whether the
 segment's free bytes would have held it; then each phase's peak reserved memory (which phase sets the
-run's: the capture or the steady iterations). It shows where a graphed run's cache reserves more than
-it holds (``--empty-cache-after-capture``: what if the capture ended by releasing the unused pages;
-``--build-on-training-stream``: what if the model and optimizer were allocated on the training stream).
+run's: the capture or the steady iterations), and what lives outside the pools when the capture starts
+and at the end, made after the model's build. It shows where a graphed run's cache reserves more than
+it holds (``--empty-cache-after-capture``: what if the capture ended by releasing the unused pages).
 
 ``--vpp-rank R`` runs the model as two chunks in the interleaved order of rank R of a
 two-stage pipeline, in one process (``simulate.forward_backward_chunks``, as the one-GPU
@@ -87,12 +87,6 @@ def main():
         "--empty-cache-after-capture",
         action="store_true",
         help="with --growth: what if the eager cache's unused pages went back to the driver once the capture ends",
-    )
-    parser.add_argument(
-        "--build-on-training-stream",
-        action="store_true",
-        help="with --growth: what if weights, gradient buffers and optimizer state were allocated on the stream a "
-        "graphed run trains on (the eager cache keeps one set of segments per stream)",
     )
     parser.add_argument(
         "--dump",
@@ -263,15 +257,12 @@ def growth(build, args) -> None:
     """Prints every growth of the eager cache (the segments outside our pools) from before the model is
     built to the end of iteration 3, with the phase it happened in, the request that made it, and whether
     the segment's free bytes would have held that request; then what the cache and the pools reserve, and
-    each phase's peak reserved memory. With ``--empty-cache-after-capture``, ``torch.cuda.empty_cache()``
-    runs once the capture ends; with ``--build-on-training-stream`` the trainer is built on the side
-    stream graphed runs train on."""
-    import contextlib
-
+    each phase's peak reserved memory, and what lives outside the pools at the capture's start and at the
+    end, made after the build. With ``--empty-cache-after-capture``, ``torch.cuda.empty_cache()`` runs
+    once the capture ends."""
     import torch
 
     from megatron.core import parallel_state
-    from megatron.core.transformer.cuda_graphs.streams import side_stream
     from megatron.training.data import build_data_iterators
 
     device = torch.cuda.current_device()
@@ -288,11 +279,7 @@ def growth(build, args) -> None:
 
     torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
     mark("the model's build")
-    stream = side_stream() if args.build_on_training_stream else None
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        trainer = build()
-    if stream is not None:
-        torch.cuda.current_stream().wait_stream(stream)
+    trainer = build()
     it = build_data_iterators(trainer.cfg, trainer.tokenizer, trainer.pg, 0).train
     trainer.model.train()
     session = trainer.graphs

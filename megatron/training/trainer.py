@@ -38,7 +38,7 @@ from megatron.core.pipeline_parallel import embedding_grads as pipeline_grads
 from megatron.core.pipeline_parallel import layout, p2p_communication, schedules
 from megatron.core.tensor_parallel.random import model_parallel_manual_seed
 from megatron.core.transformer import cuda_graphs
-from megatron.core.transformer.cuda_graphs.streams import side_stream
+from megatron.core.transformer.cuda_graphs.streams import running_on, side_stream, warm_blas
 from megatron.core.transformer.moe import moe_layer as moe_hooks
 from megatron.training import (
     checkpoint_config,
@@ -104,46 +104,52 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation, RunCheckpoi
             torch.cuda.manual_seed_all(t.seed)
         self.tokenizer = setup_tokenizer(cfg, pg)  # the padded vocabulary size: the last derived value
         cfg.freeze()  # from here on the config is read-only
-        model = model_provider(cfg, cfg.model.vocab_size, pg, self.device)
-        if t.data_parallel_random_init and pg.dp_rank > 0:  # DP rank 0 keeps the stream it drew the weights from
-            model_parallel_manual_seed(t.seed + 10 * pg.dp_rank, tp_rank=pg.tp_rank, device=self.device)
-            if self.device.type == "cuda":
-                torch.cuda.manual_seed_all(t.seed + 10 * pg.dp_rank)
-        self.model = DistributedDataParallel(
-            model, config=cfg.ddp, pg=pg, grad_reduce_in_fp32=cfg.precision.grad_reduce_in_fp32
-        )
-        self.tied_embedding = pipeline_grads.TiedEmbeddingGrads(model, pg)
-        if cfg.distill.enabled:  # a frozen teacher beside the model; forward_step returns the distillation loss
-            distiller = distillation.build(cfg, teacher_cfg, model_provider, model, pg, self.device)
-            self.forward_step = distiller.wrap(forward_step)
-        # Every stage when the model has experts: the MoE log values are reduced over the stages.
-        self.has_moe = cfg.moe.enabled or bool(moe_hooks.moe_layers(model))
-        # With PP > 1 the scopes are checked against every stage's layers (a stage may lack some).
-        self.graphs = cuda_graphs.attach(
-            model,
-            cfg.cuda_graph,
-            model_config=cfg.model,
-            grad_sinks=[self.model],
-            scope_group=pg.pp if pg.pp_size > 1 else None,
-        )
-        overlapped = self.model.config.overlap_grad_reduce and pg.dp_size > 1
-        alone = pg.pp_size == 1 and pg.tp_size == 1 and not overlapped  # no collective inside a turn
-        # Eager Mamba layers keep their scan's forward working memory in the turns' pool too
-        # (cuda_graphs/scratch.py), so their forward no longer sets the eager cache's high-water mark.
-        self.graphs.eager_turn_allowed = not self.has_moe and alone
-        if self.graphs.active and self.graphs.eager_turn_allowed and cuda_graphs.eager_turn_enabled():
-            self.model.fold_grads_on_arrival()  # the graphs' eager turn leaves no param.grad waiting
-        self.full_graph = full_iteration.build(cfg.cuda_graph, self.device, logs.print_rank_0)
-        if pg.pp_size > 1 and self.graphs.active:  # graph slots sized by what each chunk keeps
-            self.schedule = functools.partial(self.schedule, slot_weights=self._slot_weights(model))
-        self.optimizer = build_optimizer(
-            self.model,
-            pg=pg,
-            config=cfg.optimizer,
-            precision=cfg.precision,
-            preallocate_state=self.graphs.active,
-            skip_non_finite=cfg.ddp.check_for_nan_in_loss_and_grad,
-        )
+        # Graphed runs train on a stream of their own (below), and the model, its gradient buffers
+        # and the optimizer's state are made on it too: the allocator keeps segments per stream, so
+        # this gives the run one set, as eager has, instead of two, each with a partly used tail.
+        captures = self.device.type == "cuda" and cfg.cuda_graph.captures
+        build_stream = side_stream(self.device) if captures else None
+        with running_on(build_stream):
+            model = model_provider(cfg, cfg.model.vocab_size, pg, self.device)
+            if t.data_parallel_random_init and pg.dp_rank > 0:  # DP rank 0 keeps the stream it drew the weights from
+                model_parallel_manual_seed(t.seed + 10 * pg.dp_rank, tp_rank=pg.tp_rank, device=self.device)
+                if self.device.type == "cuda":
+                    torch.cuda.manual_seed_all(t.seed + 10 * pg.dp_rank)
+            self.model = DistributedDataParallel(
+                model, config=cfg.ddp, pg=pg, grad_reduce_in_fp32=cfg.precision.grad_reduce_in_fp32
+            )
+            self.tied_embedding = pipeline_grads.TiedEmbeddingGrads(model, pg)
+            if cfg.distill.enabled:  # a frozen teacher beside the model; forward_step returns the distillation loss
+                distiller = distillation.build(cfg, teacher_cfg, model_provider, model, pg, self.device)
+                self.forward_step = distiller.wrap(forward_step)
+            # Every stage when the model has experts: the MoE log values are reduced over the stages.
+            self.has_moe = cfg.moe.enabled or bool(moe_hooks.moe_layers(model))
+            # With PP > 1 the scopes are checked against every stage's layers (a stage may lack some).
+            self.graphs = cuda_graphs.attach(
+                model,
+                cfg.cuda_graph,
+                model_config=cfg.model,
+                grad_sinks=[self.model],
+                scope_group=pg.pp if pg.pp_size > 1 else None,
+            )
+            overlapped = self.model.config.overlap_grad_reduce and pg.dp_size > 1
+            alone = pg.pp_size == 1 and pg.tp_size == 1 and not overlapped  # no collective inside a turn
+            # Eager Mamba layers keep their scan's forward working memory in the turns' pool too
+            # (cuda_graphs/scratch.py), so their forward no longer sets the eager cache's high-water mark.
+            self.graphs.eager_turn_allowed = not self.has_moe and alone
+            if self.graphs.active and self.graphs.eager_turn_allowed and cuda_graphs.eager_turn_enabled():
+                self.model.fold_grads_on_arrival()  # the graphs' eager turn leaves no param.grad waiting
+            self.full_graph = full_iteration.build(cfg.cuda_graph, self.device, logs.print_rank_0)
+            if pg.pp_size > 1 and self.graphs.active:  # graph slots sized by what each chunk keeps
+                self.schedule = functools.partial(self.schedule, slot_weights=self._slot_weights(model))
+            self.optimizer = build_optimizer(
+                self.model,
+                pg=pg,
+                config=cfg.optimizer,
+                precision=cfg.precision,
+                preallocate_state=self.graphs.active,
+                skip_non_finite=cfg.ddp.check_for_nan_in_loss_and_grad,
+            )
         self.batches = cfg.batch_schedule  # the global batch per step, from consumed samples
         samples = t.global_batch_size if t.train_samples is not None else None  # schedule in samples
         sample_steps = (t.global_batch_size, t.train_samples) if self.batches.varies else None
@@ -191,7 +197,9 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation, RunCheckpoi
         # It is a driver-made stream, not one from torch's pool (see cuda_graphs/streams.py).
         # Eager runs stay on the default stream.
         use_stream = self.device.type == "cuda" and (self.graphs.active or self.full_graph is not None)
-        self.stream = side_stream(self.device) if use_stream else None
+        self.stream = build_stream if use_stream else None
+        if self.stream is not None:  # before any activation is made on it
+            warm_blas(self.stream, cfg.model.params_dtype)
         self.history: list[dict] = []
         self._consecutive_skips = 0  # fp16 overflows in a row
         self._save_attempted = self.last_checkpointed_iteration  # last iteration a save was tried at
@@ -326,17 +334,9 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation, RunCheckpoi
         self._reports = {k: v * factor for k, v in self._reports.items()}
         return loss_sum * factor
 
-    @contextlib.contextmanager
-    def on_stream(self):
+    def on_stream(self) -> contextlib.AbstractContextManager:
         """Runs the block on the training stream, ordered after and before the caller's."""
-        if self.stream is None:
-            yield
-            return
-        caller = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(caller)
-        with torch.cuda.stream(self.stream):
-            yield
-        caller.wait_stream(self.stream)
+        return running_on(self.stream)
 
     def _hand_over(self, t):
         """Marks a tensor made on the training stream as used by the caller's stream too."""

@@ -3,7 +3,8 @@
 CPU: the fallback to torch's stream pool warns once and is cached per device.
 GPU (in a fresh process, so torch's stream pool does not exist yet): the stream
 costs next to nothing outside the allocator, is reused, and graphs captured on it
-replay correctly on the default stream.
+replay correctly on the default stream; ``warm_blas`` makes the cuBLAS workspaces
+that a first step on the stream would otherwise make and keep.
 """
 
 import subprocess
@@ -71,3 +72,51 @@ def test_side_stream_costs_no_stream_pool():
     assert done.returncode == 0, done.stderr[-3000:]
     (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("OUTSIDE_MIB")]
     assert float(line.split()[1]) < 16, line
+
+
+_WARM = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from megatron.core.transformer.cuda_graphs.streams import running_on, side_stream, warm_blas
+
+    def step_leaves():
+        # One linear forward and backward on the side stream; what it leaves allocated once its
+        # tensors are gone: cuBLAS workspaces made on first use (the forward's and autograd's thread).
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with running_on(s):
+            x = torch.randn(4, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            b = torch.randn(512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            torch.nn.functional.linear(x, w, b).float().square().sum().backward()
+            del x, w, b
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated() - before
+
+    s = side_stream()
+    if sys.argv[1] == "warm":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        warm_blas(s, torch.bfloat16)
+        torch.cuda.synchronize()
+        print("WARM_MIB", (torch.cuda.memory_allocated() - before) / 2**20)
+    print("STEP_LEAVES_MIB", step_leaves() / 2**20)
+    """
+)
+
+
+def _run_warm(mode: str) -> dict[str, float]:
+    done = subprocess.run([sys.executable, "-c", _WARM, mode], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [ln.split() for ln in done.stdout.splitlines() if ln.startswith(("WARM_MIB", "STEP_LEAVES_MIB"))]
+    return {name: float(mib) for name, mib in rows}
+
+
+@pytest.mark.gpu
+def test_warm_blas_makes_the_workspaces_a_first_step_would_leave_behind():
+    cold = _run_warm("cold")  # a fresh process: the first step makes the workspaces and keeps them
+    assert cold["STEP_LEAVES_MIB"] > 0, cold
+    warm = _run_warm("warm")
+    assert warm["STEP_LEAVES_MIB"] == 0, warm  # nothing new left behind: warm_blas made them all
+    assert warm["WARM_MIB"] == cold["STEP_LEAVES_MIB"], (warm, cold)
