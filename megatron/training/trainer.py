@@ -111,6 +111,13 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation, RunCheckpoi
         build_stream = side_stream(self.device) if captures else None
         with running_on(build_stream):
             model = model_provider(cfg, cfg.model.vocab_size, pg, self.device)
+            if pg.dp_rank == 0:  # Megatron's line, from every model-parallel rank: the count is this rank's share
+                count = sum(p.numel() for p in model.parameters())
+                print(
+                    f" > number of parameters on (tensor, pipeline) model parallel rank ({pg.tp_rank}, {pg.pp_rank}): "
+                    f"{count}",
+                    flush=True,
+                )
             if t.data_parallel_random_init and pg.dp_rank > 0:  # DP rank 0 keeps the stream it drew the weights from
                 model_parallel_manual_seed(t.seed + 10 * pg.dp_rank, tp_rank=pg.tp_rank, device=self.device)
                 if self.device.type == "cuda":
@@ -188,7 +195,6 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation, RunCheckpoi
         except BaseException:
             self.close()
             raise
-        self.num_params = sum(p.numel() for p in model.parameters())
         self._prefetched = None  # (iterator, batch) fetched at the end of the previous step
         self._reports: dict[str, torch.Tensor] = {}  # forward_step's reported losses of the last step
         # With graphs, training and evaluation run on a stream of their own: graphs cannot
@@ -434,7 +440,7 @@ class Trainer(IterationLogging, StepBatches, StepChecks, Evaluation, RunCheckpoi
         last_time = self._sync_time()
         window_skipped = 0
         self._window_microbatches = 0  # micro-batches since the last log line (MoE metrics)
-        logs.print_rank_0(f"> training {self.num_params:,} parameters for {t.train_iters} iterations")
+        logs.print_rank_0(f"> training for {t.train_iters} iterations")
         if t.manual_gc:  # --manual-gc: collections only where the loop asks for them
             gc.collect()
             gc.disable()

@@ -48,10 +48,15 @@ def _group_sums(pg):
 
 def _run(argv):
     """Trains; returns the curves and what this rank's optimizer holds."""
+    import contextlib
+    import io
+
     from megatron.core import parallel_state
     from megatron.training.training import build_trainer
 
-    trainer = build_trainer(argv)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        trainer = build_trainer(argv)
     trainer.history = trainer.train()
     groups = _group_sums(trainer.pg)
     parallel_state.destroy(trainer.pg)
@@ -60,6 +65,7 @@ def _run(argv):
         "curves": [(r["lm loss"], r["grad-norm"]) for r in trainer.history],
         "group_sums": groups,
         "param_numel": sum(p.numel() for p in trainer.model.module.parameters()),
+        "count_lines": [line for line in printed.getvalue().splitlines() if "number of parameters" in line],
         "buffer_numel": trainer.model.grad_buffer.numel,
         "optimized_numel": sum(p.numel() for p in opt.main_params),
         "adam_state_numel": sum(
@@ -143,6 +149,10 @@ def test_tp2_dp2_distributed_optimizer_matches_single_process(single, data_cache
             "dp": 2.0 * tp_rank + 2,
             "mp": float(2 * (rank - tp_rank) + 1),
         }
+        # Megatron's parameter count line: from DP rank 0 of each model-parallel rank, its own share.
+        want = f" > number of parameters on (tensor, pipeline) model parallel rank ({tp_rank}, 0): {r['tp2_dp2']['param_numel']}"
+        assert r["tp2_dp2"]["count_lines"] == ([want] if rank < 2 else []), rank
+    assert runs[0]["tp2_dp2"]["param_numel"] < single["param_numel"] == int(single["count_lines"][0].split()[-1])
 
 
 def test_sequence_parallel_at_tp1_warns_and_trains(single, data_cache):
