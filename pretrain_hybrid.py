@@ -11,6 +11,7 @@ import torch
 
 from megatron.core.models.gpt.loss import gpt_forward_step
 from megatron.core.models.hybrid.hybrid_model import build_hybrid_model, build_hybrid_stage_chunks, check_graph_scopes
+from megatron.core.pipeline_parallel import layout
 from megatron.training.training import pretrain
 
 
@@ -25,7 +26,10 @@ def model_provider(cfg, vocab_size, pg, device):
         check_graph_scopes(cfg.cuda_graph.cuda_graph_scope, cfg.mamba, cfg.model)
     if pg.pp_size == 1:
         return build_hybrid_model(cfg.model, cfg.mamba, vocab_size, pg=pg, device=device)
-    chunks = build_hybrid_stage_chunks(cfg.model, cfg.mamba, vocab_size, pg, device=device)
+    rank_layers = None  # the '|' segments place the layers; without '|' they split over the ranks
+    if cfg.mamba.parsed_pattern.num_segments == 1:  # evenly, or as --decoder-first/last-pipeline-num-layers say
+        rank_layers = layout.rank_layer_counts(cfg.parallel, cfg.model.num_layers)
+    chunks = build_hybrid_stage_chunks(cfg.model, cfg.mamba, vocab_size, pg, device=device, rank_layers=rank_layers)
     return chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
 
 

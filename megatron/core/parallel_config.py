@@ -285,35 +285,27 @@ class ParallelConfig(Freezable):
             resolve_virtual_stages(self, model.num_layers)
         return self
 
-    def validate_model(self, model, *, stages_from_pattern: bool = False) -> None:
+    def validate_model(self, model, *, pattern=None) -> None:
         """Checks the model shape against the layout (``model``: a finalized ``TransformerConfig``;
         after ``resolve_model``; reads only).
 
-        ``stages_from_pattern``: a hybrid pattern's '|' segments give the stages' layers.
+        ``pattern``: a hybrid model's parsed ``--hybrid-layer-pattern``, which places the layers
+        (``MambaConfig.validate`` checks the flags it excludes).
         """
-        from megatron.core.pipeline_parallel.layout import stage_layer_counts, virtual_stages_from_layers
+        from megatron.core.pipeline_parallel.layout import (
+            rank_layer_counts,
+            stage_layer_counts,
+            virtual_stages_from_layers,
+        )
 
         tp = self.tensor_model_parallel_size
-        if stages_from_pattern:
-            given = [
-                _flag(n)
-                for n in (
-                    "num_layers_per_virtual_pipeline_stage",
-                    "decoder_first_pipeline_num_layers",
-                    "decoder_last_pipeline_num_layers",
-                    "account_for_embedding_in_pipeline_split",
-                    "account_for_loss_in_pipeline_split",
-                )
-                if getattr(self, n) not in (None, False)
-            ]
-            require(
-                not given,
-                f"{', '.join(given)} cannot be combined with a --hybrid-layer-pattern whose '|' marks the pipeline "
-                "stages; drop it (the segments decide).",
-            )
-        else:
+        if pattern is None:
             virtual_stages_from_layers(self, model.num_layers)
             stage_layer_counts(self, model.num_layers)  # raises for layer counts that do not split
+        elif pattern.num_segments == 1 and (
+            self.decoder_first_pipeline_num_layers is not None or self.decoder_last_pipeline_num_layers is not None
+        ):  # no '|': the pattern's layers split over the ranks as those flags say
+            rank_layer_counts(self, model.num_layers)
         require(
             model.num_attention_heads % tp == 0,
             f"--num-attention-heads ({model.num_attention_heads}) must be divisible by "

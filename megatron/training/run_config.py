@@ -209,7 +209,7 @@ class RunConfig(Freezable):
         )
         self.cuda_graph.validate()
         pattern = self.mamba.parsed_pattern
-        self.parallel.validate_model(self.model, stages_from_pattern=pattern is not None)
+        self.parallel.validate_model(self.model, pattern=pattern)
         if self.cuda_graph.enabled:
             check_recompute_with_graphs(self.model, self.cuda_graph.cuda_graph_scope)
         if self.cuda_graph.full_iteration:

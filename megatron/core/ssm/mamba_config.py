@@ -117,6 +117,13 @@ class MambaConfig(Freezable):
         if parallel is not None and parallel.virtual_pipeline_model_parallel_size is None:
             vpp = virtual_pipeline_size(parsed, parallel.pipeline_model_parallel_size)
             parallel.virtual_pipeline_model_parallel_size = vpp
+        if parallel is not None and parallel.pipeline_model_parallel_size > 1 and parsed.num_segments == 1:
+            warnings.warn(
+                f"--hybrid-layer-pattern {parsed.pattern!r} has no '|' with --pipeline-model-parallel-size > 1, "
+                "which Megatron deprecates: its layers split over the ranks evenly (or as "
+                "--decoder-first/last-pipeline-num-layers say); mark the stages with '|' instead.",
+                stacklevel=2,
+            )
         return self
 
     def validate(self, model=None, parallel=None) -> None:
@@ -151,16 +158,39 @@ class MambaConfig(Freezable):
                 f"({parsed.num_layers}); resolve() sets it from the pattern.",
             )
         if parallel is not None:
-            vpp = virtual_pipeline_size(parsed, parallel.pipeline_model_parallel_size)
-            given = parallel.virtual_pipeline_model_parallel_size
-            require(
-                given == vpp,
-                f"--virtual-pipeline-model-parallel-size {given} disagrees with --hybrid-layer-pattern, whose "
-                f"{parsed.num_segments} segments on --pipeline-model-parallel-size "
-                f"{parallel.pipeline_model_parallel_size} give {vpp}; drop the flag (the '|' segments decide).",
-            )
+            self._validate_stage_flags(parsed, parallel)
         if parsed.count(Symbols.MAMBA):
             self._validate_mamba_sizes(model, parallel)
+
+    @staticmethod
+    def _validate_stage_flags(parsed: HybridPattern, parallel) -> None:
+        """Megatron's rules: the pattern places the layers, its '|' segments give the stages and the
+        virtual stages; without '|' the layers split evenly over the pipeline ranks, or as
+        --decoder-first/last-pipeline-num-layers say."""
+        placing = [
+            "num_layers_per_virtual_pipeline_stage",
+            "num_virtual_stages_per_pipeline_rank",
+            "account_for_embedding_in_pipeline_split",
+            "account_for_loss_in_pipeline_split",
+        ]
+        if parsed.num_segments > 1:
+            placing += ["decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"]
+        given = ["--" + n.replace("_", "-") for n in placing if getattr(parallel, n, None) not in (None, False)]
+        require(
+            not given,
+            f"{', '.join(given)} cannot be combined with --hybrid-layer-pattern {parsed.pattern!r} (as in Megatron): "
+            "the pattern places the layers, its '|' segments being the pipeline stages (their count / "
+            "--pipeline-model-parallel-size the virtual stages per rank); drop the flag and place them with '|'.",
+        )
+        pp = parallel.pipeline_model_parallel_size
+        vpp, given_vpp = virtual_pipeline_size(parsed, pp), parallel.virtual_pipeline_model_parallel_size
+        implied = f"{vpp} virtual stages per rank" if vpp else "no virtual stages"
+        require(
+            given_vpp == vpp,
+            f"--virtual-pipeline-model-parallel-size {given_vpp} disagrees with --hybrid-layer-pattern "
+            f"{parsed.pattern!r}, whose {parsed.num_segments} pipeline segment(s) on --pipeline-model-parallel-size {pp} "
+            f"give {implied}; drop the flag (the segments decide).",
+        )
 
     def _validate_mamba_sizes(self, model, parallel) -> None:
         for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups"):

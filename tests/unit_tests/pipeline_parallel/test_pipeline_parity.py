@@ -128,6 +128,10 @@ def two_rank_runs(data_cache, tmp_path_factory):
     argvs["pp2_first_half"][argvs["pp2_first_half"].index("--train-iters") + 1] = "10"
     argvs["pp2_resumed"] = _argv(f"{PP2} --load {save}", data_cache)
     argvs["hybrid_pp2"] = _argv(PP2 + " --hybrid-layer-pattern M*|M-", data_cache, HYBRID)
+    # No '|': Megatron's (deprecated) auto-split, here uneven.
+    argvs["hybrid_pp2_first1"] = _argv(
+        PP2 + " --hybrid-layer-pattern M*M- --decoder-first-pipeline-num-layers 1", data_cache, HYBRID
+    )
     argvs["moe_pp2"] = _argv(f"{PP2} {MOE}", data_cache)
     argvs["masked_pp2"] = _argv(f"{PP2} --reset-attention-mask", data_cache)
     return run_distributed(_rank_runs, 2, argvs, timeout=400)
@@ -174,16 +178,17 @@ def test_per_stage_checkpoint_resumes_onto_the_same_curve(two_rank_runs):
             assert abs(loss - ref_loss) <= RTOL * abs(ref_loss) and abs(norm - ref_norm) <= RTOL * abs(ref_norm)
 
 
-def test_hybrid_pattern_stages_match_single_process(single, two_rank_runs):
+@pytest.mark.parametrize("name, first_of_rank_1", [("hybrid_pp2", 2), ("hybrid_pp2_first1", 1)])
+def test_hybrid_pattern_stages_match_single_process(single, two_rank_runs, name, first_of_rank_1):
     import numpy as np
 
     want = single["hybrid"]
     for rank, runs in enumerate(two_rank_runs):
-        _assert_close(runs["hybrid_pp2"]["curves"], want["curves"], f"hybrid M*|M- PP=2 (rank {rank})")
-    weights = [runs["hybrid_pp2"]["weights"] for runs in two_rank_runs]
-    assert (
-        any(k.startswith("decoder.layers.2.") for k in weights[1]) and "embedding.word_embeddings.weight" in weights[0]
-    )
+        _assert_close(runs[name]["curves"], want["curves"], f"hybrid {name} (rank {rank})")
+    weights = [runs[name]["weights"] for runs in two_rank_runs]
+    layers = [{int(k.split(".")[2]) for k in part if k.startswith("decoder.layers.")} for part in weights]
+    assert layers == [set(range(first_of_rank_1)), set(range(first_of_rank_1, 4))]
+    assert "embedding.word_embeddings.weight" in weights[0]
     for part in weights:
         for key, value in part.items():
             if key in want["weights"]:

@@ -48,8 +48,47 @@ def test_segments_give_the_virtual_pipeline_size():
     with pytest.raises(ValueError, match="3 pipeline segments.*--pipeline-model-parallel-size"):
         check(MambaConfig(hybrid_layer_pattern="M|M|M"), TransformerConfig(hidden_size=1024), parallel)
     parallel = ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=3)
-    with pytest.raises(ValueError, match="--virtual-pipeline-model-parallel-size 3"):
+    with pytest.raises(ValueError, match="--virtual-pipeline-model-parallel-size 3 disagrees.*give 2 virtual stages"):
         check(MambaConfig(hybrid_layer_pattern="M*|M-|M*|M-"), TransformerConfig(hidden_size=1024), parallel)
+    parallel = ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match="1 pipeline segment.*give no virtual stages"):
+        check(MambaConfig(hybrid_layer_pattern="M*M-"), TransformerConfig(hidden_size=1024), parallel)
+
+
+@pytest.mark.parametrize(
+    "pattern, flags",
+    [
+        ("M*|M-|M*|M-", {"num_virtual_stages_per_pipeline_rank": 2}),  # even where it agrees with the segments
+        ("M*M-M*M-", {"num_layers_per_virtual_pipeline_stage": 2}),
+        ("M*M-", {"account_for_embedding_in_pipeline_split": True}),
+        ("M*M-", {"account_for_loss_in_pipeline_split": True}),
+        ("M*|M-", {"decoder_first_pipeline_num_layers": 1}),
+        ("M*|M-", {"decoder_last_pipeline_num_layers": 1}),
+    ],
+)
+def test_the_pattern_places_the_layers_as_in_megatron(pattern, flags):
+    """Megatron refuses every other way of placing a hybrid model's layers, and
+    --decoder-first/last-pipeline-num-layers once the pattern has '|'."""
+    parallel = ParallelConfig(pipeline_model_parallel_size=2, **flags)
+    parallel.resolve()
+    flag = "--" + next(iter(flags)).replace("_", "-")
+    with pytest.raises(ValueError, match=f"{flag} cannot be combined with --hybrid-layer-pattern"):
+        check(MambaConfig(hybrid_layer_pattern=pattern), TransformerConfig(hidden_size=1024), parallel)
+
+
+def test_a_pattern_without_stages_splits_as_the_decoder_flags_say():
+    """Without '|' (deprecated upstream, still run), --decoder-first/last-pipeline-num-layers
+    place the pattern's layers over the pipeline ranks, as Megatron's auto-split does."""
+    from megatron.core.models.hybrid.hybrid_layer_allocation import parse_hybrid_pattern, select_pipeline_segment
+    from megatron.core.pipeline_parallel.layout import rank_layer_counts
+
+    parallel = ParallelConfig(pipeline_model_parallel_size=3, decoder_first_pipeline_num_layers=1)
+    check(MambaConfig(hybrid_layer_pattern="M*M-M"), TransformerConfig(hidden_size=1024), parallel)
+    counts = rank_layer_counts(parallel, 5)
+    assert counts == [1, 2, 2]
+    pattern = parse_hybrid_pattern("M*M-M")
+    assert [select_pipeline_segment(pattern, r, 3, None, counts) for r in range(3)] == [("M", 0), ("*M", 1), ("-M", 3)]
+    assert [select_pipeline_segment(pattern, r, 1) for r in range(1)] == [("M*M-M", 0)]
 
 
 @pytest.mark.parametrize(

@@ -108,7 +108,11 @@ def virtual_pipeline_size(parsed: HybridPattern, pp_size: int, flag: str = PATTE
 
 
 def select_pipeline_segment(
-    parsed: HybridPattern, pp_rank: int = 0, pp_size: int = 1, vp_stage: int | None = None
+    parsed: HybridPattern,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    vp_stage: int | None = None,
+    rank_layers: list[int] | None = None,
 ) -> tuple[str, int]:
     """The layers of one model chunk and the global index of its first layer.
 
@@ -117,6 +121,9 @@ def select_pipeline_segment(
         pp_rank: This rank's pipeline stage.
         pp_size: Pipeline size.
         vp_stage: Virtual stage of the chunk (None without a virtual pipeline).
+        rank_layers: For a pattern without '|', the layers of each pipeline rank
+            (``layout.rank_layer_counts``: --decoder-first/last-pipeline-num-layers);
+            None splits them evenly.
 
     Returns:
         ``(layer symbols, layer offset)``.
@@ -129,13 +136,16 @@ def select_pipeline_segment(
                 "separate the chunks with '|'."
             )
         layers = segments[0]
-        if len(layers) % pp_size != 0:
-            raise ValueError(
-                f"{PATTERN_FLAG} {parsed.pattern!r} has {len(layers)} layers and no '|' separators, which do not "
-                f"split evenly over --pipeline-model-parallel-size {pp_size}; mark the stages with '|'."
-            )
-        per_rank = len(layers) // pp_size
-        return layers[pp_rank * per_rank : (pp_rank + 1) * per_rank], pp_rank * per_rank
+        if rank_layers is None:
+            if len(layers) % pp_size != 0:
+                raise ValueError(
+                    f"{PATTERN_FLAG} {parsed.pattern!r} has {len(layers)} layers and no '|' separators, which do "
+                    f"not split evenly over --pipeline-model-parallel-size {pp_size}; mark the stages with '|'."
+                )
+            rank_layers = [len(layers) // pp_size] * pp_size
+        assert len(rank_layers) == pp_size and sum(rank_layers) == len(layers), (rank_layers, parsed.pattern)
+        offset = sum(rank_layers[:pp_rank])
+        return layers[offset : offset + rank_layers[pp_rank]], offset
     virtual_pipeline_size(parsed, pp_size)  # raises for a segment count that does not fit
     index = (vp_stage or 0) * pp_size + pp_rank
     if index >= len(segments):

@@ -44,6 +44,7 @@ class HybridModel(LanguageModel):
         share_embeddings_and_output_weights: Output layer reuses the word-embedding weight.
         position_embedding_type: ``none``, ``learned_absolute`` or ``rope``.
         vp_stage: Virtual pipeline stage of this chunk (None without a virtual pipeline).
+        rank_layers: Layers of each pipeline rank for a pattern without '|' (None: an even split).
         device: Device for the parameters (default: torch's default device).
     """
 
@@ -61,6 +62,7 @@ class HybridModel(LanguageModel):
         share_embeddings_and_output_weights: bool = True,
         position_embedding_type: str = "none",
         vp_stage: int | None = None,
+        rank_layers: list[int] | None = None,
         device=None,
     ):
         super().__init__()
@@ -69,7 +71,7 @@ class HybridModel(LanguageModel):
         self.pattern = parse_hybrid_pattern(mamba_config.hybrid_layer_pattern)
         pp_size = getattr(pg, "pp_size", 1) if pg is not None else 1
         pp_rank = getattr(pg, "pp_rank", 0) if pg is not None else 0
-        self.layer_types, layer_offset = select_pipeline_segment(self.pattern, pp_rank, pp_size, vp_stage)
+        self.layer_types, layer_offset = select_pipeline_segment(self.pattern, pp_rank, pp_size, vp_stage, rank_layers)
         device = self._build_embedding(
             config,
             vocab_size,
@@ -157,12 +159,15 @@ def build_hybrid_model(config, mamba_config, vocab_size: int, pg=None, device=No
     )
 
 
-def build_hybrid_stage_chunks(config, mamba_config, vocab_size: int, pg, device=None) -> list[HybridModel]:
+def build_hybrid_stage_chunks(
+    config, mamba_config, vocab_size: int, pg, device=None, rank_layers: list[int] | None = None
+) -> list[HybridModel]:
     """This pipeline rank's model chunks of the hybrid model (one per virtual stage).
 
     As ``gpt_model.build_gpt_stage_chunks``: parts other ranks hold are drawn and dropped
     in model order, so the weights do not depend on the layout, and a tied output layer
-    on the last stage starts as a copy of the embedding.
+    on the last stage starts as a copy of the embedding. ``rank_layers``: the layers of each
+    pipeline rank for a pattern without '|' (``layout.rank_layer_counts``; None: an even split).
     """
     if config.max_position_embeddings is None or config.kv_channels is None:
         config.finalize()
@@ -174,7 +179,7 @@ def build_hybrid_stage_chunks(config, mamba_config, vocab_size: int, pg, device=
     position = config.position_embedding_type
 
     def segment(stage: int) -> tuple[str, int]:
-        return select_pipeline_segment(pattern, stage % pp, pp, stage // pp if vpp > 1 else None)
+        return select_pipeline_segment(pattern, stage % pp, pp, stage // pp if vpp > 1 else None, rank_layers)
 
     chunks, next_stage, embedding_copy = [], 0, None
     for c in range(vpp):
@@ -192,7 +197,8 @@ def build_hybrid_stage_chunks(config, mamba_config, vocab_size: int, pg, device=
         chunk = HybridModel(
             config, mamba_config, vocab_size, config.max_position_embeddings, pg, pre_process=stage == 0,
             post_process=stage == pp * vpp - 1, share_embeddings_and_output_weights=tied,
-            position_embedding_type=position, vp_stage=c if vpp > 1 else None, device=device,
+            position_embedding_type=position, vp_stage=c if vpp > 1 else None, rank_layers=rank_layers,
+            device=device,
         )  # fmt: skip
         if embedding_copy is not None and chunk.post_process:
             with torch.no_grad():
