@@ -29,9 +29,10 @@ What is unusual:
   + ``os.replace``). A process killed at any point leaves the previous checkpoint and a
   tracker that points at it. Re-saving an existing ``iter_X`` renames the old folder
   aside first; a loader that finds ``iter_X`` missing falls back to that copy.
-- ``--load DIR`` with no checkpoint is an error naming DIR, except when ``--load`` and
-  ``--save`` are the same folder (Megatron's auto-resume idiom): a first run starts
-  from scratch.
+- ``--load DIR`` with no checkpoint starts from scratch with Megatron's warning (the
+  first run of ``--load X --save Y`` and of the auto-resume idiom ``--load X --save X``),
+  except with ``--exit-on-missing-checkpoint`` and where ``--save`` holds checkpoints a
+  run from scratch would save over: then an error names both folders.
 - The model config is compared with the checkpoint's before any tensor is touched, and
   a mismatch names the file and every differing field.
 - Loading never replaces parameter or ``main_grad`` storage (``copy_`` into the
@@ -54,6 +55,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from megatron.core.config_utils import require
 from megatron.training.checkpoint_config import check_config, check_expert_form, config_to_dict
 from megatron.training.finite_state import refuse_non_finite
 from megatron.training.logging_utils import print_rank_0
@@ -397,12 +399,13 @@ def find_checkpoint(cfg, pg, checkpoints_dir: str) -> tuple[str, int, bool] | No
     """This rank's checkpoint file under ``checkpoints_dir``.
 
     Returns:
-        ``(path, iteration, release)``, or None when the folder holds no checkpoint and
-        is also the ``--save`` folder (a first run that will save there).
+        ``(path, iteration, release)``, or None when the folder holds no checkpoint: the
+        run starts from scratch, as Megatron's does (its warning printed).
 
     Raises:
-        ValueError: No checkpoint (folder missing or empty), corrupt tracker, or the
-            tracker points at a folder or file that does not exist.
+        ValueError: No checkpoint with --exit-on-missing-checkpoint, or where the --save
+            folder holds checkpoints a run from scratch would save over; a corrupt tracker,
+            or one that points at a folder or file that does not exist.
     """
     if os.path.isfile(checkpoints_dir):
         parent = os.path.dirname(os.path.dirname(os.path.dirname(checkpoints_dir)))
@@ -410,17 +413,23 @@ def find_checkpoint(cfg, pg, checkpoints_dir: str) -> tuple[str, int, bool] | No
             f"--load {checkpoints_dir} is a file; --load takes the folder that --save wrote (the one holding "
             f"{TRACKER_FILENAME}), e.g. --load {parent}."
         )
-    save = cfg.checkpoint.save
-    resume_idiom = save is not None and os.path.abspath(save) == os.path.abspath(checkpoints_dir)
     if not has_checkpoint(checkpoints_dir):
-        if resume_idiom and not cfg.checkpoint.exit_on_missing_checkpoint:
-            return None
         what = "does not exist" if not os.path.isdir(checkpoints_dir) else "holds no checkpoint"
-        raise ValueError(
-            f"--load {checkpoints_dir} {what} (no {TRACKER_FILENAME}, no iter_* folders). Point --load at a "
-            "folder written by --save, or drop --load to train from scratch"
-            + (" (--exit-on-missing-checkpoint asks for one)." if cfg.checkpoint.exit_on_missing_checkpoint else ".")
+        what = f"--load {checkpoints_dir} {what} (no {TRACKER_FILENAME}, no iter_* folders)"
+        require(
+            not cfg.checkpoint.exit_on_missing_checkpoint,
+            f"{what}, and --exit-on-missing-checkpoint asks for one. Point --load at a folder written by --save, "
+            "or drop --exit-on-missing-checkpoint to train from scratch.",
         )
+        save = cfg.checkpoint.save
+        require(
+            save is None or not has_checkpoint(save),
+            f"{what}, but --save {save} holds checkpoints, which a run from scratch would save over. To resume "
+            f"from them pass --load {save}; to start from scratch, give --save a new folder.",
+        )
+        print_rank_0(f"WARNING: could not find the metadata file {tracker_path(checkpoints_dir)}")
+        print_rank_0("    will not load any checkpoints and will start from random")
+        return None
     iteration, release = iteration_to_load(checkpoints_dir, cfg.checkpoint.ckpt_step)
     path = _rank_file(pg, checkpoints_dir, iteration, release)
     other_ep = _other_ep_files(pg, checkpoints_dir, iteration, release)
@@ -517,7 +526,6 @@ def load_checkpoint(state: Mapping[str, Stateful], cfg, pg, load_dir: str | None
     load_dir = os.path.abspath(load_dir or ckpt.load)
     found = find_checkpoint(cfg, pg, load_dir)
     if found is None:
-        print_rank_0(f"> no checkpoint in {load_dir} (also the --save folder): training from scratch")
         return None
     path, iteration, release = found
     print_rank_0(f"loading checkpoint from {load_dir} at iteration {iteration}")

@@ -348,16 +348,25 @@ def test_torch_format_refuses_another_tp_or_pp_naming_the_flag_and_torch_dist(tm
     assert "torch_dist" not in str(info.value)
 
 
-def test_load_errors(tmp_path):
-    with pytest.raises(ValueError, match=r"--load .*nope does not exist"):
-        build("--train-iters", 2, "--load", tmp_path / "nope")
+def test_load_of_no_checkpoint_starts_from_scratch_unless_that_would_save_over_one(tmp_path, capsys):
+    """Megatron's first run of --load X --save Y (and of --load X --save X): a warning, then from
+    scratch; an error with --exit-on-missing-checkpoint, and where --save already holds checkpoints."""
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match=r"--load .*empty holds no checkpoint"):
-        build("--train-iters", 2, "--load", tmp_path / "empty")
-    # Megatron's auto-resume idiom: --load and --save the same folder, first run.
-    fresh = build("--train-iters", 2, "--load", tmp_path / "empty", "--save", tmp_path / "empty")
-    assert fresh.iteration == 0
+    for load, save in [("nope", "out"), ("empty", None), ("empty", "empty")]:
+        fresh = build("--train-iters", 2, "--load", tmp_path / load, *(("--save", tmp_path / save) if save else ()))
+        assert fresh.iteration == 0
+        assert f"WARNING: could not find the metadata file {tmp_path / load}/latest_checkpointed_iteration.txt" in (
+            capsys.readouterr().out
+        )
+    with pytest.raises(ValueError, match=r"--load .*nope does not exist .* --exit-on-missing-checkpoint asks for one"):
+        build("--train-iters", 2, "--load", tmp_path / "nope", "--exit-on-missing-checkpoint")
+    c = tmp_path / "c"
+    run("--train-iters", 2, "--save", c)
+    with pytest.raises(ValueError, match=r"--load .*empty holds no checkpoint .*, but --save .*c holds checkpoints"):
+        build("--train-iters", 4, "--load", tmp_path / "empty", "--save", c)
 
+
+def test_load_errors(tmp_path):
     c = tmp_path / "c"
     run("--train-iters", 2, "--save", c)
     tracker = c / "latest_checkpointed_iteration.txt"
